@@ -18,11 +18,15 @@ import time
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from _common import EchoServer, Result, print_report
-from paramserve.coordinator import ClusterCoordinator, LocalCluster, MinSizePartitioner, ParameterServerStrategy
+from paramserve.coordinator import (
+    ClusterCoordinator,
+    LocalCluster,
+    MinSizePartitioner,
+    ParameterServerStrategy,
+)
 from paramserve.worker.variables import dumps_closure
+from torch import nn
 
 BATCH = 64
 

@@ -41,9 +41,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
-
 from _common import Result, print_report
+from torch import nn
 
 GLOBAL_BATCH = 128
 REPLICAS = 2
@@ -176,7 +175,10 @@ def ddp_process(rank: int, port: int, steps: int, repeats: int, results: multipr
 
 def multi_worker_process(rank: int, port: int, steps: int, repeats: int, results: multiprocessing.Queue) -> None:
     from paramserve.coordinator.strategies.multi_worker import (
-        ClusterResolver, CollectiveCommunication, CommunicationOptions, MultiWorkerMirroredStrategy,
+        ClusterResolver,
+        CollectiveCommunication,
+        CommunicationOptions,
+        MultiWorkerMirroredStrategy,
     )
 
     torch.set_num_threads(1)

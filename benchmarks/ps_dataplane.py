@@ -21,13 +21,13 @@ import sys
 import time
 
 import torch
-
 from _common import EchoServer, Result, best_of, print_report, tcp_loopback_gbps
 from paramserve.coordinator.launcher import LocalCluster
-from paramserve.psserver.client import ClientConfig, ParameterServerClient, RowGradient
+from paramserve.psserver.client import ClientConfig, ParameterServerClient
 from paramserve.psserver.optimizer import OptimizerSpec
 from paramserve.psserver.partition import FixedShardsPartitioner
 from paramserve.psserver.streams import DEFAULT_CHUNK_BYTES
+from paramserve.psserver.types import RowGradient
 from paramserve.wire.v1 import tensor_pb2
 
 DENSE_FLOATS = 10_000_000

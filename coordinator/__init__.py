@@ -1,10 +1,19 @@
 """The user's program: ParameterServerStrategy, ClusterCoordinator, checkpoints, the local launcher."""
 
 from paramserve.coordinator import callbacks
-from paramserve.coordinator.checkpoints import CheckpointManager, export_state_dict, load_state_dict, state_dict
+from paramserve.coordinator.checkpoints import (
+    CheckpointManager,
+    export_state_dict,
+    load_state_dict,
+    state_dict,
+)
 from paramserve.coordinator.cluster import ClusterSpec
 from paramserve.coordinator.coordinator import ClusterCoordinator
-from paramserve.coordinator.errors import ClosureError, OutOfRangeError, ParameterServerUnavailableError
+from paramserve.coordinator.errors import (
+    ClosureError,
+    OutOfRangeError,
+    ParameterServerUnavailableError,
+)
 from paramserve.coordinator.fit import evaluate, fit, predict
 from paramserve.coordinator.launcher import LocalCluster
 from paramserve.coordinator.strategies import (
@@ -18,7 +27,11 @@ from paramserve.coordinator.strategies import (
 )
 from paramserve.coordinator.strategy import ParameterServerStrategy
 from paramserve.coordinator.values import RemoteValue, RemoteValueState
-from paramserve.psserver.partition import FixedShardsPartitioner, MaxSizePartitioner, MinSizePartitioner
+from paramserve.psserver.partition import (
+    FixedShardsPartitioner,
+    MaxSizePartitioner,
+    MinSizePartitioner,
+)
 from paramserve.worker.variables import ShardedEmbedding
 
 __all__ = [

@@ -18,12 +18,12 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch import nn
-
 from paramserve.coordinator.strategy import ParameterServerStrategy
 from paramserve.psserver import checkpoint
+from paramserve.psserver.atomic_files import atomic_torch_save
 from paramserve.psserver.errors import CheckpointError
-from paramserve.psserver.store import ShardState
+from paramserve.psserver.types import ShardState
+from torch import nn
 
 log = logging.getLogger(__name__)
 STEP_KEY = "step"
@@ -131,7 +131,7 @@ def state_dict(strategy: ParameterServerStrategy, module: nn.Module | None = Non
 def export_state_dict(strategy: ParameterServerStrategy, path: str | os.PathLike[str], module: nn.Module | None = None) -> pathlib.Path:
     """Writes ``state_dict(strategy, module)`` atomically to ``path`` with torch.save:
     ``Net().load_state_dict(torch.load(path, weights_only=True))`` needs no paramserve."""
-    return checkpoint.atomic_torch_save(state_dict(strategy, module), path)
+    return atomic_torch_save(state_dict(strategy, module), path)
 
 
 def load_state_dict(strategy: ParameterServerStrategy, values: Mapping[str, torch.Tensor], module: nn.Module | None = None) -> None:

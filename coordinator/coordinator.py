@@ -23,7 +23,12 @@ from typing import Any, NoReturn, Protocol
 
 from paramserve.coordinator.closures import Closure, ClosureQueue, find_resource_ids
 from paramserve.coordinator.cluster import ClusterSpec
-from paramserve.coordinator.dispatch import DispatcherPool, GrpcTransport, ResourceSpecs, WorkerTransport
+from paramserve.coordinator.dispatch import (
+    DispatcherPool,
+    GrpcTransport,
+    ResourceSpecs,
+    WorkerTransport,
+)
 from paramserve.coordinator.errors import CoordinatorClosedError
 from paramserve.coordinator.failures import FailurePolicy
 from paramserve.coordinator.values import RemoteValue, fetch_structure

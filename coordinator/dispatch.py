@@ -29,9 +29,12 @@ import cloudpickle
 import grpc
 import tenacity
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from paramserve.coordinator.closures import Closure, ClosureQueue
-from paramserve.coordinator.errors import ClosureError, InvalidTransitionError, closure_error_from_remote
+from paramserve.coordinator.errors import (
+    ClosureError,
+    InvalidTransitionError,
+    closure_error_from_remote,
+)
 from paramserve.coordinator.failures import (
     Action,
     Decision,
@@ -39,7 +42,7 @@ from paramserve.coordinator.failures import (
     decide_on_closure_error,
     decide_on_rpc_failure,
 )
-from paramserve.psserver.rpc import AUTH_METADATA_KEY, channel_options
+from paramserve.psserver.serving import AUTH_METADATA_KEY, channel_options
 from paramserve.wire.v1 import worker_pb2
 
 __all__ = [

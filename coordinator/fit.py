@@ -47,10 +47,21 @@ from dataclasses import dataclass
 from typing import Any, Protocol, Union
 
 import torch
+from paramserve.coordinator.callbacks import (
+    Callback,
+    CallbackList,
+    History,
+    Logs,
+    TrainingState,
+    with_defaults,
+)
+from paramserve.coordinator.strategies.base import (
+    DefaultStrategy,
+    ReduceOp,
+    Strategy,
+    get_strategy,
+)
 from torch import Tensor, nn
-
-from paramserve.coordinator.callbacks import Callback, CallbackList, History, Logs, TrainingState, with_defaults
-from paramserve.coordinator.strategies.base import DefaultStrategy, ReduceOp, Strategy, get_strategy
 
 __all__ = ["MetricFn", "accuracy", "evaluate", "fit", "predict", "resolve_metrics"]
 

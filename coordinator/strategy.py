@@ -17,16 +17,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
-from torch.nn.modules import module as module_hooks
-
 from paramserve.coordinator.cluster import ClusterSpec
 from paramserve.coordinator.strategies._capture import capturing_optimizers
 from paramserve.coordinator.strategies.base import SingleReplicaStrategy
-from paramserve.psserver.client import ClientConfig, ParameterServerClient, VariableLayout
+from paramserve.psserver.client import ClientConfig, ParameterServerClient
 from paramserve.psserver.optimizer import OptimizerSpec
 from paramserve.psserver.partition import Partitioner
-from paramserve.psserver.store import ShardState
+from paramserve.psserver.types import ShardState, VariableLayout
+from paramserve.wire.v1 import tensor_pb2
 from paramserve.worker.variables import (
     RefreshBeforeForward,
     ServerOptimizer,
@@ -36,7 +34,8 @@ from paramserve.worker.variables import (
     set_default_access,
     variable_name,
 )
-from paramserve.wire.v1 import tensor_pb2
+from torch import nn
+from torch.nn.modules import module as module_hooks
 
 log = logging.getLogger(__name__)
 

@@ -23,8 +23,9 @@ def proto_sources() -> list[pathlib.Path]:
 
 def generate_into(out_dir: pathlib.Path) -> list[pathlib.Path]:
     """Runs protoc on every source, writing under out_dir; returns the files written."""
-    from grpc_tools import protoc  # imported here: only needed to regenerate
     import importlib.resources
+
+    from grpc_tools import protoc  # imported here: only needed to regenerate
 
     include = str(importlib.resources.files("grpc_tools") / "_proto")
     args = [

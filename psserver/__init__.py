@@ -4,10 +4,15 @@
 client of a cluster's servers (used by workers and the coordinator).
 """
 
-from paramserve.psserver.client import ClientConfig, ParameterServerClient, RowGradient, VariableLayout
+from paramserve.psserver.client import ClientConfig, ParameterServerClient
 from paramserve.psserver.optimizer import OptimizerSpec
-from paramserve.psserver.partition import FixedShardsPartitioner, MaxSizePartitioner, MinSizePartitioner
+from paramserve.psserver.partition import (
+    FixedShardsPartitioner,
+    MaxSizePartitioner,
+    MinSizePartitioner,
+)
 from paramserve.psserver.server import ParameterServer, ServerConfig, build_server
+from paramserve.psserver.types import RowGradient, VariableLayout
 
 __all__ = [
     "ClientConfig",

@@ -28,21 +28,30 @@ import logging
 import os
 import re
 import shutil
-import tempfile
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 from urllib.parse import quote
 
 import torch
-from torch import Tensor
-
-from paramserve.psserver.errors import CheckpointError, InvalidRequestError, ParamServeError
+from paramserve.psserver.atomic_files import (
+    TEMPORARY_PREFIX,
+    atomic_write,
+    fsync_dir,
+    write_new_file,
+)
+from paramserve.psserver.errors import (
+    CheckpointError,
+    InvalidRequestError,
+    ParamServeError,
+)
 from paramserve.psserver.optimizer import OptimizerSpec
-from paramserve.psserver.store import ShardRef, ShardState, check_state
+from paramserve.psserver.store import check_state
 from paramserve.psserver.tensors import dtype_from_name, dtype_name
+from paramserve.psserver.types import ShardRef, ShardState
+from torch import Tensor
 
 __all__ = [
     "FORMAT_VERSION",
@@ -183,38 +192,10 @@ def _compact(tensor: Tensor) -> Tensor:
     return tensor.clone(memory_format=torch.contiguous_format)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
-def atomic_torch_save(obj: Any, path: str | os.PathLike[str]) -> Path:
-    """torch.save to ``path`` through a fsynced temporary file, ``os.replace`` and a
-    directory fsync: a crash leaves the old file or the new one, never a torn one."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            torch.save(obj, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(target.parent)
-    return target
 
 
-def _write_file(path: Path, write: Callable[[BinaryIO], None]) -> None:
-    with open(path, "xb") as file:
-        write(file)
-        file.flush()
-        os.fsync(file.fileno())
 
 
 def _write_shard(path: Path, state: ShardState) -> None:
@@ -223,7 +204,7 @@ def _write_shard(path: Path, state: ShardState) -> None:
         "slots": {name: _compact(slot) for name, slot in state.slots.items()},
         "applied_keys": [str(key) for key in state.applied_keys],
     }
-    _write_file(path, lambda file: torch.save(payload, file))
+    write_new_file(path, lambda file: torch.save(payload, file))
 
 
 def _write_contents(directory: Path, groups: dict[str, list[ShardState]], extra: dict[str, Any]) -> None:
@@ -234,8 +215,8 @@ def _write_contents(directory: Path, groups: dict[str, list[ShardState]], extra:
             _write_shard(directory / file, state)
         manifest["variables"][name] = _variable_manifest(group, files)
     text = json.dumps(manifest, indent=1, sort_keys=True).encode()
-    _write_file(directory / MANIFEST, lambda file: file.write(text))
-    _fsync_dir(directory)
+    write_new_file(directory / MANIFEST, lambda file: file.write(text))
+    fsync_dir(directory)
 
 
 def _checkpoint_numbers(root: Path) -> dict[int, Path]:
@@ -259,18 +240,12 @@ def _commit(root: Path, staged: Path) -> Path:
                 raise
             number += 1  # another saver took this number first
             continue
-        _fsync_dir(root)
+        fsync_dir(root)
         return final
 
 
 def _write_latest(root: Path, name: str) -> None:
-    staged = root / f".{LATEST}.tmp-{uuid.uuid4().hex}"
-    try:
-        _write_file(staged, lambda file: file.write(f"{name}\n".encode()))
-        os.replace(staged, root / LATEST)
-    finally:
-        staged.unlink(missing_ok=True)
-    _fsync_dir(root)
+    atomic_write(root / LATEST, lambda file: file.write(f"{name}\n".encode()))
 
 
 def _prune(root: Path, keep: int, current: Path) -> None:
@@ -314,7 +289,7 @@ def save_checkpoint(
     root = Path(root)
     try:
         root.mkdir(parents=True, exist_ok=True)
-        staged = root / f".tmp-{uuid.uuid4().hex}"
+        staged = root / f"{TEMPORARY_PREFIX}{uuid.uuid4().hex}"
         staged.mkdir()
         try:
             _write_contents(staged, groups, extra_json)

@@ -23,7 +23,6 @@ from typing import TypeVar
 import grpc
 import tenacity
 import torch
-
 from paramserve.psserver import convert
 from paramserve.psserver.errors import (
     ERROR_METADATA_KEY,
@@ -41,11 +40,34 @@ from paramserve.psserver.errors import (
     VariableNotFoundError,
 )
 from paramserve.psserver.optimizer import OptimizerSpec
-from paramserve.psserver.partition import FixedShardsPartitioner, Partitioner, place_shards, split_rows
-from paramserve.psserver.rpc import AUTH_METADATA_KEY, channel_options
+from paramserve.psserver.partition import (
+    FixedShardsPartitioner,
+    Partitioner,
+    place_shards,
+    split_rows,
+)
 from paramserve.psserver.servicer import IDEMPOTENCY_METADATA_KEY, SERVICE_NAME
-from paramserve.psserver.store import PushOutcome, ShardInfo, ShardRef, ShardState
-from paramserve.psserver.streams import DEFAULT_CHUNK_BYTES, byte_buffer, encode_parts, meta_of, read_parts, tensor_from_bytes, tensor_payload
+from paramserve.psserver.serving import AUTH_METADATA_KEY, channel_options
+from paramserve.psserver.streams import (
+    DEFAULT_CHUNK_BYTES,
+    byte_buffer,
+    encode_parts,
+    meta_of,
+    read_parts,
+    tensor_from_bytes,
+    tensor_payload,
+)
+from paramserve.psserver.types import (
+    PullResult,
+    PushOutcome,
+    PushSummary,
+    RowGradient,
+    ShardInfo,
+    ShardPlacement,
+    ShardRef,
+    ShardState,
+    VariableLayout,
+)
 from paramserve.wire.v1 import parameter_server_pb2 as ps_pb2
 from paramserve.wire.v1 import tensor_pb2
 
@@ -80,55 +102,14 @@ class ClientConfig:
     max_parallel_calls: int = 16
 
 
-@dataclass(frozen=True)
-class ShardPlacement:
-    index: int
-    server: int
-    row_start: int
-    num_rows: int
 
 
-@dataclass(frozen=True)
-class VariableLayout:
-    """Where a variable's shards live. Plain data: the coordinator ships it to workers."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    shards: tuple[ShardPlacement, ...]
-
-    def ref(self, shard: ShardPlacement) -> ShardRef:
-        return ShardRef(self.name, shard.index)
-
-    def row_starts(self) -> torch.Tensor:
-        return torch.tensor([s.row_start for s in self.shards], dtype=torch.int64)
 
 
-@dataclass(frozen=True)
-class RowGradient:
-    """A row-sparse gradient: ``values[i]`` is the gradient of row ``indices[i]`` (global rows)."""
-
-    indices: torch.Tensor
-    values: torch.Tensor
 
 
-@dataclass(frozen=True)
-class PullResult:
-    tensors: dict[str, torch.Tensor]
-    versions: dict[ShardRef, int]
 
 
-@dataclass(frozen=True)
-class PushSummary:
-    outcomes: tuple[PushOutcome, ...]
-
-    @property
-    def applied(self) -> int:
-        return sum(o.applied for o in self.outcomes)
-
-    @property
-    def duplicates(self) -> int:
-        return sum(not o.applied for o in self.outcomes)
 
 
 class ParameterServerClient:

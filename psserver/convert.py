@@ -6,12 +6,17 @@ Only this module and the servicer know both worlds; the core knows no protobuf.
 from __future__ import annotations
 
 import torch
-
 from paramserve.psserver.errors import InvalidRequestError
 from paramserve.psserver.optimizer import OptimizerSpec
-from paramserve.psserver.store import ShardInfo, ShardRef, ShardState, initial_value
-from paramserve.psserver.streams import meta_nbytes, meta_of, tensor_from_bytes, tensor_payload
+from paramserve.psserver.store import initial_value
+from paramserve.psserver.streams import (
+    meta_nbytes,
+    meta_of,
+    tensor_from_bytes,
+    tensor_payload,
+)
 from paramserve.psserver.tensors import dtype_from_name, dtype_name
+from paramserve.psserver.types import ShardInfo, ShardRef, ShardState
 from paramserve.wire.v1 import parameter_server_pb2 as ps_pb2
 from paramserve.wire.v1 import tensor_pb2
 

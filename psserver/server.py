@@ -4,13 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
-
 from paramserve.psserver.errors import ParamServeError
-from paramserve.psserver.rpc import GrpcService, RunningService, TlsConfig
-from paramserve.psserver.servicer import SERVICE_NAME, ParameterServerServicer, generic_handler
-from paramserve.psserver.store import PushOutcome, ShardStore, StoreConfig
+from paramserve.psserver.servicer import (
+    SERVICE_NAME,
+    ParameterServerServicer,
+    generic_handler,
+)
+from paramserve.psserver.serving import GrpcService, RunningService, TlsConfig
+from paramserve.psserver.store import ShardStore, StoreConfig
 from paramserve.psserver.streams import DEFAULT_CHUNK_BYTES
+from paramserve.psserver.types import PushOutcome
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
 
 @dataclass(frozen=True)

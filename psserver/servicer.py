@@ -12,10 +12,9 @@ from collections.abc import Iterator
 
 import grpc
 import torch
-
 from paramserve.psserver import checkpoint, convert
 from paramserve.psserver.errors import InvalidRequestError, VariableNotFoundError
-from paramserve.psserver.rpc import parse, stream_boundary, unary_boundary
+from paramserve.psserver.serving import parse, stream_boundary, unary_boundary
 from paramserve.psserver.store import ShardPush, ShardStore
 from paramserve.psserver.streams import (
     byte_buffer,

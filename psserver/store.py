@@ -18,12 +18,10 @@ import contextlib
 import math
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import torch
-from torch import Tensor
-
 from paramserve.psserver.errors import (
     DtypeMismatchError,
     IndexOutOfRangeError,
@@ -39,15 +37,13 @@ from paramserve.psserver.errors import (
 from paramserve.psserver.idempotency import IdempotencyWindow
 from paramserve.psserver.optimizer import OptimizerSpec, ShardOptimizer
 from paramserve.psserver.tensors import DTYPE_NAMES, dtype_name
+from paramserve.psserver.types import PushOutcome, ShardInfo, ShardRef, ShardState
+from torch import Tensor
 
 _R = TypeVar("_R")
 
 __all__ = [
-    "ShardRef",
-    "ShardState",
-    "ShardInfo",
     "ShardPush",
-    "PushOutcome",
     "Pulled",
     "StoreConfig",
     "PushObserver",
@@ -58,48 +54,10 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True, order=True)
-class ShardRef:
-    """Shard ``shard`` of variable ``variable``."""
-
-    variable: str
-    shard: int
-
-    def __str__(self) -> str:
-        return f"{self.variable}/{self.shard}"
 
 
-@dataclass
-class ShardState:
-    """Everything that makes up a shard: what is created, exported and checkpointed.
-
-    The shard holds rows ``[row_start, row_start + value.shape[0])`` of a
-    variable of shape ``variable_shape`` (a 0-d variable is one shard with
-    ``row_start`` 0). ``slots`` is the torch optimizer state by state key;
-    ``applied_keys`` the idempotency keys of recent pushes, oldest first.
-    """
-
-    ref: ShardRef
-    variable_shape: tuple[int, ...]
-    row_start: int
-    value: Tensor
-    optimizer: OptimizerSpec | None = None
-    slots: dict[str, Tensor] = field(default_factory=dict)
-    version: int = 0
-    applied_keys: list[str] = field(default_factory=list)
 
 
-@dataclass(frozen=True)
-class ShardInfo:
-    """A shard's metadata, without its tensors."""
-
-    ref: ShardRef
-    variable_shape: tuple[int, ...]
-    row_start: int
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    optimizer: OptimizerSpec | None
-    version: int
 
 
 @dataclass(frozen=True)
@@ -116,14 +74,6 @@ class ShardPush:
     base_version: int
 
 
-@dataclass(frozen=True)
-class PushOutcome:
-    """``applied`` False: the idempotency key was seen before and nothing changed."""
-
-    ref: ShardRef
-    applied: bool
-    version: int
-    staleness: int
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,13 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import numpy as np
 import torch
 from google.protobuf.message import DecodeError
-
 from paramserve.psserver.errors import InvalidRequestError
-from paramserve.psserver.tensors import as_byte_view, dtype_from_name, dtype_name, nbytes_of
+from paramserve.psserver.tensors import (
+    as_byte_view,
+    dtype_from_name,
+    dtype_name,
+    nbytes_of,
+)
 from paramserve.wire.v1 import tensor_pb2
 
 DEFAULT_CHUNK_BYTES = 4 << 20

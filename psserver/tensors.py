@@ -10,7 +10,6 @@ import sys
 from collections.abc import Sequence
 
 import torch
-
 from paramserve.psserver.errors import DtypeMismatchError, InvalidRequestError
 
 DTYPES: dict[str, torch.dtype] = {

@@ -11,7 +11,6 @@ import threading
 from collections.abc import Callable
 
 import cloudpickle
-
 from paramserve.coordinator.coordinator import ClusterCoordinator
 from paramserve.coordinator.launcher import LocalCluster
 from paramserve.wire.v1 import worker_pb2

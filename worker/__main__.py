@@ -7,14 +7,14 @@ import os
 import pathlib
 import sys
 
-from paramserve.psserver.__main__ import (
+from paramserve.psserver.serving import (
     add_server_arguments,
     configure_logging,
+    read_token_file,
     resolve_tls,
     resolve_token,
     serve_until_signal,
 )
-from paramserve.psserver.rpc import read_token_file
 from paramserve.worker.server import WorkerConfig, build_worker
 
 

@@ -24,14 +24,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import cloudpickle
 import torch
-from torch import nn
-
 from paramserve.psserver.client import (
     ClientConfig,
     ParameterServerClient,
-    PullResult,
-    RowGradient,
-    VariableLayout,
     layouts_from_infos,
 )
 from paramserve.psserver.errors import (
@@ -41,14 +36,26 @@ from paramserve.psserver.errors import (
     ServerUnavailableError,
     ShapeMismatchError,
 )
-from paramserve.psserver.store import ShardInfo, ShardRef
+from paramserve.psserver.types import (
+    PullResult,
+    RowGradient,
+    ShardInfo,
+    ShardRef,
+    VariableLayout,
+)
 from paramserve.worker.resources import (
     ResourceMissingError,
     WorkerContext,
     collecting_missing,
     using_resources,
 )
-from paramserve.worker.variables import loads_closure, mark_variable, using_access, variable_name
+from paramserve.worker.variables import (
+    loads_closure,
+    mark_variable,
+    using_access,
+    variable_name,
+)
+from torch import nn
 
 if TYPE_CHECKING:
     from paramserve.worker.server import WorkerConfig

@@ -8,9 +8,9 @@ are public: the coordinator builds requests and reads outcomes with them.
 from __future__ import annotations
 
 import grpc
-
 from paramserve.psserver import convert
-from paramserve.psserver.rpc import parse, unary_boundary
+from paramserve.psserver.serving import parse, unary_boundary
+from paramserve.wire.v1 import worker_pb2
 from paramserve.worker.core import (
     ClosureError,
     ClosureOutcome,
@@ -20,7 +20,6 @@ from paramserve.worker.core import (
     WorkerCore,
     WorkerInfoData,
 )
-from paramserve.wire.v1 import worker_pb2
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 

@@ -20,14 +20,26 @@ from paramserve.coordinator.strategies.cross_device_ops import (
     ReductionToOneDevice,
 )
 from paramserve.coordinator.strategies.input import InputOptions
-from paramserve.coordinator.strategies.losses import compute_average_loss, scale_regularization_loss
-from paramserve.coordinator.strategies.mirrored import CentralStorageStrategy, MirroredStrategy, OneDeviceStrategy
+from paramserve.coordinator.strategies.losses import (
+    compute_average_loss,
+    scale_regularization_loss,
+)
+from paramserve.coordinator.strategies.mirrored import (
+    CentralStorageStrategy,
+    MirroredStrategy,
+    OneDeviceStrategy,
+)
 from paramserve.coordinator.strategies.multi_worker import (
     CollectiveCommunication,
     CommunicationOptions,
     MultiWorkerMirroredStrategy,
 )
-from paramserve.coordinator.strategies.values import Mirrored, PerReplica, SyncOnReadVariable, VariableAggregation
+from paramserve.coordinator.strategies.values import (
+    Mirrored,
+    PerReplica,
+    SyncOnReadVariable,
+    VariableAggregation,
+)
 
 __all__ = [
     # the API every strategy implements

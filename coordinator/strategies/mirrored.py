@@ -66,21 +66,39 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
-from torch import nn
-from torch.nn.modules import module as module_hooks
-from torch.optim import optimizer as optimizer_hooks
-
 from paramserve.coordinator.strategies import _capture, _nest
-from paramserve.coordinator.strategies._replicas import ReplicaThreads, Rendezvous, run_replicas, running_strategy
-from paramserve.coordinator.strategies.base import InputContext, ReduceOp, ReplicaContext, Strategy, get_replica_context
+from paramserve.coordinator.strategies._replicas import (
+    Rendezvous,
+    ReplicaThreads,
+    run_replicas,
+    running_strategy,
+)
+from paramserve.coordinator.strategies.base import (
+    InputContext,
+    ReduceOp,
+    ReplicaContext,
+    Strategy,
+    get_replica_context,
+)
 from paramserve.coordinator.strategies.cross_device_ops import (
     CrossDeviceOps,
     HierarchicalCopyAllReduce,
     NcclAllReduce,
     ReductionToOneDevice,
 )
-from paramserve.coordinator.strategies.input import DistributedDataset, DistributedDatasetsFromFunction, InputOptions
-from paramserve.coordinator.strategies.values import DistributedValue, SyncOnReadVariable, VariableAggregation
+from paramserve.coordinator.strategies.input import (
+    DistributedDataset,
+    DistributedDatasetsFromFunction,
+    InputOptions,
+)
+from paramserve.coordinator.strategies.values import (
+    DistributedValue,
+    SyncOnReadVariable,
+    VariableAggregation,
+)
+from torch import nn
+from torch.nn.modules import module as module_hooks
+from torch.optim import optimizer as optimizer_hooks
 
 # ------------------------------------------------------------------ devices
 

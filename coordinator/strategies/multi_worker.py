@@ -56,15 +56,19 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.optim import optimizer as optimizer_hooks
-
 from paramserve.coordinator.cluster import ClusterSpecError, TaskSpec, parse_address
 from paramserve.coordinator.strategies import _nest
 from paramserve.coordinator.strategies._capture import recording_modules
-from paramserve.coordinator.strategies.base import InputContext, ReduceOp, ReplicaContext, Strategy
+from paramserve.coordinator.strategies.base import (
+    InputContext,
+    ReduceOp,
+    ReplicaContext,
+    Strategy,
+)
 from paramserve.coordinator.strategies.input import InputOptions, split_batch
 from paramserve.coordinator.strategies.values import DistributedValue
+from torch import nn
+from torch.optim import optimizer as optimizer_hooks
 
 __all__ = [
     "ClusterResolver",

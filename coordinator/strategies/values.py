@@ -15,8 +15,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-
-from paramserve.coordinator.strategies.base import Strategy, get_replica_context, get_strategy
+from paramserve.coordinator.strategies.base import (
+    Strategy,
+    get_replica_context,
+    get_strategy,
+)
 
 
 class DistributedValue:

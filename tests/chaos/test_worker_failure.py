@@ -14,12 +14,11 @@ from collections.abc import Iterator
 
 import cloudpickle
 import pytest
-
+from coordinator_doubles import FakeStrategy, Gate, check_in
 from paramserve.coordinator.coordinator import ClusterCoordinator, CoordinatorConfig
 from paramserve.coordinator.failures import FailurePolicy
 from paramserve.coordinator.launcher import LocalCluster
 from paramserve.coordinator.values import RemoteValue, RemoteValueState
-from coordinator_doubles import FakeStrategy, Gate, check_in
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 

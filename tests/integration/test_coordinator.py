@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import cloudpickle
 import pytest
-
+from coordinator_doubles import FakeStrategy, Gate, check_in
 from paramserve.coordinator.coordinator import ClusterCoordinator, CoordinatorConfig
 from paramserve.coordinator.errors import (
     ClosureCancelledError,
@@ -23,7 +23,6 @@ from paramserve.coordinator.errors import (
 )
 from paramserve.coordinator.launcher import LocalCluster
 from paramserve.coordinator.values import RemoteValueState
-from coordinator_doubles import FakeStrategy, Gate, check_in
 
 # Workers cannot import this test module: send its functions by value, as a user's __main__ is.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])

@@ -19,15 +19,19 @@ from typing import Any
 import cloudpickle
 import pytest
 import torch
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
-
-from paramserve.coordinator.callbacks import BackupAndRestore, Callback, LearningRateScheduler, ModelCheckpoint
+from paramserve.coordinator.callbacks import (
+    BackupAndRestore,
+    Callback,
+    LearningRateScheduler,
+    ModelCheckpoint,
+)
 from paramserve.coordinator.checkpoints import CheckpointManager
 from paramserve.coordinator.demo import MLP, digits_split, worker_batches
 from paramserve.coordinator.fit import evaluate, fit, predict
 from paramserve.coordinator.strategy import ParameterServerStrategy
 from paramserve.psserver.partition import FixedShardsPartitioner
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import the test module
 
@@ -247,7 +251,9 @@ _CLUSTER_VARS = ("TF_CONFIG", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
 
 def multi_worker_rank(out_path: str, checkpoint_dir: str) -> None:
     """One rank (a child process, torchrun's environment): the same fit call as above."""
-    from paramserve.coordinator.strategies.multi_worker import MultiWorkerMirroredStrategy
+    from paramserve.coordinator.strategies.multi_worker import (
+        MultiWorkerMirroredStrategy,
+    )
 
     setup = in_process(MultiWorkerMirroredStrategy)
     _, _, x_test, y_test = digits_split()

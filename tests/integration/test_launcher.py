@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import shutil
+import signal
 import socket
 import stat
 import subprocess
@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import pytest
-
 from paramserve.coordinator.cluster import ClusterSpec, parse_address
 from paramserve.coordinator.launcher import (
     ClusterState,

@@ -7,8 +7,11 @@ import sys
 
 import cloudpickle
 import torch
-
-from paramserve.coordinator.checkpoints import CheckpointManager, export_state_dict, state_dict
+from paramserve.coordinator.checkpoints import (
+    CheckpointManager,
+    export_state_dict,
+    state_dict,
+)
 from paramserve.coordinator.coordinator import ClusterCoordinator
 from paramserve.coordinator.demo import MLP, digits_split, train_step, worker_batches
 from paramserve.coordinator.strategy import ParameterServerStrategy

@@ -7,7 +7,6 @@ import socket
 import grpc
 import pytest
 import torch
-
 from paramserve.psserver.errors import (
     AuthenticationError,
     DtypeMismatchError,

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import torch
-
-from paramserve.psserver.client import RowGradient
 from paramserve.psserver.optimizer import OptimizerSpec
 from paramserve.psserver.partition import FixedShardsPartitioner
-from paramserve.psserver.store import ShardRef
+from paramserve.psserver.types import RowGradient, ShardRef
 from paramserve.wire.v1 import tensor_pb2
 
 SGD = OptimizerSpec("SGD", {"lr": 0.5})

@@ -9,15 +9,22 @@ import cloudpickle
 import grpc
 import pytest
 import torch
-from torch import nn
-
 from paramserve.psserver.optimizer import OptimizerSpec
 from paramserve.psserver.partition import FixedShardsPartitioner
-from paramserve.worker.core import ClosureRequest, ClusterContext, cluster_context_from_layouts
-from paramserve.worker.server import WorkerConfig, build_worker
-from paramserve.worker.servicer import SERVICE_NAME, outcome_from_proto, request_to_proto
-from paramserve.worker.variables import ServerOptimizer, dumps_closure, mark_variable
 from paramserve.wire.v1 import worker_pb2, worker_pb2_grpc
+from paramserve.worker.core import (
+    ClosureRequest,
+    ClusterContext,
+    cluster_context_from_layouts,
+)
+from paramserve.worker.server import WorkerConfig, build_worker
+from paramserve.worker.servicer import (
+    SERVICE_NAME,
+    outcome_from_proto,
+    request_to_proto,
+)
+from paramserve.worker.variables import ServerOptimizer, dumps_closure, mark_variable
+from torch import nn
 
 SGD = OptimizerSpec("SGD", {"lr": 0.5})
 TOKEN = "worker-secret"

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from paramserve.psserver import checkpoint
 from paramserve.psserver.checkpoint import (
     latest_checkpoint,
@@ -20,7 +19,8 @@ from paramserve.psserver.checkpoint import (
 from paramserve.psserver.errors import CheckpointError, InvalidRequestError
 from paramserve.psserver.optimizer import OptimizerSpec
 from paramserve.psserver.partition import split_rows
-from paramserve.psserver.store import ShardPush, ShardRef, ShardState, ShardStore, StoreConfig
+from paramserve.psserver.store import ShardPush, ShardStore, StoreConfig
+from paramserve.psserver.types import ShardRef, ShardState
 
 ADAM = OptimizerSpec("Adam", {"lr": 0.1, "betas": [0.9, 0.99]})
 EMBEDDING = "model/embedding.weight"  # a slash and dots: must be escaped in file names

@@ -6,8 +6,12 @@ import json
 import logging
 
 import pytest
-
-from paramserve.coordinator.cluster import ClusterSpec, ClusterSpecError, TaskSpec, parse_address
+from paramserve.coordinator.cluster import (
+    ClusterSpec,
+    ClusterSpecError,
+    TaskSpec,
+    parse_address,
+)
 
 DOC_TF_CONFIG = {
     "cluster": {

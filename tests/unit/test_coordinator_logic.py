@@ -10,9 +10,18 @@ from dataclasses import dataclass, field
 
 import cloudpickle
 import pytest
-
-from paramserve.coordinator.closures import Closure, ClosureQueue, ClosureState, find_resource_ids
-from paramserve.coordinator.dispatch import Dispatcher, ResourceSpecs, RpcFailure, WorkerState
+from paramserve.coordinator.closures import (
+    Closure,
+    ClosureQueue,
+    ClosureState,
+    find_resource_ids,
+)
+from paramserve.coordinator.dispatch import (
+    Dispatcher,
+    ResourceSpecs,
+    RpcFailure,
+    WorkerState,
+)
 from paramserve.coordinator.errors import (
     ClosureCancelledError,
     ClosureError,
@@ -30,7 +39,12 @@ from paramserve.coordinator.failures import (
     decide_on_closure_error,
     decide_on_rpc_failure,
 )
-from paramserve.coordinator.values import PerWorkerValues, RemoteValue, RemoteValueState, fetch_structure
+from paramserve.coordinator.values import (
+    PerWorkerValues,
+    RemoteValue,
+    RemoteValueState,
+    fetch_structure,
+)
 from paramserve.wire.v1 import worker_pb2
 from paramserve.worker.resources import PerWorkerResource
 

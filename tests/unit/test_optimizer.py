@@ -9,7 +9,6 @@ from collections.abc import Callable, Sequence
 
 import pytest
 import torch
-
 from paramserve.psserver.errors import (
     DtypeMismatchError,
     IndexOutOfRangeError,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from paramserve.psserver.partition import (
     FixedShardsPartitioner,
     MaxSizePartitioner,

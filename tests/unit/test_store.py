@@ -7,7 +7,6 @@ from collections.abc import Callable
 
 import pytest
 import torch
-
 from paramserve.psserver.errors import (
     DtypeMismatchError,
     IndexOutOfRangeError,
@@ -20,15 +19,8 @@ from paramserve.psserver.errors import (
     VariableNotFoundError,
 )
 from paramserve.psserver.optimizer import OptimizerSpec
-from paramserve.psserver.store import (
-    PushOutcome,
-    ShardPush,
-    ShardRef,
-    ShardState,
-    ShardStore,
-    StoreConfig,
-    initial_value,
-)
+from paramserve.psserver.store import ShardPush, ShardStore, StoreConfig, initial_value
+from paramserve.psserver.types import PushOutcome, ShardRef, ShardState
 
 SGD = OptimizerSpec("SGD", {"lr": 0.5})
 W0, W1 = ShardRef("layers.0.weight", 0), ShardRef("layers.0.weight", 1)

@@ -7,8 +7,6 @@ import pickle
 import cloudpickle
 import pytest
 import torch
-from torch import nn
-
 from paramserve.psserver.errors import InvalidRequestError
 from paramserve.psserver.optimizer import OptimizerSpec
 from paramserve.psserver.partition import FixedShardsPartitioner
@@ -20,7 +18,12 @@ from paramserve.worker.core import (
     cluster_context_from_layouts,
     layouts_from_cluster,
 )
-from paramserve.worker.resources import PerWorkerResource, ResourceMissingError, WorkerContext, resolve_resource
+from paramserve.worker.resources import (
+    PerWorkerResource,
+    ResourceMissingError,
+    WorkerContext,
+    resolve_resource,
+)
 from paramserve.worker.server import WorkerConfig
 from paramserve.worker.variables import (
     RefreshBeforeForward,
@@ -29,6 +32,7 @@ from paramserve.worker.variables import (
     dumps_closure,
     mark_variable,
 )
+from torch import nn
 
 LR = 0.5
 SGD = OptimizerSpec("SGD", {"lr": LR})

@@ -1,35 +1,44 @@
-"""Server plumbing shared by the parameter server and the worker.
+"""Serving: the process plumbing the parameter server and the worker share.
+
+Both kinds of server are a plain-Python core behind a thin servicer; everything
+around the servicer is here, once:
 
 - the error boundary: core errors -> one status code each, named in trailing
   metadata; anything else -> INTERNAL (never UNKNOWN);
 - interceptors: a shared-token check and per-RPC Prometheus metrics;
 - channel and server options (no SO_REUSEPORT, message limits), TLS, the
-  port file that tells a launcher which port a server bound.
+  port file that tells a launcher which port a server bound;
+- ``GrpcService``: a started server with health checking and metrics;
+- the command line both ``paramserve ps`` and ``paramserve worker`` take
+  (network, security, logging flags) and the serve-until-signal loop.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import hmac
 import json
 import logging
 import os
 import pathlib
-import tempfile
+import signal
+import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Histogram
-
+from paramserve.psserver.atomic_files import atomic_write
 from paramserve.psserver.errors import (
     ERROR_METADATA_KEY,
     ERROR_VARIABLE_METADATA_KEY,
     InvalidRequestError,
     ParamServeError,
 )
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
 log = logging.getLogger(__name__)
 
@@ -298,13 +307,8 @@ class TlsConfig:
 
 def write_port_file(path: pathlib.Path, port: int, metrics_port: int | None) -> None:
     """Atomically tells a launcher where this server listens."""
-    payload = json.dumps({"port": port, "metrics_port": metrics_port, "pid": os.getpid()})
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as handle:
-        handle.write(payload)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    payload = json.dumps({"port": port, "metrics_port": metrics_port, "pid": os.getpid()}).encode()
+    atomic_write(path, lambda handle: handle.write(payload))
 
 
 def read_token_file(path: pathlib.Path) -> str:
@@ -453,3 +457,62 @@ class RunningService:
 
 def _bracket(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+# ---------------------------------------------------------------- the command line of every server
+
+TOKEN_ENV = "PARAMSERVE_TOKEN"
+
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags every paramserve server takes (parameter server and worker alike)."""
+    net = parser.add_argument_group("network")
+    net.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s; 0.0.0.0 for all)")
+    net.add_argument("--port", type=int, default=0, help="gRPC port; 0 picks a free one (default: %(default)s)")
+    net.add_argument("--port-file", type=pathlib.Path, help="once serving, atomically write {port, metrics_port, pid} as JSON here")
+    net.add_argument("--metrics-port", type=int, help="serve Prometheus metrics over HTTP on this port (0: a free one; default: off)")
+    net.add_argument("--max-workers", type=int, default=16, help="RPC handler threads (default: %(default)s)")
+    net.add_argument("--max-message-bytes", type=int, default=64 << 20, help="largest gRPC message accepted (default: %(default)s); bulk data is chunked below it")
+    net.add_argument("--grace-seconds", type=float, default=5.0, help="on SIGTERM, time running RPCs get to finish (default: %(default)s)")
+    sec = parser.add_argument_group("security")
+    sec.add_argument("--token-file", type=pathlib.Path, help=f"file holding the cluster's shared token; calls without it get UNAUTHENTICATED (or set {TOKEN_ENV})")
+    sec.add_argument("--tls-cert", type=pathlib.Path, help="PEM certificate chain: serve TLS (needs --tls-key)")
+    sec.add_argument("--tls-key", type=pathlib.Path, help="PEM private key for --tls-cert")
+    sec.add_argument("--tls-client-ca", type=pathlib.Path, help="PEM CA bundle: require client certificates signed by it (mutual TLS)")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="(default: %(default)s)")
+
+
+def resolve_token(args: argparse.Namespace, environ: dict[str, str] | os._Environ[str]) -> str | None:
+    if args.token_file:
+        return read_token_file(args.token_file)
+    return environ.get(TOKEN_ENV) or None
+
+
+def resolve_tls(args: argparse.Namespace, parser: argparse.ArgumentParser) -> TlsConfig | None:
+    if not args.tls_cert and not args.tls_key:
+        if args.tls_client_ca:
+            parser.error("--tls-client-ca needs --tls-cert and --tls-key")
+        return None
+    if not (args.tls_cert and args.tls_key):
+        parser.error("TLS needs both --tls-cert and --tls-key")
+    return TlsConfig(args.tls_cert, args.tls_key, args.tls_client_ca)
+
+
+def serve_until_signal(server: RunningService, port_file: pathlib.Path | None, grace: float, name: str) -> None:
+    """Blocks until SIGTERM/SIGINT, then stops ``server`` gracefully."""
+    stop_requested = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop_requested.set())
+    if port_file:
+        write_port_file(port_file, server.port, server.metrics_port)
+    logging.getLogger(name).info("serving on port %d (metrics port %s)", server.port, server.metrics_port)
+    stop_requested.wait()
+    logging.getLogger(name).info("stopping: draining for up to %.1fs", grace)
+    server.stop(grace)
+
+
+def configure_logging(level: str, role: str) -> None:
+    logging.basicConfig(
+        level=level,
+        format=f"%(asctime)s {role}[%(process)d] %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )

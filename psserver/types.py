@@ -1,0 +1,174 @@
+"""The types every part of a cluster shares: shards, variable layouts, the cluster context.
+
+These are plain data (no grpc, no protobuf). The parameter server's core keeps
+shards as ``ShardState``; the client and the worker talk about variables through
+``VariableLayout`` (where each shard of a variable lives) and ``ClusterContext``
+(every layout plus the servers' addresses: all a worker needs to reach the
+variables). ``psserver.convert`` is the one place that turns them into wire
+messages and back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+import torch
+from paramserve.psserver.optimizer import OptimizerSpec
+from torch import Tensor
+
+__all__ = [
+    "ClusterContext",
+    "PullResult",
+    "PushOutcome",
+    "PushSummary",
+    "RowGradient",
+    "ShardInfo",
+    "ShardPlacement",
+    "ShardRef",
+    "ShardState",
+    "VariableLayout",
+]
+
+
+@dataclass(frozen=True, order=True)
+class ShardRef:
+    """Shard ``shard`` of variable ``variable``."""
+
+    variable: str
+    shard: int
+
+    def __str__(self) -> str:
+        return f"{self.variable}/{self.shard}"
+
+
+@dataclass
+class ShardState:
+    """Everything that makes up a shard: what is created, exported and checkpointed.
+
+    The shard holds rows ``[row_start, row_start + value.shape[0])`` of a
+    variable of shape ``variable_shape`` (a 0-d variable is one shard with
+    ``row_start`` 0). ``slots`` is the torch optimizer state by state key;
+    ``applied_keys`` the idempotency keys of recent pushes, oldest first.
+    """
+
+    ref: ShardRef
+    variable_shape: tuple[int, ...]
+    row_start: int
+    value: Tensor
+    optimizer: OptimizerSpec | None = None
+    slots: dict[str, Tensor] = field(default_factory=dict)
+    version: int = 0
+    applied_keys: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """A shard's metadata, without its tensors (what a server reports holding)."""
+
+    ref: ShardRef
+    variable_shape: tuple[int, ...]
+    row_start: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    optimizer: OptimizerSpec | None
+    version: int
+
+
+@dataclass(frozen=True)
+class PushOutcome:
+    """``applied`` False: the idempotency key was seen before and nothing changed."""
+
+    ref: ShardRef
+    applied: bool
+    version: int
+    staleness: int
+
+
+@dataclass(frozen=True)
+class ShardPlacement:
+    """Shard ``index`` of a variable: rows ``[row_start, row_start + num_rows)`` on server ``server``
+    (an index into the cluster's parameter-server addresses)."""
+
+    index: int
+    server: int
+    row_start: int
+    num_rows: int
+
+
+@dataclass(frozen=True)
+class VariableLayout:
+    """Where a variable's shards live: the one description of a variable's placement."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    shards: tuple[ShardPlacement, ...]
+
+    def ref(self, shard: ShardPlacement) -> ShardRef:
+        return ShardRef(self.name, shard.index)
+
+    def shard_shape(self, shard: ShardPlacement) -> tuple[int, ...]:
+        return (shard.num_rows, *self.shape[1:]) if self.shape else ()
+
+    def row_starts(self) -> Tensor:
+        return torch.tensor([s.row_start for s in self.shards], dtype=torch.int64)
+
+
+@dataclass(frozen=True)
+class ClusterContext:
+    """Where every variable lives: the servers' addresses and each variable's layout.
+
+    The coordinator builds it once the variables exist and sends it to workers, so
+    a worker restarted a second ago needs nothing else. ``fingerprint`` names its
+    content: equal contexts have equal fingerprints.
+    """
+
+    parameter_servers: tuple[str, ...] = ()
+    layouts: Mapping[str, VariableLayout] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "parameter_servers", tuple(self.parameter_servers))
+        object.__setattr__(self, "layouts", MappingProxyType(dict(self.layouts)))
+
+    @property
+    def fingerprint(self) -> str:
+        digest = hashlib.sha256(repr(self.parameter_servers).encode())
+        for name in sorted(self.layouts):
+            layout = self.layouts[name]
+            digest.update(repr((name, layout.shape, str(layout.dtype), layout.shards)).encode())
+        return digest.hexdigest()[:32]
+
+    def __reduce__(self) -> tuple[type[ClusterContext], tuple[tuple[str, ...], dict[str, VariableLayout]]]:
+        return ClusterContext, (self.parameter_servers, dict(self.layouts))
+
+
+@dataclass(frozen=True)
+class RowGradient:
+    """A row-sparse gradient: ``values[i]`` is the gradient of row ``indices[i]`` (global rows)."""
+
+    indices: Tensor
+    values: Tensor
+
+
+@dataclass(frozen=True)
+class PullResult:
+    """Pulled variables by name, and the version each shard was read at."""
+
+    tensors: dict[str, Tensor]
+    versions: dict[ShardRef, int]
+
+
+@dataclass(frozen=True)
+class PushSummary:
+    outcomes: tuple[PushOutcome, ...]
+
+    @property
+    def applied(self) -> int:
+        return sum(o.applied for o in self.outcomes)
+
+    @property
+    def duplicates(self) -> int:
+        return sum(not o.applied for o in self.outcomes)
