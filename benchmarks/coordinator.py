@@ -19,6 +19,8 @@ import time
 import torch
 import torch.nn.functional as F
 from _common import EchoServer, Result, print_report
+from torch import nn
+
 from paramserve.coordinator import (
     ClusterCoordinator,
     LocalCluster,
@@ -26,7 +28,6 @@ from paramserve.coordinator import (
     ParameterServerStrategy,
 )
 from paramserve.worker.variables import dumps_closure
-from torch import nn
 
 BATCH = 64
 

@@ -37,8 +37,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from paramserve.psserver.atomic_files import atomic_torch_save
 from torch import nn
+
+from paramserve.psserver.atomic_files import atomic_torch_save
 
 __all__ = [
     "BackupAndRestore",

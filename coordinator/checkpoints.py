@@ -18,12 +18,13 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch import nn
+
 from paramserve.coordinator.strategy import ParameterServerStrategy
 from paramserve.psserver import checkpoint
 from paramserve.psserver.atomic_files import atomic_torch_save
 from paramserve.psserver.errors import CheckpointError
 from paramserve.psserver.types import ShardState
-from torch import nn
 
 log = logging.getLogger(__name__)
 STEP_KEY = "step"

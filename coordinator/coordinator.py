@@ -32,9 +32,10 @@ from paramserve.coordinator.dispatch import (
 from paramserve.coordinator.errors import CoordinatorClosedError
 from paramserve.coordinator.failures import FailurePolicy
 from paramserve.coordinator.values import RemoteValue, fetch_structure
-from paramserve.wire.v1 import worker_pb2
+from paramserve.psserver import convert
+from paramserve.psserver.types import ClusterContext
+from paramserve.wire.v1 import cluster_pb2
 from paramserve.worker.resources import PerWorkerResource, WorkerContext
-from paramserve.worker.servicer import cluster_to_proto
 from paramserve.worker.variables import dumps_closure
 
 __all__ = [
@@ -70,7 +71,7 @@ class Strategy(Protocol):
     cluster: ClusterSpec
     token: str | None
 
-    def cluster_context(self) -> worker_pb2.ClusterContext:
+    def cluster_context(self) -> ClusterContext:
         """Where the variables live; called for every RunClosure (may create variables first)."""
 
 
@@ -255,18 +256,21 @@ class ClusterCoordinator:
 
 
 class _ContextSource:
-    """Calls the strategy's cluster_context() one caller at a time (it may create variables)."""
+    """The strategy's cluster context on the wire, built once per context (the strategy's
+    ``cluster_context()`` may create the variables first, so one caller at a time)."""
 
-    def __init__(self, make: Callable[[], Any]):
+    def __init__(self, make: Callable[[], ClusterContext]):
         self._make = make
         self._lock = threading.Lock()
+        self._context: ClusterContext | None = None
+        self._message: cluster_pb2.ClusterContext | None = None
 
-    def __call__(self) -> worker_pb2.ClusterContext:
+    def __call__(self) -> cluster_pb2.ClusterContext:
         with self._lock:
             context = self._make()
-        if isinstance(context, worker_pb2.ClusterContext):
-            return context
-        return cluster_to_proto(context)  # the worker core's dataclass form
+            if context is not self._context or self._message is None:
+                self._context, self._message = context, convert.cluster_to_proto(context)
+            return self._message
 
 
 # -------------------------------------------------------------------- per-worker datasets

@@ -89,11 +89,12 @@ class DemoSummary:
 
 
 def run(args: argparse.Namespace) -> DemoSummary:
+    from tqdm import tqdm
+
     from paramserve.coordinator.checkpoints import CheckpointManager, export_state_dict
     from paramserve.coordinator.coordinator import ClusterCoordinator
     from paramserve.coordinator.strategy import ParameterServerStrategy
     from paramserve.psserver.partition import MinSizePartitioner
-    from tqdm import tqdm
 
     started = time.perf_counter()
     checkpoint_dir = pathlib.Path(args.checkpoint_dir or tempfile.mkdtemp(prefix="paramserve-demo-"))

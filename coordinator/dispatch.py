@@ -29,6 +29,7 @@ import cloudpickle
 import grpc
 import tenacity
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from paramserve.coordinator.closures import Closure, ClosureQueue
 from paramserve.coordinator.errors import (
     ClosureError,
@@ -43,7 +44,9 @@ from paramserve.coordinator.failures import (
     decide_on_rpc_failure,
 )
 from paramserve.psserver.serving import AUTH_METADATA_KEY, channel_options
-from paramserve.wire.v1 import worker_pb2
+from paramserve.wire.v1 import cluster_pb2, worker_pb2
+from paramserve.worker.convert import failure_from_proto
+from paramserve.worker.core import ClosureFailure
 
 __all__ = [
     "Dispatcher",
@@ -211,7 +214,7 @@ class Dispatcher:
         queue: ClosureQueue,
         specs: ResourceSpecs,
         transport: WorkerTransport,
-        cluster_context: Callable[[], worker_pb2.ClusterContext],
+        cluster_context: Callable[[], cluster_pb2.ClusterContext],
         num_workers: Callable[[], int],
         policy: FailurePolicy,
         poll_interval: float = 0.5,
@@ -304,15 +307,16 @@ class Dispatcher:
             if response.WhichOneof("outcome") != "error":
                 self._on_result(closure, response.result)
                 return
+            failure = failure_from_proto(response.error)
             decision = decide_on_closure_error(
-                response.error, resends=closure.resends, known_resources=self._specs.ids(), policy=self._policy
+                failure, resends=closure.resends, known_resources=self._specs.ids(), policy=self._policy
             )
             self._log_decision(closure, decision)
             if decision.action is not Action.RESEND_RESOURCES:
-                self._queue.fail(closure, self._remote_error(closure, decision, response.error))
+                self._queue.fail(closure, self._remote_error(closure, decision, failure))
                 return
             closure.resends += 1
-            force = frozenset(response.error.missing_resources)
+            force = frozenset(failure.missing_resources)
 
     def _request(self, closure: Closure, force: frozenset[str]) -> worker_pb2.RunClosureRequest:
         with self._lock:
@@ -367,7 +371,7 @@ class Dispatcher:
             worker=self.address,
         ))
 
-    def _remote_error(self, closure: Closure, decision: Decision, data: worker_pb2.ClosureError) -> ClosureError:
+    def _remote_error(self, closure: Closure, decision: Decision, data: ClosureFailure) -> ClosureError:
         assert decision.error_type is not None
         return closure_error_from_remote(
             decision.error_type, data, function_name=closure.function_name,
@@ -442,7 +446,7 @@ class DispatcherPool:
         specs: ResourceSpecs,
         policy: FailurePolicy,
         transport_factory: Callable[[str], WorkerTransport],
-        cluster_context: Callable[[], worker_pb2.ClusterContext],
+        cluster_context: Callable[[], cluster_pb2.ClusterContext],
         poll_interval: float = 0.5,
     ):
         self._queue = queue

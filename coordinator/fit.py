@@ -47,6 +47,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol, Union
 
 import torch
+from torch import Tensor, nn
+
 from paramserve.coordinator.callbacks import (
     Callback,
     CallbackList,
@@ -61,7 +63,6 @@ from paramserve.coordinator.strategies.base import (
     Strategy,
     get_strategy,
 )
-from torch import Tensor, nn
 
 __all__ = ["MetricFn", "accuracy", "evaluate", "fit", "predict", "resolve_metrics"]
 

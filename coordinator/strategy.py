@@ -17,13 +17,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
+from torch.nn.modules import module as module_hooks
+
 from paramserve.coordinator.cluster import ClusterSpec
 from paramserve.coordinator.strategies._capture import capturing_optimizers
 from paramserve.coordinator.strategies.base import SingleReplicaStrategy
 from paramserve.psserver.client import ClientConfig, ParameterServerClient
 from paramserve.psserver.optimizer import OptimizerSpec
 from paramserve.psserver.partition import Partitioner
-from paramserve.psserver.types import ShardState, VariableLayout
+from paramserve.psserver.types import ClusterContext, ShardState, VariableLayout
 from paramserve.wire.v1 import tensor_pb2
 from paramserve.worker.variables import (
     RefreshBeforeForward,
@@ -34,8 +37,6 @@ from paramserve.worker.variables import (
     set_default_access,
     variable_name,
 )
-from torch import nn
-from torch.nn.modules import module as module_hooks
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +110,7 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         self._roots: list[tuple[str, nn.Module]] = []
         self._materialized = False
         self._pending_tables: list[ShardedEmbedding] = []
-        self._context: Any = None
+        self._context: ClusterContext | None = None
         self._coordinator: Any = None
         set_default_access(CoordinatorAccess(self))
 
@@ -311,17 +312,12 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         self.client.create_variable(variable.name, variable.parameter.detach(), optimizer=variable.optimizer,
                                     partitioner=self.variable_partitioner)
 
-    def cluster_context(self):  # type: ignore[no-untyped-def]
-        """What every closure carries so a (restarted) worker can reach the variables.
-        Built once: layouts do not change after the variables exist."""
-        from paramserve.worker.core import cluster_context_from_layouts
-        from paramserve.worker.servicer import cluster_to_proto
-
+    def cluster_context(self) -> ClusterContext:
+        """What every closure carries so a (restarted) worker can reach the variables
+        (creates the variables first). Built once: layouts do not change after the variables exist."""
         with self._lock:
             if self._context is None:
-                self._context = cluster_to_proto(
-                    cluster_context_from_layouts(self.cluster.parameter_servers, self.layouts())
-                )
+                self._context = ClusterContext(self.cluster.parameter_servers, self.layouts())
             return self._context
 
     def set_learning_rate(self, lr: float, params: Iterable[Any] | None = None) -> None:

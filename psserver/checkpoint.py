@@ -36,6 +36,8 @@ from typing import Any
 from urllib.parse import quote
 
 import torch
+from torch import Tensor
+
 from paramserve.psserver.atomic_files import (
     TEMPORARY_PREFIX,
     atomic_write,
@@ -51,7 +53,6 @@ from paramserve.psserver.optimizer import OptimizerSpec
 from paramserve.psserver.store import check_state
 from paramserve.psserver.tensors import dtype_from_name, dtype_name
 from paramserve.psserver.types import ShardRef, ShardState
-from torch import Tensor
 
 __all__ = [
     "FORMAT_VERSION",

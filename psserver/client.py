@@ -23,6 +23,7 @@ from typing import TypeVar
 import grpc
 import tenacity
 import torch
+
 from paramserve.psserver import convert
 from paramserve.psserver.errors import (
     ERROR_METADATA_KEY,

@@ -1,11 +1,15 @@
-"""Translation between wire messages and core types, used by the servicer and the client.
+"""The one translation between wire messages and the shared types, for every side.
 
-Only this module and the servicer know both worlds; the core knows no protobuf.
+The parameter server's servicer and client convert shards and pulls here; the
+coordinator and the worker convert variable layouts and the cluster context here.
+The cores (store, worker core) know no protobuf. Whatever comes from the wire is
+validated on the way in: a malformed message raises InvalidRequestError.
 """
 
 from __future__ import annotations
 
 import torch
+
 from paramserve.psserver.errors import InvalidRequestError
 from paramserve.psserver.optimizer import OptimizerSpec
 from paramserve.psserver.store import initial_value
@@ -16,9 +20,9 @@ from paramserve.psserver.streams import (
     tensor_payload,
 )
 from paramserve.psserver.tensors import dtype_from_name, dtype_name
-from paramserve.psserver.types import ShardInfo, ShardRef, ShardState
+from paramserve.psserver.types import ClusterContext, ShardInfo, ShardPlacement, ShardRef, ShardState, VariableLayout
+from paramserve.wire.v1 import cluster_pb2, tensor_pb2
 from paramserve.wire.v1 import parameter_server_pb2 as ps_pb2
-from paramserve.wire.v1 import tensor_pb2
 
 
 def ref_to_proto(ref: ShardRef) -> tensor_pb2.ShardRef:
@@ -165,3 +169,78 @@ def rows_from_bytes(raw: bytes) -> torch.Tensor:
     if not raw:
         return torch.empty(0, dtype=torch.int64)
     return torch.frombuffer(bytearray(raw), dtype=torch.int64)
+
+
+# ---------------------------------------------------------------- layouts and the cluster context
+
+
+def layout_to_proto(layout: VariableLayout) -> cluster_pb2.VariableLayout:
+    return cluster_pb2.VariableLayout(
+        name=layout.name,
+        shape=list(layout.shape),
+        dtype=dtype_name(layout.dtype),
+        shards=[
+            cluster_pb2.ShardPlacement(index=s.index, server=s.server, row_start=s.row_start, num_rows=s.num_rows)
+            for s in layout.shards
+        ],
+    )
+
+
+def layout_from_proto(message: cluster_pb2.VariableLayout, num_servers: int) -> VariableLayout:
+    """Raises InvalidRequestError unless the shards cover the variable's rows once, in order,
+    each on one of the ``num_servers`` servers."""
+    name = message.name
+    if not name:
+        raise InvalidRequestError("a variable layout without a name")
+    shape = tuple(int(d) for d in message.shape)
+    if any(d < 0 for d in shape):
+        raise InvalidRequestError(f"negative dimension in shape {shape}", variable=name)
+    shards = tuple(
+        ShardPlacement(int(s.index), int(s.server), int(s.row_start), int(s.num_rows)) for s in message.shards
+    )
+    _check_placements(name, shape, shards, num_servers)
+    return VariableLayout(name, shape, dtype_from_name(message.dtype), shards)
+
+
+def _check_placements(name: str, shape: tuple[int, ...], shards: tuple[ShardPlacement, ...], num_servers: int) -> None:
+    if not shards:
+        raise InvalidRequestError("a variable layout without shards", variable=name)
+    rows = shape[0] if shape else 1
+    cursor = 0
+    for position, shard in enumerate(shards):
+        if shard.index != position:
+            raise InvalidRequestError(f"shard {position} is numbered {shard.index}", variable=name)
+        if not 0 <= shard.server < num_servers:
+            raise InvalidRequestError(
+                f"shard {shard.index} is placed on server {shard.server}, but the cluster has {num_servers} "
+                "parameter servers",
+                variable=name,
+            )
+        if shard.row_start != cursor or shard.num_rows < 0:
+            raise InvalidRequestError(
+                f"shard {shard.index} holds rows from {shard.row_start} (x{shard.num_rows}); the shards must "
+                f"cover the rows in order from 0 (expected {cursor})",
+                variable=name,
+            )
+        cursor += shard.num_rows if shape else 1
+    if cursor != rows:
+        raise InvalidRequestError(f"the shards hold {cursor} rows of {rows}", variable=name)
+
+
+def cluster_to_proto(context: ClusterContext) -> cluster_pb2.ClusterContext:
+    return cluster_pb2.ClusterContext(
+        parameter_servers=list(context.parameter_servers),
+        variables=[layout_to_proto(layout) for layout in context.layouts.values()],
+    )
+
+
+def cluster_from_proto(message: cluster_pb2.ClusterContext) -> ClusterContext:
+    """Raises InvalidRequestError (or DtypeMismatchError) for a malformed context."""
+    servers = tuple(message.parameter_servers)
+    layouts: dict[str, VariableLayout] = {}
+    for item in message.variables:
+        layout = layout_from_proto(item, len(servers))
+        if layout.name in layouts:
+            raise InvalidRequestError("the cluster context lists the variable twice", variable=layout.name)
+        layouts[layout.name] = layout
+    return ClusterContext(servers, layouts)

@@ -46,13 +46,14 @@ from types import MappingProxyType
 from typing import Any
 
 import torch
+from torch import Tensor
+
 from paramserve.psserver.errors import (
     DtypeMismatchError,
     IndexOutOfRangeError,
     InvalidRequestError,
     ShapeMismatchError,
 )
-from torch import Tensor
 
 __all__ = ["OPTIMIZER_NAMES", "OptimizerSpec", "ShardOptimizer"]
 

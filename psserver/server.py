@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
 from paramserve.psserver.errors import ParamServeError
 from paramserve.psserver.servicer import (
     SERVICE_NAME,
@@ -14,7 +16,6 @@ from paramserve.psserver.serving import GrpcService, RunningService, TlsConfig
 from paramserve.psserver.store import ShardStore, StoreConfig
 from paramserve.psserver.streams import DEFAULT_CHUNK_BYTES
 from paramserve.psserver.types import PushOutcome
-from prometheus_client import CollectorRegistry, Counter, Histogram
 
 
 @dataclass(frozen=True)

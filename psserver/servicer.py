@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import grpc
 import torch
+
 from paramserve.psserver import checkpoint, convert
 from paramserve.psserver.errors import InvalidRequestError, VariableNotFoundError
 from paramserve.psserver.serving import parse, stream_boundary, unary_boundary

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
 from paramserve.psserver.atomic_files import atomic_write
 from paramserve.psserver.errors import (
     ERROR_METADATA_KEY,
@@ -38,7 +40,6 @@ from paramserve.psserver.errors import (
     InvalidRequestError,
     ParamServeError,
 )
-from prometheus_client import CollectorRegistry, Counter, Histogram
 
 log = logging.getLogger(__name__)
 

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import torch
+from torch import Tensor
+
 from paramserve.psserver.errors import (
     DtypeMismatchError,
     IndexOutOfRangeError,
@@ -38,7 +40,6 @@ from paramserve.psserver.idempotency import IdempotencyWindow
 from paramserve.psserver.optimizer import OptimizerSpec, ShardOptimizer
 from paramserve.psserver.tensors import DTYPE_NAMES, dtype_name
 from paramserve.psserver.types import PushOutcome, ShardInfo, ShardRef, ShardState
-from torch import Tensor
 
 _R = TypeVar("_R")
 

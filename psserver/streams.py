@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import numpy as np
 import torch
 from google.protobuf.message import DecodeError
+
 from paramserve.psserver.errors import InvalidRequestError
 from paramserve.psserver.tensors import (
     as_byte_view,

@@ -10,6 +10,7 @@ import sys
 from collections.abc import Sequence
 
 import torch
+
 from paramserve.psserver.errors import DtypeMismatchError, InvalidRequestError
 
 DTYPES: dict[str, torch.dtype] = {

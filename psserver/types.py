@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 import torch
-from paramserve.psserver.optimizer import OptimizerSpec
 from torch import Tensor
+
+from paramserve.psserver.optimizer import OptimizerSpec
 
 __all__ = [
     "ClusterContext",

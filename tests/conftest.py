@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import pytest
+
 from paramserve.psserver.client import ClientConfig, ParameterServerClient
 from paramserve.psserver.server import ParameterServer, ServerConfig, build_server
 

@@ -11,9 +11,10 @@ import threading
 from collections.abc import Callable
 
 import cloudpickle
+
 from paramserve.coordinator.coordinator import ClusterCoordinator
 from paramserve.coordinator.launcher import LocalCluster
-from paramserve.wire.v1 import worker_pb2
+from paramserve.psserver.types import ClusterContext
 
 # check_in runs on workers, which cannot import the tests: send it by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -27,8 +28,8 @@ class FakeStrategy:
         self.token = token
         self.attached: list[ClusterCoordinator] = []
 
-    def cluster_context(self) -> worker_pb2.ClusterContext:
-        return worker_pb2.ClusterContext(parameter_servers=list(self.cluster.parameter_servers))
+    def cluster_context(self) -> ClusterContext:
+        return ClusterContext(self.cluster.parameter_servers)
 
     def _attach_coordinator(self, coordinator: ClusterCoordinator) -> None:
         self.attached.append(coordinator)

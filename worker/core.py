@@ -18,17 +18,15 @@ import time
 import traceback
 import uuid
 from collections import OrderedDict, defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import cloudpickle
 import torch
-from paramserve.psserver.client import (
-    ClientConfig,
-    ParameterServerClient,
-    layouts_from_infos,
-)
+from torch import nn
+
+from paramserve.psserver.client import ClientConfig, ParameterServerClient
 from paramserve.psserver.errors import (
     DeadlineExceededError,
     DtypeMismatchError,
@@ -36,13 +34,7 @@ from paramserve.psserver.errors import (
     ServerUnavailableError,
     ShapeMismatchError,
 )
-from paramserve.psserver.types import (
-    PullResult,
-    RowGradient,
-    ShardInfo,
-    ShardRef,
-    VariableLayout,
-)
+from paramserve.psserver.types import ClusterContext, PullResult, RowGradient, ShardRef
 from paramserve.worker.resources import (
     ResourceMissingError,
     WorkerContext,
@@ -55,7 +47,6 @@ from paramserve.worker.variables import (
     using_access,
     variable_name,
 )
-from torch import nn
 
 if TYPE_CHECKING:
     from paramserve.worker.server import WorkerConfig
@@ -77,14 +68,6 @@ class ResourceSpec:
     """cloudpickle of ``fn(ctx: WorkerContext) -> object``."""
 
 
-@dataclass(frozen=True)
-class ClusterContext:
-    """Where every variable lives; sent with every closure so a fresh worker needs nothing else."""
-
-    parameter_servers: tuple[str, ...] = ()
-    shards: tuple[ShardInfo, ...] = ()
-    shard_servers: tuple[int, ...] = ()
-    """Server index of each entry of ``shards``."""
 
 
 @dataclass(frozen=True)
@@ -103,7 +86,7 @@ class ClosureRequest:
 
 
 @dataclass(frozen=True)
-class ClosureError:
+class ClosureFailure:
     type: str = ""
     message: str = ""
     traceback: str = ""
@@ -119,7 +102,7 @@ class ClosureOutcome:
     """Exactly one of ``result`` (cloudpickle of the last return value) and ``error`` is set."""
 
     result: bytes | None
-    error: ClosureError | None
+    error: ClosureFailure | None
     worker_incarnation: str
     resources_held: tuple[str, ...]
     pushes_applied: int
@@ -128,7 +111,7 @@ class ClosureOutcome:
 
 
 @dataclass(frozen=True)
-class WorkerInfoData:
+class WorkerInfo:
     incarnation: str
     pid: int
     resources_held: tuple[str, ...]
@@ -141,40 +124,6 @@ class ClosureObserver(Protocol):
 
     def on_closure(self, request: ClosureRequest, outcome: ClosureOutcome) -> None: ...
 
-
-# ---------------------------------------------------------------- layouts on the wire
-
-
-def layouts_from_cluster(cluster: ClusterContext) -> dict[str, VariableLayout]:
-    """The variable layouts a ClusterContext describes.
-
-    Raises InvalidRequestError when shards and servers do not line up.
-    """
-    if len(cluster.shards) != len(cluster.shard_servers):
-        raise InvalidRequestError(
-            f"cluster context lists {len(cluster.shards)} shards but {len(cluster.shard_servers)} shard servers"
-        )
-    by_server: dict[int, list[ShardInfo]] = defaultdict(list)
-    for info, server in zip(cluster.shards, cluster.shard_servers):
-        if not 0 <= server < len(cluster.parameter_servers):
-            raise InvalidRequestError(
-                f"shard {info.ref.shard} of {info.ref.variable!r} is placed on server {server}, "
-                f"but the cluster has {len(cluster.parameter_servers)} parameter servers",
-                variable=info.ref.variable,
-            )
-        by_server[server].append(info)
-    return layouts_from_infos(by_server)
-
-
-def cluster_context_from_layouts(addresses: Sequence[str], layouts: Mapping[str, VariableLayout]) -> ClusterContext:
-    """The ClusterContext the coordinator sends for these layouts (inverse of layouts_from_cluster)."""
-    shards, servers = [], []
-    for layout in layouts.values():
-        for shard in layout.shards:
-            shape = (shard.num_rows, *layout.shape[1:]) if layout.shape else ()
-            shards.append(ShardInfo(layout.ref(shard), layout.shape, shard.row_start, shape, layout.dtype, None, 0))
-            servers.append(shard.server)
-    return ClusterContext(tuple(addresses), tuple(shards), tuple(servers))
 
 
 # ---------------------------------------------------------------- local parameters
@@ -388,10 +337,9 @@ class WorkerCore:
         back in the outcome; only a malformed request raises (InvalidRequestError).
         """
         _validate(request)
-        layouts = layouts_from_cluster(request.cluster)
         with self._run_lock:
             start = time.perf_counter()
-            access = ClosureAccess(self._variables, self._client_for(request.cluster, layouts), request.closure_id)
+            access = ClosureAccess(self._variables, self._client_for(request.cluster), request.closure_id)
             result, error = self._execute(request, access)
             outcome = ClosureOutcome(
                 result=result,
@@ -409,10 +357,10 @@ class WorkerCore:
             self._observer.on_closure(request, outcome)
         return outcome
 
-    def info(self) -> WorkerInfoData:
+    def info(self) -> WorkerInfo:
         held = self._held()
         with self._state_lock:
-            return WorkerInfoData(self.incarnation, os.getpid(), held, self._closures_run)
+            return WorkerInfo(self.incarnation, os.getpid(), held, self._closures_run)
 
     def close(self) -> None:
         """Closes the parameter-server clients (and their threads)."""
@@ -421,7 +369,7 @@ class WorkerCore:
         for client in clients:
             client.close()
 
-    def _execute(self, request: ClosureRequest, access: ClosureAccess) -> tuple[bytes | None, ClosureError | None]:
+    def _execute(self, request: ClosureRequest, access: ClosureAccess) -> tuple[bytes | None, ClosureFailure | None]:
         context = WorkerContext(request.worker_index, request.num_workers, self.incarnation)
         # Gradients left by an earlier (perhaps failed) closure must not leak into this one.
         self._variables.clear_grads()
@@ -437,7 +385,7 @@ class WorkerCore:
             return _dumps_value(result), None
         # SystemExit too: a closure calling sys.exit() must not take the RPC thread down with it.
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - all of it goes back to the coordinator
-            return None, closure_error(exc)
+            return None, closure_failure(exc)
 
     def _create_resources(self, specs: Sequence[ResourceSpec], context: WorkerContext) -> None:
         for spec in specs:
@@ -449,7 +397,7 @@ class WorkerCore:
                 self._resources[spec.resource_id] = resource
             log.info("created resource %s", spec.resource_id)
 
-    def _client_for(self, cluster: ClusterContext, layouts: dict[str, VariableLayout]) -> ParameterServerClient | None:
+    def _client_for(self, cluster: ClusterContext) -> ParameterServerClient | None:
         addresses = tuple(cluster.parameter_servers)
         if not addresses:
             return None
@@ -461,7 +409,7 @@ class WorkerCore:
                 _, oldest = self._clients.popitem(last=False)
                 oldest.close()
         self._clients.move_to_end(addresses)
-        client.adopt_layouts(layouts)
+        client.adopt_layouts(cluster.layouts)
         return client
 
     def _client_config(self) -> ClientConfig:
@@ -536,13 +484,13 @@ def _dumps_value(value: Any) -> bytes:
     return buffer.getvalue()
 
 
-def closure_error(exc: BaseException) -> ClosureError:
+def closure_failure(exc: BaseException) -> ClosureFailure:
     """What the coordinator learns about an exception raised while running a closure."""
     missing = _in_chain(exc, ResourceMissingError)
     if missing is not None:
-        return ClosureError(type=_qualified_name(missing), message=str(missing), missing_resources=missing.resource_ids)
+        return ClosureFailure(type=_qualified_name(missing), message=str(missing), missing_resources=missing.resource_ids)
     server_error = _in_chain(exc, (ServerUnavailableError, DeadlineExceededError))
-    return ClosureError(
+    return ClosureFailure(
         type=_qualified_name(exc),
         message=str(exc),
         traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),

@@ -6,10 +6,11 @@ import pathlib
 from dataclasses import dataclass
 
 import torch
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
 from paramserve.psserver.serving import GrpcService, RunningService, TlsConfig
 from paramserve.worker.core import ClosureOutcome, ClosureRequest, WorkerCore
 from paramserve.worker.servicer import SERVICE_NAME, WorkerServicer, generic_handler
-from prometheus_client import CollectorRegistry, Counter, Histogram
 
 
 @dataclass(frozen=True)

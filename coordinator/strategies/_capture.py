@@ -20,11 +20,12 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+from torch import nn
+from torch.nn.modules import module as module_hooks
+
 from paramserve.coordinator.strategies._replicas import _local as _replica_local
 from paramserve.coordinator.strategies._replicas import replica_of
 from paramserve.coordinator.strategies.base import Strategy
-from torch import nn
-from torch.nn.modules import module as module_hooks
 
 LINK = "_paramserve_link"
 """Instance attribute holding the link of a distributed module or optimizer."""

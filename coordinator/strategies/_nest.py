@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+
 from paramserve.coordinator.strategies.values import PerReplica
 
 

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+
 from paramserve.coordinator.strategies.base import Strategy, replica_thread_context
 
 

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+
 from paramserve.coordinator.strategies.base import ReduceOp
 from paramserve.coordinator.strategies.values import DistributedValue, Mirrored
 

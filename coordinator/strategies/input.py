@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
 from paramserve.coordinator.strategies import _nest
 from paramserve.coordinator.strategies.base import InputContext
 

@@ -8,6 +8,7 @@ divided by the *global* batch size (tf.nn.compute_average_loss).
 from __future__ import annotations
 
 import torch
+
 from paramserve.coordinator.strategies.base import get_replica_context, get_strategy
 
 

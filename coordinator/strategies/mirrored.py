@@ -66,6 +66,10 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
+from torch import nn
+from torch.nn.modules import module as module_hooks
+from torch.optim import optimizer as optimizer_hooks
+
 from paramserve.coordinator.strategies import _capture, _nest
 from paramserve.coordinator.strategies._replicas import (
     Rendezvous,
@@ -96,9 +100,6 @@ from paramserve.coordinator.strategies.values import (
     SyncOnReadVariable,
     VariableAggregation,
 )
-from torch import nn
-from torch.nn.modules import module as module_hooks
-from torch.optim import optimizer as optimizer_hooks
 
 # ------------------------------------------------------------------ devices
 

@@ -56,6 +56,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.optim import optimizer as optimizer_hooks
+
 from paramserve.coordinator.cluster import ClusterSpecError, TaskSpec, parse_address
 from paramserve.coordinator.strategies import _nest
 from paramserve.coordinator.strategies._capture import recording_modules
@@ -67,8 +70,6 @@ from paramserve.coordinator.strategies.base import (
 )
 from paramserve.coordinator.strategies.input import InputOptions, split_batch
 from paramserve.coordinator.strategies.values import DistributedValue
-from torch import nn
-from torch.optim import optimizer as optimizer_hooks
 
 __all__ = [
     "ClusterResolver",

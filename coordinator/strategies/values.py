@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+
 from paramserve.coordinator.strategies.base import (
     Strategy,
     get_replica_context,

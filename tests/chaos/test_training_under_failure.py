@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from paramserve.coordinator.coordinator import ClusterCoordinator
 from paramserve.coordinator.demo import MLP, train_step, worker_batches
 from paramserve.coordinator.errors import ParameterServerUnavailableError

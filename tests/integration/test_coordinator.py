@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import cloudpickle
 import pytest
 from coordinator_doubles import FakeStrategy, Gate, check_in
+
 from paramserve.coordinator.coordinator import ClusterCoordinator, CoordinatorConfig
 from paramserve.coordinator.errors import (
     ClosureCancelledError,

@@ -4,6 +4,8 @@ mirrored (2 replicas) -> parameter servers -> mirrored (3 replicas) -> plain tor
 from __future__ import annotations
 
 import torch
+from torch import nn
+
 from paramserve.coordinator import (
     ClusterCoordinator,
     MirroredStrategy,
@@ -13,7 +15,6 @@ from paramserve.coordinator import (
 )
 from paramserve.coordinator.demo import MLP, digits_split, train_step, worker_batches
 from paramserve.coordinator.strategies import compute_average_loss
-from torch import nn
 
 
 def mirrored_steps(strategy, model, optimizer, steps):

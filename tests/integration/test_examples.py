@@ -4,6 +4,7 @@ the parameter-server and multi-worker paths are covered by test_fit.py)."""
 from __future__ import annotations
 
 import pytest
+
 from paramserve.coordinator import examples
 
 

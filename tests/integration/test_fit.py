@@ -19,6 +19,9 @@ from typing import Any
 import cloudpickle
 import pytest
 import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
 from paramserve.coordinator.callbacks import (
     BackupAndRestore,
     Callback,
@@ -30,8 +33,6 @@ from paramserve.coordinator.demo import MLP, digits_split, worker_batches
 from paramserve.coordinator.fit import evaluate, fit, predict
 from paramserve.coordinator.strategy import ParameterServerStrategy
 from paramserve.psserver.partition import FixedShardsPartitioner
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import the test module
 

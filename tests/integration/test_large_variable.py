@@ -10,6 +10,7 @@ import os
 
 import pytest
 import torch
+
 from paramserve.psserver.client import ClientConfig, ParameterServerClient
 from paramserve.psserver.optimizer import OptimizerSpec
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import pytest
+
 from paramserve.coordinator.cluster import ClusterSpec, parse_address
 from paramserve.coordinator.launcher import (
     ClusterState,

@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
+
 from paramserve.coordinator.cluster import ClusterSpecError
 from paramserve.coordinator.strategies.base import ReduceOp, get_replica_context
 from paramserve.coordinator.strategies.losses import compute_average_loss
@@ -30,7 +32,6 @@ from paramserve.coordinator.strategies.multi_worker import (
     MultiWorkerMirroredStrategy,
     select_backend,
 )
-from torch import nn
 
 WORLD_SIZE = 2
 GLOBAL_BATCH = 16

@@ -7,6 +7,7 @@ import sys
 
 import cloudpickle
 import torch
+
 from paramserve.coordinator.checkpoints import (
     CheckpointManager,
     export_state_dict,

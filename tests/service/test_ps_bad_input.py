@@ -7,6 +7,7 @@ import socket
 import grpc
 import pytest
 import torch
+
 from paramserve.psserver.errors import (
     AuthenticationError,
     DtypeMismatchError,

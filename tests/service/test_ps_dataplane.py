@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from paramserve.psserver.optimizer import OptimizerSpec
 from paramserve.psserver.partition import FixedShardsPartitioner
 from paramserve.psserver.types import RowGradient, ShardRef

@@ -7,6 +7,7 @@ import subprocess
 
 import pytest
 import torch
+
 from paramserve.psserver.errors import ServerUnavailableError
 from paramserve.psserver.optimizer import OptimizerSpec
 from paramserve.psserver.serving import TlsConfig

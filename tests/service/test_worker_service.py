@@ -9,22 +9,17 @@ import cloudpickle
 import grpc
 import pytest
 import torch
+from torch import nn
+
 from paramserve.psserver.optimizer import OptimizerSpec
 from paramserve.psserver.partition import FixedShardsPartitioner
-from paramserve.wire.v1 import worker_pb2, worker_pb2_grpc
-from paramserve.worker.core import (
-    ClosureRequest,
-    ClusterContext,
-    cluster_context_from_layouts,
-)
+from paramserve.psserver.types import ClusterContext
+from paramserve.wire.v1 import cluster_pb2, worker_pb2, worker_pb2_grpc
+from paramserve.worker.convert import outcome_from_proto, request_to_proto
+from paramserve.worker.core import ClosureRequest
 from paramserve.worker.server import WorkerConfig, build_worker
-from paramserve.worker.servicer import (
-    SERVICE_NAME,
-    outcome_from_proto,
-    request_to_proto,
-)
+from paramserve.worker.servicer import SERVICE_NAME
 from paramserve.worker.variables import ServerOptimizer, dumps_closure, mark_variable
-from torch import nn
 
 SGD = OptimizerSpec("SGD", {"lr": 0.5})
 TOKEN = "worker-secret"
@@ -106,7 +101,7 @@ def test_a_training_closure_updates_the_parameter_server(start_worker, stub_for,
     weight = nn.Parameter(torch.zeros(3))
     mark_variable(weight, "w")
     optimizer = ServerOptimizer(["w"], "SGD", {"lr": 0.5})
-    cluster = cluster_context_from_layouts(client.addresses, client.layouts)
+    cluster = ClusterContext(client.addresses, client.layouts)
     stub = stub_for(start_worker())
 
     outcome = outcome_from_proto(stub.RunClosure(run_request(descend, weight, optimizer, cluster=cluster), timeout=30))
@@ -176,7 +171,11 @@ def test_malformed_requests_get_invalid_argument_and_the_server_stays_up(start_w
         raw_run = channel.unary_unary(f"/{SERVICE_NAME}/RunClosure")
         with pytest.raises(grpc.RpcError) as garbage:
             raw_run(b"\xff\xff\xff\xff", timeout=30)
-    bad_cluster = worker_pb2.ClusterContext(parameter_servers=["127.0.0.1:1"], shard_servers=[0])
+    bad_cluster = cluster_pb2.ClusterContext(  # a shard on a server the cluster does not have
+        parameter_servers=["127.0.0.1:1"],
+        variables=[cluster_pb2.VariableLayout(name="w", shape=[2], dtype="float32", shards=[
+            cluster_pb2.ShardPlacement(index=0, server=3, row_start=0, num_rows=2)])],
+    )
     requests = [
         worker_pb2.RunClosureRequest(payload=b"x"),  # no closure_id
         worker_pb2.RunClosureRequest(closure_id="c", payload=b"x", steps=-2),
@@ -203,7 +202,7 @@ def test_stop_leaves_no_worker_threads(start_ps, make_client):
     client.create_variable("w", torch.ones(3), optimizer=SGD, partitioner=FixedShardsPartitioner(2))
     weight = nn.Parameter(torch.zeros(3))
     mark_variable(weight, "w")
-    cluster = cluster_context_from_layouts(client.addresses, client.layouts)
+    cluster = ClusterContext(client.addresses, client.layouts)
     before = set(threading.enumerate())
     worker = build_worker(WorkerConfig(port=0, max_workers=2))
     with grpc.insecure_channel(worker.address) as channel:

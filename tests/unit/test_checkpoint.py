@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from paramserve.psserver import checkpoint
 from paramserve.psserver.checkpoint import (
     latest_checkpoint,

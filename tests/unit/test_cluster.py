@@ -6,6 +6,7 @@ import json
 import logging
 
 import pytest
+
 from paramserve.coordinator.cluster import (
     ClusterSpec,
     ClusterSpecError,

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import cloudpickle
 import pytest
+
 from paramserve.coordinator.closures import (
     Closure,
     ClosureQueue,
@@ -45,7 +46,7 @@ from paramserve.coordinator.values import (
     RemoteValueState,
     fetch_structure,
 )
-from paramserve.wire.v1 import worker_pb2
+from paramserve.wire.v1 import cluster_pb2, worker_pb2
 from paramserve.worker.resources import PerWorkerResource
 
 POLICY = FailurePolicy(max_attempts=3, max_resource_resends=2)
@@ -116,7 +117,7 @@ def test_stop_iteration_is_out_of_range_and_user_errors_are_closure_errors():
 
 
 def test_decisions_read_the_proto_too():
-    proto = worker_pb2.ClosureError(type="builtins.KeyError", missing_resources=["r"])
+    proto = worker_pb2.ClosureFailure(type="builtins.KeyError", missing_resources=["r"])
     assert decide_on_closure_error(proto, resends=0, known_resources={"r"}, policy=POLICY).action is Action.RESEND_RESOURCES
 
 
@@ -343,7 +344,7 @@ def _ok(value, incarnation="inc-1", held=()):
 def _dispatcher(transport, queue, specs=None, policy=POLICY):
     return Dispatcher(
         "w:0", 0, queue=queue, specs=specs or ResourceSpecs(), transport=transport,
-        cluster_context=worker_pb2.ClusterContext, num_workers=lambda: 2, policy=policy,
+        cluster_context=cluster_pb2.ClusterContext, num_workers=lambda: 2, policy=policy,
     )
 
 
@@ -384,7 +385,7 @@ def test_missing_resources_are_resent_on_the_same_worker():
     specs = ResourceSpecs()
     specs.add("r1", b"make-it")
     missing = worker_pb2.RunClosureResponse(
-        error=worker_pb2.ClosureError(type="ResourceMissingError", missing_resources=["r1"]), worker_incarnation="new"
+        error=worker_pb2.ClosureFailure(type="ResourceMissingError", missing_resources=["r1"]), worker_incarnation="new"
     )
     queue, transport = ClosureQueue(10), FakeTransport([missing, _ok("done", incarnation="new", held=["r1"])])
     closure = _closure("step")  # the reference was captured where find_resource_ids does not look
@@ -395,7 +396,7 @@ def test_missing_resources_are_resent_on_the_same_worker():
 
 
 def test_a_user_error_fails_the_closure_with_the_remote_details():
-    reply = worker_pb2.RunClosureResponse(error=worker_pb2.ClosureError(
+    reply = worker_pb2.RunClosureResponse(error=worker_pb2.ClosureFailure(
         type="builtins.ZeroDivisionError", message="division by zero", traceback="in train_step"))
     queue = ClosureQueue(10)
     closure = _closure("train_step")

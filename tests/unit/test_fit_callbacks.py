@@ -7,6 +7,9 @@ import pathlib
 
 import pytest
 import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
 from paramserve.coordinator.callbacks import (
     BackupAndRestore,
     Callback,
@@ -19,8 +22,6 @@ from paramserve.coordinator.callbacks import (
 )
 from paramserve.coordinator.demo import MLP, digits_split
 from paramserve.coordinator.fit import evaluate, fit, predict, resolve_metrics
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 LOSS = nn.CrossEntropyLoss(reduction="none")
 

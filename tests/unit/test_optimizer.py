@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 
 import pytest
 import torch
+
 from paramserve.psserver.errors import (
     DtypeMismatchError,
     IndexOutOfRangeError,

@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+
 from paramserve.psserver.errors import (
     DtypeMismatchError,
     IndexOutOfRangeError,

@@ -8,6 +8,8 @@ import threading
 
 import pytest
 import torch
+from torch import nn
+
 from paramserve.coordinator.strategies import (
     CentralStorageStrategy,
     HierarchicalCopyAllReduce,
@@ -32,7 +34,6 @@ from paramserve.coordinator.strategies import (
 from paramserve.coordinator.strategies.base import DefaultStrategy
 from paramserve.coordinator.strategies.cross_device_ops import CrossDeviceOps
 from paramserve.coordinator.strategies.input import DistributedDataset
-from torch import nn
 
 STEPS = 4
 LR, MOMENTUM = 0.1, 0.9

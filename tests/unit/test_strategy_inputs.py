@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
+
 from paramserve.coordinator import (
     CheckpointManager,
     ClusterSpec,
@@ -13,7 +15,6 @@ from paramserve.coordinator import (
     load_state_dict,
 )
 from paramserve.psserver.errors import CheckpointError
-from torch import nn
 
 CLUSTER = ClusterSpec(parameter_servers=("127.0.0.1:1",), workers=("127.0.0.1:2",))
 

@@ -7,16 +7,17 @@ import pickle
 import cloudpickle
 import pytest
 import torch
-from paramserve.psserver.errors import InvalidRequestError
+from torch import nn
+
+from paramserve.psserver import convert
+from paramserve.psserver.errors import InvalidRequestError, ParamServeError
 from paramserve.psserver.optimizer import OptimizerSpec
 from paramserve.psserver.partition import FixedShardsPartitioner
+from paramserve.psserver.types import ClusterContext
 from paramserve.worker.core import (
     ClosureRequest,
-    ClusterContext,
     ResourceSpec,
     WorkerCore,
-    cluster_context_from_layouts,
-    layouts_from_cluster,
 )
 from paramserve.worker.resources import (
     PerWorkerResource,
@@ -32,7 +33,6 @@ from paramserve.worker.variables import (
     dumps_closure,
     mark_variable,
 )
-from torch import nn
 
 LR = 0.5
 SGD = OptimizerSpec("SGD", {"lr": LR})
@@ -126,7 +126,7 @@ def distributed_linear() -> tuple[nn.Linear, ServerOptimizer]:
 
 
 def closure_request(client, fn, *args, closure_id="closure-1", steps=1, resources=(), **kwargs) -> ClosureRequest:
-    cluster = cluster_context_from_layouts(client.addresses, client.layouts) if client else ClusterContext()
+    cluster = ClusterContext(client.addresses, client.layouts) if client else ClusterContext()
     return ClosureRequest(
         closure_id=closure_id,
         payload=dumps_closure((fn, args, kwargs)),
@@ -337,15 +337,11 @@ def test_an_unreachable_parameter_server_is_named_in_the_error(start_ps, make_cl
 def test_malformed_requests_raise_and_change_nothing(core, ps):
     server, client = ps
     good = closure_request(client, read_parameter, torch.zeros(1))
-    bad_cluster = ClusterContext(good.cluster.parameter_servers, good.cluster.shards, good.cluster.shard_servers[:-1])
-    wrong_server = ClusterContext(good.cluster.parameter_servers, good.cluster.shards, (5,) * len(good.cluster.shards))
 
     for request in (
         ClosureRequest(closure_id="", payload=good.payload),
         ClosureRequest(closure_id="x", payload=b""),
         ClosureRequest(closure_id="x", payload=good.payload, steps=-1),
-        ClosureRequest(closure_id="x", payload=good.payload, cluster=bad_cluster),
-        ClosureRequest(closure_id="x", payload=good.payload, cluster=wrong_server),
     ):
         with pytest.raises(InvalidRequestError):
             core.run_closure(request)
@@ -362,15 +358,35 @@ def test_info_names_the_incarnation_and_counts_closures(core):
     assert WorkerCore(WorkerConfig()).incarnation != first.incarnation
 
 
-def test_cluster_context_round_trips_layouts(ps):
+def test_cluster_context_round_trips_through_the_wire(ps):
     server, client = ps
-    layouts = client.layouts
+    cluster = ClusterContext(client.addresses, client.layouts)
 
-    cluster = cluster_context_from_layouts(client.addresses, layouts)
+    message = convert.cluster_to_proto(cluster)
 
-    assert cluster.parameter_servers == (server.address,)
-    assert len(cluster.shards) == len(cluster.shard_servers) == 3
-    assert layouts_from_cluster(cluster) == layouts
+    assert list(message.parameter_servers) == [server.address]
+    assert sum(len(v.shards) for v in message.variables) == 3
+    assert convert.cluster_from_proto(message) == cluster
+    assert convert.cluster_from_proto(message).fingerprint == cluster.fingerprint
+
+
+def test_malformed_cluster_contexts_are_refused_on_the_way_in(ps):
+    server, client = ps
+    good = convert.cluster_to_proto(ClusterContext(client.addresses, client.layouts))
+    broken = []
+    for mutate in (
+        lambda m: m.variables[0].shards[0].__setattr__("server", 5),  # no such server
+        lambda m: m.variables[0].shards[0].__setattr__("row_start", 1),  # rows not covered from 0
+        lambda m: m.variables[0].shards.pop(),  # rows missing
+        lambda m: m.variables[0].__setattr__("dtype", "complex1024"),  # unknown dtype
+        lambda m: m.variables.append(m.variables[0]),  # a variable twice
+    ):
+        message = type(good).FromString(good.SerializeToString())
+        mutate(message)
+        broken.append(message)
+    for message in broken:
+        with pytest.raises(ParamServeError):
+            convert.cluster_from_proto(message)
 
 
 def test_per_worker_resource_pickles_as_a_reference():

@@ -1,4 +1,4 @@
-from paramserve.wire.v1 import parameter_server_pb2 as _parameter_server_pb2
+from paramserve.wire.v1 import cluster_pb2 as _cluster_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -6,16 +6,6 @@ from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
-
-class ClusterContext(_message.Message):
-    __slots__ = ("parameter_servers", "shards", "shard_servers")
-    PARAMETER_SERVERS_FIELD_NUMBER: _ClassVar[int]
-    SHARDS_FIELD_NUMBER: _ClassVar[int]
-    SHARD_SERVERS_FIELD_NUMBER: _ClassVar[int]
-    parameter_servers: _containers.RepeatedScalarFieldContainer[str]
-    shards: _containers.RepeatedCompositeFieldContainer[_parameter_server_pb2.ShardInfo]
-    shard_servers: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, parameter_servers: _Optional[_Iterable[str]] = ..., shards: _Optional[_Iterable[_Union[_parameter_server_pb2.ShardInfo, _Mapping]]] = ..., shard_servers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ResourceSpec(_message.Message):
     __slots__ = ("resource_id", "payload")
@@ -41,13 +31,13 @@ class RunClosureRequest(_message.Message):
     function_name: str
     payload: bytes
     resources: _containers.RepeatedCompositeFieldContainer[ResourceSpec]
-    cluster: ClusterContext
+    cluster: _cluster_pb2.ClusterContext
     steps: int
     worker_index: int
     num_workers: int
-    def __init__(self, closure_id: _Optional[str] = ..., attempt: _Optional[int] = ..., function_name: _Optional[str] = ..., payload: _Optional[bytes] = ..., resources: _Optional[_Iterable[_Union[ResourceSpec, _Mapping]]] = ..., cluster: _Optional[_Union[ClusterContext, _Mapping]] = ..., steps: _Optional[int] = ..., worker_index: _Optional[int] = ..., num_workers: _Optional[int] = ...) -> None: ...
+    def __init__(self, closure_id: _Optional[str] = ..., attempt: _Optional[int] = ..., function_name: _Optional[str] = ..., payload: _Optional[bytes] = ..., resources: _Optional[_Iterable[_Union[ResourceSpec, _Mapping]]] = ..., cluster: _Optional[_Union[_cluster_pb2.ClusterContext, _Mapping]] = ..., steps: _Optional[int] = ..., worker_index: _Optional[int] = ..., num_workers: _Optional[int] = ...) -> None: ...
 
-class ClosureError(_message.Message):
+class ClosureFailure(_message.Message):
     __slots__ = ("type", "message", "traceback", "pickled", "missing_resources", "parameter_server")
     TYPE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
@@ -73,13 +63,13 @@ class RunClosureResponse(_message.Message):
     PUSHES_DUPLICATE_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     result: bytes
-    error: ClosureError
+    error: ClosureFailure
     worker_incarnation: str
     resources_held: _containers.RepeatedScalarFieldContainer[str]
     pushes_applied: int
     pushes_duplicate: int
     seconds: float
-    def __init__(self, result: _Optional[bytes] = ..., error: _Optional[_Union[ClosureError, _Mapping]] = ..., worker_incarnation: _Optional[str] = ..., resources_held: _Optional[_Iterable[str]] = ..., pushes_applied: _Optional[int] = ..., pushes_duplicate: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+    def __init__(self, result: _Optional[bytes] = ..., error: _Optional[_Union[ClosureFailure, _Mapping]] = ..., worker_incarnation: _Optional[str] = ..., resources_held: _Optional[_Iterable[str]] = ..., pushes_applied: _Optional[int] = ..., pushes_duplicate: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
     __slots__ = ()

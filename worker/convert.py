@@ -1,0 +1,111 @@
+"""The one translation between Worker wire messages and the worker core's types.
+
+The worker's servicer reads requests and writes outcomes here; the coordinator's
+dispatchers write requests and read outcomes here. The cluster context inside a
+request goes through ``psserver.convert`` (the one form of "where variables live").
+"""
+
+from __future__ import annotations
+
+from paramserve.psserver import convert as ps_convert
+from paramserve.wire.v1 import worker_pb2
+from paramserve.worker.core import ClosureFailure, ClosureOutcome, ClosureRequest, ResourceSpec, WorkerInfo
+
+__all__ = [
+    "failure_from_proto",
+    "info_from_proto",
+    "info_to_proto",
+    "outcome_from_proto",
+    "outcome_to_proto",
+    "request_from_proto",
+    "request_to_proto",
+]
+
+
+def request_to_proto(request: ClosureRequest) -> worker_pb2.RunClosureRequest:
+    return worker_pb2.RunClosureRequest(
+        closure_id=request.closure_id,
+        attempt=request.attempt,
+        function_name=request.function_name,
+        payload=request.payload,
+        resources=[worker_pb2.ResourceSpec(resource_id=r.resource_id, payload=r.payload) for r in request.resources],
+        cluster=ps_convert.cluster_to_proto(request.cluster),
+        steps=request.steps,
+        worker_index=request.worker_index,
+        num_workers=request.num_workers,
+    )
+
+
+def request_from_proto(message: worker_pb2.RunClosureRequest) -> ClosureRequest:
+    """Raises InvalidRequestError for a malformed cluster context."""
+    return ClosureRequest(
+        closure_id=message.closure_id,
+        payload=message.payload,
+        attempt=int(message.attempt),
+        function_name=message.function_name,
+        resources=tuple(ResourceSpec(r.resource_id, r.payload) for r in message.resources),
+        cluster=ps_convert.cluster_from_proto(message.cluster),
+        steps=int(message.steps),
+        worker_index=int(message.worker_index),
+        num_workers=int(message.num_workers),
+    )
+
+
+def outcome_to_proto(outcome: ClosureOutcome) -> worker_pb2.RunClosureResponse:
+    message = worker_pb2.RunClosureResponse(
+        worker_incarnation=outcome.worker_incarnation,
+        resources_held=list(outcome.resources_held),
+        pushes_applied=outcome.pushes_applied,
+        pushes_duplicate=outcome.pushes_duplicate,
+        seconds=outcome.seconds,
+    )
+    if outcome.error is not None:
+        error = outcome.error
+        message.error.CopyFrom(
+            worker_pb2.ClosureFailure(
+                type=error.type,
+                message=error.message,
+                traceback=error.traceback,
+                pickled=error.pickled,
+                missing_resources=list(error.missing_resources),
+                parameter_server=error.parameter_server,
+            )
+        )
+    else:
+        message.result = outcome.result or b""
+    return message
+
+
+def failure_from_proto(message: worker_pb2.ClosureFailure) -> ClosureFailure:
+    return ClosureFailure(
+        message.type,
+        message.message,
+        message.traceback,
+        message.pickled,
+        tuple(message.missing_resources),
+        message.parameter_server,
+    )
+
+
+def outcome_from_proto(message: worker_pb2.RunClosureResponse) -> ClosureOutcome:
+    error = failure_from_proto(message.error) if message.WhichOneof("outcome") == "error" else None
+    return ClosureOutcome(
+        result=message.result if error is None else None,
+        error=error,
+        worker_incarnation=message.worker_incarnation,
+        resources_held=tuple(message.resources_held),
+        pushes_applied=int(message.pushes_applied),
+        pushes_duplicate=int(message.pushes_duplicate),
+        seconds=float(message.seconds),
+    )
+
+
+def info_to_proto(info: WorkerInfo) -> worker_pb2.WorkerInfo:
+    return worker_pb2.WorkerInfo(
+        incarnation=info.incarnation, pid=info.pid, resources_held=list(info.resources_held),
+        closures_run=info.closures_run,
+    )
+
+
+def info_from_proto(message: worker_pb2.WorkerInfo) -> WorkerInfo:
+    return WorkerInfo(message.incarnation, int(message.pid), tuple(message.resources_held), int(message.closures_run))
