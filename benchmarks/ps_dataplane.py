@@ -23,7 +23,7 @@ import time
 import torch
 from _common import EchoServer, Result, best_of, print_report, tcp_loopback_gbps
 
-from paramserve.coordinator.launcher import LocalCluster
+from paramserve.coordinator.local_cluster import LocalCluster
 from paramserve.psserver.client import ClientConfig, ParameterServerClient
 from paramserve.psserver.optimizer import OptimizerSpec
 from paramserve.psserver.partition import FixedShardsPartitioner

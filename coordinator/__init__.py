@@ -1,21 +1,20 @@
 """The user's program: ParameterServerStrategy, ClusterCoordinator, checkpoints, the local launcher."""
 
-from paramserve.coordinator import callbacks
-from paramserve.coordinator.checkpoints import (
+from paramserve.coordinator.checkpoint_manager import (
     CheckpointManager,
     export_state_dict,
     load_state_dict,
     state_dict,
 )
 from paramserve.coordinator.cluster import ClusterSpec
-from paramserve.coordinator.coordinator import ClusterCoordinator
+from paramserve.coordinator.cluster_coordinator import ClusterCoordinator
 from paramserve.coordinator.errors import (
     ClosureError,
     OutOfRangeError,
     ParameterServerUnavailableError,
 )
-from paramserve.coordinator.fit import evaluate, fit, predict
-from paramserve.coordinator.launcher import LocalCluster
+from paramserve.coordinator.local_cluster import LocalCluster
+from paramserve.coordinator.remote_value import RemoteValue, RemoteValueState
 from paramserve.coordinator.strategies import (
     CentralStorageStrategy,
     MirroredStrategy,
@@ -25,8 +24,9 @@ from paramserve.coordinator.strategies import (
     compute_average_loss,
     get_strategy,
 )
-from paramserve.coordinator.strategy import ParameterServerStrategy
-from paramserve.coordinator.values import RemoteValue, RemoteValueState
+from paramserve.coordinator.strategies.parameter_server import ParameterServerStrategy
+from paramserve.coordinator.training import callbacks
+from paramserve.coordinator.training.fit import evaluate, fit, predict
 from paramserve.psserver.partition import (
     FixedShardsPartitioner,
     MaxSizePartitioner,

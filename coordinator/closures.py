@@ -20,13 +20,14 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from paramserve.coordinator import nest
 from paramserve.coordinator.errors import (
     ClosureCancelledError,
     ClosureError,
     CoordinatorClosedError,
     InvalidTransitionError,
 )
-from paramserve.coordinator.values import RemoteValue
+from paramserve.coordinator.remote_value import RemoteValue
 from paramserve.worker.resources import PerWorkerResource
 
 __all__ = ["Closure", "ClosureQueue", "ClosureState", "InFlight", "find_resource_ids"]
@@ -287,30 +288,13 @@ class ClosureQueue:
 def find_resource_ids(fn: Callable[..., Any], args: Iterable[Any], kwargs: Mapping[str, Any]) -> frozenset[str]:
     """Ids of the per-worker resources a closure refers to.
 
-    Walks ``args`` and ``kwargs`` through lists, tuples, sets and dicts, and
-    looks at the values ``fn`` captures (closure cells, globals it names)
-    without walking into them. Anything missed is caught by the worker, which
-    reports the resources it lacks.
+    Looks through ``args`` and ``kwargs`` (nested lists, tuples, sets and dicts)
+    and at the values ``fn`` captures (closure cells, globals it names) without
+    walking into them. Anything missed is caught by the worker, which reports
+    the resources it lacks.
     """
-    found: set[str] = set()
-    _walk(list(args), found, set())
-    _walk(list(kwargs.values()), found, set())
-    for value in _captured(fn):
-        if isinstance(value, PerWorkerResource):
-            found.add(value.resource_id)
-    return frozenset(found)
-
-
-def _walk(node: Any, found: set[str], seen: set[int]) -> None:
-    if isinstance(node, PerWorkerResource):
-        found.add(node.resource_id)
-        return
-    if not isinstance(node, (list, tuple, set, frozenset, dict)) or id(node) in seen:
-        return
-    seen.add(id(node))
-    children = node.values() if isinstance(node, dict) else node
-    for child in children:
-        _walk(child, found, seen)
+    candidates = [*nest.flatten([list(args), dict(kwargs)]), *_captured(fn)]
+    return frozenset(value.resource_id for value in candidates if isinstance(value, PerWorkerResource))
 
 
 def _captured(fn: Callable[..., Any]) -> list[Any]:

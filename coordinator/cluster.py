@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-__all__ = ["ClusterSpec", "ClusterSpecError", "TaskSpec", "parse_address"]
+__all__ = ["ClusterSpec", "ClusterSpecError", "TaskSpec", "TfConfig", "parse_address", "parse_tf_config"]
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +152,7 @@ class TaskSpec:
 
         Raises ``ClusterSpecError`` if the text is invalid or the task is not in its cluster.
         """
-        return _parse_tf_config(text).task
+        return parse_tf_config(text).task
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> TaskSpec | None:
@@ -200,7 +200,7 @@ class ClusterSpec:
     @classmethod
     def from_tf_config(cls, text: str) -> ClusterSpec:
         """The cluster of a TF_CONFIG JSON text (evaluators are ignored). Raises ``ClusterSpecError``."""
-        jobs = _parse_tf_config(text).jobs
+        jobs = parse_tf_config(text).jobs
         return _build(
             _Resolved(jobs.get("ps", ()), "TF_CONFIG cluster.ps"),
             _Resolved(jobs.get("worker", ()), "TF_CONFIG cluster.worker"),
@@ -225,7 +225,7 @@ class ClusterSpec:
         flags = argv_flags or {}
         env = os.environ if environ is None else environ
         tf_text = env.get(TF_CONFIG_ENV, "")
-        jobs = _parse_tf_config(tf_text).jobs if tf_text.strip() else None
+        jobs = parse_tf_config(tf_text).jobs if tf_text.strip() else None
         ps = _resolve_addresses(flags.get("ps"), "flag ps", env.get(PS_ENV), PS_ENV, jobs, "ps")
         workers = _resolve_addresses(
             flags.get("workers"), "flag workers", env.get(WORKERS_ENV), WORKERS_ENV, jobs, "worker"
@@ -399,13 +399,16 @@ def _check_task(task_type: Any, index: Any, where: str) -> None:
 
 
 @dataclass(frozen=True)
-class _TfConfig:
+class TfConfig:
+    """A parsed TF_CONFIG: its jobs (role -> addresses, evaluators left out) and this process's task."""
+
     jobs: Mapping[str, tuple[str, ...]]
     task: TaskSpec | None
 
 
-def _parse_tf_config(text: str) -> _TfConfig:
-    """Parse and check TF_CONFIG's structure; addresses are checked when the ClusterSpec is built."""
+def parse_tf_config(text: str) -> TfConfig:
+    """Parses and checks TF_CONFIG's structure (the one reader of TF_CONFIG); addresses are
+    checked where they are used. Raises ``ClusterSpecError``."""
     top = _load_json_object(text)
     cluster = top.get("cluster", {})
     if not isinstance(cluster, dict):
@@ -425,7 +428,7 @@ def _parse_tf_config(text: str) -> _TfConfig:
             "TF_CONFIG: ignoring the evaluator job %s: paramserve has no side-car evaluator "
             "(evaluate from the coordinator instead)", list(jobs["evaluator"]),
         )
-    return _TfConfig({role: addrs for role, addrs in jobs.items() if role != "evaluator"}, task)
+    return TfConfig({role: addrs for role, addrs in jobs.items() if role != "evaluator"}, task)
 
 
 def _load_json_object(text: str) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from paramserve.psserver.client import ClientConfig, ParameterServerClient
 from paramserve.psserver.server import ParameterServer, ServerConfig, build_server
 
 if TYPE_CHECKING:
-    from paramserve.coordinator.launcher import LocalCluster
+    from paramserve.coordinator.local_cluster import LocalCluster
 
 SMALL_CHUNK = 4096
 """Tests stream with tiny chunks so that chunking is exercised on small tensors."""
@@ -51,7 +51,7 @@ def make_client() -> Iterator[Callable[..., ParameterServerClient]]:
 @pytest.fixture
 def start_cluster() -> Iterator[Callable[..., "LocalCluster"]]:
     """Starts local clusters of real processes on 127.0.0.1; stops every one afterwards."""
-    from paramserve.coordinator.launcher import LocalCluster
+    from paramserve.coordinator.local_cluster import LocalCluster
 
     clusters: list[LocalCluster] = []
 

@@ -12,8 +12,8 @@ from collections.abc import Callable
 
 import cloudpickle
 
-from paramserve.coordinator.coordinator import ClusterCoordinator
-from paramserve.coordinator.launcher import LocalCluster
+from paramserve.coordinator.cluster_coordinator import ClusterCoordinator
+from paramserve.coordinator.local_cluster import LocalCluster
 from paramserve.psserver.types import ClusterContext
 
 # check_in runs on workers, which cannot import the tests: send it by value.

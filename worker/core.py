@@ -370,7 +370,7 @@ class WorkerCore:
             client.close()
 
     def _execute(self, request: ClosureRequest, access: ClosureAccess) -> tuple[bytes | None, ClosureFailure | None]:
-        context = WorkerContext(request.worker_index, request.num_workers, self.incarnation)
+        context = WorkerContext.for_worker(request.worker_index, request.num_workers, self.incarnation)
         # Gradients left by an earlier (perhaps failed) closure must not leak into this one.
         self._variables.clear_grads()
         try:

@@ -19,36 +19,40 @@ from typing import Any
 
 
 @dataclass(frozen=True)
-class WorkerContext:
-    """What a resource-creating function learns about the worker it runs on
-    (e.g. to shard its input by ``worker_index``)."""
+class InputContext:
+    """What an input function needs to build its pipeline's share of the data
+    (tf.distribute's InputContext). Strategies pass one to dataset functions."""
+
+    num_input_pipelines: int = 1
+    input_pipeline_id: int = 0
+    num_replicas_in_sync: int = 1
+
+    def get_per_replica_batch_size(self, global_batch_size: int) -> int:
+        """Raises ValueError when the global batch does not split evenly across replicas."""
+        if global_batch_size % self.num_replicas_in_sync:
+            raise ValueError(
+                f"global batch size {global_batch_size} is not divisible by the {self.num_replicas_in_sync} "
+                "replicas in sync: use a multiple of the replica count"
+            )
+        return global_batch_size // self.num_replicas_in_sync
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerContext(InputContext):
+    """The InputContext of a per-worker dataset or resource function, plus which worker
+    it runs on (e.g. to shard input by ``worker_index``) and that worker's incarnation."""
 
     worker_index: int
     num_workers: int
     incarnation: str
 
-    # The InputContext questions, answered for a worker (as tf.distribute does for
-    # per-worker datasets), so one dataset function serves every strategy.
-    @property
-    def num_input_pipelines(self) -> int:
-        return self.num_workers
-
-    @property
-    def input_pipeline_id(self) -> int:
-        return self.worker_index
-
-    @property
-    def num_replicas_in_sync(self) -> int:
-        return self.num_workers
-
-    def get_per_replica_batch_size(self, global_batch_size: int) -> int:
-        """Raises ValueError when the global batch does not split evenly across workers."""
-        if global_batch_size % self.num_workers:
-            raise ValueError(
-                f"global batch size {global_batch_size} is not divisible by the {self.num_workers} "
-                "workers: use a multiple of the worker count"
-            )
-        return global_batch_size // self.num_workers
+    @classmethod
+    def for_worker(cls, worker_index: int, num_workers: int, incarnation: str) -> WorkerContext:
+        """The context of worker ``worker_index`` of ``num_workers``: one input pipeline per worker."""
+        return cls(
+            num_input_pipelines=num_workers, input_pipeline_id=worker_index, num_replicas_in_sync=num_workers,
+            worker_index=worker_index, num_workers=num_workers, incarnation=incarnation,
+        )
 
 
 class ResourceMissingError(Exception):

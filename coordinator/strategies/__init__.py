@@ -19,6 +19,12 @@ from paramserve.coordinator.strategies.cross_device_ops import (
     NcclAllReduce,
     ReductionToOneDevice,
 )
+from paramserve.coordinator.strategies.distributed_values import (
+    Mirrored,
+    PerReplica,
+    SyncOnReadVariable,
+    VariableAggregation,
+)
 from paramserve.coordinator.strategies.input import InputOptions
 from paramserve.coordinator.strategies.losses import (
     compute_average_loss,
@@ -33,12 +39,6 @@ from paramserve.coordinator.strategies.multi_worker import (
     CollectiveCommunication,
     CommunicationOptions,
     MultiWorkerMirroredStrategy,
-)
-from paramserve.coordinator.strategies.values import (
-    Mirrored,
-    PerReplica,
-    SyncOnReadVariable,
-    VariableAggregation,
 )
 
 __all__ = [

@@ -24,28 +24,12 @@ from typing import Any
 
 import torch
 
+from paramserve.worker.resources import InputContext
+
 
 class ReduceOp(enum.Enum):
     SUM = "SUM"
     MEAN = "MEAN"
-
-
-@dataclass(frozen=True)
-class InputContext:
-    """What an input function needs to build its pipeline's share of the data."""
-
-    num_input_pipelines: int = 1
-    input_pipeline_id: int = 0
-    num_replicas_in_sync: int = 1
-
-    def get_per_replica_batch_size(self, global_batch_size: int) -> int:
-        """Raises ValueError when the global batch does not split evenly across replicas."""
-        if global_batch_size % self.num_replicas_in_sync:
-            raise ValueError(
-                f"global batch size {global_batch_size} is not divisible by the {self.num_replicas_in_sync} "
-                "replicas in sync: use a multiple of the replica count"
-            )
-        return global_batch_size // self.num_replicas_in_sync
 
 
 class ReplicaContext:
@@ -106,7 +90,7 @@ class Strategy(abc.ABC):
 
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
         """The components of a distributed value held in this process (a plain value: itself)."""
-        from paramserve.coordinator.strategies.values import DistributedValue
+        from paramserve.coordinator.strategies.distributed_values import DistributedValue
 
         if isinstance(value, DistributedValue):
             return tuple(value.values)

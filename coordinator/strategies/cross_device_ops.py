@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from paramserve.coordinator.strategies.base import ReduceOp
-from paramserve.coordinator.strategies.values import DistributedValue, Mirrored
+from paramserve.coordinator.strategies.distributed_values import DistributedValue, Mirrored
 
 Destinations = torch.device | str | Sequence[torch.device | str]
 

@@ -2,7 +2,7 @@
 
 ``DistributedDataset`` wraps anything that yields *batches* (a DataLoader, an
 IterableDataset of batches, a list of tensors...). Each global batch, a tensor
-or a nest of tensors whose first dimension is the batch, is split along dim 0
+or a structure of tensors whose first dimension is the batch, is split along dim 0
 with ``torch.tensor_split`` into one part per replica.
 
 A batch that does not divide evenly (usually the last one) follows
@@ -25,8 +25,9 @@ from typing import Any
 
 import torch
 
-from paramserve.coordinator.strategies import _nest
-from paramserve.coordinator.strategies.base import InputContext
+from paramserve.coordinator import nest
+from paramserve.coordinator.strategies.distributed_values import regroup
+from paramserve.worker.resources import InputContext
 
 _PARTIAL_POLICIES = ("split", "drop", "error")
 
@@ -90,8 +91,8 @@ class DistributedDataset:
             if parts is None:
                 continue
             if self.options.move_to_device:
-                parts = [_nest.to_device(p, d) for p, d in zip(parts, self.devices)]
-            yield _nest.regroup(parts)
+                parts = [nest.to_device(p, d) for p, d in zip(parts, self.devices)]
+            yield regroup(parts)
 
     def __len__(self) -> int:
         """Batches this pipeline yields (counted before dropping any short batch)."""
@@ -138,8 +139,8 @@ class DistributedDatasetsFromFunction:
                 if parts is None:
                     return
             if self.options.move_to_device:
-                parts = [_nest.to_device(p, d) for p, d in zip(parts, self.devices)]
-            yield _nest.regroup(parts)
+                parts = [nest.to_device(p, d) for p, d in zip(parts, self.devices)]
+            yield regroup(parts)
 
     def _short_step(self, parts: list[Any], step: int) -> list[Any] | None:
         if self.options.partial_batch == "drop":
@@ -149,18 +150,18 @@ class DistributedDatasetsFromFunction:
                 f"step {step} has {len(parts)} per-replica batches for {len(self.devices)} replicas: make "
                 "every pipeline yield a multiple of its replica count, or use InputOptions(partial_batch='split')"
             )
-        empty = _nest.map_structure(lambda x: x[:0] if isinstance(x, torch.Tensor) else x, parts[-1])
+        empty = nest.map_structure(lambda x: x[:0] if isinstance(x, torch.Tensor) else x, parts[-1])
         return parts + [empty] * (len(self.devices) - len(parts))
 
 
 def split_batch(batch: Any, num_replicas: int, partial_batch: str = "split", index: int = 0) -> list[Any] | None:
-    """One nest per replica from a global batch; None when the batch is to be dropped.
+    """One structure per replica from a global batch; None when the batch is to be dropped.
 
     Raises:
         ValueError: tensors of the batch disagree on the batch size, or the batch does not
             divide and ``partial_batch`` is "error".
     """
-    sizes = {leaf.shape[0] for leaf in _nest.flatten(batch) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0}
+    sizes = {leaf.shape[0] for leaf in nest.flatten(batch) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0}
     if len(sizes) > 1:
         raise ValueError(f"batch {index} mixes batch sizes {sorted(sizes)}: every tensor's first dimension must be the batch")
     size = sizes.pop() if sizes else 0
@@ -179,7 +180,7 @@ def split_batch(batch: Any, num_replicas: int, partial_batch: str = "split", ind
             return torch.tensor_split(leaf, num_replicas, dim=0)[replica]
         return leaf
 
-    return [_nest.map_structure(lambda leaf: part(leaf, r), batch) for r in range(num_replicas)]
+    return [nest.map_structure(lambda leaf: part(leaf, r), batch) for r in range(num_replicas)]
 
 
 def _check_batched(dataset: Any) -> None:

@@ -70,7 +70,8 @@ from torch import nn
 from torch.nn.modules import module as module_hooks
 from torch.optim import optimizer as optimizer_hooks
 
-from paramserve.coordinator.strategies import _capture, _nest
+from paramserve.coordinator import nest
+from paramserve.coordinator.strategies import _capture
 from paramserve.coordinator.strategies._replicas import (
     Rendezvous,
     ReplicaThreads,
@@ -90,15 +91,16 @@ from paramserve.coordinator.strategies.cross_device_ops import (
     NcclAllReduce,
     ReductionToOneDevice,
 )
+from paramserve.coordinator.strategies.distributed_values import (
+    DistributedValue,
+    SyncOnReadVariable,
+    VariableAggregation,
+    regroup,
+)
 from paramserve.coordinator.strategies.input import (
     DistributedDataset,
     DistributedDatasetsFromFunction,
     InputOptions,
-)
-from paramserve.coordinator.strategies.values import (
-    DistributedValue,
-    SyncOnReadVariable,
-    VariableAggregation,
 )
 
 # ------------------------------------------------------------------ devices
@@ -210,14 +212,14 @@ class OneDeviceStrategy(Strategy):
             module.to(self.device)
 
     def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None) -> Any:
-        args = _nest.to_device(tuple(args), self.device)
-        kwargs = _nest.to_device(dict(kwargs or {}), self.device)
+        args = nest.to_device(tuple(args), self.device)
+        kwargs = nest.to_device(dict(kwargs or {}), self.device)
         with self._in_replica(0), _default_device(self.device):
             return fn(*args, **kwargs)
 
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
         op = ReduceOp(reduce_op)
-        return _nest.map_structure(lambda v: _reduce_plain(op, _single(v), axis), value)
+        return nest.map_structure(lambda v: _reduce_plain(op, _single(v), axis), value)
 
     def experimental_distribute_dataset(self, dataset: Iterable[Any], options: InputOptions | None = None) -> DistributedDataset:
         return DistributedDataset(dataset, [self.device], options=options)
@@ -348,7 +350,7 @@ class _ReplicatedStrategy(Strategy):
     def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None) -> Any:
         """Runs ``fn`` once per replica, each in its own thread, in replica context; PerReplica
         arguments give replica r its component r. Returns one value when every replica returned
-        the same object, else PerReplica values (inside the returned nest).
+        the same object, else PerReplica values (inside the returned structure).
 
         Raises whatever a replica raised (its replica id in the exception's notes)."""
         context = get_replica_context()
@@ -368,7 +370,7 @@ class _ReplicatedStrategy(Strategy):
                 )
             finally:
                 self._rendezvous = None
-        return _nest.regroup(results)
+        return regroup(results)
 
     def close(self) -> None:
         """Stops and joins the replica threads (one per replica, started by the first ``run``
@@ -384,8 +386,8 @@ class _ReplicatedStrategy(Strategy):
     def _before_run(self) -> None:
         """Hook: bring replicas up to date before their threads start."""
 
-    def _check_distributed_args(self, nest: Any) -> None:
-        for leaf in _nest.flatten(nest):
+    def _check_distributed_args(self, structure: Any) -> None:
+        for leaf in nest.flatten(structure):
             if isinstance(leaf, DistributedValue) and not isinstance(leaf, SyncOnReadVariable):
                 if len(leaf.values) != self.num_replicas_in_sync:
                     raise ValueError(
@@ -403,10 +405,10 @@ class _ReplicatedStrategy(Strategy):
         return self._merge(context.replica_id_in_sync_group, value, lambda nests: self._all_reduce_nests(reduce_op, nests))
 
     def _all_reduce_nests(self, op: ReduceOp, nests: list[Any]) -> list[Any]:
-        flats = [[torch.as_tensor(leaf) for leaf in _nest.flatten(n)] for n in nests]
+        flats = [[torch.as_tensor(leaf) for leaf in nest.flatten(n)] for n in nests]
         reduced = self.cross_device_ops.batch_all_reduce(op, [list(column) for column in zip(*flats)])
         per_replica = [[m.values[r] for m in reduced] for r in range(len(nests))]
-        return [_rebuild_like(nest, leaves) for nest, leaves in zip(nests, per_replica)]
+        return [_rebuild_like(structure, leaves) for structure, leaves in zip(nests, per_replica)]
 
     def _sum_gradients(self, grads: list[list[torch.Tensor | None]]) -> list[list[torch.Tensor | None]]:
         """All-reduces (SUM) gradient i of every replica; None where no replica has one.
@@ -451,7 +453,7 @@ class _ReplicatedStrategy(Strategy):
         if context is not None and context.strategy is self:
             raise RuntimeError("strategy.reduce is for cross-replica context; inside run use get_replica_context().all_reduce")
         op = ReduceOp(reduce_op)
-        return _nest.map_structure(lambda v: self._reduce_one(op, v, axis), value)
+        return nest.map_structure(lambda v: self._reduce_one(op, v, axis), value)
 
     def _reduce_one(self, op: ReduceOp, value: Any, axis: int | None) -> Any:
         if not isinstance(value, DistributedValue):
@@ -525,18 +527,18 @@ class _ReplicatedStrategy(Strategy):
         return f"{type(self).__name__}(devices={list(self.device_names)})"
 
 
-def _unwrap(nest: Any, replica: int) -> Any:
+def _unwrap(structure: Any, replica: int) -> Any:
     def pick(leaf: Any) -> Any:
         if isinstance(leaf, DistributedValue) and not isinstance(leaf, SyncOnReadVariable):
             return leaf.values[replica]
         return leaf
 
-    return _nest.map_structure(pick, nest)
+    return nest.map_structure(pick, structure)
 
 
-def _rebuild_like(nest: Any, leaves: list[Any]) -> Any:
+def _rebuild_like(structure: Any, leaves: list[Any]) -> Any:
     it = iter(leaves)
-    return _nest.map_structure(lambda _: next(it), nest)
+    return nest.map_structure(lambda _: next(it), structure)
 
 
 def _flat_params(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:

@@ -46,7 +46,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import enum
-import json
 import logging
 import os
 import weakref
@@ -59,8 +58,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import optimizer as optimizer_hooks
 
-from paramserve.coordinator.cluster import ClusterSpecError, TaskSpec, parse_address
-from paramserve.coordinator.strategies import _nest
+from paramserve.coordinator import nest
+from paramserve.coordinator.cluster import ClusterSpecError, parse_address, parse_tf_config
 from paramserve.coordinator.strategies._capture import recording_modules
 from paramserve.coordinator.strategies.base import (
     InputContext,
@@ -68,8 +67,8 @@ from paramserve.coordinator.strategies.base import (
     ReplicaContext,
     Strategy,
 )
+from paramserve.coordinator.strategies.distributed_values import DistributedValue
 from paramserve.coordinator.strategies.input import InputOptions, split_batch
-from paramserve.coordinator.strategies.values import DistributedValue
 
 __all__ = [
     "ClusterResolver",
@@ -230,8 +229,8 @@ class ClusterResolver:
         missing task, a task not in the cluster, or a ``ps`` job (parameter servers
         belong to ParameterServerStrategy).
         """
-        task = TaskSpec.from_tf_config(text)  # checks the JSON, the roles and that the task is in its cluster
-        jobs = json.loads(text).get("cluster", {})
+        config = parse_tf_config(text)  # checks the JSON, the roles and that the task is in its cluster
+        task, jobs = config.task, config.jobs
         if jobs.get("ps"):
             raise ClusterSpecError(
                 "TF_CONFIG has a ps job, but MultiWorkerMirroredStrategy has no parameter servers: "
@@ -523,7 +522,7 @@ class MultiWorkerMirroredStrategy(Strategy):
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
         """Combines every process's value into one; every process gets the result.
 
-        ``value`` is this process's tensor (a number, or a nest of tensors; a
+        ``value`` is this process's tensor (a number, or a structure of tensors; a
         distributed value's local components are summed first). With ``axis``, the
         tensors are reduced along it first; MEAN then divides by the global count
         along that axis (the mean over the global batch). Collective: every process must call it.
@@ -552,7 +551,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         size, or any iterable of tensors / nests of tensors). Every process reads
         the whole input (tf.data's AutoShardPolicy.DATA); each batch is split along
         dim 0 into ``world_size`` parts (``input.split_batch``) and rank r keeps
-        part r, so the element is a plain nest, not a PerReplica. ``options``
+        part r, so the element is a plain structure, not a PerReplica. ``options``
         decides short batches (every process decides the same way) and whether
         parts move to ``self.device``. A shuffling DataLoader must shuffle the same
         way on every process (give it a ``generator`` seeded alike), or the
@@ -637,7 +636,7 @@ def _split_like(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[tor
 
 
 def _map_tensors(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
-    """``fn`` on every tensor (or number, as a tensor) of a nest of lists, tuples and dicts."""
+    """``fn`` on every tensor (or number, as a tensor) of a structure of lists, tuples and dicts."""
 
     def leaf(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
@@ -646,7 +645,7 @@ def _map_tensors(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
             return fn(torch.tensor(x))
         raise TypeError(f"cannot reduce a {type(x).__name__}: pass tensors, numbers, or lists/tuples/dicts of them")
 
-    return _nest.map_structure(leaf, value)
+    return nest.map_structure(leaf, value)
 
 
 def _sum_local(components: Sequence[Any]) -> Any:
@@ -686,7 +685,7 @@ class _ShardedBatches:
             if parts is None:  # a short batch dropped: every process drops it
                 continue
             part = parts[self._rank]
-            yield _nest.to_device(part, self._device) if self._options.move_to_device else part
+            yield nest.to_device(part, self._device) if self._options.move_to_device else part
 
     def __len__(self) -> int:
         """Global batches of the dataset (counted before dropping any short batch)."""

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paramserve.coordinator.coordinator import ClusterCoordinator
-from paramserve.coordinator.demo import MLP, train_step, worker_batches
+from paramserve.coordinator.cluster_coordinator import ClusterCoordinator
+from paramserve.coordinator.commands.demo import MLP, train_step, worker_batches
 from paramserve.coordinator.errors import ParameterServerUnavailableError
-from paramserve.coordinator.strategy import ParameterServerStrategy
-from paramserve.coordinator.values import RemoteValueState
+from paramserve.coordinator.remote_value import RemoteValueState
+from paramserve.coordinator.strategies.parameter_server import ParameterServerStrategy
 from paramserve.psserver.partition import FixedShardsPartitioner
 
 STEPS = 240

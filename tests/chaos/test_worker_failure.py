@@ -16,10 +16,10 @@ import cloudpickle
 import pytest
 from coordinator_doubles import FakeStrategy, Gate, check_in
 
-from paramserve.coordinator.coordinator import ClusterCoordinator, CoordinatorConfig
+from paramserve.coordinator.cluster_coordinator import ClusterCoordinator, CoordinatorConfig
 from paramserve.coordinator.failures import FailurePolicy
-from paramserve.coordinator.launcher import LocalCluster
-from paramserve.coordinator.values import RemoteValue, RemoteValueState
+from paramserve.coordinator.local_cluster import LocalCluster
+from paramserve.coordinator.remote_value import RemoteValue, RemoteValueState
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 

@@ -15,15 +15,15 @@ import cloudpickle
 import pytest
 from coordinator_doubles import FakeStrategy, Gate, check_in
 
-from paramserve.coordinator.coordinator import ClusterCoordinator, CoordinatorConfig
+from paramserve.coordinator.cluster_coordinator import ClusterCoordinator, CoordinatorConfig
 from paramserve.coordinator.errors import (
     ClosureCancelledError,
     ClosureError,
     CoordinatorClosedError,
     OutOfRangeError,
 )
-from paramserve.coordinator.launcher import LocalCluster
-from paramserve.coordinator.values import RemoteValueState
+from paramserve.coordinator.local_cluster import LocalCluster
+from paramserve.coordinator.remote_value import RemoteValueState
 
 # Workers cannot import this test module: send its functions by value, as a user's __main__ is.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])

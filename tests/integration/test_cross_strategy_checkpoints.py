@@ -13,7 +13,7 @@ from paramserve.coordinator import (
     export_state_dict,
     load_state_dict,
 )
-from paramserve.coordinator.demo import MLP, digits_split, train_step, worker_batches
+from paramserve.coordinator.commands.demo import MLP, digits_split, train_step, worker_batches
 from paramserve.coordinator.strategies import compute_average_loss
 
 
@@ -48,7 +48,7 @@ def test_mirrored_to_parameter_servers_to_mirrored_to_plain_torch(start_cluster,
         ps_model = MLP(32)
         ps_optimizer = torch.optim.SGD(ps_model.parameters(), lr=0.1)
     load_state_dict(ps, torch.load(tmp_path / "mirrored.pt", weights_only=True), ps_model)
-    from paramserve.coordinator.checkpoints import state_dict
+    from paramserve.coordinator.checkpoint_manager import state_dict
 
     restored = state_dict(ps, ps_model)  # read back from the parameter servers
     saved = torch.load(tmp_path / "mirrored.pt", weights_only=True)

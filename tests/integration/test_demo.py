@@ -32,7 +32,7 @@ def wait_gone(text: str, deadline: float) -> list[int]:
 
 def demo(tmp_path, *args):
     env = {**os.environ, "TMPDIR": str(tmp_path)}  # the launcher's run directory goes here
-    return subprocess.Popen([sys.executable, "-m", "paramserve.coordinator.cli", "demo", "--quiet", *args],
+    return subprocess.Popen([sys.executable, "-m", "paramserve.coordinator.commands.cli", "demo", "--quiet", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 

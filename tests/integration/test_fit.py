@@ -22,16 +22,16 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from paramserve.coordinator.callbacks import (
+from paramserve.coordinator.checkpoint_manager import CheckpointManager
+from paramserve.coordinator.commands.demo import MLP, digits_split, worker_batches
+from paramserve.coordinator.strategies.parameter_server import ParameterServerStrategy
+from paramserve.coordinator.training.callbacks import (
     BackupAndRestore,
     Callback,
     LearningRateScheduler,
     ModelCheckpoint,
 )
-from paramserve.coordinator.checkpoints import CheckpointManager
-from paramserve.coordinator.demo import MLP, digits_split, worker_batches
-from paramserve.coordinator.fit import evaluate, fit, predict
-from paramserve.coordinator.strategy import ParameterServerStrategy
+from paramserve.coordinator.training.fit import evaluate, fit, predict
 from paramserve.psserver.partition import FixedShardsPartitioner
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import the test module

@@ -23,7 +23,7 @@ from typing import Callable, Iterator
 import pytest
 
 from paramserve.coordinator.cluster import ClusterSpec, parse_address
-from paramserve.coordinator.launcher import (
+from paramserve.coordinator.local_cluster import (
     ClusterState,
     LaunchError,
     LocalCluster,
@@ -342,7 +342,7 @@ PARENT = textwrap.dedent(
     '''
     import json, signal, sys, threading
     from pathlib import Path
-    from paramserve.coordinator.launcher import LocalCluster
+    from paramserve.coordinator.local_cluster import LocalCluster
 
     signal.signal(signal.SIGINT, signal.default_int_handler)
     mode, module, run_dir = sys.argv[1], sys.argv[2], Path(sys.argv[3])

@@ -40,7 +40,7 @@ def two_servers(tmp_path):
     for index in range(2):
         port_file = tmp_path / f"ps-{index}.json"
         process = subprocess.Popen(
-            [sys.executable, "-m", "paramserve.coordinator.cli", "ps", "--port", "0", "--port-file", str(port_file),
+            [sys.executable, "-m", "paramserve.coordinator.commands.cli", "ps", "--port", "0", "--port-file", str(port_file),
              "--metrics-port", "0", "--chunk-bytes", "65536"],
             stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )

@@ -40,7 +40,7 @@ from paramserve.coordinator.failures import (
     decide_on_closure_error,
     decide_on_rpc_failure,
 )
-from paramserve.coordinator.values import (
+from paramserve.coordinator.remote_value import (
     PerWorkerValues,
     RemoteValue,
     RemoteValueState,

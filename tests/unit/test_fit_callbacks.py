@@ -10,7 +10,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from paramserve.coordinator.callbacks import (
+from paramserve.coordinator.commands.demo import MLP, digits_split
+from paramserve.coordinator.training.callbacks import (
     BackupAndRestore,
     Callback,
     EarlyStopping,
@@ -20,8 +21,7 @@ from paramserve.coordinator.callbacks import (
     TensorBoard,
     improved,
 )
-from paramserve.coordinator.demo import MLP, digits_split
-from paramserve.coordinator.fit import evaluate, fit, predict, resolve_metrics
+from paramserve.coordinator.training.fit import evaluate, fit, predict, resolve_metrics
 
 LOSS = nn.CrossEntropyLoss(reduction="none")
 
@@ -287,7 +287,7 @@ def test_a_server_optimizer_without_its_strategy_names_the_fix(digits):
     ],
 )
 def test_parameter_server_arguments_name_the_fix(train_data, steps_per_epoch, error, fix):
-    from paramserve.coordinator.fit import _check_parameter_server_arguments
+    from paramserve.coordinator.training.fit import _check_parameter_server_arguments
 
     with pytest.raises(error, match=fix):
         _check_parameter_server_arguments(train_data, steps_per_epoch)

@@ -412,7 +412,7 @@ def test_parameters_are_shared_across_closures_of_one_worker(core, ps):
 
 
 def test_paramserve_worker_flags_build_the_config(tmp_path):
-    from paramserve.coordinator import cli
+    from paramserve.coordinator.commands import cli
     from paramserve.worker import __main__ as worker_main
 
     (tmp_path / "token").write_text("shared\n")

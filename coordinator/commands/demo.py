@@ -91,9 +91,9 @@ class DemoSummary:
 def run(args: argparse.Namespace) -> DemoSummary:
     from tqdm import tqdm
 
-    from paramserve.coordinator.checkpoints import CheckpointManager, export_state_dict
-    from paramserve.coordinator.coordinator import ClusterCoordinator
-    from paramserve.coordinator.strategy import ParameterServerStrategy
+    from paramserve.coordinator.checkpoint_manager import CheckpointManager, export_state_dict
+    from paramserve.coordinator.cluster_coordinator import ClusterCoordinator
+    from paramserve.coordinator.strategies.parameter_server import ParameterServerStrategy
     from paramserve.psserver.partition import MinSizePartitioner
 
     started = time.perf_counter()
@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> DemoSummary:
 def _cluster(args: argparse.Namespace) -> Iterator[tuple[Any, str | None]]:
     """The cluster to train on: described by the environment, or started here."""
     from paramserve.coordinator.cluster import ClusterSpec
-    from paramserve.coordinator.launcher import LocalCluster
+    from paramserve.coordinator.local_cluster import LocalCluster
 
     if args.cluster_from_env:
         yield ClusterSpec.from_env(), os.environ.get("PARAMSERVE_TOKEN") or None

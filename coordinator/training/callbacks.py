@@ -323,7 +323,7 @@ def _training_payload(state: TrainingState, epochs_completed: int) -> dict[str, 
 
 
 def _ps_manager(state: TrainingState, directory: pathlib.Path, keep: int) -> Any:
-    from paramserve.coordinator.checkpoints import CheckpointManager
+    from paramserve.coordinator.checkpoint_manager import CheckpointManager
 
     return CheckpointManager(state.strategy, directory, max_to_keep=keep)
 

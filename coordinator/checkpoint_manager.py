@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from paramserve.coordinator.strategy import ParameterServerStrategy
+from paramserve.coordinator.strategies.parameter_server import ParameterServerStrategy
 from paramserve.psserver import checkpoint
 from paramserve.psserver.atomic_files import atomic_torch_save
 from paramserve.psserver.errors import CheckpointError

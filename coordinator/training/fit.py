@@ -49,19 +49,19 @@ from typing import Any, Protocol, Union
 import torch
 from torch import Tensor, nn
 
-from paramserve.coordinator.callbacks import (
+from paramserve.coordinator.strategies.base import (
+    DefaultStrategy,
+    ReduceOp,
+    Strategy,
+    get_strategy,
+)
+from paramserve.coordinator.training.callbacks import (
     Callback,
     CallbackList,
     History,
     Logs,
     TrainingState,
     with_defaults,
-)
-from paramserve.coordinator.strategies.base import (
-    DefaultStrategy,
-    ReduceOp,
-    Strategy,
-    get_strategy,
 )
 
 __all__ = ["MetricFn", "accuracy", "evaluate", "fit", "predict", "resolve_metrics"]
@@ -396,7 +396,7 @@ def _fit_in_process(model: nn.Module, optimizer: Any, train_data: Any, strategy:
 
 def _fit_parameter_server(model: nn.Module, optimizer: Any, dataset_fn: Any, strategy: Any, coordinator: Any,
                           loop: Loop) -> History:
-    from paramserve.coordinator.coordinator import ClusterCoordinator
+    from paramserve.coordinator.cluster_coordinator import ClusterCoordinator
 
     owned = coordinator is None
     coordinator = coordinator if coordinator is not None else ClusterCoordinator(strategy)
@@ -502,7 +502,7 @@ def _check_parameter_server_arguments(train_data: Any, steps_per_epoch: int | No
 
 
 def _is_parameter_server(strategy: Any) -> bool:
-    from paramserve.coordinator.strategy import ParameterServerStrategy
+    from paramserve.coordinator.strategies.parameter_server import ParameterServerStrategy
 
     return isinstance(strategy, ParameterServerStrategy)
 

@@ -31,7 +31,7 @@ from paramserve.coordinator.dispatch import (
 )
 from paramserve.coordinator.errors import CoordinatorClosedError
 from paramserve.coordinator.failures import FailurePolicy
-from paramserve.coordinator.values import RemoteValue, fetch_structure
+from paramserve.coordinator.remote_value import RemoteValue, fetch_structure
 from paramserve.psserver import convert
 from paramserve.psserver.types import ClusterContext
 from paramserve.wire.v1 import cluster_pb2
@@ -65,8 +65,8 @@ class CoordinatorConfig:
     """How often an idle dispatcher re-checks whether it must stop."""
 
 
-class Strategy(Protocol):
-    """What the coordinator needs from a ParameterServerStrategy."""
+class CoordinatedStrategy(Protocol):
+    """What the coordinator needs from a ParameterServerStrategy (tests pass doubles)."""
 
     cluster: ClusterSpec
     token: str | None
@@ -86,7 +86,7 @@ class ClusterCoordinator:
 
     def __init__(
         self,
-        strategy: Strategy,
+        strategy: CoordinatedStrategy,
         config: CoordinatorConfig | None = None,
         *,
         transport_factory: Callable[[str], WorkerTransport] | None = None,

@@ -23,9 +23,9 @@ class Subcommand(NamedTuple):
 SUBCOMMANDS = (
     Subcommand("ps", "paramserve.psserver.__main__", "run", "run a parameter server"),
     Subcommand("worker", "paramserve.worker.__main__", "run", "run a worker"),
-    Subcommand("demo", "paramserve.coordinator.demo", "main", "train an MLP on a local cluster it starts (the quick start)"),
-    Subcommand("launch", "paramserve.coordinator.launch", "main", "run a training script against a local cluster"),
-    Subcommand("health", "paramserve.coordinator.health", "main", "check that a server is SERVING (exit status 0)"),
+    Subcommand("demo", "paramserve.coordinator.commands.demo", "main", "train an MLP on a local cluster it starts (the quick start)"),
+    Subcommand("launch", "paramserve.coordinator.commands.launch", "main", "run a training script against a local cluster"),
+    Subcommand("health", "paramserve.coordinator.commands.health", "main", "check that a server is SERVING (exit status 0)"),
 )
 
 

@@ -24,7 +24,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from paramserve.coordinator.launcher import LocalCluster
+    from paramserve.coordinator.local_cluster import LocalCluster
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:

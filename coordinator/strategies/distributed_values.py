@@ -174,3 +174,24 @@ def _replica_devices(strategy: Strategy, fallback: torch.device) -> tuple[torch.
     if devices is not None:
         return tuple(devices)
     return (fallback,) * strategy.num_replicas_in_sync
+
+
+def regroup(per_replica: Sequence[Any]) -> Any:
+    """Turns one structure per replica into one structure whose differing leaves are PerReplica.
+
+    Leaves that are the same object on every replica stay plain (as TF merges them);
+    with one replica the structure itself is returned."""
+    if len(per_replica) == 1:
+        return per_replica[0]
+    first = per_replica[0]
+    if all(v is first for v in per_replica):
+        return first
+    same_type = all(type(v) is type(first) for v in per_replica)
+    if same_type and isinstance(first, (tuple, list)) and all(len(v) == len(first) for v in per_replica):
+        columns = [regroup([v[i] for v in per_replica]) for i in range(len(first))]
+        if isinstance(first, tuple) and hasattr(first, "_fields"):
+            return type(first)(*columns)
+        return type(first)(columns)
+    if same_type and isinstance(first, dict) and all(v.keys() == first.keys() for v in per_replica):
+        return type(first)((k, regroup([v[k] for v in per_replica])) for k in first)
+    return PerReplica(list(per_replica))

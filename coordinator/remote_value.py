@@ -6,13 +6,13 @@ the closure finished and returns its value or raises its error.
 
 from __future__ import annotations
 
-import copy
 import enum
 import threading
 import time
 from collections.abc import Mapping
 from typing import Any, Generic, NoReturn, TypeVar
 
+from paramserve.coordinator import nest
 from paramserve.coordinator.errors import InvalidTransitionError
 
 __all__ = ["PerWorkerValues", "RemoteValue", "RemoteValueState", "fetch_structure"]
@@ -137,21 +137,12 @@ def fetch_structure(structure: Any, timeout: float | None = None) -> Any:
     whole call; raises like ``RemoteValue.fetch``.
     """
     deadline = None if timeout is None else time.monotonic() + timeout
-    return _fetch(structure, deadline)
 
+    def fetch(leaf: Any) -> Any:
+        if isinstance(leaf, RemoteValue):
+            return leaf.fetch(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if isinstance(leaf, PerWorkerValues):
+            return tuple(nest.map_structure(fetch, value) for value in leaf.values)
+        return leaf
 
-def _fetch(node: Any, deadline: float | None) -> Any:
-    if isinstance(node, RemoteValue):
-        return node.fetch(None if deadline is None else max(0.0, deadline - time.monotonic()))
-    if isinstance(node, PerWorkerValues):
-        return tuple(_fetch(v, deadline) for v in node.values)
-    if isinstance(node, dict):
-        fetched = copy.copy(node)  # keeps the mapping's type (OrderedDict, defaultdict...)
-        for key, value in node.items():
-            fetched[key] = _fetch(value, deadline)
-        return fetched
-    if isinstance(node, tuple) and hasattr(node, "_fields"):  # namedtuple
-        return type(node)(*(_fetch(v, deadline) for v in node))
-    if isinstance(node, (list, tuple)):
-        return type(node)(_fetch(v, deadline) for v in node)
-    return node
+    return nest.map_structure(fetch, structure)

@@ -1,0 +1,1 @@
+"""The ``paramserve`` command and its subcommands (``ps``, ``worker``, ``demo``, ``launch``, ``health``)."""

@@ -1,0 +1,57 @@
+"""Nested structures (tuples, namedtuples, lists, dicts, sets): the one walker the coordinator uses.
+
+Strategies split inputs and move them to devices with it, the ClusterCoordinator
+finds per-worker resources in a closure's arguments and fetches RemoteValues in a
+result structure with it. Containers keep their types (an OrderedDict stays one,
+a namedtuple stays that namedtuple); anything else is a leaf.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["flatten", "map_structure", "to_device"]
+
+
+def map_structure(fn: Callable[[Any], Any], structure: Any) -> Any:
+    """Applies ``fn`` to every leaf, keeping the containers' types. A container that
+    contains itself is a leaf where it recurs (no infinite recursion)."""
+    return _map(fn, structure, set())
+
+
+def _map(fn: Callable[[Any], Any], structure: Any, active: set[int]) -> Any:
+    if not isinstance(structure, (tuple, list, set, frozenset, dict)) or id(structure) in active:
+        return fn(structure)
+    active.add(id(structure))
+    try:
+        if isinstance(structure, tuple) and hasattr(structure, "_fields"):  # namedtuple
+            return type(structure)(*(_map(fn, v, active) for v in structure))
+        if isinstance(structure, dict):
+            mapped = copy.copy(structure)  # keeps the mapping's type (OrderedDict, defaultdict...)
+            for key, value in structure.items():
+                mapped[key] = _map(fn, value, active)
+            return mapped
+        return type(structure)(_map(fn, v, active) for v in structure)
+    finally:
+        active.discard(id(structure))
+
+
+def flatten(structure: Any) -> list[Any]:
+    """The leaves, in the order ``map_structure`` visits them."""
+    leaves: list[Any] = []
+
+    def collect(leaf: Any) -> Any:
+        leaves.append(leaf)
+        return leaf
+
+    map_structure(collect, structure)
+    return leaves
+
+
+def to_device(structure: Any, device: torch.device) -> Any:
+    """Every tensor leaf moved to ``device`` (asynchronously when the copy allows it)."""
+    return map_structure(lambda x: x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x, structure)
