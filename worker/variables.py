@@ -10,8 +10,11 @@ fills from the servers before the step runs, and again after every
 ``ServerOptimizer.step()`` pushes the gradients of those parameters, and the
 row gradients of ``ShardedEmbedding`` lookups, to the servers, where the real
 optimizer runs. Everything here talks to the servers through a
-``VariableAccess``: the worker installs one per closure, the coordinator one
-for its own reads (evaluation).
+``VariableAccess``: on a worker, the one of the closure running in this thread
+(``using_access``); on the coordinator, the one of the strategy that built the
+object (its ``home`` access: the refresh hook, the table and the optimizer carry
+it, and drop it when pickled, so on a worker the closure's access applies).
+There is no process-wide default.
 """
 
 from __future__ import annotations
@@ -75,13 +78,13 @@ class NoAccess:
 
 
 _state = threading.local()
-_default_access: VariableAccess = NoAccess()
-_default_lock = threading.Lock()
+_NO_ACCESS = NoAccess()
 
 
-def current_access() -> VariableAccess:
-    """The access of this thread's closure, else the process default (the coordinator's)."""
-    return getattr(_state, "access", None) or _default_access
+def current_access(home: VariableAccess | None = None) -> VariableAccess:
+    """The access of the closure this thread runs, else ``home`` (the coordinator's strategy,
+    for objects it built), else one that explains the object is used out of place."""
+    return getattr(_state, "access", None) or home or _NO_ACCESS
 
 
 @contextlib.contextmanager
@@ -95,34 +98,29 @@ def using_access(access: VariableAccess) -> Iterator[VariableAccess]:
         _state.access = previous
 
 
-def set_default_access(access: VariableAccess | None) -> None:
-    """The coordinator installs its access here; None restores the no-op default."""
-    global _default_access
-    with _default_lock:
-        _default_access = access or NoAccess()
-
-
 class TableRegistry(Protocol):
     """What a strategy scope provides so that tables created in it become variables."""
 
-    def register_table(self, table: "ShardedEmbedding") -> None: ...
-
-
-_registries: list[TableRegistry] = []
+    def register_table(self, table: ShardedEmbedding) -> None: ...
 
 
 def active_registry() -> TableRegistry | None:
-    return _registries[-1] if _registries else None
+    """The registry of the scope open in this thread, if any."""
+    registries: list[TableRegistry] = getattr(_state, "registries", [])
+    return registries[-1] if registries else None
 
 
 @contextlib.contextmanager
 def registering_tables(registry: TableRegistry) -> Iterator[None]:
-    """Inside this block, new ShardedEmbedding tables register with ``registry``."""
-    _registries.append(registry)
+    """Inside this block, new ShardedEmbedding tables built in this thread register with ``registry``."""
+    registries = getattr(_state, "registries", None)
+    if registries is None:
+        registries = _state.registries = []
+    registries.append(registry)
     try:
         yield
     finally:
-        _registries.remove(registry)
+        registries.remove(registry)
 
 
 def variable_name(parameter: torch.Tensor) -> str | None:
@@ -144,8 +142,14 @@ class RefreshBeforeForward:
     """Forward pre-hook installed on modules built in a strategy scope: makes their
     distributed parameters current before they are used (a no-op when fresh)."""
 
+    def __init__(self, home: VariableAccess | None = None):
+        self.home = home
+
     def __call__(self, module: nn.Module, args: Any) -> None:
-        current_access().refresh(distributed_parameters(module))
+        current_access(self.home).refresh(distributed_parameters(module))
+
+    def __reduce__(self) -> tuple[type[RefreshBeforeForward], tuple[()]]:
+        return RefreshBeforeForward, ()  # on a worker the closure's access applies
 
 
 class ShardedEmbedding(nn.Module):
@@ -178,9 +182,15 @@ class ShardedEmbedding(nn.Module):
         self.init_std = init_std
         self.seed = seed
         self.variable = name or ""
+        self.home: VariableAccess | None = None
+        """The coordinator's access (set by its strategy); not pickled."""
         registry = active_registry()
         if registry is not None:
             registry.register_table(self)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        return {**state, "home": None}
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -189,7 +199,7 @@ class ShardedEmbedding(nn.Module):
     def forward(self, indices: torch.Tensor) -> torch.Tensor:
         if not self.variable:
             raise RuntimeError("this ShardedEmbedding was not created inside strategy.scope()")
-        return current_access().lookup_rows(self.variable, indices)
+        return current_access(self.home).lookup_rows(self.variable, indices)
 
     def extra_repr(self) -> str:
         return f"{self.variable!r}, {self.num_embeddings}, {self.embedding_dim}"
@@ -202,18 +212,26 @@ class ServerOptimizer:
     """The optimizer a closure calls: ``step()`` pushes gradients; the parameter
     servers apply the real torch.optim update (``spec``) to their shards."""
 
-    def __init__(self, variables: Sequence[str], spec_name: str, spec_kwargs: Mapping[str, Any]):
+    def __init__(
+        self, variables: Sequence[str], spec_name: str, spec_kwargs: Mapping[str, Any],
+        home: VariableAccess | None = None,
+    ):
         self.variables = tuple(variables)
         self.spec_name = spec_name
         self.spec_kwargs = dict(spec_kwargs)
+        self.home = home
+        """The coordinator's access; not pickled."""
 
     def step(self, closure: Any = None) -> Any:
         loss = closure() if closure is not None else None
-        current_access().apply_gradients(self.variables)
+        current_access(self.home).apply_gradients(self.variables)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        current_access().zero_grad(self.variables, set_to_none)
+        current_access(self.home).zero_grad(self.variables, set_to_none)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "home": None}
 
     def __repr__(self) -> str:
         return f"ServerOptimizer({self.spec_name}, {self.spec_kwargs}, {len(self.variables)} variables)"

@@ -4,11 +4,15 @@
   that gets a parameter, buffer or submodule while the scope is open (in the
   scope's own thread); the roots are the user's models.
 - ``capturing_optimizers``: while a scope is open, ``torch.optim.Optimizer.__init__``
-  reports each optimizer built in that thread (patched once per open scope,
-  restored when the last scope closes).
-- ``link_module`` / ``link_optimizer``: the object's class becomes a subclass
-  whose calls go to the current replica's copy (modules) or to the strategy's
-  merge step (optimizers). The user keeps using the very objects they built.
+  reports each optimizer built in that thread (``OPTIMIZER_INIT``, a SharedHook:
+  patched while any scope is open, restored when the last one closes).
+- ``link_module`` / ``redirect_optimizer`` + ``link_optimizer``: the object's class
+  becomes a subclass whose calls go to the current replica's copy (modules) or to
+  the strategy's step (optimizers: the merge of replicas, or a push to parameter
+  servers). The user keeps using the very objects they built. ``unlink`` restores
+  the user's class; a strategy's ``close()`` does it for everything it linked.
+
+Every strategy that captures what its scope builds uses these, and nothing else.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as module_hooks
 
+from paramserve.coordinator.strategies._process_hooks import SharedHook
 from paramserve.coordinator.strategies._replicas import _local as _replica_local
 from paramserve.coordinator.strategies._replicas import replica_of
 from paramserve.coordinator.strategies.base import Strategy
@@ -77,9 +82,6 @@ def recording_modules() -> Iterator[ScopeRecord]:
 
 # ------------------------------------------------------------------ optimizers built in scope
 
-_patch_lock = threading.Lock()
-_patch_users = 0
-_original_init: Callable[..., None] | None = None
 _local = threading.local()
 
 
@@ -90,32 +92,37 @@ def _sinks() -> list[Callable[[torch.optim.Optimizer], None]]:
     return sinks
 
 
-def _capturing_init(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
-    assert _original_init is not None
-    _original_init(self, *args, **kwargs)
-    sinks = _sinks()
-    if sinks:  # only the thread whose scope is open captures; other threads are untouched
-        sinks[-1](self)
+def _patch_optimizer_init() -> Callable[[], None]:
+    original = torch.optim.Optimizer.__init__
+
+    def capturing_init(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        sinks = _sinks()
+        if sinks:  # only the thread whose scope is open captures; other threads are untouched
+            sinks[-1](self)
+
+    torch.optim.Optimizer.__init__ = capturing_init  # type: ignore[method-assign]
+
+    def restore() -> None:
+        torch.optim.Optimizer.__init__ = original  # type: ignore[method-assign]
+
+    return restore
+
+
+OPTIMIZER_INIT = SharedHook("torch.optim.Optimizer.__init__", _patch_optimizer_init)
+"""Reports each optimizer built in a thread whose scope is open; installed while any scope is open."""
 
 
 @contextlib.contextmanager
 def capturing_optimizers(on_create: Callable[[torch.optim.Optimizer], None]) -> Iterator[None]:
     """Calls ``on_create(optimizer)`` for every optimizer this thread builds while open."""
-    global _patch_users, _original_init
-    with _patch_lock:
-        if _patch_users == 0:
-            _original_init = torch.optim.Optimizer.__init__
-            torch.optim.Optimizer.__init__ = _capturing_init  # type: ignore[method-assign]
-        _patch_users += 1
+    lease = OPTIMIZER_INIT.acquire()
     _sinks().append(on_create)
     try:
         yield
     finally:
         _sinks().pop()
-        with _patch_lock:
-            _patch_users -= 1
-            if _patch_users == 0:
-                torch.optim.Optimizer.__init__ = _original_init  # type: ignore[method-assign]
+        lease.release()
 
 
 # ------------------------------------------------------------------ redirection
@@ -153,13 +160,21 @@ def unredirected() -> Iterator[None]:
 
 
 class OptimizerLink(Protocol):
-    """What a strategy does for the optimizer methods that touch every replica."""
+    """What a strategy does for the optimizer methods that touch every replica (or the servers)."""
 
     def step(self, closure: Callable[[], Any] | None) -> Any: ...
 
     def zero_grad(self, set_to_none: bool) -> None: ...
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+    def pickled_as(self) -> Any:
+        """What the optimizer becomes when pickled (e.g. sent to a worker); None: a plain
+        copy of the user's optimizer."""
+
+
+def _same(value: Any) -> Any:
+    return value
 
 
 def _rebuild(cls: type, state: dict[str, Any]) -> Any:
@@ -281,6 +296,10 @@ def _build_optimizer_class(cls: type) -> type:
         link_of(self).load_state_dict(state_dict)
 
     def __reduce_ex__(self: torch.optim.Optimizer, protocol: Any) -> Any:
+        link = self.__dict__.get(LINK)
+        stand_in = link.pickled_as() if link is not None else None
+        if stand_in is not None:
+            return (_same, (stand_in,))
         return (_rebuild, (cls, cls.__getstate__(self)))
 
     return type(cls.__name__, (cls,), {
@@ -302,3 +321,9 @@ def redirect_optimizer(optimizer: torch.optim.Optimizer) -> None:
 
 def link_optimizer(optimizer: torch.optim.Optimizer, link: OptimizerLink) -> None:
     optimizer.__dict__[LINK] = link
+
+
+def unlink(obj: nn.Module | torch.optim.Optimizer) -> None:
+    """Undoes ``link_module`` / ``redirect_optimizer``: the object is of the user's class again."""
+    obj.__dict__.pop(LINK, None)
+    obj.__class__ = base_class(obj)

@@ -129,16 +129,17 @@ def _on_device(device: torch.device) -> Iterator[None]:
 
 
 class ReplicaThreads:
-    """One persistent, named (``<name>-replica-<r>``), non-daemon thread per replica, reused
-    by every ``run`` of one strategy: starting threads at each step costs more than a small
-    model's step. Started at the first ``run``; ``close()`` stops and joins them (a later
-    ``run`` starts new ones). Idle threads also stop on their own when the interpreter
-    exits or the owning strategy is garbage-collected, so a strategy never closed does not
-    keep the process alive.
+    """One persistent, named (``<name>-replica-<r>``) thread per replica, reused by every
+    ``run`` of one strategy: starting threads at each step costs more than a small model's
+    step. Started at the first ``run``; ``close()`` stops and joins them (a later ``run``
+    starts new ones). Idle threads also stop on their own when the owning strategy is
+    garbage-collected (``stop_soon``). They are daemon threads: only an idle one can be
+    left when the interpreter exits (a running one has its caller waiting in ``run``), and
+    an idle one holds nothing, so it never keeps the process alive.
     """
 
     _IDLE_CHECK = 1.0
-    """Seconds between an idle thread's checks that the main thread is still running."""
+    """Seconds between an idle thread's checks of ``stop_soon``."""
 
     def __init__(self, name: str, count: int):
         self._name = name
@@ -214,10 +215,9 @@ class ReplicaThreads:
                     thread.join()
                 finally:
                     self._lock.acquire()
-        _register_exit_hook()
         self._stopping = False
         self._threads = [
-            threading.Thread(target=self._serve, args=(r, self._generation), name=f"{self._name}-replica-{r}", daemon=False)
+            threading.Thread(target=self._serve, args=(r, self._generation), name=f"{self._name}-replica-{r}", daemon=True)
             for r in range(self._count)
         ]
         _live.add(self)
@@ -225,12 +225,10 @@ class ReplicaThreads:
             thread.start()
 
     def _serve(self, replica: int, seen: int) -> None:
-        main_thread = threading.main_thread()
         while True:
             with self._lock:
                 while self._generation == seen and not self._stopping:
-                    if not self._work.wait(self._IDLE_CHECK) and not main_thread.is_alive():
-                        self._stopping = True  # the interpreter is exiting without close()
+                    self._work.wait(self._IDLE_CHECK)
                 if self._generation == seen:  # stopping, and no job for this thread
                     return
                 seen = self._generation
@@ -247,13 +245,6 @@ class ReplicaThreads:
 
 
 _live: "weakref.WeakSet[ReplicaThreads]" = weakref.WeakSet()
-_exit_hook_lock = threading.Lock()
-_exit_hook_registered = False
-
-
-def _stop_all() -> None:
-    for threads in list(_live):
-        threads.stop()
 
 
 def _reset_all_after_fork() -> None:
@@ -263,20 +254,6 @@ def _reset_all_after_fork() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_reset_all_after_fork)
-
-
-def _register_exit_hook() -> None:
-    """At interpreter exit, before non-daemon threads are joined, idle replica threads stop
-    (the polling in ``_serve`` is the fallback where this hook is not available)."""
-    global _exit_hook_registered
-    with _exit_hook_lock:
-        if _exit_hook_registered:
-            return
-        register = getattr(threading, "_register_atexit", None)
-        if register is not None:
-            with contextlib.suppress(RuntimeError):  # already shutting down
-                register(_stop_all)
-        _exit_hook_registered = True
 
 
 def run_replicas(

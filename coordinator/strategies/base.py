@@ -108,6 +108,13 @@ class Strategy(abc.ABC):
         """Calls ``dataset_fn`` once per input pipeline with its InputContext; the
         function returns per-replica batches."""
 
+    # ------------------------------------------------------------------ lifecycle
+
+    def close(self) -> None:
+        """Ends the strategy: stops what it started (threads, connections, process groups) and
+        leaves the modules and optimizers built in its scope as plain torch objects, with no
+        process-wide hook of its left behind. Idempotent; nothing to do by default."""
+
     # ------------------------------------------------------------------ replica plumbing
 
     def _replica_all_reduce(self, context: ReplicaContext, reduce_op: ReduceOp, value: Any) -> Any:

@@ -72,6 +72,7 @@ from torch.optim import optimizer as optimizer_hooks
 
 from paramserve.coordinator import nest
 from paramserve.coordinator.strategies import _capture
+from paramserve.coordinator.strategies._process_hooks import Lease, SharedHook
 from paramserve.coordinator.strategies._replicas import (
     Rendezvous,
     ReplicaThreads,
@@ -245,7 +246,6 @@ class _ReplicatedStrategy(Strategy):
     variables live and what ``optimizer.step()`` does."""
 
     def __init__(self, names: list[str], devices: list[torch.device], cross_device_ops: CrossDeviceOps | None):
-        _install_guards()
         self.device_names = tuple(names)
         self._devices = tuple(devices)
         self.cross_device_ops = cross_device_ops or _default_cross_device_ops(devices)
@@ -253,8 +253,12 @@ class _ReplicatedStrategy(Strategy):
         self._lock = threading.Lock()  # one run at a time; guards the maps below
         self._rendezvous: Rendezvous | None = None
         self._threads = ReplicaThreads(type(self).__name__, len(devices))
-        # A strategy dropped without close(): its idle threads exit (no __del__ involved).
-        weakref.finalize(self, self._threads.stop_soon)
+        self._guards = REPLICA_GUARDS.acquire()
+        self._closed = False
+        # A strategy dropped without close(): its idle threads exit and its hold on the guards
+        # ends (no __del__ involved; see _process_hooks for why the lease is only dropped).
+        weakref.finalize(self, _abandon, self._threads, self._guards)
+        self._linked: list[nn.Module | torch.optim.Optimizer] = []  # every object whose class was swapped
         self._module_links: dict[int, _capture.ModuleLink] = {}  # id(user's module) -> link
         self._roots: list[nn.Module] = []
         self._known_modules: set[int] = set()
@@ -288,6 +292,7 @@ class _ReplicatedStrategy(Strategy):
 
         def on_optimizer(optimizer: torch.optim.Optimizer) -> None:
             _capture.redirect_optimizer(optimizer)
+            self._linked.append(optimizer)
             built.append(optimizer)
 
         with _capture.recording_modules() as record, _capture.capturing_optimizers(on_optimizer), _default_device(self._home_device):
@@ -334,6 +339,7 @@ class _ReplicatedStrategy(Strategy):
             self._known_modules.add(id(module))
             link = _capture.ModuleLink(self, counterparts)
             _capture.link_module(module, link)
+            self._linked.append(module)
             self._module_links[id(module)] = link
         for params in zip(original.parameters(), *(r.parameters() for r in replicas)):
             self._param_replicas[id(params[0])] = tuple(params[1:])
@@ -359,6 +365,8 @@ class _ReplicatedStrategy(Strategy):
         args, kwargs = tuple(args), dict(kwargs or {})
         self._check_distributed_args((args, kwargs))
         with self._lock:
+            if self._closed:
+                raise RuntimeError(f"this {type(self).__name__} was closed: create a new strategy to train again")
             self._before_run()
             self._rendezvous = Rendezvous(self.num_replicas_in_sync)
             try:
@@ -373,15 +381,24 @@ class _ReplicatedStrategy(Strategy):
         return regroup(results)
 
     def close(self) -> None:
-        """Stops and joins the replica threads (one per replica, started by the first ``run``
-        and reused by the next ones). Call it when done training; a later ``run`` starts new
-        threads. Idempotent. Without it, idle replica threads still exit when the strategy
-        is garbage-collected or the interpreter exits."""
+        """Ends the strategy: joins its replica threads, gives the modules and optimizers
+        built in its scope their own classes back (replica 0's copy, the user's module,
+        keeps its values; the other copies are dropped) and releases the process-wide
+        guards. Idempotent. Call it when done; without it, idle replica threads still exit
+        when the strategy is garbage-collected or the interpreter exits."""
         context = get_replica_context()
         if context is not None and context.strategy is self:
             raise RuntimeError(f"{type(self).__name__}.close() was called inside its own run")
         with self._lock:  # after a run in progress in another thread
+            if self._closed:
+                return
+            self._closed = True
             self._threads.close()
+            for obj in self._linked:
+                _capture.unlink(obj)
+            self._linked.clear()
+            self._module_links.clear()
+            self._guards.release()
 
     def _before_run(self) -> None:
         """Hook: bring replicas up to date before their threads start."""
@@ -815,9 +832,6 @@ def _zero(params: Iterable[nn.Parameter], set_to_none: bool) -> None:
 
 # ------------------------------------------------------------------ process-wide guards
 
-_guards_lock = threading.Lock()
-_guards_installed = False
-
 
 def _replicated_strategy() -> _ReplicatedStrategy | None:
     if running_strategy() is None:  # the common case, every module call of the process: stay cheap
@@ -840,15 +854,26 @@ def _guard_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
         strategy._check_optimizer(optimizer)
 
 
-def _install_guards() -> None:
-    """Once per process: inside a replica, calling a module or stepping an optimizer that
-    was not built in the strategy's scope raises instead of silently sharing state.
-    Installed once and never removed, so other threads' hook lists never change under them
-    while they train."""
-    global _guards_installed
-    with _guards_lock:
-        if _guards_installed:
-            return
-        module_hooks.register_module_forward_pre_hook(_guard_module)
-        optimizer_hooks.register_optimizer_step_pre_hook(_guard_optimizer)
-        _guards_installed = True
+def _install_guards() -> Callable[[], None]:
+    """Inside a replica, calling a module or stepping an optimizer that was not built in the
+    strategy's scope raises instead of silently sharing state: torch's global forward
+    pre-hook and optimizer step pre-hook, while any replicated strategy is open."""
+    handles = [
+        module_hooks.register_module_forward_pre_hook(_guard_module),
+        optimizer_hooks.register_optimizer_step_pre_hook(_guard_optimizer),
+    ]
+
+    def remove() -> None:
+        for handle in handles:
+            handle.remove()
+
+    return remove
+
+
+REPLICA_GUARDS = SharedHook("replica guards (global module and optimizer pre-hooks)", _install_guards)
+
+
+def _abandon(threads: ReplicaThreads, guards: Lease) -> None:
+    """A replicated strategy was garbage-collected without close() (a GC callback: no locks)."""
+    threads.stop_soon()
+    guards.drop()

@@ -582,9 +582,13 @@ class MultiWorkerMirroredStrategy(Strategy):
         """Waits until every process reaches this point."""
         dist.barrier(group=self._group)
 
+    def close(self) -> None:
+        """Stops all-reducing gradients (removes its global optimizer step pre-hook) and
+        destroys the process group if this strategy created it. Idempotent."""
+        self.shutdown()
+
     def shutdown(self) -> None:
-        """Stops all-reducing gradients and destroys the process group if this strategy created it.
-        Idempotent."""
+        """The same as ``close()``."""
         if self._step_hook is not None:
             self._step_hook.remove()
             self._step_hook = None

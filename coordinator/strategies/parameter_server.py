@@ -13,15 +13,14 @@ import contextlib
 import logging
 import threading
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules import module as module_hooks
 
 from paramserve.coordinator.cluster import ClusterSpec
-from paramserve.coordinator.strategies._capture import capturing_optimizers
+from paramserve.coordinator.strategies import _capture
 from paramserve.coordinator.strategies.base import SingleReplicaStrategy
 from paramserve.psserver.client import ClientConfig, ParameterServerClient
 from paramserve.psserver.optimizer import OptimizerSpec
@@ -34,7 +33,6 @@ from paramserve.worker.variables import (
     ShardedEmbedding,
     mark_variable,
     registering_tables,
-    set_default_access,
     variable_name,
 )
 
@@ -53,20 +51,6 @@ class Variable:
     optimizer: OptimizerSpec | None = None
 
 
-@dataclass
-class _ScopeRecord:
-    """What torch reported while a scope was open: modules, their children, their parameters."""
-
-    modules: list[nn.Module] = field(default_factory=list)
-    children: set[int] = field(default_factory=set)
-    parameters: list[tuple[nn.Module, nn.Parameter]] = field(default_factory=list)
-
-    def saw_module(self, module: nn.Module) -> None:
-        if all(m is not module for m in self.modules):
-            self.modules.append(module)
-
-    def roots(self) -> list[nn.Module]:
-        return [m for m in self.modules if id(m) not in self.children]
 
 
 class ParameterServerStrategy(SingleReplicaStrategy):
@@ -112,43 +96,35 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         self._pending_tables: list[ShardedEmbedding] = []
         self._context: ClusterContext | None = None
         self._coordinator: Any = None
-        set_default_access(CoordinatorAccess(self))
+        self._access = CoordinatorAccess(self)
+        self._hook_handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._linked_optimizers: list[torch.optim.Optimizer] = []
+        self._closed = False
 
     # ------------------------------------------------------------------ scope
 
     @contextlib.contextmanager
     def _scope_hooks(self) -> Iterator[None]:
-        """Inside scope(), modules (and ShardedEmbedding tables) built become distributed."""
-        record = _ScopeRecord()
+        """Inside scope(), modules (and ShardedEmbedding tables) built become distributed, and a
+        torch optimizer built becomes the servers' optimizer for its parameters."""
+        self._check_open()
+        built: list[torch.optim.Optimizer] = []
 
-        def on_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-            record.saw_module(module)
-            if param is not None:
-                record.parameters.append((module, param))
+        def on_optimizer(optimizer: torch.optim.Optimizer) -> None:
+            _capture.redirect_optimizer(optimizer)
+            self._linked_optimizers.append(optimizer)
+            built.append(optimizer)
 
-        def on_submodule(module: nn.Module, name: str, submodule: nn.Module | None) -> None:
-            record.saw_module(module)
-            if submodule is not None:
-                record.children.add(id(submodule))
-
-        handles = [
-            module_hooks.register_module_parameter_registration_hook(on_parameter),
-            module_hooks.register_module_module_registration_hook(on_submodule),
-        ]
-        optimizers: list[torch.optim.Optimizer] = []
-        try:
-            with registering_tables(self), capturing_optimizers(optimizers.append):
-                yield
-        finally:
-            for handle in handles:
-                handle.remove()
-        self._adopt(record)
-        for optimizer in optimizers:
+        with _capture.recording_modules() as record, _capture.capturing_optimizers(on_optimizer), \
+                registering_tables(self):
+            yield
+        self._adopt(record.roots())
+        for optimizer in built:
             self._adopt_optimizer(optimizer)
 
-    def _adopt(self, record: _ScopeRecord) -> None:
+    def _adopt(self, roots: list[nn.Module]) -> None:
         with self._lock:
-            for root in record.roots():
+            for root in roots:
                 if any(r is root for _, r in self._roots):
                     continue
                 prefix = self._unique_prefix(type(root).__name__.lower())
@@ -182,7 +158,7 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         for qualified, table in root.named_modules():
             if isinstance(table, ShardedEmbedding) and not table.variable:
                 self.register_table(table, f"{prefix}.{qualified}")
-        root.register_forward_pre_hook(RefreshBeforeForward())
+        self._hook_handles.append(root.register_forward_pre_hook(RefreshBeforeForward(self._access)))
 
     def register_table(self, table: ShardedEmbedding, name: str | None = None) -> None:
         """Called by ShardedEmbedding built in scope; named later by its root module."""
@@ -191,6 +167,7 @@ class ParameterServerStrategy(SingleReplicaStrategy):
                 self._pending_tables.append(table)  # named when the scope closes
                 return
             table.variable = name
+            table.home = self._access
             self._variables[name] = Variable(name, table.shape, table.dtype, table=table)
 
     # ------------------------------------------------------------------ the Strategy API (input)
@@ -229,17 +206,16 @@ class ParameterServerStrategy(SingleReplicaStrategy):
                 raise RuntimeError("declare the optimizer before the first schedule(): the variables exist already")
             for variable in names:
                 self._variables[variable].optimizer = spec
-        return ServerOptimizer(names, spec.name, dict(spec.kwargs))
+        return ServerOptimizer(names, spec.name, dict(spec.kwargs), home=self._access)
 
     def _adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """A torch.optim optimizer built in scope becomes the servers' optimizer for its
-        parameters; the object turns into the step that pushes gradients, so the same
-        training code runs under every strategy."""
+        parameters; its step pushes gradients, so the same training code runs under every
+        strategy, and on the wire it is the ServerOptimizer it stands for."""
         params = [p for group in optimizer.param_groups for p in group["params"]]
         kwargs = {k: v for k, v in optimizer.defaults.items() if k not in _LOCAL_ONLY_OPTIONS and v is not None}
-        server_optimizer = self.optimizer(type(optimizer), params=params, **kwargs)
-        optimizer.__class__ = _server_optimizer_class(type(optimizer))
-        optimizer._paramserve = server_optimizer  # type: ignore[attr-defined]
+        server_optimizer = self.optimizer(_capture.base_class(optimizer), params=params, **kwargs)
+        _capture.link_optimizer(optimizer, _ServerOptimizerLink(server_optimizer))
 
     def _variable_names(self, params: Iterable[Any] | None) -> list[str]:
         if params is None:
@@ -330,31 +306,55 @@ class ParameterServerStrategy(SingleReplicaStrategy):
             self.client.set_hyperparameters({"lr": lr}, variable=name)
 
     def close(self) -> None:
-        set_default_access(None)
+        """Ends the strategy: removes the refresh hooks from its modules, gives the optimizers
+        built in its scope their own classes back, and closes the parameter-server client.
+        The variables stay on the servers. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            handles, self._hook_handles = self._hook_handles, []
+            optimizers, self._linked_optimizers = self._linked_optimizers, []
+        for handle in handles:
+            handle.remove()
+        for optimizer in optimizers:
+            _capture.unlink(optimizer)
+        self._access.close()
         self.client.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this ParameterServerStrategy was closed: create a new one")
 
 
 _LOCAL_ONLY_OPTIONS = frozenset({"foreach", "fused", "capturable", "differentiable"})
 """torch.optim options about how a step runs locally; the servers choose their own."""
 
 
-def _same(value: Any) -> Any:
-    return value
+class _ServerOptimizerLink:
+    """What a torch optimizer built in scope does: the ServerOptimizer's step, on the wire itself."""
 
+    def __init__(self, server_optimizer: ServerOptimizer):
+        self.server_optimizer = server_optimizer
 
-def _server_optimizer_class(cls: type) -> type:
-    """A subclass of a torch optimizer class whose step pushes to the servers."""
+    def step(self, closure: Any = None) -> Any:
+        return self.server_optimizer.step(closure)
 
-    def step(self: Any, closure: Any = None) -> Any:
-        return self._paramserve.step(closure)
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.server_optimizer.zero_grad(set_to_none)
 
-    def zero_grad(self: Any, set_to_none: bool = True) -> None:
-        self._paramserve.zero_grad(set_to_none)
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        raise RuntimeError(
+            "an optimizer of a ParameterServerStrategy keeps its state on the parameter servers: restore it "
+            "with CheckpointManager(strategy, directory).restore(...), not load_state_dict"
+        )
 
-    def __reduce__(self: Any) -> Any:
-        return _same, (self._paramserve,)  # on the wire it is the ServerOptimizer it stands for
-
-    return type(f"ServerSide{cls.__name__}", (cls,), {"step": step, "zero_grad": zero_grad, "__reduce__": __reduce__})
+    def pickled_as(self) -> ServerOptimizer:
+        return self.server_optimizer
 
 
 class _ClosureStrategy(SingleReplicaStrategy):
@@ -366,41 +366,50 @@ class CoordinatorAccess:
     """VariableAccess of the coordinator: its own modules read the servers' current values."""
 
     def __init__(self, strategy: ParameterServerStrategy):
-        self._strategy = strategy
+        self._strategy: ParameterServerStrategy | None = strategy
+
+    def close(self) -> None:
+        self._strategy = None
+
+    @property
+    def strategy(self) -> ParameterServerStrategy:
+        if self._strategy is None:
+            raise RuntimeError("the ParameterServerStrategy these variables belong to was closed")
+        return self._strategy
 
     def parameter(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
-        variable = self._strategy.variables.get(name)
+        variable = self.strategy.variables.get(name)
         if variable is None or variable.parameter is None:
             raise KeyError(f"no dense variable {name!r} in this strategy")
         return variable.parameter
 
     def refresh(self, parameters: Sequence[nn.Parameter]) -> None:
-        if not self._strategy.materialized or not parameters:
+        if not self.strategy.materialized or not parameters:
             return  # before training, the local values are the variables' values
         names = [variable_name(p) for p in parameters]
-        pulled = self._strategy.client.pull([n for n in names if n])
+        pulled = self.strategy.client.pull([n for n in names if n])
         with torch.no_grad():
             for param, name in zip(parameters, names):
                 if name:
                     param.copy_(pulled.tensors[name])
 
     def lookup_rows(self, name: str, indices: torch.Tensor) -> torch.Tensor:
-        self._strategy.materialize()
-        return self._strategy.client.pull_rows(name, indices).tensors[name]
+        self.strategy.materialize()
+        return self.strategy.client.pull_rows(name, indices).tensors[name]
 
     def apply_gradients(self, names: Sequence[str]) -> None:
-        self._strategy.materialize()
+        self.strategy.materialize()
         gradients = {}
         for name in names:
-            variable = self._strategy.variables[name]
+            variable = self.strategy.variables[name]
             if variable.parameter is not None and variable.parameter.grad is not None:
                 gradients[name] = variable.parameter.grad
         if gradients:
-            self._strategy.client.push(gradients)
+            self.strategy.client.push(gradients)
 
     def zero_grad(self, names: Sequence[str], set_to_none: bool) -> None:
         for name in names:
-            param = self._strategy.variables[name].parameter
+            param = self.strategy.variables[name].parameter
             if param is not None and param.grad is not None:
                 if set_to_none:
                     param.grad = None
