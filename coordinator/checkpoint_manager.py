@@ -15,16 +15,18 @@ import os
 import pathlib
 from collections import defaultdict
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from paramserve.coordinator.strategies.parameter_server import ParameterServerStrategy
 from paramserve.psserver import checkpoint
 from paramserve.psserver.atomic_files import atomic_torch_save
 from paramserve.psserver.errors import CheckpointError
 from paramserve.psserver.types import ShardState
+
+if TYPE_CHECKING:
+    from paramserve.coordinator.strategies.parameter_server import ParameterServerStrategy
 
 log = logging.getLogger(__name__)
 STEP_KEY = "step"

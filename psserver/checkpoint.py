@@ -60,6 +60,7 @@ __all__ = [
     "VariableEntry",
     "Manifest",
     "save_checkpoint",
+    "delete_checkpoints",
     "latest_checkpoint",
     "resolve",
     "read_manifest",
@@ -309,6 +310,22 @@ def save_checkpoint(
 
 # ---------------------------------------------------------------------------
 # Finding and reading
+
+
+def delete_checkpoints(root: Path) -> None:
+    """Deletes every checkpoint under ``root``, its LATEST and leftovers of interrupted saves,
+    then ``root`` itself if nothing else is in it."""
+    root = Path(root)
+    if not root.is_dir():
+        return
+    for child in root.iterdir():
+        if _CHECKPOINT_NAME.match(child.name) or child.name.startswith((TEMPORARY_PREFIX, ".trash-")):
+            shutil.rmtree(child, ignore_errors=True) if child.is_dir() else child.unlink(missing_ok=True)
+    (root / LATEST).unlink(missing_ok=True)
+    try:
+        root.rmdir()
+    except OSError:
+        pass  # something else lives there
 
 
 def latest_checkpoint(root: Path) -> Path | None:

@@ -16,15 +16,21 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import copy
 import enum
+import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from paramserve.worker.resources import InputContext
+
+if TYPE_CHECKING:
+    from paramserve.coordinator.strategies.step_runners import StepFn, StepRunner
+    from paramserve.coordinator.strategies.training_state import TrainingCheckpoints
 
 
 class ReduceOp(enum.Enum):
@@ -107,6 +113,52 @@ class Strategy(abc.ABC):
     def distribute_datasets_from_function(self, dataset_fn: Callable[[InputContext], Iterable[Any]]) -> Iterable[Any]:
         """Calls ``dataset_fn`` once per input pipeline with its InputContext; the
         function returns per-replica batches."""
+
+    # ------------------------------------------------------------------ what fit and its callbacks ask
+
+    @property
+    def is_chief(self) -> bool:
+        """Whether this process writes files (checkpoints, summaries): True, except on the
+        non-chief processes of a multi-process strategy."""
+        return True
+
+    def step_runner(self, step: StepFn, train_data: Any, *, steps_per_epoch: int | None,
+                    coordinator: Any = None) -> StepRunner:
+        """How ``fit`` runs ``step`` over ``train_data`` under this strategy (here: in this
+        process, with ``run`` on distributed batches). Raises TypeError/ValueError for data
+        this strategy cannot train on."""
+        from paramserve.coordinator.strategies.step_runners import InProcessStepRunner  # imports this module
+
+        return InProcessStepRunner(self, step, train_data, steps_per_epoch)
+
+    def evaluation_strategy(self) -> Strategy:
+        """The strategy ``evaluate``/``predict`` run under in this process (this one)."""
+        return self
+
+    def training_checkpoints(self, directory: str | os.PathLike[str], keep: int) -> TrainingCheckpoints:
+        """Where ModelCheckpoint and BackupAndRestore keep training state (here: torch files)."""
+        from paramserve.coordinator.strategies.training_state import TorchFileCheckpoints
+
+        return TorchFileCheckpoints(directory, keep)
+
+    def learning_rate(self, optimizer: Any) -> float:
+        """The learning rate ``optimizer`` applies now."""
+        return float(_param_groups(optimizer)[0]["lr"])
+
+    def set_learning_rate(self, optimizer: Any, lr: float) -> None:
+        """Makes ``optimizer`` apply ``lr`` from its next step (every parameter group)."""
+        for group in _param_groups(optimizer):
+            group["lr"] = lr
+
+    can_restore_model_weights: bool = True
+    """Whether ``load_model_weights`` works (EarlyStopping's restore_best_weights needs it)."""
+
+    def model_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """A copy of ``model``'s state_dict, as it is now."""
+        return copy.deepcopy(model.state_dict())
+
+    def load_model_weights(self, model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+        model.load_state_dict(weights)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -222,3 +274,12 @@ def replica_thread_context(strategy: Strategy, replica_id: int) -> Iterator[Repl
             yield context
     finally:
         _stack().pop()
+
+
+def _param_groups(optimizer: Any) -> list[dict[str, Any]]:
+    groups = getattr(optimizer, "param_groups", None)
+    if not groups:
+        raise TypeError(
+            f"expected a torch.optim optimizer (with param_groups), got {type(optimizer).__name__}"
+        )
+    return groups

@@ -11,17 +11,24 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import pathlib
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from paramserve.coordinator.checkpoint_manager import CheckpointManager
 from paramserve.coordinator.cluster import ClusterSpec
+from paramserve.coordinator.cluster_coordinator import ClusterCoordinator
 from paramserve.coordinator.strategies import _capture
-from paramserve.coordinator.strategies.base import SingleReplicaStrategy
+from paramserve.coordinator.strategies.base import DefaultStrategy, SingleReplicaStrategy, Strategy
+from paramserve.coordinator.strategies.step_runners import StepFn, StepRunner, add_statistics
+from paramserve.coordinator.strategies.training_state import TrainingCheckpoints
+from paramserve.psserver import checkpoint
 from paramserve.psserver.client import ClientConfig, ParameterServerClient
 from paramserve.psserver.optimizer import OptimizerSpec
 from paramserve.psserver.partition import Partitioner
@@ -296,14 +303,42 @@ class ParameterServerStrategy(SingleReplicaStrategy):
                 self._context = ClusterContext(self.cluster.parameter_servers, self.layouts())
             return self._context
 
-    def set_learning_rate(self, lr: float, params: Iterable[Any] | None = None) -> None:
-        """Changes the learning rate the servers apply (all variables by default)."""
+    def set_server_hyperparameters(self, values: Mapping[str, float], params: Iterable[Any] | None = None) -> None:
+        """Changes optimizer hyperparameters (e.g. ``{"lr": 0.01}``) the servers apply, for
+        ``params`` (variables, parameters or tables) or every variable by default."""
         names = None if params is None else self._variable_names(params)
         if names is None:
-            self.client.set_hyperparameters({"lr": lr})
+            self.client.set_hyperparameters(dict(values))
             return
         for name in names:
-            self.client.set_hyperparameters({"lr": lr}, variable=name)
+            self.client.set_hyperparameters(dict(values), variable=name)
+
+    # ------------------------------------------------------------------ what fit and its callbacks ask
+
+    def step_runner(self, step: StepFn, train_data: Any, *, steps_per_epoch: int | None,
+                    coordinator: Any = None) -> StepRunner:
+        """Steps run on the workers: ``train_data`` is a dataset function each worker runs
+        (``dataset_fn(ctx)`` yielding endless batches); K steps make one closure."""
+        _check_training_data(train_data, steps_per_epoch)
+        return ParameterServerStepRunner(self, step, train_data, coordinator)
+
+    def evaluation_strategy(self) -> Strategy:
+        """Evaluation runs on the coordinator, whose modules read the variables' current values."""
+        return DefaultStrategy()
+
+    def training_checkpoints(self, directory: str | os.PathLike[str], keep: int) -> TrainingCheckpoints:
+        return ServerCheckpoints(self, directory, keep)
+
+    def learning_rate(self, optimizer: Any) -> float:
+        return float(_server_optimizer(optimizer).spec_kwargs.get("lr", 0.0))
+
+    def set_learning_rate(self, optimizer: Any, lr: float) -> None:
+        """The servers apply ``lr`` to ``optimizer``'s variables from their next push."""
+        server_optimizer = _server_optimizer(optimizer)
+        self.set_server_hyperparameters({"lr": lr}, params=server_optimizer.variables)
+        server_optimizer.spec_kwargs["lr"] = lr
+
+    can_restore_model_weights = False  # variables are only assigned by a checkpoint restore
 
     def close(self) -> None:
         """Ends the strategy: removes the refresh hooks from its modules, gives the optimizers
@@ -357,6 +392,114 @@ class _ServerOptimizerLink:
         return self.server_optimizer
 
 
+def _server_optimizer(optimizer: Any) -> ServerOptimizer:
+    """The ServerOptimizer behind ``optimizer`` (itself, or a torch optimizer built in scope)."""
+    if isinstance(optimizer, ServerOptimizer):
+        return optimizer
+    link = vars(optimizer).get(_capture.LINK)
+    if isinstance(link, _ServerOptimizerLink):
+        return link.server_optimizer
+    raise TypeError(
+        f"{type(optimizer).__name__} does not update this strategy's variables: use the optimizer "
+        "strategy.optimizer(...) returns, or a torch optimizer built inside strategy.scope()"
+    )
+
+
+def _check_training_data(train_data: Any, steps_per_epoch: int | None) -> None:
+    if steps_per_epoch is None:
+        raise ValueError("steps_per_epoch is required under ParameterServerStrategy (the workers' datasets "
+                         "have no end): pass steps_per_epoch=")
+    if not callable(train_data):
+        raise TypeError(
+            f"under ParameterServerStrategy train_data must be a dataset function run on each worker, "
+            f"dataset_fn(worker_context) -> endless batches; got {type(train_data).__name__}"
+        )
+
+
+class _WorkerSteps:
+    """The closure ``fit`` schedules: ``steps`` times per closure, the next batch of the worker's
+    dataset through the step; returns the sum of those steps' statistics. A fresh copy arrives
+    with every closure, so the sum covers exactly that closure's steps (also when it is retried)."""
+
+    def __init__(self, step: StepFn):
+        self.step = step
+        self.totals: torch.Tensor | None = None
+
+    def __call__(self, iterator: Iterator[Any]) -> torch.Tensor:
+        self.totals = add_statistics(self.totals, self.step(next(iterator), None))
+        return self.totals
+
+
+class ParameterServerStepRunner:
+    """``fit``'s steps as closures a ClusterCoordinator schedules on the workers (the one given,
+    or one of its own, shut down by ``close``). Statistics come back at the epoch's end."""
+
+    def __init__(self, strategy: ParameterServerStrategy, step: StepFn, dataset_fn: Callable[..., Any],
+                 coordinator: ClusterCoordinator | None):
+        self._strategy = strategy
+        self._owned = coordinator is None
+        self._coordinator = coordinator if coordinator is not None else ClusterCoordinator(strategy)
+        self._iterator = iter(self._coordinator.create_per_worker_dataset(dataset_fn))
+        self._closure = _WorkerSteps(step)
+        self._values: list[Any] = []
+
+    def prepare(self) -> None:
+        self._strategy.materialize()  # after BackupAndRestore had its chance to restore instead
+
+    def epoch_length(self) -> int | None:
+        return None  # the workers' datasets are endless
+
+    def begin_epoch(self) -> None:
+        self._values = []
+
+    def run(self, steps: int) -> int:
+        self._values.append(self._coordinator.schedule(self._closure, args=(self._iterator,), steps=steps))
+        return steps
+
+    def running_totals(self) -> torch.Tensor | None:
+        return None  # results are fetched at the epoch's end
+
+    def end_epoch(self) -> torch.Tensor | None:
+        self._coordinator.join()
+        totals = None
+        for value in self._values:
+            totals = add_statistics(totals, value.fetch())
+        return totals
+
+    def close(self) -> None:
+        if self._owned:
+            self._coordinator.shutdown()
+
+
+class ServerCheckpoints:
+    """Training checkpoints of a ParameterServerStrategy: checkpoints of every variable with its
+    optimizer state, written by the servers' data (CheckpointManager: ``ckpt-N`` directories in
+    ``directory``); ``extra`` is kept in the checkpoint's manifest."""
+
+    def __init__(self, strategy: ParameterServerStrategy, directory: str | os.PathLike[str], keep: int):
+        self.directory = pathlib.Path(directory)
+        self._strategy = strategy
+        self._manager = CheckpointManager(strategy, self.directory, max_to_keep=keep)
+
+    def save(self, name: str, model: nn.Module, optimizer: Any, extra: Mapping[str, Any]) -> pathlib.Path:
+        return self._manager.save(int(extra.get("step", 0)), extra={**extra, "name": name})
+
+    def latest(self) -> pathlib.Path | None:
+        return self._manager.latest
+
+    def restore(self, path: pathlib.Path, model: nn.Module, optimizer: Any) -> dict[str, Any]:
+        extra = dict(checkpoint.read_manifest(checkpoint.resolve(path)).extra)
+        if self._strategy.materialized:
+            log.warning("the variables exist already: resuming at epoch %s with their current values, "
+                        "not the checkpoint's (restore happens only before training starts)", extra.get("epoch"))
+        else:
+            self._manager.restore(path)
+        return extra
+
+    def clear(self) -> None:
+        checkpoint.delete_checkpoints(self.directory)
+
+
 class _ClosureStrategy(SingleReplicaStrategy):
     """What a ParameterServerStrategy is inside a closure on a worker: one replica,
     no clients, no locks."""
@@ -370,6 +513,11 @@ class CoordinatorAccess:
 
     def close(self) -> None:
         self._strategy = None
+
+    @property
+    def owner(self) -> ParameterServerStrategy | None:
+        """The strategy, None once it was closed."""
+        return self._strategy
 
     @property
     def strategy(self) -> ParameterServerStrategy:

@@ -23,14 +23,11 @@ Every file a callback writes is written atomically (temporary file, fsync,
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import importlib.util
 import logging
 import math
 import os
 import pathlib
-import shutil
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -38,8 +35,6 @@ from typing import Any
 
 import torch
 from torch import nn
-
-from paramserve.psserver.atomic_files import atomic_torch_save
 
 __all__ = [
     "BackupAndRestore",
@@ -68,8 +63,6 @@ class TrainingState:
     strategy: Any
     epochs: int
     steps_per_epoch: int | None = None
-    coordinator: Any = None
-    """The ClusterCoordinator under ParameterServerStrategy, else None."""
     epoch: int = 0
     """The current epoch (from 0)."""
     step: int = 0
@@ -80,14 +73,10 @@ class TrainingState:
     """Set it to end training after the current epoch."""
 
     @property
-    def is_parameter_server(self) -> bool:
-        return self.coordinator is not None
-
-    @property
     def is_chief(self) -> bool:
         """Whether this process writes files: always, except on the non-chief
         processes of a multi-process strategy (``strategy.is_chief``)."""
-        return bool(getattr(self.strategy, "is_chief", True))
+        return bool(self.strategy.is_chief)
 
 
 class Callback:
@@ -212,11 +201,11 @@ def _format(logs: Mapping[str, float]) -> dict[str, str]:
 class ModelCheckpoint(Callback):
     """Saves the model and optimizer every ``save_every_epochs`` epochs, keeping the last ``keep``.
 
-    In-process strategies: ``directory/epoch-<NNNN>.pt`` (NNNN: epochs completed),
-    written atomically with torch.save; ``torch.load(path)`` gives
-    ``{"model": state_dict, "optimizer": state_dict, "epoch": int, "step": int}``.
-    ParameterServerStrategy: a CheckpointManager checkpoint in ``directory``
-    (``extra["epoch"]`` holds the epochs completed); restore it with
+    Where and how is the strategy's (``strategy.training_checkpoints``): in-process
+    strategies write ``directory/epoch-<NNNN>.pt`` (NNNN: epochs completed) atomically with
+    torch.save, ``torch.load(path)`` giving ``{"model": state_dict, "optimizer": state_dict,
+    "epoch": int, "step": int}``; ParameterServerStrategy writes CheckpointManager checkpoints
+    in ``directory`` (``extra["epoch"]`` holds the epochs completed), restored with
     ``CheckpointManager(strategy, directory).restore_or_initialize()``.
     Under a multi-process strategy only the chief writes.
     """
@@ -234,12 +223,9 @@ class ModelCheckpoint(Callback):
         completed = epoch + 1
         if completed % self.save_every_epochs or not self.state.is_chief:
             return
-        if self.state.is_parameter_server:
-            _ps_manager(self.state, self.directory, self.keep).save(self.state.step, extra={"epoch": completed})
-            return
-        path = self.directory / f"epoch-{completed:04d}.pt"
-        atomic_torch_save(_training_payload(self.state, completed), path)
-        _prune(self.directory, "epoch-*.pt", self.keep)
+        checkpoints = self.state.strategy.training_checkpoints(self.directory, self.keep)
+        path = checkpoints.save(f"epoch-{completed:04d}", self.state.model, self.state.optimizer,
+                                _progress(self.state, completed))
         log.info("checkpoint of epoch %d written to %s", completed, path)
 
 
@@ -247,90 +233,48 @@ class BackupAndRestore(Callback):
     """Makes an interrupted ``fit`` resume where it stopped (Keras' BackupAndRestore).
 
     At each epoch's end it backs up the model, the optimizer, the epochs
-    completed and the global step into ``backup_dir`` (atomically); at train
-    begin it restores the backup, if there is one, and training resumes at the
-    epoch after the last one backed up. When training completes the backup is deleted.
+    completed and the global step into ``backup_dir`` (atomically, in the strategy's
+    format: ``backup.pt`` for in-process strategies, a checkpoint of every variable
+    for ParameterServerStrategy); at train begin it restores the backup, if there is
+    one, and training resumes at the epoch after the last one backed up. When training
+    completes the backup is deleted.
 
-    Under ParameterServerStrategy the backup is a CheckpointManager checkpoint
-    in ``backup_dir/ps``; it can only be restored before the variables exist
-    (a new coordinator process). Restarted in a process whose variables already
+    Under ParameterServerStrategy the backup can only be restored before the variables
+    exist (a new coordinator process). Restarted in a process whose variables already
     exist, training resumes at the backed-up epoch with the variables' current values.
     Under a multi-process strategy the chief writes the backup and every process
     restores it (``backup_dir`` must be on a filesystem they share).
     """
 
-    _FILE = "backup.pt"
-    _PS_DIR = "ps"
+    _NAME = "backup"
 
     def __init__(self, backup_dir: str | os.PathLike[str]):
         self.backup_dir = pathlib.Path(backup_dir)
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
-        restored = self._restore_ps() if self.state.is_parameter_server else self._restore_local()
-        if restored is not None:
-            self.state.initial_epoch, self.state.step = restored
-            log.info("resuming at epoch %d (step %d) from the backup in %s", restored[0], restored[1], self.backup_dir)
+        checkpoints = self._checkpoints()
+        latest = checkpoints.latest()
+        if latest is None:
+            return
+        extra = checkpoints.restore(latest, self.state.model, self.state.optimizer)
+        self.state.initial_epoch, self.state.step = int(extra.get("epoch", 0)), int(extra.get("step", 0))
+        log.info("resuming at epoch %d (step %d) from the backup in %s", self.state.initial_epoch, self.state.step,
+                 self.backup_dir)
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
-        completed = epoch + 1
-        if not self.state.is_chief:
-            return
-        if self.state.is_parameter_server:
-            _ps_manager(self.state, self.backup_dir / self._PS_DIR, 1).save(self.state.step, extra={"epoch": completed})
-            return
-        atomic_torch_save(_training_payload(self.state, completed), self.backup_dir / self._FILE)
+        if self.state.is_chief:
+            self._checkpoints().save(self._NAME, self.state.model, self.state.optimizer, _progress(self.state, epoch + 1))
 
     def on_train_end(self, logs: Logs | None = None) -> None:
-        if not self.state.is_chief:
-            return
-        (self.backup_dir / self._FILE).unlink(missing_ok=True)
-        shutil.rmtree(self.backup_dir / self._PS_DIR, ignore_errors=True)
-        with contextlib.suppress(OSError):
-            self.backup_dir.rmdir()  # only when nothing else is in it
+        if self.state.is_chief:
+            self._checkpoints().clear()
 
-    def _restore_local(self) -> tuple[int, int] | None:
-        path = self.backup_dir / self._FILE
-        if not path.exists():
-            return None
-        saved = torch.load(path, weights_only=True)
-        self.state.model.load_state_dict(saved["model"])
-        self.state.optimizer.load_state_dict(saved["optimizer"])
-        return int(saved["epoch"]), int(saved["step"])
-
-    def _restore_ps(self) -> tuple[int, int] | None:
-        from paramserve.psserver import checkpoint
-
-        manager = _ps_manager(self.state, self.backup_dir / self._PS_DIR, 1)
-        latest = manager.latest
-        if latest is None:
-            return None
-        extra = checkpoint.read_manifest(checkpoint.resolve(latest)).extra
-        if self.state.strategy.materialized:
-            log.warning("the variables exist already: resuming at epoch %s with their current values, "
-                        "not the backup's (restore happens only before training starts)", extra.get("epoch"))
-        else:
-            manager.restore(latest)
-        return int(extra.get("epoch", 0)), int(extra.get("step", 0))
+    def _checkpoints(self) -> Any:
+        return self.state.strategy.training_checkpoints(self.backup_dir, keep=1)
 
 
-def _training_payload(state: TrainingState, epochs_completed: int) -> dict[str, Any]:
-    return {
-        "model": state.model.state_dict(),
-        "optimizer": state.optimizer.state_dict(),
-        "epoch": epochs_completed,
-        "step": state.step,
-    }
-
-
-def _ps_manager(state: TrainingState, directory: pathlib.Path, keep: int) -> Any:
-    from paramserve.coordinator.checkpoint_manager import CheckpointManager
-
-    return CheckpointManager(state.strategy, directory, max_to_keep=keep)
-
-
-def _prune(directory: pathlib.Path, pattern: str, keep: int) -> None:
-    for old in sorted(directory.glob(pattern))[:-keep]:
-        old.unlink(missing_ok=True)
+def _progress(state: TrainingState, epochs_completed: int) -> dict[str, int]:
+    return {"epoch": epochs_completed, "step": state.step}
 
 
 # ------------------------------------------------------------------ learning rate and stopping
@@ -338,46 +282,26 @@ def _prune(directory: pathlib.Path, pattern: str, keep: int) -> None:
 
 class LearningRateScheduler(Callback):
     """Sets the learning rate to ``schedule(epoch, lr)`` at each epoch's begin (epoch from 0,
-    ``lr`` the current rate) and logs it as ``lr``.
-
-    In-process strategies: every ``optimizer.param_groups`` entry.
-    ParameterServerStrategy: ``strategy.set_learning_rate`` for the optimizer's variables.
+    ``lr`` the current rate) and logs it as ``lr``. The strategy applies it
+    (``strategy.set_learning_rate``): every ``param_groups`` entry of a torch optimizer, or
+    the parameter servers' optimizer for its variables.
     """
 
     def __init__(self, schedule: Callable[[int, float], float]):
         self.schedule = schedule
-        self._ps_lr: float | None = None
 
     def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None:
         lr = float(self.schedule(epoch, self.current_lr()))
         if not math.isfinite(lr) or lr < 0:
             raise ValueError(f"the schedule returned learning rate {lr} for epoch {epoch}: return a finite rate >= 0")
-        if self.state.is_parameter_server:
-            self.state.strategy.set_learning_rate(lr, params=self.state.optimizer.variables)
-            self._ps_lr = lr
-            return
-        for group in _param_groups(self.state.optimizer):
-            group["lr"] = lr
+        self.state.strategy.set_learning_rate(self.state.optimizer, lr)
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
         if logs is not None:
             logs["lr"] = self.current_lr()
 
     def current_lr(self) -> float:
-        if self.state.is_parameter_server:
-            if self._ps_lr is None:
-                self._ps_lr = float(self.state.optimizer.spec_kwargs.get("lr", 0.0))
-            return self._ps_lr
-        return float(_param_groups(self.state.optimizer)[0]["lr"])
-
-
-def _param_groups(optimizer: Any) -> list[dict[str, Any]]:
-    groups = getattr(optimizer, "param_groups", None)
-    if not groups:
-        raise TypeError(
-            f"LearningRateScheduler needs a torch.optim optimizer (with param_groups), got {type(optimizer).__name__}"
-        )
-    return groups
+        return self.state.strategy.learning_rate(self.state.optimizer)
 
 
 class EarlyStopping(Callback):
@@ -407,9 +331,9 @@ class EarlyStopping(Callback):
         self._best_weights: dict[str, torch.Tensor] | None = None
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
-        if self.restore_best_weights and self.state.is_parameter_server:
+        if self.restore_best_weights and not self.state.strategy.can_restore_model_weights:
             raise ValueError(
-                "EarlyStopping(restore_best_weights=True) is not supported under ParameterServerStrategy: "
+                f"EarlyStopping(restore_best_weights=True) is not supported under {type(self.state.strategy).__name__}: "
                 "use ModelCheckpoint and restore the checkpoint you want"
             )
         self.best, self.best_epoch, self.stopped_epoch, self._wait = None, None, None, 0
@@ -419,7 +343,7 @@ class EarlyStopping(Callback):
         if improved(value, self.best, self.min_delta, self.maximize):
             self.best, self.best_epoch, self._wait = value, epoch, 0
             if self.restore_best_weights:
-                self._best_weights = copy.deepcopy(self.state.model.state_dict())
+                self._best_weights = self.state.strategy.model_weights(self.state.model)
             return
         self._wait += 1
         if self._wait > self.patience:
@@ -433,7 +357,7 @@ class EarlyStopping(Callback):
 
     def _restore_best(self) -> None:
         if self.restore_best_weights and self._best_weights is not None:
-            self.state.model.load_state_dict(self._best_weights)
+            self.state.strategy.load_model_weights(self.state.model, self._best_weights)
             log.info("restored the weights of epoch %s (%s %.4g)", self.best_epoch, self.monitor, self.best)
 
 

@@ -42,19 +42,19 @@ metric, and ``val_``-prefixed ones after validation.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, Union
+from typing import Any, Union
 
 import torch
 from torch import Tensor, nn
 
 from paramserve.coordinator.strategies.base import (
-    DefaultStrategy,
     ReduceOp,
     Strategy,
     get_strategy,
 )
+from paramserve.coordinator.strategies.step_runners import StepRunner, add_statistics
 from paramserve.coordinator.training.callbacks import (
     Callback,
     CallbackList,
@@ -151,174 +151,24 @@ def _logs(totals: Tensor | None, metrics: _Named, prefix: str = "") -> Logs:
     return logs
 
 
-def _add(total: Tensor | None, value: Tensor) -> Tensor:
-    value = value.detach().cpu()
-    return value if total is None else total + value
+class TrainStep:
+    """One training step of ``fit``: forward, per-example loss averaged over the global batch,
+    backward, optimizer step; returns the batch's statistics (see ``_batch_stats``). Strategies
+    run it where their steps run: in replica threads, or pickled onto parameter-server workers."""
 
+    def __init__(self, model: nn.Module, optimizer: Any, loss_fn: LossFn, metrics: _Named):
+        self.model, self.optimizer, self.loss_fn, self.metrics = model, optimizer, loss_fn, metrics
 
-# ------------------------------------------------------------------ step runners
-
-
-class StepRunner(Protocol):
-    """Runs training steps under one kind of strategy; ``fit`` picks one and drives it."""
-
-    def prepare(self) -> None:
-        """Called after on_train_begin (after a restore), before the first step."""
-
-    def begin_epoch(self) -> None: ...
-
-    def run(self, steps: int) -> int:
-        """Runs up to ``steps`` steps; returns how many ran (fewer when the data ran out)."""
-
-    def batch_logs(self) -> Logs:
-        """The epoch's running logs (may be empty)."""
-
-    def end_epoch(self) -> Logs:
-        """Waits for the epoch's steps; returns its logs (loss and metrics)."""
-
-
-class InProcessRunner:
-    """Steps in this process: ``strategy.run(step_fn, args=(batch,))`` on distributed batches."""
-
-    def __init__(self, strategy: Strategy, model: nn.Module, optimizer: Any, loss_fn: LossFn, metrics: _Named,
-                 train_data: Any, steps_per_epoch: int | None):
-        self._strategy, self._model, self._optimizer = strategy, model, optimizer
-        self._loss_fn, self._metrics = loss_fn, metrics
-        self._data = _distribute(strategy, train_data)
-        self._restart_each_epoch = steps_per_epoch is None
-        self._iterator: Iterator[Any] | None = None
-        self._totals: Tensor | None = None  # the epoch's statistics over every replica
-        self._pending: Tensor | None = None  # this process's, not yet reduced across processes
-        self._other_processes = False
-
-    def prepare(self) -> None:
-        self._model.train()
-
-    def epoch_length(self) -> int | None:
-        """Steps in one pass over this process's share of the data (None when unknown)."""
-        return _length(self._data)
-
-    def begin_epoch(self) -> None:
-        self._totals = self._pending = None
-        if self._restart_each_epoch or self._iterator is None:
-            self._iterator = iter(self._data)
-
-    def run(self, steps: int) -> int:
-        for ran in range(steps):
-            batch = self._next_batch()
-            if batch is None:
-                return ran
-            stats = self._strategy.run(self._step, args=(batch, _global_batch_size(self._strategy, batch)))
-            parts = self._strategy.experimental_local_results(stats)
-            self._other_processes = len(parts) != self._strategy.num_replicas_in_sync
-            for part in parts:
-                self._pending = _add(self._pending, part)
-        return steps
-
-    def batch_logs(self) -> Logs:
-        return _logs(self._reduce_pending(), self._metrics)
-
-    def end_epoch(self) -> Logs:
-        return _logs(self._reduce_pending(), self._metrics)
-
-    def _reduce_pending(self) -> Tensor | None:
-        """Adds the steps run since the last call to the epoch's totals: one cross-process
-        reduction per execution (a collective: every process calls it at the same point)."""
-        pending, self._pending = self._pending, None
-        if pending is not None and self._other_processes:
-            pending = self._strategy.reduce(ReduceOp.SUM, pending, axis=None)
-        if pending is not None:
-            self._totals = _add(self._totals, pending)
-        return self._totals
-
-    def _next_batch(self) -> Any:
-        assert self._iterator is not None
-        try:
-            return next(self._iterator)
-        except StopIteration:
-            if self._restart_each_epoch:
-                return None
-        self._iterator = iter(self._data)  # steps_per_epoch outlasts the data: start a new pass
-        try:
-            return next(self._iterator)
-        except StopIteration:
-            raise ValueError("train_data yields no batches: give it at least one batch") from None
-
-    def _step(self, batch: Any, global_batch_size: int | None) -> Tensor:
+    def __call__(self, batch: Any, global_batch_size: int | None) -> Tensor:
         from paramserve.coordinator.strategies.losses import compute_average_loss
 
         inputs, targets = _split(batch)
-        self._optimizer.zero_grad()
-        outputs = self._model(inputs)
-        losses = _per_example_loss(self._loss_fn, outputs, targets)
-        compute_average_loss(losses, global_batch_size=global_batch_size).backward()
-        self._optimizer.step()
-        return _batch_stats(losses, outputs, targets, self._metrics)
-
-
-def _global_batch_size(strategy: Strategy, batch: Any) -> int | None:
-    """The examples in all replicas' parts of ``batch`` when this process holds every part
-    (a short last batch splits unevenly); None, compute_average_loss's default, otherwise."""
-    parts = strategy.experimental_local_results(_split(batch)[1])  # the targets: a PerReplica, or a tensor
-    if len(parts) != strategy.num_replicas_in_sync:
-        return None  # other processes hold parts (MultiWorkerMirroredStrategy)
-    return sum(len(part) for part in parts) or None
-
-
-class ParameterServerStep:
-    """The closure run on a worker: ``steps`` times per closure, it pulls, steps and pushes.
-
-    A fresh copy arrives with every closure, so its running totals cover
-    exactly that closure's steps (also when the closure is retried).
-    """
-
-    def __init__(self, loss_fn: LossFn, metrics: _Named):
-        self.loss_fn, self.metrics = loss_fn, metrics
-        self.totals: Tensor | None = None
-
-    def __call__(self, iterator: Iterator[Any], model: nn.Module, optimizer: Any) -> Tensor:
-        from paramserve.coordinator.strategies.losses import compute_average_loss
-
-        inputs, targets = _split(next(iterator))
-        optimizer.zero_grad()
-        outputs = model(inputs)
+        self.optimizer.zero_grad()
+        outputs = self.model(inputs)
         losses = _per_example_loss(self.loss_fn, outputs, targets)
-        compute_average_loss(losses).backward()  # one replica per worker: the mean of its batch
-        optimizer.step()
-        self.totals = _add(self.totals, _batch_stats(losses, outputs, targets, self.metrics))
-        return self.totals
-
-
-class ParameterServerRunner:
-    """Steps as closures scheduled on the workers by a ClusterCoordinator."""
-
-    def __init__(self, strategy: Any, coordinator: Any, model: nn.Module, optimizer: Any, loss_fn: LossFn,
-                 metrics: _Named, dataset_fn: Callable[..., Iterable[Any]]):
-        self._strategy, self._coordinator = strategy, coordinator
-        self._args = (iter(coordinator.create_per_worker_dataset(dataset_fn)), model, optimizer)
-        self._step = ParameterServerStep(loss_fn, metrics)
-        self._metrics = metrics
-        self._values: list[Any] = []
-
-    def prepare(self) -> None:
-        self._strategy.materialize()  # after BackupAndRestore had its chance to restore instead
-
-    def begin_epoch(self) -> None:
-        self._values = []
-
-    def run(self, steps: int) -> int:
-        self._values.append(self._coordinator.schedule(self._step, args=self._args, steps=steps))
-        return steps
-
-    def batch_logs(self) -> Logs:
-        return {}
-
-    def end_epoch(self) -> Logs:
-        self._coordinator.join()
-        totals = None
-        for value in self._values:
-            totals = _add(totals, value.fetch())
-        return _logs(totals, self._metrics)
+        compute_average_loss(losses, global_batch_size=global_batch_size).backward()
+        self.optimizer.step()
+        return _batch_stats(losses, outputs, targets, self.metrics)
 
 
 # ------------------------------------------------------------------ fit
@@ -363,12 +213,18 @@ def fit(
     callbacks' ``on_train_end`` is skipped (a BackupAndRestore keeps its backup).
     """
     strategy = strategy if strategy is not None else get_strategy()
-    _check_fit_arguments(strategy, optimizer, loss_fn, train_data, epochs, steps_per_epoch, steps_per_execution)
+    _check_fit_arguments(optimizer, loss_fn, train_data, epochs, steps_per_epoch, steps_per_execution)
+    _check_optimizer_belongs(strategy, optimizer)
     loop = Loop(epochs, steps_per_epoch, steps_per_execution, loss_fn, resolve_metrics(metrics), validation_data,
                 validation_steps, tuple(callbacks), verbose)
-    if _is_parameter_server(strategy):
-        return _fit_parameter_server(model, optimizer, train_data, strategy, coordinator, loop)
-    return _fit_in_process(model, optimizer, train_data, strategy, loop)
+    runner = strategy.step_runner(TrainStep(model, optimizer, loss_fn, loop.metrics), train_data,
+                                  steps_per_epoch=steps_per_epoch, coordinator=coordinator)
+    try:
+        with strategy.scope():
+            state = TrainingState(model, optimizer, strategy, epochs, steps_per_epoch or runner.epoch_length())
+            return train(runner, state, loop)
+    finally:
+        runner.close()
 
 
 @dataclass(frozen=True)
@@ -384,29 +240,6 @@ class Loop:
     validation_steps: int | None
     callbacks: tuple[Callback, ...]
     verbose: bool
-
-
-def _fit_in_process(model: nn.Module, optimizer: Any, train_data: Any, strategy: Strategy, loop: Loop) -> History:
-    with strategy.scope():
-        runner = InProcessRunner(strategy, model, optimizer, loop.loss_fn, loop.metrics, train_data,
-                                 loop.steps_per_epoch)
-        state = TrainingState(model, optimizer, strategy, loop.epochs, loop.steps_per_epoch or runner.epoch_length())
-        return train(runner, state, loop)
-
-
-def _fit_parameter_server(model: nn.Module, optimizer: Any, dataset_fn: Any, strategy: Any, coordinator: Any,
-                          loop: Loop) -> History:
-    from paramserve.coordinator.cluster_coordinator import ClusterCoordinator
-
-    owned = coordinator is None
-    coordinator = coordinator if coordinator is not None else ClusterCoordinator(strategy)
-    try:
-        runner = ParameterServerRunner(strategy, coordinator, model, optimizer, loop.loss_fn, loop.metrics, dataset_fn)
-        state = TrainingState(model, optimizer, strategy, loop.epochs, loop.steps_per_epoch, coordinator=coordinator)
-        return train(runner, state, loop)
-    finally:
-        if owned:
-            coordinator.shutdown()
 
 
 def train(runner: StepRunner, state: TrainingState, loop: Loop) -> History:
@@ -440,12 +273,12 @@ def _run_epoch(runner: StepRunner, hooks: CallbackList, state: TrainingState, lo
         done += ran
         state.step += ran
         if ran:
-            hooks.on_train_batch_end(state.step, runner.batch_logs())
+            hooks.on_train_batch_end(state.step, _logs(runner.running_totals(), loop.metrics))
         if ran < wanted:
             break
     if done == 0:
         raise ValueError(f"epoch {state.epoch} ran no step: train_data yielded no batch")
-    return runner.end_epoch()
+    return _logs(runner.end_epoch(), loop.metrics)
 
 
 def _execution_size(done: int, steps_per_epoch: int | None, steps_per_execution: int) -> int:
@@ -466,7 +299,7 @@ def _history_last(history: History) -> Logs:
     return {key: values[-1] for key, values in history.history.items() if values}
 
 
-def _check_fit_arguments(strategy: Any, optimizer: Any, loss_fn: LossFn, train_data: Any, epochs: int,
+def _check_fit_arguments(optimizer: Any, loss_fn: LossFn, train_data: Any, epochs: int,
                          steps_per_epoch: int | None, steps_per_execution: int) -> None:
     if epochs < 1:
         raise ValueError(f"epochs must be >= 1, got {epochs}")
@@ -483,62 +316,28 @@ def _check_fit_arguments(strategy: Any, optimizer: Any, loss_fn: LossFn, train_d
     if _is_pair_of_tensors(train_data):
         raise TypeError("train_data is an (inputs, targets) pair of tensors: wrap it in batches, e.g. "
                         "DataLoader(TensorDataset(x, y), batch_size=64, shuffle=True)")
-    if _is_parameter_server(strategy):
-        _check_parameter_server_arguments(train_data, steps_per_epoch)
-    elif _is_server_optimizer(optimizer):
-        raise ValueError("the optimizer comes from ParameterServerStrategy.optimizer(): pass that strategy "
-                         "to fit as strategy=")
 
 
-def _check_parameter_server_arguments(train_data: Any, steps_per_epoch: int | None) -> None:
-    if steps_per_epoch is None:
-        raise ValueError("steps_per_epoch is required under ParameterServerStrategy (the workers' datasets "
-                         "have no end): pass steps_per_epoch=")
-    if not callable(train_data):
-        raise TypeError(
-            f"under ParameterServerStrategy train_data must be a dataset function run on each worker, "
-            f"dataset_fn(worker_context) -> endless batches; got {type(train_data).__name__}"
-        )
-
-
-def _is_parameter_server(strategy: Any) -> bool:
-    from paramserve.coordinator.strategies.parameter_server import ParameterServerStrategy
-
-    return isinstance(strategy, ParameterServerStrategy)
-
-
-def _is_server_optimizer(optimizer: Any) -> bool:
+def _check_optimizer_belongs(strategy: Strategy, optimizer: Any) -> None:
+    """A parameter-server optimizer only steps under the strategy that made it."""
     from paramserve.worker.variables import ServerOptimizer
 
-    return isinstance(optimizer, ServerOptimizer)
+    if isinstance(optimizer, ServerOptimizer) and getattr(optimizer.home, "owner", None) is not strategy:
+        raise ValueError("the optimizer comes from ParameterServerStrategy.optimizer(): pass that strategy "
+                         "to fit as strategy= (or call fit inside its scope())")
 
 
 def _is_pair_of_tensors(data: Any) -> bool:
     return isinstance(data, (tuple, list)) and len(data) == 2 and all(isinstance(t, Tensor) for t in data)
 
 
-def _length(data: Any) -> int | None:
-    try:
-        return len(data)
-    except TypeError:
-        return None
 
 
 # ------------------------------------------------------------------ evaluate and predict
 
 
-def _distribute(strategy: Strategy, data: Any) -> Iterable[Any]:
-    """An in-process strategy's distributed view of ``data`` (a dataset function or batches)."""
-    if callable(data) and not isinstance(data, Iterable):
-        return strategy.distribute_datasets_from_function(data)
-    return strategy.experimental_distribute_dataset(data)
 
 
-def _local_strategy(strategy: Any) -> Strategy:
-    """Where evaluation runs: in this process (on the coordinator under ParameterServerStrategy)."""
-    if strategy is None:
-        return get_strategy()
-    return DefaultStrategy() if _is_parameter_server(strategy) else strategy
 
 
 def _batches(data: Any, steps: int | None) -> Iterator[Any]:
@@ -557,7 +356,7 @@ def evaluate(model: nn.Module, loss_fn: LossFn, data: Any, *, steps: int | None 
     ``data``: an iterable of ``(inputs, targets)`` batches or one such pair of
     tensors. Returns ``{"loss": ..., <metric>: ...}``; raises ValueError when ``data`` is empty.
     """
-    local = _local_strategy(strategy)
+    local = (strategy if strategy is not None else get_strategy()).evaluation_strategy()
     named = resolve_metrics(metrics)
 
     def step(batch: Any) -> Tensor:
@@ -569,7 +368,7 @@ def evaluate(model: nn.Module, loss_fn: LossFn, data: Any, *, steps: int | None 
     totals = None
     with local.scope(), _eval_mode(model):
         for batch in local.experimental_distribute_dataset(_Batches(data, steps)):
-            totals = _add(totals, local.reduce(ReduceOp.SUM, local.run(step, args=(batch,)), axis=None))
+            totals = add_statistics(totals, local.reduce(ReduceOp.SUM, local.run(step, args=(batch,)), axis=None))
     if totals is None:
         raise ValueError("evaluate got no batch: give it data (and steps >= 1)")
     return _logs(totals, named)
@@ -581,7 +380,7 @@ def predict(model: nn.Module, data: Any, *, steps: int | None = None, strategy: 
     ``data``: an iterable of batches (a tensor of inputs, or a tuple whose first
     element is the inputs) or one tensor. Raises ValueError when ``data`` is empty.
     """
-    local = _local_strategy(strategy)
+    local = (strategy if strategy is not None else get_strategy()).evaluation_strategy()
 
     def step(batch: Any) -> Tensor:
         inputs = batch[0] if isinstance(batch, (tuple, list)) else batch

@@ -235,7 +235,7 @@ def test_parameter_server_fit_resumes_from_its_backup_on_a_new_cluster(start_clu
     first, second = AccuracyAtBegin((x_test, y_test)), AccuracyAtBegin((x_test, y_test))
     with pytest.raises(RuntimeError, match="injected failure at epoch 2"):
         run([first, RaiseAtEpoch(2)])
-    assert (backup / "ps" / "LATEST").exists()
+    assert (backup / "LATEST").exists()  # a checkpoint of every variable, written from the servers' data
 
     history = run([second])
 

@@ -287,10 +287,14 @@ def test_a_server_optimizer_without_its_strategy_names_the_fix(digits):
     ],
 )
 def test_parameter_server_arguments_name_the_fix(train_data, steps_per_epoch, error, fix):
-    from paramserve.coordinator.training.fit import _check_parameter_server_arguments
+    from paramserve.coordinator import ClusterSpec, ParameterServerStrategy
 
-    with pytest.raises(error, match=fix):
-        _check_parameter_server_arguments(train_data, steps_per_epoch)
+    strategy = ParameterServerStrategy(ClusterSpec(("127.0.0.1:9",), ("127.0.0.1:10",)))  # nothing is dialled
+    try:
+        with pytest.raises(error, match=fix):
+            strategy.step_runner(lambda batch, size: torch.zeros(2), train_data, steps_per_epoch=steps_per_epoch)
+    finally:
+        strategy.close()
 
 
 def test_the_progress_bar_shows_each_epoch_with_its_logs(digits):
