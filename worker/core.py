@@ -18,15 +18,14 @@ import time
 import traceback
 import uuid
 from collections import OrderedDict, defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import cloudpickle
 import torch
 from torch import nn
 
-from paramserve.psserver.client import ClientConfig, ParameterServerClient
 from paramserve.psserver.errors import (
     DeadlineExceededError,
     DtypeMismatchError,
@@ -34,7 +33,7 @@ from paramserve.psserver.errors import (
     ServerUnavailableError,
     ShapeMismatchError,
 )
-from paramserve.psserver.types import ClusterContext, PullResult, RowGradient, ShardRef
+from paramserve.psserver.types import ClusterContext, PullResult, PushSummary, RowGradient, ShardRef, VariableLayout
 from paramserve.worker.resources import (
     ResourceMissingError,
     WorkerContext,
@@ -47,9 +46,6 @@ from paramserve.worker.variables import (
     using_access,
     variable_name,
 )
-
-if TYPE_CHECKING:
-    from paramserve.worker.server import WorkerConfig
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +113,31 @@ class WorkerInfo:
     resources_held: tuple[str, ...]
     closures_run: int
     """RunClosure requests handled, whatever their outcome."""
+
+
+class VariableClient(Protocol):
+    """What the worker needs of the parameter servers (ParameterServerClient; tests use a fake)."""
+
+    def adopt_layouts(self, layouts: Mapping[str, VariableLayout]) -> None:
+        """Uses these layouts (sent by the coordinator) instead of discovering them."""
+
+    def pull(self, names: Sequence[str] | None = None) -> PullResult:
+        """Whole variables, with the version each shard was read at."""
+
+    def pull_rows(self, name: str, indices: torch.Tensor) -> PullResult:
+        """Rows of a variable: shape ``indices.shape + variable.shape[1:]``."""
+
+    def push(
+        self, gradients: Mapping[str, torch.Tensor | RowGradient], *, key: str | None = None,
+        base_versions: Mapping[ShardRef, int] | None = None,
+    ) -> PushSummary:
+        """Applies gradients on the servers, at most once per shard for ``key``."""
+
+    def close(self) -> None: ...
+
+
+ClientFactory = Callable[[tuple[str, ...]], VariableClient]
+"""Makes the client of the parameter servers at these addresses."""
 
 
 class ClosureObserver(Protocol):
@@ -216,7 +237,7 @@ class ClosureAccess:
     so a retried closure sends the same keys and the servers apply each once.
     """
 
-    def __init__(self, variables: LocalVariables, client: ParameterServerClient | None, closure_id: str):
+    def __init__(self, variables: LocalVariables, client: VariableClient | None, closure_id: str):
         self._variables = variables
         self._client = client
         self._closure_id = closure_id
@@ -302,7 +323,7 @@ class ClosureAccess:
         forgotten = set(names)
         self._row_versions = {r: v for r, v in self._row_versions.items() if r.variable not in forgotten}
 
-    def _require_client(self) -> ParameterServerClient:
+    def _require_client(self) -> VariableClient:
         if self._client is None:
             raise InvalidRequestError(
                 "this closure uses distributed variables but was sent without parameter servers "
@@ -315,10 +336,14 @@ class ClosureAccess:
 
 
 class WorkerCore:
-    """Runs closures one at a time and keeps this worker's resources and parameters."""
+    """Runs closures one at a time and keeps this worker's resources and parameters.
 
-    def __init__(self, config: "WorkerConfig", observer: ClosureObserver | None = None):
-        self.config = config
+    ``client_factory`` makes the client of a cluster's parameter servers (the server
+    passes one building ParameterServerClient; unit tests pass an in-memory fake).
+    """
+
+    def __init__(self, client_factory: ClientFactory, observer: ClosureObserver | None = None):
+        self._client_factory = client_factory
         self.incarnation = uuid.uuid4().hex
         self._observer = observer
         # One closure at a time (a worker is one device); bookkeeping has its own lock
@@ -327,7 +352,7 @@ class WorkerCore:
         self._state_lock = threading.Lock()
         self._resources: dict[str, object] = {}
         self._variables = LocalVariables()
-        self._clients: OrderedDict[tuple[str, ...], ParameterServerClient] = OrderedDict()
+        self._clients: OrderedDict[tuple[str, ...], VariableClient] = OrderedDict()
         self._closures_run = 0
 
     def run_closure(self, request: ClosureRequest) -> ClosureOutcome:
@@ -397,13 +422,13 @@ class WorkerCore:
                 self._resources[spec.resource_id] = resource
             log.info("created resource %s", spec.resource_id)
 
-    def _client_for(self, cluster: ClusterContext) -> ParameterServerClient | None:
+    def _client_for(self, cluster: ClusterContext) -> VariableClient | None:
         addresses = tuple(cluster.parameter_servers)
         if not addresses:
             return None
         client = self._clients.get(addresses)
         if client is None:
-            client = ParameterServerClient(addresses, self._client_config())
+            client = self._client_factory(addresses)
             self._clients[addresses] = client
             while len(self._clients) > _MAX_PS_CLIENTS:
                 _, oldest = self._clients.popitem(last=False)
@@ -412,15 +437,6 @@ class WorkerCore:
         client.adopt_layouts(cluster.layouts)
         return client
 
-    def _client_config(self) -> ClientConfig:
-        config = self.config
-        return ClientConfig(
-            token=config.effective_ps_token,
-            tls_root_certificates=config.ps_root_certificates,
-            call_timeout=config.ps_call_timeout,
-            retry_deadline=config.ps_retry_deadline,
-            max_message_bytes=config.max_message_bytes,
-        )
 
     def _held(self) -> tuple[str, ...]:
         with self._state_lock:

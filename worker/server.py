@@ -8,8 +8,9 @@ from dataclasses import dataclass
 import torch
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from paramserve.psserver.client import ClientConfig, ParameterServerClient
 from paramserve.psserver.serving import GrpcService, RunningService, TlsConfig
-from paramserve.worker.core import ClosureOutcome, ClosureRequest, WorkerCore
+from paramserve.worker.core import ClientFactory, ClosureOutcome, ClosureRequest, WorkerCore
 from paramserve.worker.servicer import SERVICE_NAME, WorkerServicer, generic_handler
 
 
@@ -85,12 +86,24 @@ class Worker(RunningService):
         self.core.close()
 
 
+def parameter_server_clients(config: WorkerConfig) -> ClientFactory:
+    """How this worker reaches a cluster's parameter servers (its token, TLS roots, deadlines)."""
+    client_config = ClientConfig(
+        token=config.effective_ps_token,
+        tls_root_certificates=config.ps_root_certificates,
+        call_timeout=config.ps_call_timeout,
+        retry_deadline=config.ps_retry_deadline,
+        max_message_bytes=config.max_message_bytes,
+    )
+    return lambda addresses: ParameterServerClient(addresses, client_config)
+
+
 def build_worker(config: WorkerConfig, registry: CollectorRegistry | None = None) -> Worker:
     """Creates and starts a worker. Tests pass port=0 and read ``.port``."""
     if config.torch_threads is not None:
         torch.set_num_threads(config.torch_threads)
     registry = registry or CollectorRegistry()
-    core = WorkerCore(config, observer=ClosureMetrics(registry))
+    core = WorkerCore(parameter_server_clients(config), observer=ClosureMetrics(registry))
     service = GrpcService.for_config(
         config, handlers=[generic_handler(WorkerServicer(core))], service_names=[SERVICE_NAME],
         registry=registry, role="worker",

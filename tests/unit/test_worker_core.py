@@ -1,4 +1,5 @@
-"""WorkerCore against a real in-process parameter server (no worker gRPC server involved)."""
+"""WorkerCore against in-memory parameter servers (tests/fake_parameter_servers.py): pure logic,
+no gRPC. The worker over real servers and sockets is tests/service/test_worker_service.py."""
 
 from __future__ import annotations
 
@@ -7,25 +8,14 @@ import pickle
 import cloudpickle
 import pytest
 import torch
+from fake_parameter_servers import ADDRESS, FakeParameterServers
 from torch import nn
 
-from paramserve.psserver import convert
-from paramserve.psserver.errors import InvalidRequestError, ParamServeError
+from paramserve.psserver.errors import InvalidRequestError
 from paramserve.psserver.optimizer import OptimizerSpec
-from paramserve.psserver.partition import FixedShardsPartitioner
 from paramserve.psserver.types import ClusterContext
-from paramserve.worker.core import (
-    ClosureRequest,
-    ResourceSpec,
-    WorkerCore,
-)
-from paramserve.worker.resources import (
-    PerWorkerResource,
-    ResourceMissingError,
-    WorkerContext,
-    resolve_resource,
-)
-from paramserve.worker.server import WorkerConfig
+from paramserve.worker.core import ClosureRequest, ResourceSpec, WorkerCore
+from paramserve.worker.resources import PerWorkerResource, ResourceMissingError, WorkerContext, resolve_resource
 from paramserve.worker.variables import (
     RefreshBeforeForward,
     ServerOptimizer,
@@ -100,21 +90,20 @@ def exit_the_process() -> None:
 
 
 @pytest.fixture
-def core():
-    worker = WorkerCore(WorkerConfig(ps_call_timeout=10.0, ps_retry_deadline=10.0))
-    yield worker
-    worker.close()
+def servers() -> FakeParameterServers:
+    """Parameter servers holding a Linear(3 -> 2) as variables 'w' and 'b'."""
+    fake = FakeParameterServers()
+    torch.manual_seed(0)
+    fake.create("w", torch.randn(2, 3), SGD)
+    fake.create("b", torch.randn(2), SGD)
+    return fake
 
 
 @pytest.fixture
-def ps(start_ps, make_client):
-    """One parameter server holding a Linear(3 -> 2) as variables 'w' (2 shards) and 'b'."""
-    server = start_ps()
-    client = make_client([server.address])
-    torch.manual_seed(0)
-    client.create_variable("w", torch.randn(2, 3), optimizer=SGD, partitioner=FixedShardsPartitioner(2))
-    client.create_variable("b", torch.randn(2), optimizer=SGD)
-    return server, client
+def core(servers):
+    worker = WorkerCore(servers.factory)
+    yield worker
+    worker.close()
 
 
 def distributed_linear() -> tuple[nn.Linear, ServerOptimizer]:
@@ -125,14 +114,13 @@ def distributed_linear() -> tuple[nn.Linear, ServerOptimizer]:
     return model, ServerOptimizer(["w", "b"], "SGD", {"lr": LR})
 
 
-def closure_request(client, fn, *args, closure_id="closure-1", steps=1, resources=(), **kwargs) -> ClosureRequest:
-    cluster = ClusterContext(client.addresses, client.layouts) if client else ClusterContext()
+def closure_request(servers, fn, *args, closure_id="closure-1", steps=1, resources=(), **kwargs) -> ClosureRequest:
     return ClosureRequest(
         closure_id=closure_id,
         payload=dumps_closure((fn, args, kwargs)),
         function_name=getattr(fn, "__name__", "fn"),
         resources=tuple(resources),
-        cluster=cluster,
+        cluster=servers.cluster if servers is not None else ClusterContext(),
         steps=steps,
         worker_index=1,
         num_workers=2,
@@ -144,126 +132,114 @@ def result_of(outcome):
     return cloudpickle.loads(outcome.result)
 
 
-def expected_after_one_step(client, x, y):
+def expected_after_one_step(servers, x, y):
     """What SGD on the servers should produce, computed locally with plain torch."""
-    values = client.pull(["w", "b"]).tensors
     local = nn.Linear(3, 2)
     with torch.no_grad():
-        local.weight.copy_(values["w"])
-        local.bias.copy_(values["b"])
+        local.weight.copy_(servers.value("w"))
+        local.bias.copy_(servers.value("b"))
     ((local(x) - y) ** 2).mean().backward()
-    return values["w"] - LR * local.weight.grad, values["b"] - LR * local.bias.grad
-
-
-def duplicates_on(server) -> float:
-    return server.registry.get_sample_value("paramserve_ps_pushes_total", {"result": "duplicate"}) or 0.0
+    return servers.value("w") - LR * local.weight.grad, servers.value("b") - LR * local.bias.grad
 
 
 # ---------------------------------------------------------------- training
 
 
-def test_a_training_step_pushes_its_gradient_to_the_servers(core, ps):
-    server, client = ps
+def test_a_training_step_pushes_its_gradient_to_the_servers(core, servers):
     model, optimizer = distributed_linear()
     x, y = torch.randn(4, 3), torch.randn(4, 2)
-    expected_w, expected_b = expected_after_one_step(client, x, y)
+    expected_w, expected_b = expected_after_one_step(servers, x, y)
 
-    outcome = core.run_closure(closure_request(client, train_step, model, optimizer, x, y))
+    outcome = core.run_closure(closure_request(servers, train_step, model, optimizer, x, y))
 
     loss = result_of(outcome)
     assert isinstance(loss, torch.Tensor) and loss.grad_fn is None and loss.ndim == 0
-    after = client.pull(["w", "b"])
-    torch.testing.assert_close(after.tensors["w"], expected_w)
-    torch.testing.assert_close(after.tensors["b"], expected_b)
-    assert (outcome.pushes_applied, outcome.pushes_duplicate) == (3, 0)  # w's two shards and b
-    assert set(after.versions.values()) == {1}
+    torch.testing.assert_close(servers.value("w"), expected_w)
+    torch.testing.assert_close(servers.value("b"), expected_b)
+    assert (outcome.pushes_applied, outcome.pushes_duplicate) == (2, 0)
+    assert (servers.version("w"), servers.version("b")) == (1, 1)
+    assert servers.opened_for == [(ADDRESS,)], "one client for the cluster's servers"
 
 
-def test_a_retried_closure_pushes_duplicates_that_the_servers_do_not_apply(core, ps):
-    server, client = ps
+def test_a_retried_closure_pushes_duplicates_that_the_servers_do_not_apply(core, servers):
     model, optimizer = distributed_linear()
     x, y = torch.randn(4, 3), torch.randn(4, 2)
-    request = closure_request(client, train_step, model, optimizer, x, y, closure_id="retried")
+    request = closure_request(servers, train_step, model, optimizer, x, y, closure_id="retried")
     core.run_closure(request)
-    after_first = client.pull(["w", "b"]).tensors
+    after_first = servers.value("w")
 
     again = core.run_closure(request)
 
     assert again.error is None
-    assert (again.pushes_applied, again.pushes_duplicate) == (0, 3)
-    assert duplicates_on(server) == 3.0
-    after_retry = client.pull(["w", "b"])
-    assert torch.equal(after_retry.tensors["w"], after_first["w"])
-    assert set(after_retry.versions.values()) == {1}
-    fresh = core.run_closure(closure_request(client, train_step, model, optimizer, x, y, closure_id="another"))
-    assert fresh.pushes_applied == 3, "a different closure id is a different update"
+    assert (again.pushes_applied, again.pushes_duplicate) == (0, 2)
+    assert servers.traffic.push_keys == ["retried/0", "retried/0"], "a retry resends the same key"
+    assert torch.equal(servers.value("w"), after_first)
+    assert servers.version("w") == 1
+    fresh = core.run_closure(closure_request(servers, train_step, model, optimizer, x, y, closure_id="another"))
+    assert fresh.pushes_applied == 2, "a different closure id is a different update"
 
 
-def test_each_step_starts_from_the_servers_current_values(core, ps):
-    server, client = ps
-    w0 = client.pull(["w"]).tensors["w"]
+def test_each_step_starts_from_the_servers_current_values(core, servers):
+    w0 = servers.value("w")
     weight = nn.Parameter(torch.zeros(2, 3))
     mark_variable(weight, "w")
 
-    first = result_of(core.run_closure(closure_request(client, read_parameter, weight)))
-    client.push({"w": torch.ones(2, 3)}, base_versions=client.pull(["w"]).versions)  # another worker's update
-    second = result_of(core.run_closure(closure_request(client, read_parameter, weight, closure_id="c2")))
+    first = result_of(core.run_closure(closure_request(servers, read_parameter, weight)))
+    servers.push({"w": torch.ones(2, 3)}, key="another-worker")  # another worker's update
+    second = result_of(core.run_closure(closure_request(servers, read_parameter, weight, closure_id="c2")))
 
     assert torch.equal(first, w0), "the worker read the servers' value, not the coordinator's zeros"
     torch.testing.assert_close(second, w0 - LR * torch.ones(2, 3))
 
 
-def test_a_forward_after_step_sees_the_updated_values(core, ps):
-    server, client = ps
+def test_a_forward_after_step_sees_the_updated_values(core, servers):
     model, optimizer = distributed_linear()
     model.register_forward_pre_hook(RefreshBeforeForward())
     x, y = torch.randn(4, 3), torch.randn(4, 2)
 
-    outcome = core.run_closure(closure_request(client, step_then_predict, model, optimizer, x, y))
+    outcome = core.run_closure(closure_request(servers, step_then_predict, model, optimizer, x, y))
 
-    after = client.pull(["w", "b"]).tensors
-    torch.testing.assert_close(result_of(outcome), x @ after["w"].T + after["b"])
+    torch.testing.assert_close(result_of(outcome), x @ servers.value("w").T + servers.value("b"))
 
 
-def test_steps_runs_the_function_that_many_times_with_distinct_push_keys(core, ps):
-    server, client = ps
+def test_steps_runs_the_function_that_many_times_with_distinct_push_keys(core, servers):
     model, optimizer = distributed_linear()
     x, y = torch.randn(4, 3), torch.randn(4, 2)
     log = PerWorkerResource("log")
     spec = ResourceSpec("log", cloudpickle.dumps(make_log))
 
     outcome = core.run_closure(
-        closure_request(client, step_and_count, model, optimizer, log, x, y, steps=3, resources=[spec])
+        closure_request(servers, step_and_count, model, optimizer, log, x, y, steps=3, resources=[spec])
     )
 
     assert result_of(outcome) == 4  # the resource's first entry, then three steps
-    assert outcome.pushes_applied == 9
-    assert set(client.pull(["w", "b"]).versions.values()) == {3}
+    assert outcome.pushes_applied == 6
+    assert servers.traffic.push_keys == ["closure-1/0", "closure-1/1", "closure-1/2"]
+    assert (servers.version("w"), servers.version("b")) == (3, 3)
 
 
 # ---------------------------------------------------------------- embeddings
 
 
-def test_embedding_lookup_pulls_only_its_rows_and_pushes_row_gradients(core, start_ps, make_client):
-    server = start_ps()
-    client = make_client([server.address])
+def test_embedding_lookup_pulls_only_its_rows_and_pushes_row_gradients(core):
+    servers = FakeParameterServers()
     table = torch.randn(1000, 16)
-    client.create_variable("table", table, optimizer=SGD, partitioner=FixedShardsPartitioner(3))
+    servers.create("table", table, SGD)
+    core = WorkerCore(servers.factory)
     embedding = ShardedEmbedding(1000, 16, name="table")
     optimizer = ServerOptimizer(["table"], "SGD", {"lr": LR})
     indices = torch.tensor([[3, 999], [3, 500]])
 
-    outcome = core.run_closure(closure_request(client, embed_and_step, embedding, optimizer, indices))
+    outcome = core.run_closure(closure_request(servers, embed_and_step, embedding, optimizer, indices))
 
     assert result_of(outcome) == (2, 2, 16)
-    sent = server.registry.get_sample_value("paramserve_sent_bytes_total", {"role": "ps", "method": "Pull"})
-    assert sent < 1024, f"a 3-row lookup moved {sent} bytes: the whole 64 KB table was pulled"
+    assert sorted(servers.traffic.rows_pulled) == [3, 500, 999] and servers.traffic.pulled == []
     expected = table.clone()
     expected[3] -= LR * 2  # looked up twice: gradients summed
     expected[999] -= LR
     expected[500] -= LR
-    torch.testing.assert_close(client.pull(["table"]).tensors["table"], expected)
-    assert outcome.pushes_applied == 3  # rows 3, 500, 999 live on three shards
+    torch.testing.assert_close(servers.value("table"), expected)
+    assert outcome.pushes_applied == 1
 
 
 # ---------------------------------------------------------------- errors
@@ -312,31 +288,23 @@ def test_resource_functions_see_the_worker_context(core):
     assert result_of(outcome) == "worker-1-of-2"
 
 
-def test_an_unreachable_parameter_server_is_named_in_the_error(start_ps, make_client):
-    server = start_ps()
-    client = make_client([server.address])
-    client.create_variable("w", torch.zeros(2, 3), optimizer=SGD)
+def test_an_unreachable_parameter_server_is_named_in_the_error(core, servers):
     weight = nn.Parameter(torch.zeros(2, 3))
     mark_variable(weight, "w")
-    request = closure_request(client, read_parameter, weight)
-    server.stop(grace=0)
-    core = WorkerCore(WorkerConfig(ps_call_timeout=0.5, ps_retry_deadline=0.5))
-    try:
-        outcome = core.run_closure(request)
-    finally:
-        core.close()
+    servers.down = True
+
+    outcome = core.run_closure(closure_request(servers, read_parameter, weight))
 
     assert outcome.error is not None
-    assert outcome.error.parameter_server == server.address
+    assert outcome.error.parameter_server == ADDRESS
     assert outcome.error.type.endswith("ServerUnavailableError")
 
 
 # ---------------------------------------------------------------- requests and bookkeeping
 
 
-def test_malformed_requests_raise_and_change_nothing(core, ps):
-    server, client = ps
-    good = closure_request(client, read_parameter, torch.zeros(1))
+def test_malformed_requests_raise_and_change_nothing(core, servers):
+    good = closure_request(servers, read_parameter, torch.zeros(1))
 
     for request in (
         ClosureRequest(closure_id="", payload=good.payload),
@@ -348,45 +316,23 @@ def test_malformed_requests_raise_and_change_nothing(core, ps):
     assert core.info().closures_run == 0
 
 
-def test_info_names_the_incarnation_and_counts_closures(core):
+def test_info_names_the_incarnation_and_counts_closures(core, servers):
     first = core.info()
     outcome = core.run_closure(closure_request(None, exploding_user_function, 1))
 
     assert len(first.incarnation) == 32 and first.closures_run == 0
     assert outcome.worker_incarnation == first.incarnation
     assert core.info().closures_run == 1
-    assert WorkerCore(WorkerConfig()).incarnation != first.incarnation
+    assert WorkerCore(servers.factory).incarnation != first.incarnation
 
 
-def test_cluster_context_round_trips_through_the_wire(ps):
-    server, client = ps
-    cluster = ClusterContext(client.addresses, client.layouts)
+def test_closing_the_core_closes_its_clients(servers):
+    core = WorkerCore(servers.factory)
+    core.run_closure(closure_request(servers, read_parameter, torch.zeros(1)))
 
-    message = convert.cluster_to_proto(cluster)
+    core.close()
 
-    assert list(message.parameter_servers) == [server.address]
-    assert sum(len(v.shards) for v in message.variables) == 3
-    assert convert.cluster_from_proto(message) == cluster
-    assert convert.cluster_from_proto(message).fingerprint == cluster.fingerprint
-
-
-def test_malformed_cluster_contexts_are_refused_on_the_way_in(ps):
-    server, client = ps
-    good = convert.cluster_to_proto(ClusterContext(client.addresses, client.layouts))
-    broken = []
-    for mutate in (
-        lambda m: m.variables[0].shards[0].__setattr__("server", 5),  # no such server
-        lambda m: m.variables[0].shards[0].__setattr__("row_start", 1),  # rows not covered from 0
-        lambda m: m.variables[0].shards.pop(),  # rows missing
-        lambda m: m.variables[0].__setattr__("dtype", "complex1024"),  # unknown dtype
-        lambda m: m.variables.append(m.variables[0]),  # a variable twice
-    ):
-        message = type(good).FromString(good.SerializeToString())
-        mutate(message)
-        broken.append(message)
-    for message in broken:
-        with pytest.raises(ParamServeError):
-            convert.cluster_from_proto(message)
+    assert servers.closed
 
 
 def test_per_worker_resource_pickles_as_a_reference():
@@ -400,13 +346,12 @@ def test_per_worker_resource_pickles_as_a_reference():
     assert ResourceMissingError("a", "b").resource_ids == ("a", "b")
 
 
-def test_parameters_are_shared_across_closures_of_one_worker(core, ps):
-    server, client = ps
+def test_parameters_are_shared_across_closures_of_one_worker(core, servers):
     weight = nn.Parameter(torch.zeros(2, 3))
     mark_variable(weight, "w")
 
-    first = result_of(core.run_closure(closure_request(client, identity_of, weight)))
-    second = result_of(core.run_closure(closure_request(client, identity_of, weight, closure_id="c2")))
+    first = result_of(core.run_closure(closure_request(servers, identity_of, weight)))
+    second = result_of(core.run_closure(closure_request(servers, identity_of, weight, closure_id="c2")))
 
     assert first == second and first != id(weight)
 

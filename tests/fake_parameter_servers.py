@@ -1,0 +1,120 @@
+"""An in-memory stand-in for the parameter servers, for unit tests of the worker core.
+
+``FakeParameterServers`` is a ``worker.core.VariableClient`` over one real ``ShardStore``
+(so pushes are validated, applied by torch.optim and de-duplicated by idempotency key
+exactly as on a server), with every variable in a single shard and no gRPC. It records
+what a worker asked of it, so tests can check what travelled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from paramserve.psserver.errors import ServerUnavailableError
+from paramserve.psserver.optimizer import OptimizerSpec
+from paramserve.psserver.store import ShardPush, ShardStore
+from paramserve.psserver.types import (
+    ClusterContext,
+    PullResult,
+    PushSummary,
+    RowGradient,
+    ShardPlacement,
+    ShardRef,
+    ShardState,
+    VariableLayout,
+)
+
+ADDRESS = "fake-ps:1"
+
+
+@dataclass
+class Traffic:
+    """What workers asked for: variables pulled whole, rows pulled, push keys."""
+
+    pulled: list[str] = field(default_factory=list)
+    rows_pulled: list[int] = field(default_factory=list)
+    push_keys: list[str] = field(default_factory=list)
+
+
+class FakeParameterServers:
+    """One ShardStore behind the VariableClient interface; ``down`` makes every call fail
+    as an unreachable server does."""
+
+    def __init__(self) -> None:
+        self.store = ShardStore()
+        self.layouts: dict[str, VariableLayout] = {}
+        self.traffic = Traffic()
+        self.down = False
+        self.closed = False
+        self.opened_for: list[tuple[str, ...]] = []
+
+    # ---------------------------------------------------------------- set-up (as a coordinator would)
+
+    def create(self, name: str, value: torch.Tensor, optimizer: OptimizerSpec | None) -> None:
+        shape = tuple(value.shape)
+        rows = shape[0] if shape else 0
+        self.store.create_shards([ShardState(ShardRef(name, 0), shape, 0, value.clone(), optimizer)])
+        self.layouts[name] = VariableLayout(name, shape, value.dtype, (ShardPlacement(0, 0, 0, rows),))
+
+    @property
+    def cluster(self) -> ClusterContext:
+        return ClusterContext((ADDRESS,), self.layouts)
+
+    def factory(self, addresses: tuple[str, ...]) -> FakeParameterServers:
+        """The worker core's client factory."""
+        self.opened_for.append(addresses)
+        return self
+
+    def value(self, name: str) -> torch.Tensor:
+        return self.store.pull(ShardRef(name, 0)).value
+
+    def version(self, name: str) -> int:
+        return self.store.pull(ShardRef(name, 0)).version
+
+    # ---------------------------------------------------------------- VariableClient
+
+    def adopt_layouts(self, layouts: Mapping[str, VariableLayout]) -> None:
+        assert dict(layouts) == self.layouts, "the worker must use the layouts the coordinator sent"
+
+    def pull(self, names: Sequence[str] | None = None) -> PullResult:
+        self._check_up()
+        names = list(self.layouts) if names is None else list(names)
+        self.traffic.pulled.extend(names)
+        pulled = {name: self.store.pull(ShardRef(name, 0)) for name in names}
+        return PullResult({n: p.value for n, p in pulled.items()}, {ShardRef(n, 0): p.version for n, p in pulled.items()})
+
+    def pull_rows(self, name: str, indices: torch.Tensor) -> PullResult:
+        self._check_up()
+        flat = indices.reshape(-1).to(torch.int64)
+        unique, inverse = torch.unique(flat, return_inverse=True)
+        self.traffic.rows_pulled.extend(unique.tolist())
+        pulled = self.store.pull_rows(ShardRef(name, 0), unique)
+        shape = (*indices.shape, *self.layouts[name].shape[1:])
+        return PullResult({name: pulled.value[inverse].reshape(shape)}, {ShardRef(name, 0): pulled.version})
+
+    def push(
+        self, gradients: Mapping[str, torch.Tensor | RowGradient], *, key: str | None = None,
+        base_versions: Mapping[ShardRef, int] | None = None,
+    ) -> PushSummary:
+        self._check_up()
+        assert key, "a worker's pushes always carry an idempotency key"
+        self.traffic.push_keys.append(key)
+        base = base_versions or {}
+        pushes = []
+        for name, gradient in gradients.items():
+            ref = ShardRef(name, 0)
+            if isinstance(gradient, RowGradient):
+                pushes.append(ShardPush(ref, gradient.values, gradient.indices.to(torch.int64), base.get(ref, -1)))
+            else:
+                pushes.append(ShardPush(ref, gradient.detach(), None, base.get(ref, -1)))
+        return PushSummary(tuple(self.store.push(pushes, key)))
+
+    def close(self) -> None:
+        self.closed = True
+
+    def _check_up(self) -> None:
+        if self.down:
+            raise ServerUnavailableError("parameter server unreachable (UNAVAILABLE)", server=ADDRESS)
