@@ -45,8 +45,8 @@ from paramserve.coordinator.failures import (
 )
 from paramserve.psserver.serving import AUTH_METADATA_KEY, channel_options
 from paramserve.wire.v1 import cluster_pb2, worker_pb2
-from paramserve.worker.convert import failure_from_proto
 from paramserve.worker.core import ClosureFailure
+from paramserve.worker.messages import failure_from_proto
 
 __all__ = [
     "Dispatcher",
@@ -307,16 +307,16 @@ class Dispatcher:
             if response.WhichOneof("outcome") != "error":
                 self._on_result(closure, response.result)
                 return
-            failure = failure_from_proto(response.error)
+            remote = failure_from_proto(response.error)
             decision = decide_on_closure_error(
-                failure, resends=closure.resends, known_resources=self._specs.ids(), policy=self._policy
+                remote, resends=closure.resends, known_resources=self._specs.ids(), policy=self._policy
             )
             self._log_decision(closure, decision)
             if decision.action is not Action.RESEND_RESOURCES:
-                self._queue.fail(closure, self._remote_error(closure, decision, failure))
+                self._queue.fail(closure, self._remote_error(closure, decision, remote))
                 return
             closure.resends += 1
-            force = frozenset(failure.missing_resources)
+            force = frozenset(remote.missing_resources)
 
     def _request(self, closure: Closure, force: frozenset[str]) -> worker_pb2.RunClosureRequest:
         with self._lock:
@@ -394,7 +394,7 @@ class Dispatcher:
     def _probe(self) -> None:
         """Health-checks the DOWN worker with backoff until it serves (UP), or stop/give-up (STOPPED)."""
         policy = self._policy
-        stop = tenacity.stop_when_event_set(self._stop)
+        stop: tenacity.stop.stop_base = tenacity.stop_when_event_set(self._stop)
         if policy.probe_deadline is not None:
             stop = stop | tenacity.stop_after_delay(policy.probe_deadline)
         retrying = tenacity.Retrying(
@@ -402,7 +402,7 @@ class Dispatcher:
             wait=tenacity.wait_exponential(multiplier=policy.probe_initial_backoff, max=policy.probe_max_backoff)
             + tenacity.wait_random(0, policy.probe_jitter),
             stop=stop,
-            sleep=self._stop.wait,  # interruptible by stop()
+            sleep=self._sleep,  # interruptible by stop()
             retry_error_callback=lambda _state: False,
         )
         if retrying(self._transport.is_serving, policy.probe_timeout):
@@ -411,6 +411,9 @@ class Dispatcher:
             log.error("worker %d (%s) did not come back within %ss: giving it up",
                       self.index, self.address, policy.probe_deadline)
             self._stop.set()
+
+    def _sleep(self, seconds: float) -> None:
+        self._stop.wait(seconds)
 
     def _set_state(self, to: WorkerState, reason: str) -> None:
         with self._lock:

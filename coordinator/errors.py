@@ -52,12 +52,19 @@ class InvalidTransitionError(RuntimeError):
 
 
 class RemoteErrorData(Protocol):
-    """What a worker reports about a failed closure (the ClosureError proto fits)."""
+    """What a worker reports about a failed closure (worker.core.ClosureFailure fits)."""
 
-    type: str
-    message: str
-    traceback: str
-    pickled: bytes
+    @property
+    def type(self) -> str: ...
+
+    @property
+    def message(self) -> str: ...
+
+    @property
+    def traceback(self) -> str: ...
+
+    @property
+    def pickled(self) -> bytes: ...
 
 
 class ClosureError(CoordinatorError):

@@ -85,11 +85,17 @@ _STOP_ITERATION_TYPES = frozenset({"builtins.StopIteration", "builtins.StopAsync
 
 
 class ClosureErrorData(Protocol):
-    """The fields of a worker's ClosureError reply the policy reads (the proto fits)."""
+    """The fields of a worker's failure reply the policy reads (worker.core.ClosureFailure and
+    the ClosureFailure proto fit)."""
 
-    type: str
-    missing_resources: Collection[str]
-    parameter_server: str
+    @property
+    def type(self) -> str: ...
+
+    @property
+    def missing_resources(self) -> Collection[str]: ...
+
+    @property
+    def parameter_server(self) -> str: ...
 
 
 def decide_on_rpc_failure(code_name: str, attempt: int, policy: FailurePolicy) -> Decision:

@@ -424,7 +424,7 @@ def parse_port_report(text: str) -> PortReport:
     port, metrics_port, pid = data.get("port"), data.get("metrics_port"), data.get("pid")
     if not _is_port(port) or not (metrics_port is None or _is_port(metrics_port)) or not _is_int(pid):
         raise ValueError(f"{data!r} breaks the contract {_PORT_FILE_CONTRACT} (ports in 1..65535)")
-    return PortReport(port=port, metrics_port=metrics_port, pid=pid)
+    return PortReport(port=int(port), metrics_port=None if metrics_port is None else int(metrics_port), pid=int(pid))  # type: ignore[arg-type]
 
 
 def _is_int(value: object) -> bool:

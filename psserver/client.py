@@ -167,8 +167,7 @@ class ParameterServerClient:
         """Decides shard row ranges and servers for a new variable (round-robin across variables)."""
         shape = tuple(int(d) for d in shape)
         if not shape:
-            shards = (ShardPlacement(0, self._take_servers(1)[0], 0, 0),)
-            return VariableLayout(name, shape, dtype, shards)
+            return VariableLayout(name, shape, dtype, (ShardPlacement(0, self._take_servers(1)[0], 0, 0),))
         num_shards = (partitioner or FixedShardsPartitioner(1))(shape, dtype)
         ranges = split_rows(shape[0], num_shards)
         servers = self._take_servers(len(ranges))
@@ -260,11 +259,11 @@ class ParameterServerClient:
         layout = self.layout(name)
         flat = indices.reshape(-1).to(torch.int64)
         if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= layout.shape[0]):
-            bad = flat[(flat < 0) | (flat >= layout.shape[0])][0].item()
+            bad = int(flat[(flat < 0) | (flat >= layout.shape[0])][0])
             raise _index_error(name, bad, layout.shape[0])
         unique, inverse = torch.unique(flat, return_inverse=True)
         rows = torch.empty((unique.numel(), *layout.shape[1:]), dtype=layout.dtype)
-        items_by_server: dict[int, list[tuple[ps_pb2.PullItem, torch.Tensor]]] = defaultdict(list)
+        items_by_server: dict[int, list[tuple[ps_pb2.PullItem, torch.Tensor | _RowScatter]]] = defaultdict(list)
         for shard, positions in _group_rows(layout, unique):
             local = unique[positions] - shard.row_start
             item = ps_pb2.PullItem(ref=convert.ref_to_proto(layout.ref(shard)), sparse=True, row_indices=convert.rows_to_bytes(local))
@@ -518,7 +517,7 @@ def _push_parts(layout: VariableLayout, gradient: torch.Tensor | RowGradient, ba
         indices = gradient.indices.reshape(-1).to(torch.int64)
         values = gradient.values.reshape(indices.numel(), *layout.shape[1:]).detach().cpu()
         if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= layout.shape[0]):
-            bad = indices[(indices < 0) | (indices >= layout.shape[0])][0].item()
+            bad = int(indices[(indices < 0) | (indices >= layout.shape[0])][0])
             raise _index_error(layout.name, bad, layout.shape[0])
         for shard, positions in _group_rows(layout, indices):
             local = (indices[positions] - shard.row_start).contiguous()
@@ -570,28 +569,29 @@ def _with_retries(fn: Callable[[], _T], deadline: float, address: str) -> _T:
         stop=tenacity.stop_after_delay(deadline),
         reraise=True,
         before_sleep=lambda state: log.warning(
-            "retrying call to %s after %s (attempt %d)", address, _describe(state.outcome.exception()), state.attempt_number
+            "retrying call to %s after %s (attempt %d)", address,
+            _describe(state.outcome.exception() if state.outcome else None), state.attempt_number
         ),
     )
     return retrying(fn)
 
 
 def _is_retryable(exc: BaseException) -> bool:
-    return isinstance(exc, grpc.RpcError) and exc.code() in RETRYABLE_CODES  # type: ignore[attr-defined]
+    return isinstance(exc, grpc.RpcError) and exc.code() in RETRYABLE_CODES
 
 
 def _describe(exc: BaseException | None) -> str:
     if isinstance(exc, grpc.RpcError):
-        return f"{exc.code().name}: {exc.details()}"  # type: ignore[attr-defined]
+        return f"{exc.code().name}: {exc.details()}"
     return repr(exc)
 
 
 def typed_error(err: grpc.RpcError, server: str, variable: str | None) -> ParamServeError:
     """The paramserve error a failed RPC stands for (by the server's trailing metadata, else its code)."""
-    trailers = dict(err.trailing_metadata() or ())  # type: ignore[attr-defined]
-    code = err.code()  # type: ignore[attr-defined]
+    trailers = dict(err.trailing_metadata() or ())
+    code = err.code()
     cls = ERROR_TYPES.get(str(trailers.get(ERROR_METADATA_KEY, ""))) or _CODE_ERRORS.get(code, InternalError)
-    details = err.details() or code.name  # type: ignore[attr-defined]
+    details = err.details() or code.name
     if cls is ServerUnavailableError:
         details = f"parameter server unreachable ({code.name}: {details}); check that it runs and the address is right"
     return cls(details, variable=trailers.get(ERROR_VARIABLE_METADATA_KEY) or variable, server=server)

@@ -197,9 +197,9 @@ class OptimizerSpec:
 def _build(spec: OptimizerSpec, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
     """The torch optimizer for ``spec`` with the server's implementation flags forced."""
     arguments = _arguments(spec.name)
-    forced = {key: value for key, value in _IMPLEMENTATION_FLAGS.items() if key in arguments}
-    kwargs = {key: value for key, value in spec.kwargs.items() if key not in _IMPLEMENTATION_FLAGS}
-    return _optimizer_class(spec.name)(params, **kwargs, **forced)
+    kwargs: dict[str, Any] = {key: value for key, value in spec.kwargs.items() if key not in _IMPLEMENTATION_FLAGS}
+    kwargs.update({key: value for key, value in _IMPLEMENTATION_FLAGS.items() if key in arguments})
+    return _optimizer_class(spec.name)(params, **kwargs)
 
 
 @functools.lru_cache(maxsize=256)

@@ -66,7 +66,7 @@ def as_byte_view(tensor: torch.Tensor) -> memoryview:
         flat = flat.cpu()
     if flat.numel() == 0:
         return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]  # ndarray is a buffer
 
 
 def tensor_from_buffer(buffer: bytearray | memoryview, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:

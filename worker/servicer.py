@@ -1,4 +1,4 @@
-"""The gRPC face of a worker: translates Worker RPCs to WorkerCore calls (through worker.convert).
+"""The gRPC face of a worker: translates Worker RPCs to WorkerCore calls (through worker.messages).
 
 Handlers take and return raw bytes (see psserver.serving.MetricsInterceptor) and
 parse requests themselves, so garbage gets INVALID_ARGUMENT.
@@ -10,8 +10,8 @@ import grpc
 
 from paramserve.psserver.serving import parse, unary_boundary
 from paramserve.wire.v1 import worker_pb2
-from paramserve.worker.convert import info_to_proto, outcome_to_proto, request_from_proto
 from paramserve.worker.core import WorkerCore
+from paramserve.worker.messages import info_to_proto, outcome_to_proto, request_from_proto
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 

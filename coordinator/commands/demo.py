@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paramserve.worker.resources import WorkerContext
+
 log = logging.getLogger("paramserve.demo")
 
 
@@ -54,7 +56,7 @@ def digits_split(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return torch.from_numpy(x_train), torch.from_numpy(y_train).long(), torch.from_numpy(x_test), torch.from_numpy(y_test).long()
 
 
-def worker_batches(context, batch_size: int = 32, seed: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def worker_batches(context: WorkerContext, batch_size: int = 32, seed: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Runs on a worker: endless shuffled batches of this worker's shard of the training set."""
     x_train, y_train, _, _ = digits_split(seed)
     shard = torch.arange(context.worker_index, len(x_train), context.num_workers)

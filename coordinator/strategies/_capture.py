@@ -177,7 +177,7 @@ def _same(value: Any) -> Any:
     return value
 
 
-def _rebuild(cls: type, state: dict[str, Any]) -> Any:
+def _rebuild(cls: Any, state: dict[str, Any]) -> Any:
     """Unpickles/deep-copies a linked object as a plain object of the user's class."""
     obj = cls.__new__(cls)
     obj.__setstate__(state)
@@ -188,7 +188,7 @@ _classes: dict[tuple[str, type], type] = {}
 _classes_lock = threading.Lock()
 
 
-def _cached(kind: str, cls: type, build: Callable[[type], type]) -> type:
+def _cached(kind: str, cls: type[Any], build: Callable[[type[Any]], type]) -> type:
     with _classes_lock:
         if (kind, cls) not in _classes:
             _classes[(kind, cls)] = build(cls)
@@ -204,7 +204,7 @@ _BROADCAST_METHODS = ("train", "zero_grad", "load_state_dict", "requires_grad_")
 """Module methods that, called outside the replicas, apply to every replica's copy too."""
 
 
-def _build_module_class(cls: type) -> type:
+def _build_module_class(cls: Any) -> type:
     def __call__(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         target = _module_target(self)
         if target is self:
@@ -271,12 +271,12 @@ def is_linked(obj: object) -> bool:
     return LINK in getattr(obj, "__dict__", {})
 
 
-def base_class(obj: object) -> type:
+def base_class(obj: object) -> type[Any]:
     """The user's class of a linked object."""
     return getattr(type(obj), "_paramserve_base", type(obj))
 
 
-def _build_optimizer_class(cls: type) -> type:
+def _build_optimizer_class(cls: Any) -> type:
     def link_of(self: torch.optim.Optimizer) -> OptimizerLink:
         link = self.__dict__.get(LINK)
         if link is None:

@@ -135,9 +135,10 @@ class DistributedDatasetsFromFunction:
             if not parts:
                 return
             if len(parts) < len(self.devices):
-                parts = self._short_step(parts, step)
-                if parts is None:
+                padded = self._short_step(parts, step)
+                if padded is None:
                     return
+                parts = padded
             if self.options.move_to_device:
                 parts = [nest.to_device(p, d) for p, d in zip(parts, self.devices)]
             yield regroup(parts)

@@ -432,13 +432,8 @@ class _ReplicatedStrategy(Strategy):
         A replica without a gradient that others have contributes zeros."""
         out: list[list[torch.Tensor | None]] = [[None] * len(grads[0]) for _ in grads]
         present = [i for i in range(len(grads[0])) if any(g[i] is not None for g in grads)]
-        columns = []
-        for i in present:
-            example = next(g[i] for g in grads if g[i] is not None)
-            columns.append([
-                g[i] if g[i] is not None else torch.zeros_like(example, device=self._devices[r])
-                for r, g in enumerate(grads)
-            ])
+        columns = [[_or_zeros(g[i], _first_present(grads, i), self._devices[r]) for r, g in enumerate(grads)]
+                   for i in present]
         for i, mirrored in zip(present, self.cross_device_ops.batch_all_reduce(ReduceOp.SUM, columns)):
             for r in range(len(grads)):
                 out[r][i] = mirrored.values[r]
@@ -605,18 +600,11 @@ def _sum_columns(
     """Replica ``replica``'s share of ``_sum_gradients(grads)`` on CPU replicas: gradient i
     summed across replicas in replica order (a replica without it adds zeros), as new tensors."""
     out: list[torch.Tensor | None] = [None] * len(grads[0])
-    present: list[int] = []
-    columns: list[list[torch.Tensor]] = [[] for _ in grads]
-    for i in range(len(out)):
-        column = [g[i] for g in grads]
-        example = next((t for t in column if t is not None), None)
-        if example is None:
-            continue
-        present.append(i)
-        for r, t in enumerate(column):
-            columns[r].append(t if t is not None else torch.zeros_like(example, device=devices[r]))
+    present = [i for i in range(len(out)) if any(g[i] is not None for g in grads)]
     if not present:
         return out
+    columns = [[_or_zeros(g[i], _first_present(grads, i), devices[r]) for i in present] for r, g in enumerate(grads)]
+    totals: list[torch.Tensor]
     if all(t.layout is torch.strided for column in columns for t in column):
         if len(columns) == 1:
             totals = [t.clone() for t in columns[0]]
@@ -634,6 +622,16 @@ def _sum_columns(
     for i, total in zip(present, totals):
         out[i] = total
     return out
+
+
+def _first_present(grads: list[list[torch.Tensor | None]], i: int) -> torch.Tensor:
+    """Gradient ``i`` of the first replica that has one (some replica must)."""
+    return next(t for g in grads if (t := g[i]) is not None)
+
+
+def _or_zeros(grad: torch.Tensor | None, example: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``grad``, or zeros shaped like ``example`` on ``device`` for a replica without one."""
+    return grad if grad is not None else torch.zeros_like(example, device=device)
 
 
 def _move_state(replica: torch.optim.Optimizer, original: torch.optim.Optimizer) -> None:
@@ -699,6 +697,9 @@ class _MirroredOptimizer:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         for replica in self.replicas:
             self.base.load_state_dict(replica, copy.deepcopy(state_dict))
+
+    def pickled_as(self) -> None:
+        return None  # a pickled (or deep-copied) optimizer is a plain one of the user's class
 
 
 # ------------------------------------------------------------------ CentralStorageStrategy
@@ -817,6 +818,9 @@ class _CentralOptimizer:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.base.load_state_dict(self.optimizer, state_dict)
+
+    def pickled_as(self) -> None:
+        return None  # a pickled (or deep-copied) optimizer is a plain one of the user's class
 
 
 def _zero(params: Iterable[nn.Parameter], set_to_none: bool) -> None:

@@ -153,7 +153,7 @@ class CommunicationOptions:
     timeout_seconds: float | None = None
 
     def __post_init__(self) -> None:
-        implementation = self.implementation
+        implementation: Any = self.implementation
         if isinstance(implementation, str):
             try:
                 implementation = CollectiveCommunication(implementation.upper())
@@ -346,7 +346,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         if backend == "nccl":
             torch.cuda.set_device(resolver.local_rank)
         _init_process_group(backend, resolver, options.timeout())
-        self._setup(options, resolver, backend, dist.group.WORLD, owns_group=True)
+        self._setup(options, resolver, backend, _world(), owns_group=True)
 
     @classmethod
     def from_process_group(
@@ -363,7 +363,7 @@ class MultiWorkerMirroredStrategy(Strategy):
                 "MultiWorkerMirroredStrategy.from_process_group(): torch.distributed is not initialised: "
                 "call dist.init_process_group() first, or construct MultiWorkerMirroredStrategy() directly"
             )
-        group = dist.group.WORLD if group is None else group
+        group = _world() if group is None else group
         backend = str(dist.get_backend(group))
         rank, world_size = dist.get_rank(group), dist.get_world_size(group)
         local_rank = torch.cuda.current_device() if backend == "nccl" else 0
@@ -387,7 +387,9 @@ class MultiWorkerMirroredStrategy(Strategy):
         self._world_size = dist.get_world_size(group)
         self._mirrored: dict[int, weakref.ReferenceType[torch.Tensor]] = {}
         self._scope_depth = 0
-        self._step_hook = optimizer_hooks.register_optimizer_step_pre_hook(self._before_optimizer_step)
+        self._step_hook: torch.utils.hooks.RemovableHandle | None = optimizer_hooks.register_optimizer_step_pre_hook(
+            self._before_optimizer_step
+        )
         log.info(
             "MultiWorkerMirroredStrategy: rank %d of %d (cluster from %s), backend %s, meeting at %s",
             self._rank, self._world_size, resolver.source, backend, resolver.init_method() or "in memory",
@@ -438,8 +440,15 @@ class MultiWorkerMirroredStrategy(Strategy):
         for bucket in _buckets(list(tensors.values())):
             self._broadcast(bucket)
         for key, tensor in tensors.items():
-            self._mirrored[key] = weakref.ref(tensor, lambda _, key=key: self._mirrored.pop(key, None))
+            self._mirrored[key] = weakref.ref(tensor, self._forgetter(key))
         log.info("mirrored %d tensors of %d modules from rank 0", len(tensors), len(roots))
+
+    def _forgetter(self, key: int) -> Callable[[Any], None]:
+        """Drops ``key`` from the mirrored tensors when its tensor is garbage-collected."""
+        def forget(_: Any) -> None:
+            self._mirrored.pop(key, None)
+
+        return forget
 
     def _broadcast(self, tensors: Sequence[torch.Tensor]) -> None:
         wire_dtype = torch.uint8 if tensors[0].dtype is torch.bool else tensors[0].dtype  # gloo has no bool
@@ -601,6 +610,13 @@ class MultiWorkerMirroredStrategy(Strategy):
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def _world() -> dist.ProcessGroup:
+    group = dist.group.WORLD
+    if group is None:
+        raise RuntimeError("torch.distributed has no world group: initialise the process group first")
+    return group
 
 
 def _init_process_group(backend: str, resolver: ClusterResolver, timeout: datetime.timedelta) -> None:

@@ -9,6 +9,7 @@ parameter servers' side (``strategies.parameter_server``).
 
 from __future__ import annotations
 
+import os
 import pathlib
 from collections.abc import Mapping
 from typing import Any, Protocol
@@ -44,7 +45,7 @@ class TorchFileCheckpoints:
 
     SUFFIX = ".pt"
 
-    def __init__(self, directory: str | pathlib.Path, keep: int):
+    def __init__(self, directory: str | os.PathLike[str], keep: int):
         self.directory = pathlib.Path(directory)
         self.keep = keep
 

@@ -15,8 +15,8 @@ from paramserve.psserver.optimizer import OptimizerSpec
 from paramserve.psserver.partition import FixedShardsPartitioner
 from paramserve.psserver.types import ClusterContext
 from paramserve.wire.v1 import cluster_pb2, worker_pb2, worker_pb2_grpc
-from paramserve.worker.convert import outcome_from_proto, request_to_proto
 from paramserve.worker.core import ClosureRequest
+from paramserve.worker.messages import outcome_from_proto, request_to_proto
 from paramserve.worker.server import WorkerConfig, build_worker
 from paramserve.worker.servicer import SERVICE_NAME
 from paramserve.worker.variables import ServerOptimizer, dumps_closure, mark_variable

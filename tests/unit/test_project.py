@@ -52,13 +52,48 @@ def test_dependencies_point_from_coordinator_to_worker_to_psserver(layer):
     assert not offenders, "psserver <- worker <- coordinator is violated: " + "; ".join(offenders)
 
 
-def test_psserver_core_imports_no_grpc():
-    core = ["store.py", "optimizer.py", "partition.py", "idempotency.py", "checkpoint.py", "errors.py", "tensors.py"]
-    for name in core:
-        tree = ast.parse((ROOT / "psserver" / name).read_text())
-        modules = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-        modules |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-        assert not any(m.split(".")[0] in {"grpc", "grpc_health"} for m in modules), f"{name} imports grpc"
+def _imported_modules(path: pathlib.Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    modules = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    return modules | {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+
+
+CORES = [
+    "psserver/store.py", "psserver/optimizer.py", "psserver/partition.py", "psserver/idempotency.py",
+    "psserver/checkpoint.py", "psserver/errors.py", "psserver/tensors.py", "psserver/types.py",
+    "psserver/atomic_files.py", "worker/core.py", "worker/variables.py", "worker/resources.py",
+]
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_cores_import_no_grpc_and_no_wire_messages(core):
+    modules = _imported_modules(ROOT / core)
+    assert not any(m.split(".")[0] in {"grpc", "grpc_health"} for m in modules), f"{core} imports grpc"
+    assert not any(m.startswith("paramserve.wire") for m in modules), f"{core} imports wire messages"
+
+
+# Every service has its core, servicer, server factory, errors and __main__: those names recur by design.
+PER_PACKAGE_NAMES = {"__init__.py", "__main__.py", "server.py", "servicer.py", "errors.py"}
+
+
+def test_no_two_modules_share_a_name():
+    seen: dict[str, list[str]] = {}
+    for layer in LAYERS:
+        for path in (ROOT / layer).rglob("*.py"):
+            if path.name not in PER_PACKAGE_NAMES:
+                seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    assert {name: paths for name, paths in seen.items() if len(paths) > 1} == {}
+
+
+def test_training_asks_the_strategy_and_never_checks_its_type():
+    offenders = []
+    for path in (ROOT / "coordinator" / "training").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", "") in {"isinstance", "type"}:
+                named = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+                if any(name.endswith("Strategy") for name in named):
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert offenders == [], "ask the strategy (a method of the Strategy API) instead: " + ", ".join(offenders)
 
 
 def test_servicer_implements_every_rpc_of_the_proto():
