@@ -1,7 +1,6 @@
 """tf.distribute's Strategy API in PyTorch idiom: the same training code runs on one
-device, mirrored across local devices, with central variable storage, or across
-processes on torch.distributed. ParameterServerStrategy (paramserve.coordinator)
-implements the same API."""
+device, mirrored across local devices, with central variable storage, across
+processes on torch.distributed, or against variables on parameter servers."""
 
 from paramserve.coordinator.strategies.base import (
     InputContext,
@@ -40,6 +39,7 @@ from paramserve.coordinator.strategies.multi_worker import (
     CommunicationOptions,
     MultiWorkerMirroredStrategy,
 )
+from paramserve.coordinator.strategies.parameter_server import ParameterServerStrategy
 
 __all__ = [
     # the API every strategy implements
@@ -60,6 +60,8 @@ __all__ = [
     "MultiWorkerMirroredStrategy",
     "CommunicationOptions",
     "CollectiveCommunication",
+    # variables on parameter servers (with ClusterCoordinator)
+    "ParameterServerStrategy",
     # distributed values
     "PerReplica",
     "Mirrored",
