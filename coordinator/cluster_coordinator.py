@@ -27,6 +27,7 @@ from paramserve.coordinator.dispatch import (
     DispatcherPool,
     GrpcTransport,
     ResourceSpecs,
+    WireContext,
     WorkerTransport,
 )
 from paramserve.coordinator.errors import CoordinatorClosedError
@@ -34,7 +35,6 @@ from paramserve.coordinator.failures import FailurePolicy
 from paramserve.coordinator.remote_value import RemoteValue, fetch_structure
 from paramserve.psserver import convert
 from paramserve.psserver.types import ClusterContext
-from paramserve.wire.v1 import cluster_pb2
 from paramserve.worker.resources import PerWorkerResource, WorkerContext
 from paramserve.worker.variables import dumps_closure
 
@@ -70,6 +70,8 @@ class CoordinatedStrategy(Protocol):
 
     cluster: ClusterSpec
     token: str | None
+    max_value_age: float
+    """How old (seconds) the values a worker's last push returned may be to start its next closure."""
 
     def cluster_context(self) -> ClusterContext:
         """Where the variables live; called for every RunClosure (may create variables first)."""
@@ -105,6 +107,7 @@ class ClusterCoordinator:
             transport_factory=transport_factory or (lambda address: GrpcTransport(address, token, max_bytes)),
             cluster_context=_ContextSource(strategy.cluster_context),
             poll_interval=self.config.poll_interval,
+            max_value_age=strategy.max_value_age,
         )
         for address in strategy.cluster.workers:
             self._pool.add_worker(address)
@@ -256,21 +259,22 @@ class ClusterCoordinator:
 
 
 class _ContextSource:
-    """The strategy's cluster context on the wire, built once per context (the strategy's
-    ``cluster_context()`` may create the variables first, so one caller at a time)."""
+    """The strategy's cluster context as dispatchers send it, built once per context (the
+    strategy's ``cluster_context()`` may create the variables first, so one caller at a time)."""
 
     def __init__(self, make: Callable[[], ClusterContext]):
         self._make = make
         self._lock = threading.Lock()
         self._context: ClusterContext | None = None
-        self._message: cluster_pb2.ClusterContext | None = None
+        self._wire: WireContext | None = None
 
-    def __call__(self) -> cluster_pb2.ClusterContext:
+    def __call__(self) -> WireContext:
         with self._lock:
             context = self._make()
-            if context is not self._context or self._message is None:
-                self._context, self._message = context, convert.cluster_to_proto(context)
-            return self._message
+            if context is not self._context or self._wire is None:
+                self._context = context
+                self._wire = WireContext(context.fingerprint, convert.cluster_to_proto(context))
+            return self._wire
 
 
 # -------------------------------------------------------------------- per-worker datasets

@@ -9,7 +9,9 @@ pure decisions of ``coordinator.failures``:
   worker takes it), this worker is marked DOWN and probed with the standard
   gRPC health service until it serves again (then UP; its resources are
   re-sent because a DOWN worker is assumed to hold none);
-- RESEND_RESOURCES: run again on this worker with the missing resources;
+- RESEND: run again on this worker with the missing resources or the cluster
+  context (sent once per worker incarnation and context, otherwise only named
+  by its fingerprint);
 - RAISE: the closure fails; the queue keeps the first error for join().
 
 A retried closure keeps its closure_id, so the parameter servers' idempotency
@@ -23,6 +25,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
 from typing import Protocol
 
 import cloudpickle
@@ -80,6 +83,14 @@ TRANSITIONS: Mapping[WorkerState, frozenset[WorkerState]] = {
 
 
 # ---------------------------------------------------------------- transport
+
+
+@dataclass(frozen=True)
+class WireContext:
+    """The cluster context as a dispatcher sends it: its fingerprint and its wire message."""
+
+    fingerprint: str
+    message: cluster_pb2.ClusterContext
 
 
 class RpcFailure(Exception):
@@ -214,10 +225,11 @@ class Dispatcher:
         queue: ClosureQueue,
         specs: ResourceSpecs,
         transport: WorkerTransport,
-        cluster_context: Callable[[], cluster_pb2.ClusterContext],
+        cluster_context: Callable[[], WireContext],
         num_workers: Callable[[], int],
         policy: FailurePolicy,
         poll_interval: float = 0.5,
+        max_value_age: float = 0.0,
     ):
         self.address = address
         self.index = index
@@ -228,10 +240,12 @@ class Dispatcher:
         self._num_workers = num_workers
         self._policy = policy
         self._poll_interval = poll_interval
+        self._max_value_age = max_value_age
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._state = WorkerState.UP
         self._held: frozenset[str] = frozenset()
+        self._cluster_held = ""  # fingerprint of the cluster context the worker is known to hold
         self._incarnation: str | None = None
         self._thread: threading.Thread | None = None
 
@@ -296,7 +310,8 @@ class Dispatcher:
         force: frozenset[str] = frozenset()
         while True:
             try:
-                response = self._transport.run_closure(self._request(closure, force), self._policy.closure_timeout)
+                request = self._request(closure, force)
+                response = self._transport.run_closure(request, self._policy.closure_timeout)
             except RpcFailure as failure:
                 self._on_rpc_failure(closure, failure)
                 return
@@ -305,6 +320,7 @@ class Dispatcher:
                 return
             self._observe(response)
             if response.WhichOneof("outcome") != "error":
+                self._cluster_held = request.cluster_fingerprint
                 self._on_result(closure, response.result)
                 return
             remote = failure_from_proto(response.error)
@@ -312,26 +328,33 @@ class Dispatcher:
                 remote, resends=closure.resends, known_resources=self._specs.ids(), policy=self._policy
             )
             self._log_decision(closure, decision)
-            if decision.action is not Action.RESEND_RESOURCES:
+            if decision.action is not Action.RESEND:
                 self._queue.fail(closure, self._remote_error(closure, decision, remote))
                 return
             closure.resends += 1
             force = frozenset(remote.missing_resources)
+            if remote.needs_cluster:
+                self._cluster_held = ""
 
     def _request(self, closure: Closure, force: frozenset[str]) -> worker_pb2.RunClosureRequest:
         with self._lock:
             needed = (closure.resource_ids | force) - self._held
-        return worker_pb2.RunClosureRequest(
+        context = self._cluster_context()
+        request = worker_pb2.RunClosureRequest(
             closure_id=closure.closure_id,
             attempt=closure.attempt,
             function_name=closure.function_name,
             payload=closure.payload,
             resources=self._specs.specs(needed),
-            cluster=self._cluster_context(),
             steps=closure.steps,
             worker_index=self.index,
             num_workers=self._num_workers(),
+            cluster_fingerprint=context.fingerprint,
+            max_value_age=self._max_value_age,
         )
+        if context.fingerprint != self._cluster_held:
+            request.cluster.CopyFrom(context.message)
+        return request
 
     def _observe(self, response: worker_pb2.RunClosureResponse) -> None:
         """Tracks which resources this worker incarnation holds."""
@@ -340,6 +363,7 @@ class Dispatcher:
             self._incarnation = response.worker_incarnation
             self._held = frozenset(response.resources_held)
         if previous is not None and previous != response.worker_incarnation:
+            self._cluster_held = ""
             log.warning("worker %d (%s) restarted (incarnation %s -> %s): its resources are re-sent",
                         self.index, self.address, previous, response.worker_incarnation)
 
@@ -379,7 +403,7 @@ class Dispatcher:
         )
 
     def _log_decision(self, closure: Closure, decision: Decision, details: str = "") -> None:
-        level = logging.INFO if decision.action is Action.RESEND_RESOURCES else logging.WARNING
+        level = logging.INFO if decision.action is Action.RESEND else logging.WARNING
         log.log(level, "%s on worker %d (%s): %s because %s%s", closure.name, self.index, self.address,
                 decision.action.name, decision.reason, f" [{details}]" if details else "")
 
@@ -388,6 +412,7 @@ class Dispatcher:
     def _mark_down(self, reason: str) -> None:
         with self._lock:
             self._held = frozenset()  # it may come back as a new process holding nothing
+        self._cluster_held = ""
         self._transport.reset()
         self._set_state(WorkerState.DOWN, reason)
 
@@ -449,8 +474,9 @@ class DispatcherPool:
         specs: ResourceSpecs,
         policy: FailurePolicy,
         transport_factory: Callable[[str], WorkerTransport],
-        cluster_context: Callable[[], cluster_pb2.ClusterContext],
+        cluster_context: Callable[[], WireContext],
         poll_interval: float = 0.5,
+        max_value_age: float = 0.0,
     ):
         self._queue = queue
         self._specs = specs
@@ -458,6 +484,7 @@ class DispatcherPool:
         self._transport_factory = transport_factory
         self._cluster_context = cluster_context
         self._poll_interval = poll_interval
+        self._max_value_age = max_value_age
         self._lock = threading.Lock()
         self._dispatchers: dict[str, Dispatcher] = {}
         self._stopped = False
@@ -475,6 +502,7 @@ class DispatcherPool:
                 address, index, queue=self._queue, specs=self._specs,
                 transport=self._transport_factory(address), cluster_context=self._cluster_context,
                 num_workers=self.num_workers, policy=self._policy, poll_interval=self._poll_interval,
+                max_value_age=self._max_value_age,
             )
             self._dispatchers[address] = dispatcher
         dispatcher.start()

@@ -34,8 +34,9 @@ __all__ = [
 class Action(enum.Enum):
     RETRY_ELSEWHERE = "retry_elsewhere"
     """Put the closure back at the front of the queue; mark this worker DOWN and probe it."""
-    RESEND_RESOURCES = "resend_resources"
-    """Run the closure again on the same worker with its resources' specs (not an attempt)."""
+    RESEND = "resend"
+    """Run the closure again on the same worker with what it lacks: per-worker resources' specs
+    or the cluster context (it restarted). Not an attempt."""
     RAISE = "raise"
     """The closure failed: its RemoteValue is ABORTED with ``error_type``."""
 
@@ -97,6 +98,9 @@ class ClosureErrorData(Protocol):
     @property
     def parameter_server(self) -> str: ...
 
+    @property
+    def needs_cluster(self) -> bool: ...
+
 
 def decide_on_rpc_failure(code_name: str, attempt: int, policy: FailurePolicy) -> Decision:
     """What to do when a RunClosure call failed with status ``code_name``.
@@ -131,12 +135,17 @@ def decide_on_closure_error(
 ) -> Decision:
     """What to do when a worker ran the closure and replied with an error.
 
-    ``resends`` counts earlier RESEND_RESOURCES of this closure;
+    ``resends`` counts earlier RESEND of this closure;
     ``known_resources`` are the resource ids the coordinator can send.
     """
     missing = list(error.missing_resources)
     if missing:
         return _decide_on_missing(missing, resends, known_resources, policy)
+    if error.needs_cluster:
+        if resends >= policy.max_resource_resends:
+            return Decision(Action.RAISE, f"the worker still lacks the cluster context after {resends} resends",
+                            ClosureError)
+        return Decision(Action.RESEND, "the worker does not hold the cluster context (it restarted?): resending it")
     if error.parameter_server:
         return Decision(
             Action.RAISE,
@@ -165,6 +174,6 @@ def _decide_on_missing(
             ClosureError,
         )
     return Decision(
-        Action.RESEND_RESOURCES,
+        Action.RESEND,
         f"the worker lacks resources {missing} (it restarted?): resending them",
     )

@@ -15,10 +15,10 @@ import pathlib
 import threading
 import uuid
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent import futures
-from dataclasses import dataclass
-from typing import TypeVar
+from dataclasses import dataclass, field
+from typing import TypeVar, Union
 
 import grpc
 import tenacity
@@ -52,7 +52,9 @@ from paramserve.psserver.serving import AUTH_METADATA_KEY, channel_options
 from paramserve.psserver.streams import (
     DEFAULT_CHUNK_BYTES,
     byte_buffer,
+    decode_step_reply,
     encode_parts,
+    encode_step_request,
     meta_of,
     read_parts,
     tensor_from_bytes,
@@ -74,6 +76,7 @@ from paramserve.wire.v1 import tensor_pb2
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
+_R = TypeVar("_R")
 
 RETRYABLE_CODES = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED}
@@ -100,6 +103,9 @@ class ClientConfig:
     """Time budget across all attempts of one RPC, in seconds."""
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     max_message_bytes: int = 64 << 20
+    max_unary_bytes: int | None = None
+    """A server's share of a call whose payload (both ways) is at most this travels as one
+    unary Step message each way; larger ones stream in chunks. None: ``chunk_bytes``."""
     max_parallel_calls: int = 16
 
 
@@ -238,20 +244,14 @@ class ParameterServerClient:
             variable=variable,
         )
 
-    # ------------------------------------------------------------------ pull
+    # ------------------------------------------------------------------ pull and push
 
     def pull(self, names: Sequence[str] | None = None) -> PullResult:
         """Reads whole variables (all known ones by default) from all servers in parallel."""
-        layouts = [self.layout(n) for n in names] if names is not None else list(self.layouts.values())
-        outputs = {l.name: torch.empty(l.shape, dtype=l.dtype) for l in layouts}
-        items_by_server: dict[int, list[tuple[ps_pb2.PullItem, torch.Tensor]]] = defaultdict(list)
-        for layout in layouts:
-            for shard in layout.shards:
-                item = ps_pb2.PullItem(ref=convert.ref_to_proto(layout.ref(shard)))
-                destination = outputs[layout.name][shard.row_start : shard.row_start + shard.num_rows] if layout.shape else outputs[layout.name]
-                items_by_server[shard.server].append((item, destination))
-        versions = self._pull_into(items_by_server, names[0] if names and len(names) == 1 else None)
-        return PullResult(outputs, versions)
+        exchange = _Exchange()
+        self._add_reads(exchange, names if names is not None else list(self.layouts))
+        _, versions = self._run(exchange, None, names[0] if names and len(names) == 1 else None)
+        return PullResult(exchange.outputs, versions)
 
     def pull_rows(self, name: str, indices: torch.Tensor) -> PullResult:
         """Reads rows of a variable (an embedding lookup): the result has shape
@@ -263,25 +263,14 @@ class ParameterServerClient:
             raise _index_error(name, bad, layout.shape[0])
         unique, inverse = torch.unique(flat, return_inverse=True)
         rows = torch.empty((unique.numel(), *layout.shape[1:]), dtype=layout.dtype)
-        items_by_server: dict[int, list[tuple[ps_pb2.PullItem, torch.Tensor | _RowScatter]]] = defaultdict(list)
+        exchange = _Exchange()
         for shard, positions in _group_rows(layout, unique):
             local = unique[positions] - shard.row_start
-            item = ps_pb2.PullItem(ref=convert.ref_to_proto(layout.ref(shard)), sparse=True, row_indices=convert.rows_to_bytes(local))
-            items_by_server[shard.server].append((item, _RowScatter(rows, positions)))
-        versions = self._pull_into(items_by_server, name)
+            item = ps_pb2.PullItem(ref=convert.ref_to_proto(layout.ref(shard)), sparse=True,
+                                   row_indices=convert.rows_to_bytes(local))
+            exchange.read(shard.server, item, _RowScatter(rows, positions))
+        _, versions = self._run(exchange, None, name)
         return PullResult({name: rows[inverse].reshape(*indices.shape, *layout.shape[1:])}, versions)
-
-    def _pull_into(self, items_by_server, variable: str | None) -> dict[ShardRef, int]:  # type: ignore[no-untyped-def]
-        def call(server: int, items) -> dict[ShardRef, int]:  # type: ignore[no-untyped-def]
-            request = ps_pb2.PullRequest(items=[i for i, _ in items], chunk_bytes=self.config.chunk_bytes)
-            return self._stubs[server].pull(request, [d for _, d in items], self._call_options())
-
-        versions: dict[ShardRef, int] = {}
-        for result in self._fan_out(items_by_server, call, variable=variable).values():
-            versions.update(result)
-        return versions
-
-    # ------------------------------------------------------------------ push
 
     def push(
         self,
@@ -293,27 +282,61 @@ class ParameterServerClient:
         """Applies gradients on the servers. Each shard applies a given ``key`` at most
         once, so a retried or replayed push is acknowledged but never applied twice.
         ``base_versions`` (from the pull the gradients came from) lets servers count staleness."""
-        key = key or uuid.uuid4().hex
-        base_versions = base_versions or {}
-        parts_by_server: dict[int, list] = defaultdict(list)
+        summary, _ = self.push_and_pull(gradients, (), key=key, base_versions=base_versions)
+        return summary
+
+    def push_and_pull(
+        self,
+        gradients: Mapping[str, torch.Tensor | RowGradient],
+        names: Sequence[str],
+        *,
+        key: str | None = None,
+        base_versions: Mapping[ShardRef, int] | None = None,
+    ) -> tuple[PushSummary, PullResult]:
+        """``push(gradients)``, then reads the variables ``names`` as each server holds them
+        once the push is applied there: one round trip per server when the payloads are
+        under ``ClientConfig.max_unary_bytes``, else a push stream then a pull stream."""
+        exchange = _Exchange()
         for name, gradient in gradients.items():
-            layout = self.layout(name)
-            for server, part in _push_parts(layout, gradient, base_versions):
-                parts_by_server[server].append(part)
+            for server, part in _push_parts(self.layout(name), gradient, base_versions or {}):
+                exchange.push(server, part)
+        self._add_reads(exchange, names)
         variable = next(iter(gradients)) if len(gradients) == 1 else None
-        results = self._fan_out(
-            parts_by_server,
-            lambda server, parts: self._stubs[server].push(
-                lambda: encode_parts(iter(parts), self.config.chunk_bytes), key, self._call_options()
-            ),
-            variable=variable,
-        )
-        outcomes = [
-            PushOutcome(convert.ref_from_proto(r.ref), r.applied, int(r.version), int(r.staleness))
-            for response in results.values()
-            for r in response.results
-        ]
-        return PushSummary(tuple(outcomes))
+        outcomes, versions = self._run(exchange, key or uuid.uuid4().hex, variable)
+        return PushSummary(tuple(outcomes)), PullResult(exchange.outputs, versions)
+
+    def _add_reads(self, exchange: _Exchange, names: Sequence[str]) -> None:
+        for layout in (self.layout(n) for n in names):
+            output = exchange.outputs[layout.name] = torch.empty(layout.shape, dtype=layout.dtype)
+            for shard in layout.shards:
+                item = ps_pb2.PullItem(ref=convert.ref_to_proto(layout.ref(shard)))
+                rows = output[shard.row_start : shard.row_start + shard.num_rows] if layout.shape else output
+                exchange.read(shard.server, item, rows)
+
+    def _run(self, exchange: _Exchange, key: str | None, variable: str | None) -> tuple[list[PushOutcome], dict[ShardRef, int]]:
+        """Runs each server's share of ``exchange`` (all servers in parallel)."""
+        limit = self.config.chunk_bytes if self.config.max_unary_bytes is None else self.config.max_unary_bytes
+
+        def call(server: int, work: _ServerWork) -> tuple[list[ps_pb2.PushResult], dict[ShardRef, int]]:
+            stub = self._stubs[server]
+            if work.nbytes() <= limit:
+                return stub.step(work, key or "", self._call_options())
+            pushed: list[ps_pb2.PushResult] = []
+            if work.parts:
+                chunk_bytes = self.config.chunk_bytes
+                pushed = list(stub.push(lambda: encode_parts(iter(work.parts), chunk_bytes), key or "",
+                                        self._call_options()).results)
+            versions = stub.pull(work.pull_request(self.config.chunk_bytes), work.destinations, self._call_options()) \
+                if work.items else {}
+            return pushed, versions
+
+        outcomes: list[PushOutcome] = []
+        versions: dict[ShardRef, int] = {}
+        for pushed, read in self._fan_out(exchange.by_server, call, variable=variable).values():
+            outcomes += [PushOutcome(convert.ref_from_proto(r.ref), r.applied, int(r.version), int(r.staleness))
+                         for r in pushed]
+            versions.update(read)
+        return outcomes, versions
 
     # ------------------------------------------------------------------ state
 
@@ -397,9 +420,11 @@ class ParameterServerClient:
     def _call_options(self) -> "_CallOptions":
         return _CallOptions(self.config.token, self.config.call_timeout, self.config.retry_deadline)
 
-    def _fan_out(self, work: Mapping[int, _T], call: Callable[[int, _T], object], *, variable: str | None = None) -> dict:
-        """Runs call(server, work) for every server concurrently; raises the first typed error."""
-        def run(server: int, item: _T) -> object:
+    def _fan_out(self, work: Mapping[int, _T], call: Callable[[int, _T], _R], *,
+                 variable: str | None = None) -> dict[int, _R]:
+        """Runs call(server, work) for every server concurrently (the calling thread takes one
+        share itself: one thread hand-off less); raises the first typed error."""
+        def run(server: int, item: _T) -> _R:
             try:
                 return _with_retries(lambda: call(server, item), self.config.retry_deadline, self.addresses[server])
             except grpc.RpcError as err:
@@ -409,18 +434,24 @@ class ParameterServerClient:
                 err.variable = err.variable or variable
                 raise
 
-        if len(work) == 1:
-            (server, item), = work.items()
-            return {server: run(server, item)}
-        pending = {server: self._pool.submit(run, server, item) for server, item in work.items()}
-        results, first_error = {}, None
+        shares = list(work.items())
+        if not shares:
+            return {}
+        pending = {server: self._pool.submit(run, server, item) for server, item in shares[:-1]}
+        results: dict[int, _R] = {}
+        errors: list[ParamServeError] = []
+        last_server, last_item = shares[-1]
+        try:
+            results[last_server] = run(last_server, last_item)
+        except ParamServeError as err:
+            errors.append(err)
         for server, future in pending.items():
             try:
                 results[server] = future.result()
             except ParamServeError as err:
-                first_error = first_error or err
-        if first_error is not None:
-            raise first_error
+                errors.append(err)
+        if errors:
+            raise errors[0]
         return results
 
 
@@ -459,6 +490,7 @@ class _Stub:
         self._create = channel.stream_unary(prefix + "CreateShards", response_deserializer=ps_pb2.CreateShardsResponse.FromString)
         self._pull = channel.unary_stream(prefix + "Pull", request_serializer=ps_pb2.PullRequest.SerializeToString)
         self._push = channel.stream_unary(prefix + "Push", response_deserializer=ps_pb2.PushResponse.FromString)
+        self._step = channel.unary_unary(prefix + "Step")
         self._export = channel.unary_stream(prefix + "ExportShards", request_serializer=ps_pb2.ExportShardsRequest.SerializeToString)
         self._unary: dict[str, grpc.UnaryUnaryMultiCallable] = {}
 
@@ -468,26 +500,15 @@ class _Stub:
     def push(self, make_chunks: Callable[[], Iterator[bytes]], key: str, options: _CallOptions) -> ps_pb2.PushResponse:
         return self._push(make_chunks(), timeout=options.timeout, metadata=options.metadata((IDEMPOTENCY_METADATA_KEY, key)))
 
-    def pull(self, request: ps_pb2.PullRequest, destinations: list, options: _CallOptions) -> dict[ShardRef, int]:
+    def pull(self, request: ps_pb2.PullRequest, destinations: list[_Destination],
+             options: _CallOptions) -> dict[ShardRef, int]:
         stream = self._pull(request, timeout=options.timeout, metadata=options.metadata())
-        versions: dict[ShardRef, int] = {}
+        return _receive_pulled(stream, list(request.items), destinations)
 
-        def allocate(header: tensor_pb2.PartHeader) -> torch.Tensor:
-            destination = destinations[header.pulled.item]
-            if isinstance(destination, torch.Tensor) and destination.is_contiguous() and destination.numel():
-                return destination.reshape(-1).view(torch.uint8)  # write straight into the result
-            return byte_buffer(header.payload_bytes)
-
-        for header, payload in read_parts(stream, allocate):
-            part = header.pulled
-            ref = convert.ref_from_proto(request.items[part.item].ref)
-            versions[ref] = int(part.version)
-            destination = destinations[part.item]
-            if isinstance(destination, _RowScatter):
-                destination.target[destination.positions] = tensor_from_bytes(payload, part.meta)
-            elif payload.data_ptr() != destination.data_ptr() or not destination.numel():
-                destination.copy_(tensor_from_bytes(payload, part.meta).reshape(destination.shape))
-        return versions
+    def step(self, work: _ServerWork, key: str, options: _CallOptions) -> tuple[list[ps_pb2.PushResult], dict[ShardRef, int]]:
+        request = encode_step_request(work.parts, key, work.items)
+        pushed, chunks = decode_step_reply(self._step(request, timeout=options.timeout, metadata=options.metadata()))
+        return pushed, _receive_pulled(chunks, work.items, work.destinations)
 
     def export(self, chunk_bytes: int, options: _CallOptions) -> list[ShardState]:
         request = ps_pb2.ExportShardsRequest(chunk_bytes=chunk_bytes)
@@ -510,6 +531,78 @@ class _Stub:
             )
             self._unary[method] = callable_
         return callable_(request, timeout=options.timeout, metadata=options.metadata())
+
+
+_Destination = Union[torch.Tensor, "_RowScatter"]
+_Part = tuple[tensor_pb2.PartHeader, list[memoryview]]
+
+
+@dataclass
+class _ServerWork:
+    """One server's share of an exchange: push parts to apply, then shards to read into destinations."""
+
+    parts: list[_Part] = field(default_factory=list)
+    items: list[ps_pb2.PullItem] = field(default_factory=list)
+    destinations: list[_Destination] = field(default_factory=list)
+
+    def nbytes(self) -> int:
+        """Payload bytes both ways (what decides between one unary message and streams)."""
+        pushed = sum(len(piece) for _, pieces in self.parts for piece in pieces)
+        return pushed + sum(_destination_bytes(d) for d in self.destinations)
+
+    def pull_request(self, chunk_bytes: int) -> ps_pb2.PullRequest:
+        return ps_pb2.PullRequest(items=self.items, chunk_bytes=chunk_bytes)
+
+
+@dataclass
+class _Exchange:
+    """What one client call does on each server, and the tensors its reads fill."""
+
+    by_server: dict[int, _ServerWork] = field(default_factory=lambda: defaultdict(_ServerWork))
+    outputs: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def push(self, server: int, part: _Part) -> None:
+        self.by_server[server].parts.append(part)
+
+    def read(self, server: int, item: ps_pb2.PullItem, destination: _Destination) -> None:
+        work = self.by_server[server]
+        work.items.append(item)
+        work.destinations.append(destination)
+
+
+def _destination_bytes(destination: _Destination) -> int:
+    if isinstance(destination, _RowScatter):
+        row = destination.target[0] if destination.target.dim() else destination.target
+        return destination.positions.numel() * row.numel() * destination.target.element_size()
+    return destination.numel() * destination.element_size()
+
+
+def _receive_pulled(chunks: Iterable[bytes | memoryview], items: Sequence[ps_pb2.PullItem],
+                    destinations: Sequence[_Destination]) -> dict[ShardRef, int]:
+    """Fills ``destinations`` from PulledPart chunks (a Pull stream or a StepReply); returns the
+    version each shard was read at. Whole-shard reads land straight in their destination."""
+    versions: dict[ShardRef, int] = {}
+
+    def allocate(header: tensor_pb2.PartHeader) -> torch.Tensor:
+        if not 0 <= header.pulled.item < len(destinations):
+            raise InvalidRequestError(f"the server answered for item {header.pulled.item} of {len(destinations)}")
+        destination = destinations[header.pulled.item]
+        expected = _destination_bytes(destination)
+        if header.payload_bytes != expected:
+            raise InvalidRequestError(f"the server sent {header.payload_bytes} bytes for a read of {expected}")
+        if isinstance(destination, torch.Tensor) and destination.is_contiguous() and destination.numel():
+            return destination.reshape(-1).view(torch.uint8)  # write straight into the result
+        return byte_buffer(header.payload_bytes)
+
+    for header, payload in read_parts(chunks, allocate):
+        part = header.pulled
+        versions[convert.ref_from_proto(items[part.item].ref)] = int(part.version)
+        destination = destinations[part.item]
+        if isinstance(destination, _RowScatter):
+            destination.target[destination.positions] = tensor_from_bytes(payload, part.meta)
+        elif payload.data_ptr() != destination.data_ptr() or not destination.numel():
+            destination.copy_(tensor_from_bytes(payload, part.meta).reshape(destination.shape))
+    return versions
 
 
 def _push_parts(layout: VariableLayout, gradient: torch.Tensor | RowGradient, base_versions: Mapping[ShardRef, int]) -> Iterator[tuple[int, tuple]]:

@@ -40,6 +40,7 @@ import functools
 import inspect
 import json
 import math
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -194,12 +195,25 @@ class OptimizerSpec:
         _validated_by_torch(self)
 
 
+_building = threading.local()
+
+
+def building_server_optimizer() -> bool:
+    """True while this thread builds an optimizer of the server's own (for a shard, or to check a
+    spec). A strategy scope that captures the optimizers user code builds skips these."""
+    return getattr(_building, "depth", 0) > 0
+
+
 def _build(spec: OptimizerSpec, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
     """The torch optimizer for ``spec`` with the server's implementation flags forced."""
     arguments = _arguments(spec.name)
     kwargs: dict[str, Any] = {key: value for key, value in spec.kwargs.items() if key not in _IMPLEMENTATION_FLAGS}
     kwargs.update({key: value for key, value in _IMPLEMENTATION_FLAGS.items() if key in arguments})
-    return _optimizer_class(spec.name)(params, **kwargs)
+    _building.depth = getattr(_building, "depth", 0) + 1
+    try:
+        return _optimizer_class(spec.name)(params, **kwargs)
+    finally:
+        _building.depth -= 1
 
 
 @functools.lru_cache(maxsize=256)

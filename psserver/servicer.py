@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import pathlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import grpc
 import torch
@@ -16,16 +16,19 @@ import torch
 from paramserve.psserver import checkpoint, convert
 from paramserve.psserver.errors import InvalidRequestError, VariableNotFoundError
 from paramserve.psserver.serving import parse, stream_boundary, unary_boundary
-from paramserve.psserver.store import ShardPush, ShardStore
+from paramserve.psserver.store import Pulled, ShardPush, ShardStore
 from paramserve.psserver.streams import (
     byte_buffer,
+    decode_step_request,
     encode_parts,
+    encode_step_reply,
     meta_nbytes,
     meta_of,
     read_parts,
     tensor_from_bytes,
     tensor_payload,
 )
+from paramserve.psserver.types import ShardRef
 from paramserve.wire.v1 import parameter_server_pb2 as ps_pb2
 from paramserve.wire.v1 import tensor_pb2
 
@@ -77,7 +80,7 @@ class ParameterServerServicer:
         chunks are the consistent snapshot, with no clone in between."""
         ref = convert.ref_from_proto(item.ref)
         if item.sparse:
-            pulled = self._store.pull_rows(ref, convert.rows_from_bytes(item.row_indices))
+            pulled = self._read_rows(item)
             return _pulled_part_chunks(index, pulled.value, pulled.version, chunk_bytes)
         return self._store.read(ref, lambda value, version: _pulled_part_chunks(index, value, version, chunk_bytes))
 
@@ -101,19 +104,41 @@ class ParameterServerServicer:
     @unary_boundary
     def Push(self, chunks: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
         key = dict(context.invocation_metadata()).get(IDEMPOTENCY_METADATA_KEY, "")
+        return ps_pb2.PushResponse(results=self._push(chunks, str(key))).SerializeToString()
+
+    @unary_boundary
+    def Step(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
+        chunks, key, items = decode_step_request(raw)
+        reads = [(convert.ref_from_proto(i.ref), convert.rows_from_bytes(i.row_indices) if i.sparse else None) for i in items]
+        self._store.check_reads(reads)  # a bad read fails the request before the push changes anything
+        pushed = self._push(chunks, key) if chunks else []
+        dense = [ref for ref, rows in reads if rows is None]
+        rows = {i: self._store.pull_rows(ref, r) for i, (ref, r) in enumerate(reads) if r is not None}
+
+        def reply(live: dict[ShardRef, Pulled]) -> bytes:  # under the dense shards' locks: one consistent read
+            parts = []
+            for index, item in enumerate(items):
+                pulled = rows[index] if item.sparse else live[convert.ref_from_proto(item.ref)]
+                part = tensor_pb2.PulledPart(item=index, meta=meta_of(pulled.value), version=pulled.version)
+                parts.append((tensor_pb2.PartHeader(pulled=part), [tensor_payload(pulled.value)]))
+            return encode_step_reply(pushed, parts)
+
+        return self._store.read_many(dense, reply)
+
+    def _push(self, chunks: Iterable[bytes | memoryview], key: str) -> list[ps_pb2.PushResult]:
         if not key:
             raise InvalidRequestError(
-                f"push without an idempotency key: send it in the {IDEMPOTENCY_METADATA_KEY!r} metadata"
+                "push without an idempotency key: send it in the StepRequest, or in the "
+                f"{IDEMPOTENCY_METADATA_KEY!r} metadata of a Push stream"
             )
         pushes = [self._push_from_part(h.push, payload) for h, payload in read_parts(chunks, self._allocate_push)]
-        outcomes = self._store.push(pushes, str(key))
-        results = [
-            ps_pb2.PushResult(
-                ref=convert.ref_to_proto(o.ref), applied=o.applied, version=o.version, staleness=o.staleness
-            )
-            for o in outcomes
+        return [
+            ps_pb2.PushResult(ref=convert.ref_to_proto(o.ref), applied=o.applied, version=o.version, staleness=o.staleness)
+            for o in self._store.push(pushes, key)
         ]
-        return ps_pb2.PushResponse(results=results).SerializeToString()
+
+    def _read_rows(self, item: ps_pb2.PullItem) -> Pulled:
+        return self._store.pull_rows(convert.ref_from_proto(item.ref), convert.rows_from_bytes(item.row_indices))
 
     def _allocate_push(self, header: tensor_pb2.PartHeader) -> torch.Tensor:
         if header.WhichOneof("kind") != "push":
@@ -206,6 +231,7 @@ def generic_handler(servicer: ParameterServerServicer) -> grpc.GenericRpcHandler
         "CreateShards": grpc.stream_unary_rpc_method_handler(servicer.CreateShards),
         "Pull": grpc.unary_stream_rpc_method_handler(servicer.Pull),
         "Push": grpc.stream_unary_rpc_method_handler(servicer.Push),
+        "Step": grpc.unary_unary_rpc_method_handler(servicer.Step),
         "ExportShards": grpc.unary_stream_rpc_method_handler(servicer.ExportShards),
         "DeleteVariable": grpc.unary_unary_rpc_method_handler(servicer.DeleteVariable),
         "ListShards": grpc.unary_unary_rpc_method_handler(servicer.ListShards),

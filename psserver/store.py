@@ -489,6 +489,26 @@ class ShardStore:
         with shard.lock:
             return reader(shard.value, shard.version)
 
+    def check_reads(self, reads: Sequence[tuple[ShardRef, Tensor | None]]) -> None:
+        """Raises what ``read_many`` / ``pull_rows`` of these (shard, rows or None) would raise,
+        reading nothing: for requests that must fail before they change anything."""
+        for ref, rows in reads:
+            shard = self._get(ref)
+            if rows is not None:
+                with _about(ref.variable):
+                    _check_rows(rows, shard)
+
+    def read_many(self, refs: Sequence[ShardRef], reader: Callable[[dict[ShardRef, Pulled]], _R]) -> _R:
+        """Runs ``reader`` on the live shards ``refs`` (value and version of each), all locked at
+        once (in sorted order, as every multi-shard lock here is taken): one consistent cut of
+        them, serialised without an intermediate clone. The reader must copy what it keeps and
+        must not modify the tensors. Raises VariableNotFoundError before locking anything."""
+        shards = [self._get(ref) for ref in sorted(set(refs))]
+        with contextlib.ExitStack() as stack:
+            for shard in shards:
+                stack.enter_context(shard.lock)
+            return reader({shard.ref: Pulled(shard.value, shard.version) for shard in shards})
+
     def pull_rows(self, ref: ShardRef, rows: Tensor) -> Pulled:
         """Copies of the given local rows, in request order (duplicates allowed); O(len(rows)).
 

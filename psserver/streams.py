@@ -27,6 +27,7 @@ from paramserve.psserver.tensors import (
     dtype_name,
     nbytes_of,
 )
+from paramserve.wire.v1 import parameter_server_pb2 as ps_pb2
 from paramserve.wire.v1 import tensor_pb2
 
 DEFAULT_CHUNK_BYTES = 4 << 20
@@ -72,14 +73,14 @@ def encode_chunk(header: bytes | None, data: memoryview | bytes = _EMPTY) -> byt
     return b"".join(pieces)
 
 
-def decode_chunk(raw: bytes) -> tuple[tensor_pb2.PartHeader | None, memoryview]:
+def decode_chunk(raw: bytes | memoryview) -> tuple[tensor_pb2.PartHeader | None, memoryview]:
     """Parses a Chunk into (header or None, data view). Raises InvalidRequestError on garbage."""
     try:
         return _decode_fast(memoryview(raw))
     except (ValueError, IndexError):
         pass
     try:
-        chunk = tensor_pb2.Chunk.FromString(raw)
+        chunk = tensor_pb2.Chunk.FromString(bytes(raw))
     except DecodeError as err:
         raise InvalidRequestError(
             f"malformed chunk ({len(raw)} bytes): {err}; send paramserve.wire.v1.Chunk messages"
@@ -139,7 +140,7 @@ def byte_buffer(nbytes: int) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8)
 
 
-def read_parts(chunks: Iterable[bytes], allocate: Allocator) -> Iterator[tuple[tensor_pb2.PartHeader, torch.Tensor]]:
+def read_parts(chunks: Iterable[bytes | memoryview], allocate: Allocator) -> Iterator[tuple[tensor_pb2.PartHeader, torch.Tensor]]:
     """Reassembles parts from serialised Chunks, yielding (header, filled uint8 buffer).
 
     ``allocate`` sees each header before any of its payload is stored, so a
@@ -180,6 +181,99 @@ def read_parts(chunks: Iterable[bytes], allocate: Allocator) -> Iterator[tuple[t
         raise InvalidRequestError(
             f"stream ended after {filled} of {header.payload_bytes} payload bytes of a part"
         )
+
+
+# ---------------------------------------------------------------- whole parts in one message
+#
+# Small exchanges travel as one unary message each way (a gRPC stream costs a thread and
+# a message per chunk on both sides, which dominate a small model's step). Such a message
+# holds whole parts, each a complete Chunk in a length-delimited field, written with one
+# join (one copy of the tensor bytes) and read as views into the received bytes.
+
+
+def part_pieces(header: tensor_pb2.PartHeader, payload: Sequence[memoryview]) -> list[bytes | memoryview]:
+    """The serialised pieces of one Chunk holding a whole part (its header and all its payload)."""
+    header.payload_bytes = sum(len(p) for p in payload)
+    raw = header.SerializeToString()
+    pieces: list[bytes | memoryview] = [bytes((_HEADER_TAG,)), _varint(len(raw)), raw]
+    if header.payload_bytes:
+        pieces += [bytes((_DATA_TAG,)), _varint(header.payload_bytes), *payload]
+    return pieces
+
+
+def frame(fields: Iterable[tuple[int, Sequence[bytes | memoryview]]]) -> bytes:
+    """One protobuf message of length-delimited fields ``(field number, pieces)``, in order."""
+    out: list[bytes | memoryview] = []
+    for number, pieces in fields:
+        out += [_varint(number << 3 | 2), _varint(sum(len(p) for p in pieces)), *pieces]
+    return b"".join(out)
+
+
+def fields_of(raw: bytes | memoryview) -> list[tuple[int, memoryview]]:
+    """``(field number, payload view)`` of each field of a message made only of length-delimited
+    fields. Raises ValueError for anything else (callers then let protobuf parse it)."""
+    view = memoryview(raw)
+    fields: list[tuple[int, memoryview]] = []
+    pos = 0
+    while pos < len(view):
+        key, pos = _read_varint(view, pos)
+        if key & 7 != 2:
+            raise ValueError("not a length-delimited field")
+        length, pos = _read_varint(view, pos)
+        end = pos + length
+        if end > len(view):
+            raise ValueError("truncated field")
+        fields.append((key >> 3, view[pos:end]))
+        pos = end
+    return fields
+
+
+def encode_step_request(parts: Sequence[tuple[tensor_pb2.PartHeader, Sequence[memoryview]]], key: str,
+                        pull: Sequence[ps_pb2.PullItem]) -> bytes:
+    """A StepRequest: push ``parts`` (each whole) under ``key``, then read ``pull``."""
+    fields: list[tuple[int, Sequence[bytes | memoryview]]] = [(1, part_pieces(h, p)) for h, p in parts]
+    if key:
+        fields.append((2, [key.encode()]))
+    fields += [(3, [item.SerializeToString()]) for item in pull]
+    return frame(fields)
+
+
+def decode_step_request(raw: bytes) -> tuple[list[memoryview], str, list[ps_pb2.PullItem]]:
+    """(push chunks, idempotency key, pull items) of a StepRequest. Raises InvalidRequestError."""
+    try:
+        fields = fields_of(raw)
+        if any(number not in (1, 2, 3) for number, _ in fields):
+            raise ValueError("unknown field")
+        key = b"".join(bytes(v) for n, v in fields if n == 2).decode()
+        chunks = [v for n, v in fields if n == 1]
+        return chunks, key, [ps_pb2.PullItem.FromString(bytes(v)) for n, v in fields if n == 3]
+    except (ValueError, IndexError, UnicodeDecodeError, DecodeError):
+        pass
+    try:
+        message = ps_pb2.StepRequest.FromString(raw)
+    except DecodeError as err:
+        raise InvalidRequestError(f"malformed StepRequest ({len(raw)} bytes): {err}") from None
+    return [memoryview(c.SerializeToString()) for c in message.push], message.idempotency_key, list(message.pull)
+
+
+def encode_step_reply(pushed: Sequence[ps_pb2.PushResult],
+                      parts: Sequence[tuple[tensor_pb2.PartHeader, Sequence[memoryview]]]) -> bytes:
+    """A StepReply: the push's results, then the pulled parts (each whole)."""
+    fields: list[tuple[int, Sequence[bytes | memoryview]]] = [(1, [r.SerializeToString()]) for r in pushed]
+    return frame([*fields, *((2, part_pieces(h, p)) for h, p in parts)])
+
+
+def decode_step_reply(raw: bytes) -> tuple[list[ps_pb2.PushResult], list[memoryview]]:
+    """(push results, pulled chunks) of a StepReply."""
+    try:
+        fields = fields_of(raw)
+        if any(number not in (1, 2) for number, _ in fields):
+            raise ValueError("unknown field")
+        return [ps_pb2.PushResult.FromString(bytes(v)) for n, v in fields if n == 1], [v for n, v in fields if n == 2]
+    except (ValueError, IndexError, DecodeError):
+        pass
+    message = ps_pb2.StepReply.FromString(raw)
+    return list(message.pushed), [memoryview(c.SerializeToString()) for c in message.pulled]
 
 
 def meta_of(tensor: torch.Tensor) -> tensor_pb2.TensorMeta:

@@ -32,9 +32,11 @@ ADDRESS = "fake-ps:1"
 
 @dataclass
 class Traffic:
-    """What workers asked for: variables pulled whole, rows pulled, push keys."""
+    """What workers asked for: variables pulled whole, rows pulled, push keys, variables
+    read back by pushes (in the same round trip)."""
 
     pulled: list[str] = field(default_factory=list)
+    read_back: list[str] = field(default_factory=list)
     rows_pulled: list[int] = field(default_factory=list)
     push_keys: list[str] = field(default_factory=list)
 
@@ -83,6 +85,9 @@ class FakeParameterServers:
         self._check_up()
         names = list(self.layouts) if names is None else list(names)
         self.traffic.pulled.extend(names)
+        return self._read(names)
+
+    def _read(self, names: Sequence[str]) -> PullResult:
         pulled = {name: self.store.pull(ShardRef(name, 0)) for name in names}
         return PullResult({n: p.value for n, p in pulled.items()}, {ShardRef(n, 0): p.version for n, p in pulled.items()})
 
@@ -94,6 +99,14 @@ class FakeParameterServers:
         pulled = self.store.pull_rows(ShardRef(name, 0), unique)
         shape = (*indices.shape, *self.layouts[name].shape[1:])
         return PullResult({name: pulled.value[inverse].reshape(shape)}, {ShardRef(name, 0): pulled.version})
+
+    def push_and_pull(
+        self, gradients: Mapping[str, torch.Tensor | RowGradient], names: Sequence[str], *,
+        key: str | None = None, base_versions: Mapping[ShardRef, int] | None = None,
+    ) -> tuple[PushSummary, PullResult]:
+        summary = self.push(gradients, key=key, base_versions=base_versions)
+        self.traffic.read_back.extend(names)
+        return summary, self._read(names)
 
     def push(
         self, gradients: Mapping[str, torch.Tensor | RowGradient], *, key: str | None = None,

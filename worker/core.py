@@ -19,7 +19,7 @@ import traceback
 import uuid
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import cloudpickle
@@ -74,11 +74,17 @@ class ClosureRequest:
     attempt: int = 0
     function_name: str = ""
     resources: tuple[ResourceSpec, ...] = ()
-    cluster: ClusterContext = field(default_factory=ClusterContext)
+    cluster: ClusterContext | None = None
+    """Where the variables live; None: not sent, the worker uses the one it holds under
+    ``cluster_fingerprint`` (the coordinator sends a context once per worker and change)."""
     steps: int = 1
     """0 means 1."""
     worker_index: int = 0
     num_workers: int = 1
+    cluster_fingerprint: str = ""
+    max_value_age: float = 0.0
+    """The first step may start from the values this worker's last push returned if they are at
+    most this many seconds old (within a closure, each step starts from the previous step's)."""
 
 
 @dataclass(frozen=True)
@@ -91,6 +97,9 @@ class ClosureFailure:
     """Not a failure of the closure: resend these resources and retry."""
     parameter_server: str = ""
     """Set when a parameter server, not the user's code, failed (it is unreachable)."""
+    needs_cluster: bool = False
+    """Not a failure of the closure: the worker does not hold the cluster context the request
+    names (it restarted); resend the request with it."""
 
 
 @dataclass(frozen=True)
@@ -127,11 +136,12 @@ class VariableClient(Protocol):
     def pull_rows(self, name: str, indices: torch.Tensor) -> PullResult:
         """Rows of a variable: shape ``indices.shape + variable.shape[1:]``."""
 
-    def push(
-        self, gradients: Mapping[str, torch.Tensor | RowGradient], *, key: str | None = None,
-        base_versions: Mapping[ShardRef, int] | None = None,
-    ) -> PushSummary:
-        """Applies gradients on the servers, at most once per shard for ``key``."""
+    def push_and_pull(
+        self, gradients: Mapping[str, torch.Tensor | RowGradient], names: Sequence[str], *,
+        key: str | None = None, base_versions: Mapping[ShardRef, int] | None = None,
+    ) -> tuple[PushSummary, PullResult]:
+        """Applies gradients on the servers (at most once per shard for ``key``), then reads
+        ``names`` as the servers hold them once the push is applied."""
 
     def close(self) -> None: ...
 
@@ -161,6 +171,10 @@ class LocalVariables:
         self.parameters: dict[str, nn.Parameter] = {}
         self.versions: dict[ShardRef, int] = {}
         self._fresh: set[str] = set()
+        self._returned: set[str] = set()
+        """Variables whose values the current step's pushes returned (read right after those
+        pushes were applied): the next step may start from them instead of pulling."""
+        self._returned_at = float("-inf")
 
     def parameter(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
         existing = self.parameters.get(name)
@@ -183,8 +197,19 @@ class LocalVariables:
         else:
             self._fresh.difference_update(names)
 
-    def fill(self, pulled: PullResult, extra: Sequence[nn.Parameter] = ()) -> None:
-        """Copies pulled values into the parameters in place (and into ``extra`` of the same names)."""
+    def begin_step(self, keep_returned: bool) -> None:
+        """A step starts: what the previous step's pushes returned stays fresh when
+        ``keep_returned`` (they were read as the previous step ended); all else is stale."""
+        self._fresh = self._returned if keep_returned else set()
+        self._returned = set()
+
+    def returned_within(self, seconds: float, now: float) -> bool:
+        """Whether the last push returned values at most ``seconds`` ago."""
+        return seconds > 0 and now - self._returned_at <= seconds
+
+    def fill(self, pulled: PullResult, extra: Sequence[nn.Parameter] = (), *, returned_at: float | None = None) -> None:
+        """Copies pulled values into the parameters in place (and into ``extra`` of the same names).
+        ``returned_at``: the values came back from a push, at that (monotonic) time."""
         targets: dict[str, list[nn.Parameter]] = defaultdict(list)
         for parameter in [*self.parameters.values(), *extra]:
             name = variable_name(parameter)
@@ -197,6 +222,9 @@ class LocalVariables:
                     parameter.copy_(value)
         self.versions.update(pulled.versions)
         self._fresh.update(pulled.tensors)
+        if returned_at is not None:
+            self._returned.update(pulled.tensors)
+            self._returned_at = returned_at
 
     def clear_grads(self) -> None:
         for parameter in self.parameters.values():
@@ -276,15 +304,19 @@ class ClosureAccess:
         return leaf
 
     def apply_gradients(self, names: Sequence[str]) -> None:
+        """Pushes the gradients of ``names`` and, in the same round trip, reads back the dense
+        ones this worker holds: their values as the servers hold them right after this push."""
         gradients = self._gradients(names)
+        self._variables.mark_stale(list(names))
         if gradients:
             key = f"{self._closure_id}/{self._push_seq}"
             self._push_seq += 1
             base = {**self._variables.base_versions(list(gradients)), **self._row_versions}
-            summary = self._require_client().push(gradients, key=key, base_versions=base)
+            read_back = [n for n in dict.fromkeys(names) if n in self._used]
+            summary, pulled = self._require_client().push_and_pull(gradients, read_back, key=key, base_versions=base)
+            self._variables.fill(pulled, list(self._used.values()), returned_at=time.monotonic())
             self.pushes_applied += summary.applied
             self.pushes_duplicate += summary.duplicates
-        self._variables.mark_stale(list(names))
         self._forget_rows(names)
 
     def zero_grad(self, names: Sequence[str], set_to_none: bool) -> None:
@@ -354,6 +386,8 @@ class WorkerCore:
         self._variables = LocalVariables()
         self._clients: OrderedDict[tuple[str, ...], VariableClient] = OrderedDict()
         self._closures_run = 0
+        self._cluster = ClusterContext()
+        self._cluster_fingerprint = ""
 
     def run_closure(self, request: ClosureRequest) -> ClosureOutcome:
         """Runs ``request``'s function ``steps`` times and returns the last result or the error.
@@ -364,7 +398,10 @@ class WorkerCore:
         _validate(request)
         with self._run_lock:
             start = time.perf_counter()
-            access = ClosureAccess(self._variables, self._client_for(request.cluster), request.closure_id)
+            cluster = self._cluster_for(request)
+            if cluster is None:
+                return self._needs_cluster(request)
+            access = ClosureAccess(self._variables, self._client_for(cluster), request.closure_id)
             result, error = self._execute(request, access)
             outcome = ClosureOutcome(
                 result=result,
@@ -403,8 +440,11 @@ class WorkerCore:
                 self._create_resources(request.resources, context)
                 fn, args, kwargs = _load(request.payload, access)
                 result = None
-                for _ in range(max(1, request.steps)):
-                    self._variables.mark_stale()
+                reuse_first = self._variables.returned_within(request.max_value_age, time.monotonic())
+                for step in range(max(1, request.steps)):
+                    # A step starts from what the previous step's pushes returned (read as it
+                    # ended), and pulls everything else it uses.
+                    self._variables.begin_step(keep_returned=step > 0 or reuse_first)
                     access.refresh_used()
                     result = fn(*args, **kwargs)
             return _dumps_value(result), None
@@ -421,6 +461,27 @@ class WorkerCore:
             with self._state_lock:
                 self._resources[spec.resource_id] = resource
             log.info("created resource %s", spec.resource_id)
+
+    def _cluster_for(self, request: ClosureRequest) -> ClusterContext | None:
+        """The context a request runs in: the one it carries (kept for later requests), the one
+        held under its fingerprint, or None when this worker does not hold it."""
+        if request.cluster is not None:
+            self._cluster = request.cluster
+            self._cluster_fingerprint = request.cluster_fingerprint or request.cluster.fingerprint
+            return request.cluster
+        if not request.cluster_fingerprint:
+            return ClusterContext()  # a closure that uses no variables
+        return self._cluster if request.cluster_fingerprint == self._cluster_fingerprint else None
+
+    def _needs_cluster(self, request: ClosureRequest) -> ClosureOutcome:
+        failure = ClosureFailure(
+            type="ClusterContextMissing",
+            message=f"this worker does not hold cluster context {request.cluster_fingerprint}: resend it",
+            needs_cluster=True,
+        )
+        outcome = ClosureOutcome(None, failure, self.incarnation, self._held(), 0, 0, 0.0)
+        _log_outcome(request, outcome)
+        return outcome
 
     def _client_for(self, cluster: ClusterContext) -> VariableClient | None:
         addresses = tuple(cluster.parameter_servers)
@@ -451,6 +512,8 @@ def _validate(request: ClosureRequest) -> None:
         raise InvalidRequestError(f"closure {request.closure_id!r} has an empty payload")
     if request.steps < 0:
         raise InvalidRequestError(f"steps must be >= 0 (0 means 1), got {request.steps}")
+    if not request.max_value_age >= 0:  # NaN too
+        raise InvalidRequestError(f"max_value_age must be >= 0 seconds, got {request.max_value_age}")
     if request.worker_index < 0 or request.num_workers < 0:
         raise InvalidRequestError(
             f"worker_index and num_workers must be >= 0, got {request.worker_index} and {request.num_workers}"
@@ -548,6 +611,8 @@ def _log_outcome(request: ClosureRequest, outcome: ClosureOutcome) -> None:
         log.debug("closure %s (%s, attempt %d) done in %.3fs", request.closure_id, name, request.attempt, outcome.seconds)
     elif outcome.error.missing_resources:
         log.info("closure %s (%s): missing resources %s", request.closure_id, name, list(outcome.error.missing_resources))
+    elif outcome.error.needs_cluster:
+        log.info("closure %s (%s): asks for the cluster context", request.closure_id, name)
     else:
         log.info("closure %s (%s, attempt %d) failed: %s: %s", request.closure_id, name, request.attempt,
                  outcome.error.type, outcome.error.message)

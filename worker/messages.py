@@ -29,10 +29,12 @@ def request_to_proto(request: ClosureRequest) -> worker_pb2.RunClosureRequest:
         function_name=request.function_name,
         payload=request.payload,
         resources=[worker_pb2.ResourceSpec(resource_id=r.resource_id, payload=r.payload) for r in request.resources],
-        cluster=ps_convert.cluster_to_proto(request.cluster),
+        cluster=ps_convert.cluster_to_proto(request.cluster) if request.cluster is not None else None,
         steps=request.steps,
         worker_index=request.worker_index,
         num_workers=request.num_workers,
+        cluster_fingerprint=request.cluster_fingerprint,
+        max_value_age=request.max_value_age,
     )
 
 
@@ -44,10 +46,12 @@ def request_from_proto(message: worker_pb2.RunClosureRequest) -> ClosureRequest:
         attempt=int(message.attempt),
         function_name=message.function_name,
         resources=tuple(ResourceSpec(r.resource_id, r.payload) for r in message.resources),
-        cluster=ps_convert.cluster_from_proto(message.cluster),
+        cluster=ps_convert.cluster_from_proto(message.cluster) if message.HasField("cluster") else None,
         steps=int(message.steps),
         worker_index=int(message.worker_index),
         num_workers=int(message.num_workers),
+        cluster_fingerprint=message.cluster_fingerprint,
+        max_value_age=float(message.max_value_age),
     )
 
 
@@ -69,6 +73,7 @@ def outcome_to_proto(outcome: ClosureOutcome) -> worker_pb2.RunClosureResponse:
                 pickled=error.pickled,
                 missing_resources=list(error.missing_resources),
                 parameter_server=error.parameter_server,
+                needs_cluster=error.needs_cluster,
             )
         )
     else:
@@ -84,6 +89,7 @@ def failure_from_proto(message: worker_pb2.ClosureFailure) -> ClosureFailure:
         message.pickled,
         tuple(message.missing_resources),
         message.parameter_server,
+        message.needs_cluster,
     )
 
 

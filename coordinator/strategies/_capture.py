@@ -31,6 +31,7 @@ from paramserve.coordinator.strategies._process_hooks import SharedHook
 from paramserve.coordinator.strategies._replicas import _local as _replica_local
 from paramserve.coordinator.strategies._replicas import replica_of
 from paramserve.coordinator.strategies.base import Strategy
+from paramserve.psserver.optimizer import building_server_optimizer
 
 LINK = "_paramserve_link"
 """Instance attribute holding the link of a distributed module or optimizer."""
@@ -98,7 +99,9 @@ def _patch_optimizer_init() -> Callable[[], None]:
     def capturing_init(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
         sinks = _sinks()
-        if sinks:  # only the thread whose scope is open captures; other threads are untouched
+        # Only the thread whose scope is open captures (other threads are untouched), and only
+        # what user code builds: the parameter-server library's own optimizers are not captured.
+        if sinks and not building_server_optimizer():
             sinks[-1](self)
 
     torch.optim.Optimizer.__init__ = capturing_init  # type: ignore[method-assign]

@@ -77,6 +77,12 @@ class ParameterServerStrategy(SingleReplicaStrategy):
             default: one shard per variable.
         token: the cluster's shared token (servers and workers reject calls without it).
         client_config: deadlines and retries of parameter-server calls.
+        max_value_age: a worker's step starts from the variables' values as its previous
+            step's push returned them (read right after that push was applied), instead of
+            pulling them again: within a closure always, and at a closure's first step when
+            those values are at most this many seconds old. 0 (default): a closure's first
+            step pulls. A positive age saves a round trip per closure and lets a step miss
+            the other workers' pushes made in that time (a bounded extra staleness).
     """
 
     def __init__(
@@ -86,12 +92,16 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         *,
         token: str | None = None,
         client_config: ClientConfig | None = None,
+        max_value_age: float = 0.0,
     ):
         self.cluster = cluster or ClusterSpec.from_env()
         if not self.cluster.workers:
             raise ValueError("ParameterServerStrategy needs at least one worker in the cluster")
         self.variable_partitioner = variable_partitioner
         self.token = token
+        if not max_value_age >= 0:
+            raise ValueError(f"max_value_age must be >= 0 seconds, got {max_value_age!r}")
+        self.max_value_age = float(max_value_age)
         config = client_config or ClientConfig()
         if token and not config.token:
             config = ClientConfig(**{**config.__dict__, "token": token})

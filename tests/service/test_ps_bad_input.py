@@ -208,3 +208,43 @@ def test_unknown_optimizer_is_rejected_at_creation(cluster):
         client.create_variable("v", torch.zeros(3), optimizer=OptimizerSpec("os.system", {}))
     assert "os.system" in str(caught.value)
     assert [i.ref.variable for i in server.store.list_shards()] == ["w", "w"]
+
+
+def raw_step(address: str, request: bytes) -> bytes:
+    with grpc.insecure_channel(address) as channel:
+        return channel.unary_unary(f"/{SERVICE_NAME}/Step")(request, timeout=10)
+
+
+def test_a_step_whose_read_is_bad_applies_none_of_its_push(cluster):
+    from paramserve.psserver.streams import encode_step_request
+
+    server, client, value = cluster
+    good_push = [push_part("w", 0, torch.ones(3, 4))]
+    for bad_read in (
+        ps_pb2.PullItem(ref=tensor_pb2.ShardRef(variable="nope", shard=0)),  # no such variable
+        ps_pb2.PullItem(ref=tensor_pb2.ShardRef(variable="w", shard=1), sparse=True,
+                        row_indices=torch.tensor([7]).numpy().tobytes()),  # row out of range
+    ):
+        with pytest.raises(grpc.RpcError) as caught:
+            raw_step(server.address, encode_step_request(good_push, "k", [bad_read]))
+        assert caught.value.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.OUT_OF_RANGE)
+    assert_unchanged(client, value)
+
+
+def test_a_step_push_without_a_key_is_rejected(cluster):
+    from paramserve.psserver.streams import encode_step_request
+
+    server, client, value = cluster
+    with pytest.raises(grpc.RpcError) as caught:
+        raw_step(server.address, encode_step_request([push_part("w", 0, torch.ones(3, 4))], "", []))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "idempotency key" in caught.value.details()
+    assert_unchanged(client, value)
+
+
+def test_a_garbage_step_is_invalid_argument(cluster):
+    server, client, value = cluster
+    with pytest.raises(grpc.RpcError) as caught:
+        raw_step(server.address, b"\x0a\xff\xff\xff\x0f garbage")
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert_unchanged(client, value)

@@ -142,3 +142,30 @@ def test_stop_and_close_leave_no_thread_behind(start_ps, make_client):
 
     left = [t.name for t in threading.enumerate() if t.name.startswith(("paramserve-ps", "paramserve-client"))]
     assert left == []
+
+
+def rpcs(servers, method: str) -> float:
+    return sum(
+        s.registry.get_sample_value("paramserve_rpcs_total", {"role": "ps", "method": method, "code": "OK"}) or 0.0
+        for s in servers
+    )
+
+
+def test_push_and_pull_returns_the_values_its_push_produced(start_ps, make_client, transport):
+    servers = [start_ps(), start_ps()]
+    client = make_client([s.address for s in servers])
+    value, gradient = torch.randn(10, 4), torch.randn(10, 4)
+    client.create_variable("w", value, optimizer=SGD, partitioner=FixedShardsPartitioner(2))
+    client.create_variable("b", torch.zeros(3), optimizer=SGD)
+
+    summary, pulled = client.push_and_pull({"w": gradient}, ["w", "b"], key="step-1")
+
+    torch.testing.assert_close(pulled.tensors["w"], value - 0.5 * gradient)
+    assert torch.equal(pulled.tensors["b"], torch.zeros(3))
+    assert summary.applied == 2
+    assert pulled.versions == {ShardRef("w", 0): 1, ShardRef("w", 1): 1, ShardRef("b", 0): 0}
+    # One round trip per server when the payload fits one message; a push then a pull stream otherwise.
+    expected = {"Step": 2, "Push": 0, "Pull": 0} if transport == "unary" else {"Step": 0, "Push": 2, "Pull": 2}
+    assert {method: rpcs(servers, method) for method in expected} == expected
+    again, _ = client.push_and_pull({"w": gradient}, ["w"], key="step-1")
+    assert again.duplicates == 2, "the same key is applied once"

@@ -21,6 +21,7 @@ from paramserve.coordinator.dispatch import (
     Dispatcher,
     ResourceSpecs,
     RpcFailure,
+    WireContext,
     WorkerState,
 )
 from paramserve.coordinator.errors import (
@@ -60,6 +61,7 @@ class ErrorData:
     pickled: bytes = b""
     missing_resources: tuple[str, ...] = ()
     parameter_server: str = ""
+    needs_cluster: bool = False
 
 
 def _closure(name: str = "step", resources: frozenset[str] = frozenset()) -> Closure:
@@ -88,7 +90,7 @@ def test_refusals_raise_at_once(code):
 def test_missing_resources_are_resent_without_counting_an_attempt():
     error = ErrorData(missing_resources=("r1",))
     decision = decide_on_closure_error(error, resends=0, known_resources={"r1"}, policy=POLICY)
-    assert decision.action is Action.RESEND_RESOURCES and "r1" in decision.reason
+    assert decision.action is Action.RESEND and "r1" in decision.reason
     exhausted = decide_on_closure_error(error, resends=2, known_resources={"r1"}, policy=POLICY)
     assert exhausted.action is Action.RAISE and exhausted.error_type is ClosureError
 
@@ -118,7 +120,7 @@ def test_stop_iteration_is_out_of_range_and_user_errors_are_closure_errors():
 
 def test_decisions_read_the_proto_too():
     proto = worker_pb2.ClosureFailure(type="builtins.KeyError", missing_resources=["r"])
-    assert decide_on_closure_error(proto, resends=0, known_resources={"r"}, policy=POLICY).action is Action.RESEND_RESOURCES
+    assert decide_on_closure_error(proto, resends=0, known_resources={"r"}, policy=POLICY).action is Action.RESEND
 
 
 def test_failure_policy_rejects_nonsense():
@@ -341,11 +343,39 @@ def _ok(value, incarnation="inc-1", held=()):
     return worker_pb2.RunClosureResponse(result=cloudpickle.dumps(value), worker_incarnation=incarnation, resources_held=list(held))
 
 
+CONTEXT = WireContext("fingerprint-1", cluster_pb2.ClusterContext(parameter_servers=["ps:1"]))
+
+
 def _dispatcher(transport, queue, specs=None, policy=POLICY):
     return Dispatcher(
         "w:0", 0, queue=queue, specs=specs or ResourceSpecs(), transport=transport,
-        cluster_context=cluster_pb2.ClusterContext, num_workers=lambda: 2, policy=policy,
+        cluster_context=lambda: CONTEXT, num_workers=lambda: 2, policy=policy,
     )
+
+
+def test_the_cluster_context_travels_once_per_worker_incarnation():
+    needs = worker_pb2.RunClosureResponse(
+        error=worker_pb2.ClosureFailure(needs_cluster=True), worker_incarnation="inc-2")
+    queue = ClosureQueue(10)
+    transport = FakeTransport([_ok(1), _ok(2), needs, _ok(3, incarnation="inc-2"), _ok(4, incarnation="inc-2")])
+    dispatcher = _dispatcher(transport, queue)
+    closures = [_closure() for _ in range(4)]
+    for closure in closures:
+        queue.put(closure, timeout=0)
+
+    for _ in closures:
+        assert dispatcher.step(0)
+
+    sent = [(r.cluster_fingerprint, r.HasField("cluster")) for r in transport.requests]
+    assert sent == [
+        ("fingerprint-1", True),  # first contact: the context travels
+        ("fingerprint-1", False),  # the worker holds it: only its fingerprint
+        ("fingerprint-1", False),  # ... but the worker restarted and asks for it
+        ("fingerprint-1", True),  # resent with it, on the same worker, for the same closure
+        ("fingerprint-1", False),
+    ]
+    assert [c.remote_value.fetch() for c in closures] == [1, 2, 3, 4]
+    assert closures[2].attempt == 0, "asking for the context is not a failed attempt"
 
 
 def test_a_dispatcher_runs_a_closure_and_sets_its_value():

@@ -74,3 +74,17 @@ def test_a_state_dict_that_does_not_match_changes_nothing(strategy):
     message = str(caught.value)
     assert "missing keys ['1.bias']" in message and "unexpected keys ['extra']" in message and "0.weight" in message
     assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+
+
+def test_the_servers_own_optimizers_are_not_taken_for_the_users(strategy):
+    from paramserve.psserver.optimizer import OptimizerSpec
+
+    with strategy.scope():
+        model = nn.Linear(2, 2)
+        # What reading a checkpoint or a shard list does on the coordinator: build a scratch
+        # torch optimizer to check a spec. Only an optimizer the user builds is captured.
+        OptimizerSpec("Adam", {"lr": 0.1}).validate()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+
+    assert {v.optimizer.name for v in strategy.variables.values()} == {"SGD"}
+    assert type(optimizer).__name__ == "SGD" and type(optimizer) is not torch.optim.SGD  # linked to the servers

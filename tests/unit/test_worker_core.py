@@ -372,3 +372,66 @@ def test_paramserve_worker_flags_build_the_config(tmp_path):
     assert shared.runner is worker_main.run
     assert (shared_config.token, shared_config.effective_ps_token, shared_config.torch_threads) == ("shared", "shared", 1)
     assert (split_config.token, split_config.effective_ps_token) == ("shared", "for-servers")
+
+
+# ---------------------------------------------------------------- what a step starts from
+
+
+def request_with(servers, *args, closure_id, steps=1, max_value_age=0.0):
+    request = closure_request(servers, train_step, *args, closure_id=closure_id, steps=steps)
+    return ClosureRequest(**{**request.__dict__, "max_value_age": max_value_age})
+
+
+def test_later_steps_of_a_closure_start_from_what_the_previous_push_returned(core, servers):
+    model, optimizer = distributed_linear()
+    x, y = torch.randn(4, 3), torch.randn(4, 2)
+    local = nn.Linear(3, 2)
+    with torch.no_grad():
+        local.weight.copy_(servers.value("w"))
+        local.bias.copy_(servers.value("b"))
+    reference = torch.optim.SGD(local.parameters(), lr=LR)
+
+    result_of(core.run_closure(request_with(servers, model, optimizer, x, y, closure_id="c", steps=3)))
+
+    for _ in range(3):  # the same three steps in one process
+        reference.zero_grad()
+        ((local(x) - y) ** 2).mean().backward()
+        reference.step()
+    torch.testing.assert_close(servers.value("w"), local.weight.detach())
+    assert sorted(servers.traffic.pulled) == ["b", "w"], "only the first step pulls"
+    assert servers.traffic.read_back == ["w", "b"] * 3, "each push reads back what it changed"
+
+
+def test_a_closure_pulls_at_its_first_step_unless_the_returned_values_are_young_enough(core, servers):
+    model, optimizer = distributed_linear()
+    x, y = torch.randn(4, 3), torch.randn(4, 2)
+
+    core.run_closure(request_with(servers, model, optimizer, x, y, closure_id="a"))
+    core.run_closure(request_with(servers, model, optimizer, x, y, closure_id="b"))  # max_value_age 0: pulls
+    assert sorted(servers.traffic.pulled) == ["b", "b", "w", "w"]
+
+    core.run_closure(request_with(servers, model, optimizer, x, y, closure_id="c", max_value_age=3600.0))
+    assert len(servers.traffic.pulled) == 4, "values returned a moment ago start the closure"
+
+    servers.push({"w": torch.ones(2, 3)}, key="another-worker")  # missed by a closure that reuses
+    reused = core.run_closure(request_with(servers, model, optimizer, x, y, closure_id="d", max_value_age=3600.0))
+    assert len(servers.traffic.pulled) == 4
+    assert reused.error is None and servers.version("w") == 5, "its push still applies, one version stale"
+    core.run_closure(request_with(servers, model, optimizer, x, y, closure_id="e", max_value_age=1e-9))
+    assert len(servers.traffic.pulled) == 6, "values older than max_value_age are pulled again"
+
+
+def test_a_worker_without_the_named_cluster_context_asks_for_it(core, servers):
+    weight = nn.Parameter(torch.zeros(2, 3))
+    mark_variable(weight, "w")
+    full = closure_request(servers, read_parameter, weight)
+    by_name = ClosureRequest(**{**full.__dict__, "cluster": None, "cluster_fingerprint": servers.cluster.fingerprint})
+
+    asked = core.run_closure(by_name)
+    first = core.run_closure(ClosureRequest(**{**full.__dict__, "cluster_fingerprint": servers.cluster.fingerprint}))
+    again = core.run_closure(ClosureRequest(**{**by_name.__dict__, "closure_id": "c2"}))
+
+    assert asked.error is not None and asked.error.needs_cluster and asked.result is None
+    assert torch.equal(result_of(first), servers.value("w"))
+    assert torch.equal(result_of(again), servers.value("w")), "held under its fingerprint: no resend needed"
+    assert core.info().closures_run == 2, "asking for the context is not running the closure"

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from paramserve.wire.v1 import tensor_pb2 as paramserve_dot_wire_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n)paramserve/wire/v1/parameter_server.proto\x12\x12paramserve.wire.v1\x1a\x1fparamserve/wire/v1/tensor.proto\"E\n\x14\x43reateShardsResponse\x12-\n\x06shards\x18\x01 \x03(\x0b\x32\x1d.paramserve.wire.v1.ShardInfo\"Z\n\x08PullItem\x12)\n\x03ref\x18\x01 \x01(\x0b\x32\x1c.paramserve.wire.v1.ShardRef\x12\x0e\n\x06sparse\x18\x02 \x01(\x08\x12\x13\n\x0brow_indices\x18\x03 \x01(\x0c\"O\n\x0bPullRequest\x12+\n\x05items\x18\x01 \x03(\x0b\x32\x1c.paramserve.wire.v1.PullItem\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\x03\"l\n\nPushResult\x12)\n\x03ref\x18\x01 \x01(\x0b\x32\x1c.paramserve.wire.v1.ShardRef\x12\x0f\n\x07\x61pplied\x18\x02 \x01(\x08\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\x11\n\tstaleness\x18\x04 \x01(\x03\"?\n\x0cPushResponse\x12/\n\x07results\x18\x01 \x03(\x0b\x32\x1e.paramserve.wire.v1.PushResult\"V\n\x13\x45xportShardsRequest\x12*\n\x04refs\x18\x01 \x03(\x0b\x32\x1c.paramserve.wire.v1.ShardRef\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\x03\")\n\x15\x44\x65leteVariableRequest\x12\x10\n\x08variable\x18\x01 \x01(\t\"0\n\x16\x44\x65leteVariableResponse\x12\x16\n\x0eshards_deleted\x18\x01 \x01(\x05\"\x13\n\x11ListShardsRequest\"\xdc\x01\n\tShardInfo\x12)\n\x03ref\x18\x01 \x01(\x0b\x32\x1c.paramserve.wire.v1.ShardRef\x12\x16\n\x0evariable_shape\x18\x02 \x03(\x03\x12\x11\n\trow_start\x18\x03 \x01(\x03\x12\x32\n\nshard_meta\x18\x04 \x01(\x0b\x32\x1e.paramserve.wire.v1.TensorMeta\x12\x34\n\toptimizer\x18\x05 \x01(\x0b\x32!.paramserve.wire.v1.OptimizerSpec\x12\x0f\n\x07version\x18\x06 \x01(\x03\"C\n\x12ListShardsResponse\x12-\n\x06shards\x18\x01 \x03(\x0b\x32\x1d.paramserve.wire.v1.ShardInfo\".\n\x0bSaveRequest\x12\x11\n\tdirectory\x18\x01 \x01(\t\x12\x0c\n\x04keep\x18\x02 \x01(\x05\",\n\x0cSaveResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06shards\x18\x02 \x01(\x05\"_\n\rRestoreTarget\x12)\n\x03ref\x18\x01 \x01(\x0b\x32\x1c.paramserve.wire.v1.ShardRef\x12\x11\n\trow_start\x18\x02 \x01(\x03\x12\x10\n\x08num_rows\x18\x03 \x01(\x03\"R\n\x0eRestoreRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x32\n\x07targets\x18\x02 \x03(\x0b\x32!.paramserve.wire.v1.RestoreTarget\"@\n\x0fRestoreResponse\x12-\n\x06shards\x18\x01 \x03(\x0b\x32\x1d.paramserve.wire.v1.ShardInfo\"B\n\x19SetHyperparametersRequest\x12\x10\n\x08variable\x18\x01 \x01(\t\x12\x13\n\x0bvalues_json\x18\x02 \x01(\t\"4\n\x1aSetHyperparametersResponse\x12\x16\n\x0eshards_updated\x18\x01 \x01(\x05\x32\xa5\x06\n\x0fParameterServer\x12U\n\x0c\x43reateShards\x12\x19.paramserve.wire.v1.Chunk\x1a(.paramserve.wire.v1.CreateShardsResponse(\x01\x12\x44\n\x04Pull\x12\x1f.paramserve.wire.v1.PullRequest\x1a\x19.paramserve.wire.v1.Chunk0\x01\x12\x45\n\x04Push\x12\x19.paramserve.wire.v1.Chunk\x1a .paramserve.wire.v1.PushResponse(\x01\x12T\n\x0c\x45xportShards\x12\'.paramserve.wire.v1.ExportShardsRequest\x1a\x19.paramserve.wire.v1.Chunk0\x01\x12g\n\x0e\x44\x65leteVariable\x12).paramserve.wire.v1.DeleteVariableRequest\x1a*.paramserve.wire.v1.DeleteVariableResponse\x12[\n\nListShards\x12%.paramserve.wire.v1.ListShardsRequest\x1a&.paramserve.wire.v1.ListShardsResponse\x12I\n\x04Save\x12\x1f.paramserve.wire.v1.SaveRequest\x1a .paramserve.wire.v1.SaveResponse\x12R\n\x07Restore\x12\".paramserve.wire.v1.RestoreRequest\x1a#.paramserve.wire.v1.RestoreResponse\x12s\n\x12SetHyperparameters\x12-.paramserve.wire.v1.SetHyperparametersRequest\x1a..paramserve.wire.v1.SetHyperparametersResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n)paramserve/wire/v1/parameter_server.proto\x12\x12paramserve.wire.v1\x1a\x1fparamserve/wire/v1/tensor.proto\"E\n\x14\x43reateShardsResponse\x12-\n\x06shards\x18\x01 \x03(\x0b\x32\x1d.paramserve.wire.v1.ShardInfo\"Z\n\x08PullItem\x12)\n\x03ref\x18\x01 \x01(\x0b\x32\x1c.paramserve.wire.v1.ShardRef\x12\x0e\n\x06sparse\x18\x02 \x01(\x08\x12\x13\n\x0brow_indices\x18\x03 \x01(\x0c\"O\n\x0bPullRequest\x12+\n\x05items\x18\x01 \x03(\x0b\x32\x1c.paramserve.wire.v1.PullItem\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\x03\"l\n\nPushResult\x12)\n\x03ref\x18\x01 \x01(\x0b\x32\x1c.paramserve.wire.v1.ShardRef\x12\x0f\n\x07\x61pplied\x18\x02 \x01(\x08\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\x11\n\tstaleness\x18\x04 \x01(\x03\"?\n\x0cPushResponse\x12/\n\x07results\x18\x01 \x03(\x0b\x32\x1e.paramserve.wire.v1.PushResult\"{\n\x0bStepRequest\x12\'\n\x04push\x18\x01 \x03(\x0b\x32\x19.paramserve.wire.v1.Chunk\x12\x17\n\x0fidempotency_key\x18\x02 \x01(\t\x12*\n\x04pull\x18\x03 \x03(\x0b\x32\x1c.paramserve.wire.v1.PullItem\"f\n\tStepReply\x12.\n\x06pushed\x18\x01 \x03(\x0b\x32\x1e.paramserve.wire.v1.PushResult\x12)\n\x06pulled\x18\x02 \x03(\x0b\x32\x19.paramserve.wire.v1.Chunk\"V\n\x13\x45xportShardsRequest\x12*\n\x04refs\x18\x01 \x03(\x0b\x32\x1c.paramserve.wire.v1.ShardRef\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\x03\")\n\x15\x44\x65leteVariableRequest\x12\x10\n\x08variable\x18\x01 \x01(\t\"0\n\x16\x44\x65leteVariableResponse\x12\x16\n\x0eshards_deleted\x18\x01 \x01(\x05\"\x13\n\x11ListShardsRequest\"\xdc\x01\n\tShardInfo\x12)\n\x03ref\x18\x01 \x01(\x0b\x32\x1c.paramserve.wire.v1.ShardRef\x12\x16\n\x0evariable_shape\x18\x02 \x03(\x03\x12\x11\n\trow_start\x18\x03 \x01(\x03\x12\x32\n\nshard_meta\x18\x04 \x01(\x0b\x32\x1e.paramserve.wire.v1.TensorMeta\x12\x34\n\toptimizer\x18\x05 \x01(\x0b\x32!.paramserve.wire.v1.OptimizerSpec\x12\x0f\n\x07version\x18\x06 \x01(\x03\"C\n\x12ListShardsResponse\x12-\n\x06shards\x18\x01 \x03(\x0b\x32\x1d.paramserve.wire.v1.ShardInfo\".\n\x0bSaveRequest\x12\x11\n\tdirectory\x18\x01 \x01(\t\x12\x0c\n\x04keep\x18\x02 \x01(\x05\",\n\x0cSaveResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06shards\x18\x02 \x01(\x05\"_\n\rRestoreTarget\x12)\n\x03ref\x18\x01 \x01(\x0b\x32\x1c.paramserve.wire.v1.ShardRef\x12\x11\n\trow_start\x18\x02 \x01(\x03\x12\x10\n\x08num_rows\x18\x03 \x01(\x03\"R\n\x0eRestoreRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x32\n\x07targets\x18\x02 \x03(\x0b\x32!.paramserve.wire.v1.RestoreTarget\"@\n\x0fRestoreResponse\x12-\n\x06shards\x18\x01 \x03(\x0b\x32\x1d.paramserve.wire.v1.ShardInfo\"B\n\x19SetHyperparametersRequest\x12\x10\n\x08variable\x18\x01 \x01(\t\x12\x13\n\x0bvalues_json\x18\x02 \x01(\t\"4\n\x1aSetHyperparametersResponse\x12\x16\n\x0eshards_updated\x18\x01 \x01(\x05\x32\xed\x06\n\x0fParameterServer\x12U\n\x0c\x43reateShards\x12\x19.paramserve.wire.v1.Chunk\x1a(.paramserve.wire.v1.CreateShardsResponse(\x01\x12\x44\n\x04Pull\x12\x1f.paramserve.wire.v1.PullRequest\x1a\x19.paramserve.wire.v1.Chunk0\x01\x12\x45\n\x04Push\x12\x19.paramserve.wire.v1.Chunk\x1a .paramserve.wire.v1.PushResponse(\x01\x12\x46\n\x04Step\x12\x1f.paramserve.wire.v1.StepRequest\x1a\x1d.paramserve.wire.v1.StepReply\x12T\n\x0c\x45xportShards\x12\'.paramserve.wire.v1.ExportShardsRequest\x1a\x19.paramserve.wire.v1.Chunk0\x01\x12g\n\x0e\x44\x65leteVariable\x12).paramserve.wire.v1.DeleteVariableRequest\x1a*.paramserve.wire.v1.DeleteVariableResponse\x12[\n\nListShards\x12%.paramserve.wire.v1.ListShardsRequest\x1a&.paramserve.wire.v1.ListShardsResponse\x12I\n\x04Save\x12\x1f.paramserve.wire.v1.SaveRequest\x1a .paramserve.wire.v1.SaveResponse\x12R\n\x07Restore\x12\".paramserve.wire.v1.RestoreRequest\x1a#.paramserve.wire.v1.RestoreResponse\x12s\n\x12SetHyperparameters\x12-.paramserve.wire.v1.SetHyperparametersRequest\x1a..paramserve.wire.v1.SetHyperparametersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,32 +42,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUSHRESULT']._serialized_end=450
   _globals['_PUSHRESPONSE']._serialized_start=452
   _globals['_PUSHRESPONSE']._serialized_end=515
-  _globals['_EXPORTSHARDSREQUEST']._serialized_start=517
-  _globals['_EXPORTSHARDSREQUEST']._serialized_end=603
-  _globals['_DELETEVARIABLEREQUEST']._serialized_start=605
-  _globals['_DELETEVARIABLEREQUEST']._serialized_end=646
-  _globals['_DELETEVARIABLERESPONSE']._serialized_start=648
-  _globals['_DELETEVARIABLERESPONSE']._serialized_end=696
-  _globals['_LISTSHARDSREQUEST']._serialized_start=698
-  _globals['_LISTSHARDSREQUEST']._serialized_end=717
-  _globals['_SHARDINFO']._serialized_start=720
-  _globals['_SHARDINFO']._serialized_end=940
-  _globals['_LISTSHARDSRESPONSE']._serialized_start=942
-  _globals['_LISTSHARDSRESPONSE']._serialized_end=1009
-  _globals['_SAVEREQUEST']._serialized_start=1011
-  _globals['_SAVEREQUEST']._serialized_end=1057
-  _globals['_SAVERESPONSE']._serialized_start=1059
-  _globals['_SAVERESPONSE']._serialized_end=1103
-  _globals['_RESTORETARGET']._serialized_start=1105
-  _globals['_RESTORETARGET']._serialized_end=1200
-  _globals['_RESTOREREQUEST']._serialized_start=1202
-  _globals['_RESTOREREQUEST']._serialized_end=1284
-  _globals['_RESTORERESPONSE']._serialized_start=1286
-  _globals['_RESTORERESPONSE']._serialized_end=1350
-  _globals['_SETHYPERPARAMETERSREQUEST']._serialized_start=1352
-  _globals['_SETHYPERPARAMETERSREQUEST']._serialized_end=1418
-  _globals['_SETHYPERPARAMETERSRESPONSE']._serialized_start=1420
-  _globals['_SETHYPERPARAMETERSRESPONSE']._serialized_end=1472
-  _globals['_PARAMETERSERVER']._serialized_start=1475
-  _globals['_PARAMETERSERVER']._serialized_end=2280
+  _globals['_STEPREQUEST']._serialized_start=517
+  _globals['_STEPREQUEST']._serialized_end=640
+  _globals['_STEPREPLY']._serialized_start=642
+  _globals['_STEPREPLY']._serialized_end=744
+  _globals['_EXPORTSHARDSREQUEST']._serialized_start=746
+  _globals['_EXPORTSHARDSREQUEST']._serialized_end=832
+  _globals['_DELETEVARIABLEREQUEST']._serialized_start=834
+  _globals['_DELETEVARIABLEREQUEST']._serialized_end=875
+  _globals['_DELETEVARIABLERESPONSE']._serialized_start=877
+  _globals['_DELETEVARIABLERESPONSE']._serialized_end=925
+  _globals['_LISTSHARDSREQUEST']._serialized_start=927
+  _globals['_LISTSHARDSREQUEST']._serialized_end=946
+  _globals['_SHARDINFO']._serialized_start=949
+  _globals['_SHARDINFO']._serialized_end=1169
+  _globals['_LISTSHARDSRESPONSE']._serialized_start=1171
+  _globals['_LISTSHARDSRESPONSE']._serialized_end=1238
+  _globals['_SAVEREQUEST']._serialized_start=1240
+  _globals['_SAVEREQUEST']._serialized_end=1286
+  _globals['_SAVERESPONSE']._serialized_start=1288
+  _globals['_SAVERESPONSE']._serialized_end=1332
+  _globals['_RESTORETARGET']._serialized_start=1334
+  _globals['_RESTORETARGET']._serialized_end=1429
+  _globals['_RESTOREREQUEST']._serialized_start=1431
+  _globals['_RESTOREREQUEST']._serialized_end=1513
+  _globals['_RESTORERESPONSE']._serialized_start=1515
+  _globals['_RESTORERESPONSE']._serialized_end=1579
+  _globals['_SETHYPERPARAMETERSREQUEST']._serialized_start=1581
+  _globals['_SETHYPERPARAMETERSREQUEST']._serialized_end=1647
+  _globals['_SETHYPERPARAMETERSRESPONSE']._serialized_start=1649
+  _globals['_SETHYPERPARAMETERSRESPONSE']._serialized_end=1701
+  _globals['_PARAMETERSERVER']._serialized_start=1704
+  _globals['_PARAMETERSERVER']._serialized_end=2581
 # @@protoc_insertion_point(module_scope)

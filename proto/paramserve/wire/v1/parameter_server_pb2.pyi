@@ -49,6 +49,24 @@ class PushResponse(_message.Message):
     results: _containers.RepeatedCompositeFieldContainer[PushResult]
     def __init__(self, results: _Optional[_Iterable[_Union[PushResult, _Mapping]]] = ...) -> None: ...
 
+class StepRequest(_message.Message):
+    __slots__ = ("push", "idempotency_key", "pull")
+    PUSH_FIELD_NUMBER: _ClassVar[int]
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
+    PULL_FIELD_NUMBER: _ClassVar[int]
+    push: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.Chunk]
+    idempotency_key: str
+    pull: _containers.RepeatedCompositeFieldContainer[PullItem]
+    def __init__(self, push: _Optional[_Iterable[_Union[_tensor_pb2.Chunk, _Mapping]]] = ..., idempotency_key: _Optional[str] = ..., pull: _Optional[_Iterable[_Union[PullItem, _Mapping]]] = ...) -> None: ...
+
+class StepReply(_message.Message):
+    __slots__ = ("pushed", "pulled")
+    PUSHED_FIELD_NUMBER: _ClassVar[int]
+    PULLED_FIELD_NUMBER: _ClassVar[int]
+    pushed: _containers.RepeatedCompositeFieldContainer[PushResult]
+    pulled: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.Chunk]
+    def __init__(self, pushed: _Optional[_Iterable[_Union[PushResult, _Mapping]]] = ..., pulled: _Optional[_Iterable[_Union[_tensor_pb2.Chunk, _Mapping]]] = ...) -> None: ...
+
 class ExportShardsRequest(_message.Message):
     __slots__ = ("refs", "chunk_bytes")
     REFS_FIELD_NUMBER: _ClassVar[int]

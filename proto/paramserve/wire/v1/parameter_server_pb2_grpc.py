@@ -50,6 +50,11 @@ class ParameterServerStub:
                 request_serializer=paramserve_dot_wire_dot_v1_dot_tensor__pb2.Chunk.SerializeToString,
                 response_deserializer=paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.PushResponse.FromString,
                 _registered_method=True)
+        self.Step = channel.unary_unary(
+                '/paramserve.wire.v1.ParameterServer/Step',
+                request_serializer=paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.StepRequest.SerializeToString,
+                response_deserializer=paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.StepReply.FromString,
+                _registered_method=True)
         self.ExportShards = channel.unary_stream(
                 '/paramserve.wire.v1.ParameterServer/ExportShards',
                 request_serializer=paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.ExportShardsRequest.SerializeToString,
@@ -103,6 +108,17 @@ class ParameterServerServicer:
         """Applies gradients. Stream of Chunk with PushPart headers; all parts of one
         stream share the idempotency key sent in the `paramserve-idempotency-key`
         request metadata, and are validated together before any is applied.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Step(self, request, context):
+        """One training step's exchange with this server in one message each way, for
+        payloads under the client's unary limit (Push and Pull stream larger ones):
+        applies the push (validated as a whole first, exactly once per key), then
+        reads the pull items, so a worker gets the values its own push produced
+        without a second round trip.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -166,6 +182,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Push,
                     request_deserializer=paramserve_dot_wire_dot_v1_dot_tensor__pb2.Chunk.FromString,
                     response_serializer=paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.PushResponse.SerializeToString,
+            ),
+            'Step': grpc.unary_unary_rpc_method_handler(
+                    servicer.Step,
+                    request_deserializer=paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.StepRequest.FromString,
+                    response_serializer=paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.StepReply.SerializeToString,
             ),
             'ExportShards': grpc.unary_stream_rpc_method_handler(
                     servicer.ExportShards,
@@ -279,6 +300,33 @@ class ParameterServer:
             '/paramserve.wire.v1.ParameterServer/Push',
             paramserve_dot_wire_dot_v1_dot_tensor__pb2.Chunk.SerializeToString,
             paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.PushResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Step(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/paramserve.wire.v1.ParameterServer/Step',
+            paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.StepRequest.SerializeToString,
+            paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.StepReply.FromString,
             options,
             channel_credentials,
             insecure,

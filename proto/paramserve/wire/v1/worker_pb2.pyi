@@ -16,7 +16,7 @@ class ResourceSpec(_message.Message):
     def __init__(self, resource_id: _Optional[str] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
 class RunClosureRequest(_message.Message):
-    __slots__ = ("closure_id", "attempt", "function_name", "payload", "resources", "cluster", "steps", "worker_index", "num_workers")
+    __slots__ = ("closure_id", "attempt", "function_name", "payload", "resources", "cluster", "steps", "worker_index", "num_workers", "cluster_fingerprint", "max_value_age")
     CLOSURE_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     FUNCTION_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,8 @@ class RunClosureRequest(_message.Message):
     STEPS_FIELD_NUMBER: _ClassVar[int]
     WORKER_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    MAX_VALUE_AGE_FIELD_NUMBER: _ClassVar[int]
     closure_id: str
     attempt: int
     function_name: str
@@ -35,23 +37,27 @@ class RunClosureRequest(_message.Message):
     steps: int
     worker_index: int
     num_workers: int
-    def __init__(self, closure_id: _Optional[str] = ..., attempt: _Optional[int] = ..., function_name: _Optional[str] = ..., payload: _Optional[bytes] = ..., resources: _Optional[_Iterable[_Union[ResourceSpec, _Mapping]]] = ..., cluster: _Optional[_Union[_cluster_pb2.ClusterContext, _Mapping]] = ..., steps: _Optional[int] = ..., worker_index: _Optional[int] = ..., num_workers: _Optional[int] = ...) -> None: ...
+    cluster_fingerprint: str
+    max_value_age: float
+    def __init__(self, closure_id: _Optional[str] = ..., attempt: _Optional[int] = ..., function_name: _Optional[str] = ..., payload: _Optional[bytes] = ..., resources: _Optional[_Iterable[_Union[ResourceSpec, _Mapping]]] = ..., cluster: _Optional[_Union[_cluster_pb2.ClusterContext, _Mapping]] = ..., steps: _Optional[int] = ..., worker_index: _Optional[int] = ..., num_workers: _Optional[int] = ..., cluster_fingerprint: _Optional[str] = ..., max_value_age: _Optional[float] = ...) -> None: ...
 
 class ClosureFailure(_message.Message):
-    __slots__ = ("type", "message", "traceback", "pickled", "missing_resources", "parameter_server")
+    __slots__ = ("type", "message", "traceback", "pickled", "missing_resources", "parameter_server", "needs_cluster")
     TYPE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     TRACEBACK_FIELD_NUMBER: _ClassVar[int]
     PICKLED_FIELD_NUMBER: _ClassVar[int]
     MISSING_RESOURCES_FIELD_NUMBER: _ClassVar[int]
     PARAMETER_SERVER_FIELD_NUMBER: _ClassVar[int]
+    NEEDS_CLUSTER_FIELD_NUMBER: _ClassVar[int]
     type: str
     message: str
     traceback: str
     pickled: bytes
     missing_resources: _containers.RepeatedScalarFieldContainer[str]
     parameter_server: str
-    def __init__(self, type: _Optional[str] = ..., message: _Optional[str] = ..., traceback: _Optional[str] = ..., pickled: _Optional[bytes] = ..., missing_resources: _Optional[_Iterable[str]] = ..., parameter_server: _Optional[str] = ...) -> None: ...
+    needs_cluster: bool
+    def __init__(self, type: _Optional[str] = ..., message: _Optional[str] = ..., traceback: _Optional[str] = ..., pickled: _Optional[bytes] = ..., missing_resources: _Optional[_Iterable[str]] = ..., parameter_server: _Optional[str] = ..., needs_cluster: _Optional[bool] = ...) -> None: ...
 
 class RunClosureResponse(_message.Message):
     __slots__ = ("result", "error", "worker_incarnation", "resources_held", "pushes_applied", "pushes_duplicate", "seconds")
