@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import socket
 import statistics
 import time
@@ -12,6 +13,8 @@ from concurrent import futures
 from dataclasses import asdict, dataclass
 
 import grpc
+import torch
+from torch import nn
 
 ECHO_METHOD = "/paramserve.bench.Echo/Stream"
 COLLECT_METHOD = "/paramserve.bench.Echo/Collect"
@@ -29,6 +32,56 @@ class Result:
     @property
     def ratio(self) -> float:
         return self.value / self.baseline if self.baseline else float("nan")
+
+
+# ------------------------------------------------------------------ the training benchmarks' model
+
+SMALL = (784, 256, 128, 10)
+"""MLP 784-256-128-10: 0.94 MB of float32."""
+LARGE = (784, 4096, 2048, 10)
+"""MLP 784-4096-2048-10: 11.6M parameters, 46.5 MB of float32."""
+BATCH = 64
+
+
+class MLP(nn.Module):
+    def __init__(self, sizes: tuple[int, ...]) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+            layers.append(nn.Linear(a, b))
+            if i < len(sizes) - 2:
+                layers.append(nn.ReLU())
+        self.layers = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+def fixed_batch(index: int, sizes: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One fixed random batch per trainer (seeded by its index), reused every step."""
+    generator = torch.Generator().manual_seed(1000 + index)
+    return (torch.randn(BATCH, sizes[0], generator=generator),
+            torch.randint(0, sizes[-1], (BATCH,), generator=generator))
+
+
+def one_torch_thread() -> None:
+    """One intra-op thread in this process and its children (both sides of a comparison alike)."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["MKL_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a live process has used (all its threads), from /proc."""
+    with open(f"/proc/{pid}/stat") as handle:
+        fields = handle.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def best_of(repeats: int, run: Callable[[], float]) -> float:

@@ -1,59 +1,78 @@
 """ClusterCoordinator overhead and training throughput, beside baselines from the same run.
 
-    python benchmarks/coordinator.py [--json] [--closures 2000] [--steps 400]
+    python benchmarks/coordinator.py [--json] [--rounds 3] [--only METRIC ...]
 
-- closures: trivial closures per second through ClusterCoordinator.schedule/join
-  on 2 worker processes, beside bare gRPC unary round trips per second (one
-  caller, raw bytes of the same size as a closure request, another process).
-- train_steps: training steps per second of an MLP 784-256-128-10, batch 64,
-  with 2 parameter servers + 2 workers on 127.0.0.1 (asynchronous), beside the
-  same model trained in one process with torch.optim.Adam.
+- closures: trivial closures per second through ClusterCoordinator.schedule/join on 2
+  worker processes, beside bare gRPC unary round trips per second (one caller, raw bytes
+  of the same size as a closure request, another process).
+- train_steps_vs_rpc: training steps per second (summed over workers) of an MLP
+  784-256-128-10, softmax cross-entropy, SGD lr 0.01 applied on the servers, one fixed
+  random batch of 64 per worker reused every step: paramserve with 2 ps + 2 workers,
+  FixedShardsPartitioner(2), 1 step per closure, beside a torch.distributed.rpc parameter
+  server (benchmarks/rpc_ps.py: 1 PS holding the model, 2 trainers, each step an RPC pull,
+  a local forward and backward, an RPC push applying SGD under a lock). Same model, batch
+  and thread count (1) per process; start-up excluded; the two take turns, medians of
+  --rounds. CPU-ms per step (all processes of a side) is printed beside steps/s: on a
+  shared 2-core machine it varies less.
+- train_steps_large_vs_rpc: the same on the MLP 784-4096-2048-10.
+- gpu_worker_steps (only where CUDA is available): the small model's steps/s with workers
+  on the GPU (--device cuda:0), beside CPU workers in the same run.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
 import sys
 import time
+from dataclasses import dataclass
+from typing import Any
 
+import _common
+import cloudpickle
 import torch
 import torch.nn.functional as F
-from _common import EchoServer, Result, print_report
-from torch import nn
-
-from paramserve.coordinator import (
-    ClusterCoordinator,
-    LocalCluster,
-    MinSizePartitioner,
-    ParameterServerStrategy,
+from _common import (
+    LARGE,
+    MLP,
+    SMALL,
+    EchoServer,
+    Result,
+    fixed_batch,
+    one_torch_thread,
+    print_report,
+    process_cpu_seconds,
 )
+from rpc_ps import run_rpc_ps
+
+from paramserve.coordinator import ClusterCoordinator, FixedShardsPartitioner, LocalCluster, ParameterServerStrategy
 from paramserve.worker.variables import dumps_closure
 
-BATCH = 64
+# Workers run functions of these modules: send them by value (a worker cannot import benchmarks/).
+cloudpickle.register_pickle_by_value(_common)
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-
-class MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.Sequential(nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 128), nn.ReLU(), nn.Linear(128, 10))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layers(x)
+LR = 0.01
+METRICS = ("closures", "train_steps_vs_rpc", "train_steps_large_vs_rpc", "gpu_worker_steps")
 
 
 def noop() -> int:
     return 1
 
 
-def synthetic_batches(context=None):  # type: ignore[no-untyped-def]
-    """Endless random MNIST-shaped batches (the benchmark measures the system, not learning)."""
-    generator = torch.Generator().manual_seed(getattr(context, "worker_index", 0))
-    while True:
-        yield torch.randn(BATCH, 784, generator=generator), torch.randint(0, 10, (BATCH,), generator=generator)
+# The worker builds its fixed batch from the sizes the coordinator sends with the resource.
+def make_batch(sizes: tuple[int, ...]) -> Any:
+    def batch(context: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return fixed_batch(context.worker_index, sizes)
+
+    return batch
 
 
-def step(batches, model, optimizer):  # type: ignore[no-untyped-def]
-    x, y = next(batches)
+def train_step(batch: Any, model: Any, optimizer: Any) -> torch.Tensor:
+    x, y = batch
+    if x.device != next(model.parameters()).device:  # a GPU worker's parameters live on its device
+        x, y = x.to(next(model.parameters()).device), y.to(next(model.parameters()).device)
     optimizer.zero_grad()
     loss = F.cross_entropy(model(x), y)
     loss.backward()
@@ -90,58 +109,86 @@ def closures_per_second(cluster: LocalCluster, count: int) -> float:
     return count / seconds
 
 
-def distributed_steps_per_second(cluster: LocalCluster, steps: int) -> float:
-    strategy = ParameterServerStrategy(cluster.spec, variable_partitioner=MinSizePartitioner(max_shards=2))
-    with strategy.scope():
-        model = MLP()
-    optimizer = strategy.optimizer(torch.optim.Adam, lr=1e-3)
-    with ClusterCoordinator(strategy) as coordinator:
-        batches = iter(coordinator.create_per_worker_dataset(synthetic_batches))
-        for _ in range(20):
-            coordinator.schedule(step, args=(batches, model, optimizer))
-        coordinator.join()
-        start = time.perf_counter()
-        for _ in range(steps):
-            coordinator.schedule(step, args=(batches, model, optimizer))
-        coordinator.join()
-        seconds = time.perf_counter() - start
-    strategy.close()
-    return steps / seconds
+@dataclass
+class TrainRun:
+    steps_per_s: float
+    cpu_ms_per_step: float
 
 
-def local_steps_per_second(steps: int) -> float:
-    model = MLP()
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    batches = synthetic_batches()
-    for _ in range(20):
-        step(batches, model, optimizer)
-    start = time.perf_counter()
-    for _ in range(steps):
-        step(batches, model, optimizer)
-    return steps / (time.perf_counter() - start)
+def paramserve_steps(sizes: tuple[int, ...], steps: int, warmup: int, device: str | None = None) -> TrainRun:
+    """2 ps + 2 workers on 127.0.0.1, one thread per process, 1 step per closure."""
+    worker_args = ["--torch-threads", "1"] + (["--device", device] if device else [])
+    with LocalCluster(num_ps=2, num_workers=2, env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
+                      extra_ps_args=["--torch-threads", "1"], extra_worker_args=worker_args) as cluster:
+        strategy = ParameterServerStrategy(cluster.spec, variable_partitioner=FixedShardsPartitioner(2))
+        try:
+            torch.manual_seed(0)
+            with strategy.scope():
+                model = MLP(sizes)
+            optimizer = strategy.optimizer(torch.optim.SGD, lr=LR)
+            with ClusterCoordinator(strategy) as coordinator:
+                batch = coordinator.create_per_worker_resource(make_batch(sizes))
+                for _ in range(warmup):
+                    coordinator.schedule(train_step, args=(batch, model, optimizer))
+                coordinator.join()
+                pids = [os.getpid(), *(p.pid for p in cluster.processes)]
+                cpu = sum(process_cpu_seconds(pid) for pid in pids)
+                start = time.perf_counter()
+                for _ in range(steps):
+                    coordinator.schedule(train_step, args=(batch, model, optimizer))
+                coordinator.join()
+                seconds = time.perf_counter() - start
+                cpu = sum(process_cpu_seconds(pid) for pid in pids) - cpu
+        finally:
+            strategy.close()
+    return TrainRun(steps / seconds, 1000 * cpu / steps)
+
+
+def versus_rpc(name: str, sizes: tuple[int, ...], steps: int, warmup: int, rounds: int) -> Result:
+    ours: list[TrainRun] = []
+    theirs: list[TrainRun] = []
+    for round_ in range(rounds):  # the sides take turns, so drifts of a shared machine hit both
+        theirs.append(TrainRun(**vars(run_rpc_ps(sizes, LR, steps, warmup))))
+        ours.append(paramserve_steps(sizes, steps, warmup))
+        print(f"  [{name} round {round_ + 1}/{rounds}] paramserve {ours[-1].steps_per_s:.1f} steps/s "
+              f"({ours[-1].cpu_ms_per_step:.1f} CPU-ms/step), torch.distributed.rpc PS {theirs[-1].steps_per_s:.1f} "
+              f"steps/s ({theirs[-1].cpu_ms_per_step:.1f} CPU-ms/step)", flush=True)
+    value = statistics.median(r.steps_per_s for r in ours)
+    baseline = statistics.median(r.steps_per_s for r in theirs)
+    cpu = statistics.median(r.cpu_ms_per_step for r in ours), statistics.median(r.cpu_ms_per_step for r in theirs)
+    print(f"  {name}: CPU-ms per step {cpu[0]:.2f} (paramserve) vs {cpu[1]:.2f} (rpc PS)", flush=True)
+    return Result(name, value, "steps/s", baseline, f"torch.distributed.rpc PS, 1 PS + 2 trainers, median of {rounds}")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    parser.add_argument("--only", nargs="+", choices=METRICS, help="measure only these metrics")
     parser.add_argument("--closures", type=int, default=2000)
-    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--steps", type=int, default=600, help="timed steps of the small model per side")
+    parser.add_argument("--large-steps", type=int, default=60, help="timed steps of the large model per side")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of each training comparison (medians)")
     args = parser.parse_args(argv)
+    wanted = set(args.only or METRICS)
+    one_torch_thread()
+    results: list[Result] = []
 
-    request_bytes = len(dumps_closure((noop, (), {})))
-    bare = bare_round_trips_per_second(args.closures, request_bytes)
-    print(f"bare gRPC round trips: {bare:.0f}/s ({request_bytes} B payload)")
-    local = local_steps_per_second(args.steps)
-    print(f"one-process training: {local:.1f} steps/s")
-    with LocalCluster(num_ps=2, num_workers=2) as cluster:
-        closures = closures_per_second(cluster, args.closures)
-        print(f"trivial closures: {closures:.0f}/s")
-        distributed = distributed_steps_per_second(cluster, args.steps)
-        print(f"2 ps + 2 workers training: {distributed:.1f} steps/s")
-    print_report("coordinator", [
-        Result("closures", closures, "closures/s", bare, "bare gRPC unary round trips/s"),
-        Result("train_steps", distributed, "steps/s", local, "same model trained in one process"),
-    ], args.json)
+    if "closures" in wanted:
+        request_bytes = len(dumps_closure((noop, (), {})))
+        bare = bare_round_trips_per_second(args.closures, request_bytes)
+        with LocalCluster(num_ps=2, num_workers=2) as cluster:
+            closures = closures_per_second(cluster, args.closures)
+        print(f"trivial closures: {closures:.0f}/s; bare gRPC round trips: {bare:.0f}/s ({request_bytes} B)")
+        results.append(Result("closures", closures, "closures/s", bare, "bare gRPC unary round trips/s"))
+    if "train_steps_vs_rpc" in wanted:
+        results.append(versus_rpc("train_steps_vs_rpc", SMALL, args.steps, 30, args.rounds))
+    if "train_steps_large_vs_rpc" in wanted:
+        results.append(versus_rpc("train_steps_large_vs_rpc", LARGE, args.large_steps, 5, args.rounds))
+    if "gpu_worker_steps" in wanted and torch.cuda.is_available():
+        cpu = paramserve_steps(SMALL, args.steps, 30)
+        gpu = paramserve_steps(SMALL, args.steps, 30, device="cuda:0")
+        results.append(Result("gpu_worker_steps", gpu.steps_per_s, "steps/s", cpu.steps_per_s, "CPU workers, same run"))
+    print_report("coordinator", results, args.json)
     return 0
 
 

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from paramserve.coordinator.cluster import ClusterSpec
+from paramserve.psserver.cpus import PROCESSES_ENV
 
 __all__ = ["ClusterState", "LaunchError", "LocalCluster", "PortReport", "ProcessInfo", "parse_port_report"]
 
@@ -321,7 +322,10 @@ class LocalCluster:
             self._run_dir.mkdir(parents=True, exist_ok=True)
         if self._token is not None:
             self._token_file = _write_secret(self._run_dir / "token", self._token)
-        self._child_env = {**os.environ, **self._env, "PYTHONUNBUFFERED": "1"}
+        # Every child sizes its torch threads to its share of the machine (psserver/cpus.py):
+        # the servers, the workers and the program that drives them share these cores.
+        sharing = {PROCESSES_ENV: str(self._num[PS] + self._num[WORKER] + 1)}
+        self._child_env = {**os.environ, **sharing, **self._env, "PYTHONUNBUFFERED": "1"}
 
     def _clean_run_dir(self) -> None:
         if self._token_file is not None:

@@ -12,6 +12,7 @@ from paramserve.psserver.serving import (
     configure_logging,
     resolve_tls,
     resolve_token,
+    resolve_torch_threads,
     serve_until_signal,
 )
 from paramserve.psserver.store import StoreConfig
@@ -46,6 +47,7 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         max_message_bytes=args.max_message_bytes,
         max_push_bytes=args.max_push_bytes,
         token=resolve_token(args, os.environ),
+        torch_threads=resolve_torch_threads(args, parser),
         tls=resolve_tls(args, parser),
         store=StoreConfig(
             idempotency_capacity=args.idempotency_capacity,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from paramserve.psserver.errors import ParamServeError
@@ -34,6 +35,8 @@ class ServerConfig:
     token: str | None = None
     tls: TlsConfig | None = None
     store: StoreConfig = field(default_factory=StoreConfig)
+    torch_threads: int | None = None
+    """torch.set_num_threads for this process; None leaves it (servers started in a test)."""
 
 
 class PushMetrics:
@@ -71,6 +74,8 @@ class ParameterServer(RunningService):
 
 def build_server(config: ServerConfig, registry: CollectorRegistry | None = None) -> ParameterServer:
     """Creates and starts a parameter server. Tests pass port=0 and read ``.port``."""
+    if config.torch_threads is not None:
+        torch.set_num_threads(config.torch_threads)
     registry = registry or CollectorRegistry()
     store = ShardStore(config.store, observer=PushMetrics(registry))
     servicer = ParameterServerServicer(store, config.chunk_bytes, config.max_push_bytes)

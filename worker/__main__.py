@@ -13,6 +13,7 @@ from paramserve.psserver.serving import (
     read_token_file,
     resolve_tls,
     resolve_token,
+    resolve_torch_threads,
     serve_until_signal,
 )
 from paramserve.worker.server import WorkerConfig, build_worker
@@ -22,8 +23,6 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser = parser or argparse.ArgumentParser(prog="paramserve worker", description=__doc__)
     add_server_arguments(parser)
     work = parser.add_argument_group("worker")
-    work.add_argument("--torch-threads", type=int, default=1,
-                      help="torch intra-op threads (default: %(default)s: workers share cores with servers)")
     work.add_argument("--ps-token-file", type=pathlib.Path,
                       help="token presented to parameter servers (default: the worker's own token)")
     work.add_argument("--ps-tls-ca", type=pathlib.Path,
@@ -34,8 +33,6 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 
 def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> WorkerConfig:
-    if args.torch_threads < 1:
-        parser.error("--torch-threads must be >= 1")
     if args.ps_retry_deadline <= 0:
         parser.error("--ps-retry-deadline must be positive")
     return WorkerConfig(
@@ -49,7 +46,7 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         tls=resolve_tls(args, parser),
         ps_root_certificates=args.ps_tls_ca,
         ps_retry_deadline=args.ps_retry_deadline,
-        torch_threads=args.torch_threads,
+        torch_threads=resolve_torch_threads(args, parser),
     )
 
 

@@ -33,7 +33,7 @@ class WorkerConfig:
     ps_call_timeout: float = 30.0
     ps_retry_deadline: float = 60.0
     torch_threads: int | None = None
-    """torch.set_num_threads for this process; None leaves torch's default."""
+    """torch.set_num_threads for this process; None leaves it (workers started in a test)."""
 
     @property
     def effective_ps_token(self) -> str | None:

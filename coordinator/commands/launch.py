@@ -13,6 +13,8 @@ import os
 import secrets
 import subprocess
 
+from paramserve.psserver.cpus import PROCESSES_ENV, torch_threads
+
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     parser = parser or argparse.ArgumentParser(prog="paramserve launch", description=__doc__)
@@ -38,4 +40,7 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         }
         if token:
             env["PARAMSERVE_TOKEN"] = token
+        # The command shares the machine with the cluster: its torch threads are sized alike.
+        env.setdefault(PROCESSES_ENV, str(args.ps + args.workers + 1))
+        env.setdefault("OMP_NUM_THREADS", str(torch_threads(None, env)))
         return subprocess.call(command, env=env)

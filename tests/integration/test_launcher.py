@@ -409,3 +409,15 @@ def test_failed_start_keeps_the_logs_of_an_owned_run_dir(make_cluster: Callable[
         assert "configuration broken on purpose" in (run_dir / "ps-0.log").read_text()
     finally:
         shutil.rmtree(run_dir)
+
+
+def test_real_servers_size_their_torch_threads_to_their_share(start_cluster: Callable[..., LocalCluster]) -> None:
+    from paramserve.psserver import cpus
+
+    cluster = start_cluster(num_ps=1, num_workers=2, run_dir=None)
+    sharing = {cpus.PROCESSES_ENV: "4"}  # 1 ps + 2 workers + the program driving them
+    expected = cpus.torch_threads(None, sharing)
+    for process in cluster.processes:
+        environ = Path(f"/proc/{process.pid}/environ").read_bytes().split(b"\0")
+        assert f"{cpus.PROCESSES_ENV}=4".encode() in environ
+        assert f"{expected} torch threads" in process.log_path.read_text(), process.log_path.read_text()[-2000:]

@@ -11,6 +11,7 @@ import torch
 from fake_parameter_servers import ADDRESS, FakeParameterServers
 from torch import nn
 
+from paramserve.psserver import cpus
 from paramserve.psserver.errors import InvalidRequestError
 from paramserve.psserver.optimizer import OptimizerSpec
 from paramserve.psserver.types import ClusterContext
@@ -370,7 +371,8 @@ def test_paramserve_worker_flags_build_the_config(tmp_path):
     split_config = worker_main.config_from_args(split, split.subparser)
 
     assert shared.runner is worker_main.run
-    assert (shared_config.token, shared_config.effective_ps_token, shared_config.torch_threads) == ("shared", "shared", 1)
+    assert (shared_config.token, shared_config.effective_ps_token) == ("shared", "shared")
+    assert shared_config.torch_threads == cpus.torch_threads(None), "the share of this machine's CPUs"
     assert (split_config.token, split_config.effective_ps_token) == ("shared", "for-servers")
 
 

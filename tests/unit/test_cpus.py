@@ -1,0 +1,48 @@
+"""The rule that sizes every server's and worker's torch threads (psserver/cpus.py)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from paramserve.psserver import cpus
+
+
+@pytest.mark.parametrize(
+    ("usable", "environ", "expected"),
+    [
+        (2, {}, 2),  # alone on a 2-core machine (or container)
+        (64, {}, 64),  # alone on 64 cores
+        (2, {cpus.PROCESSES_ENV: "5"}, 1),  # a local cluster of 5 processes on 2 cores: never 0
+        (16, {cpus.PROCESSES_ENV: "5"}, 3),  # ... on 16 cores
+        (64, {cpus.PROCESSES_ENV: "5"}, 12),  # ... on 64 cores
+    ],
+)
+def test_threads_are_the_processes_share_of_the_usable_cpus(usable, environ, expected):
+    assert cpus.torch_threads(None, environ, cpus=usable) == expected
+
+
+def test_an_explicit_count_wins_and_nonsense_is_refused():
+    assert cpus.torch_threads(3, {cpus.PROCESSES_ENV: "100"}, cpus=2) == 3
+    with pytest.raises(ValueError, match=">= 1"):
+        cpus.torch_threads(0, {})
+    with pytest.raises(ValueError, match=cpus.PROCESSES_ENV):
+        cpus.torch_threads(None, {cpus.PROCESSES_ENV: "lots"}, cpus=2)
+
+
+@pytest.mark.parametrize(
+    ("cpu_max", "expected"),
+    [
+        ("max 100000\n", None),  # no quota
+        ("150000 100000\n", 1),  # a 1.5-CPU container limit: 1 whole CPU
+        ("400000 100000\n", 4),
+        ("garbage", None),
+    ],
+)
+def test_a_cgroup_quota_caps_the_usable_cpus(tmp_path, cpu_max, expected):
+    path = tmp_path / "cpu.max"
+    path.write_text(cpu_max)
+    affinity = len(os.sched_getaffinity(0))
+    assert cpus.usable_cpus(path) == (affinity if expected is None else min(affinity, expected))
+    assert cpus.usable_cpus(tmp_path / "absent") == affinity
