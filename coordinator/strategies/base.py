@@ -20,12 +20,14 @@ import copy
 import enum
 import os
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from paramserve.coordinator import nest
 from paramserve.worker.resources import InputContext
 
 if TYPE_CHECKING:
@@ -167,6 +169,20 @@ class Strategy(abc.ABC):
         leaves the modules and optimizers built in its scope as plain torch objects, with no
         process-wide hook of its left behind. Idempotent; nothing to do by default."""
 
+    # ------------------------------------------------------------------ which models are this strategy's
+
+    def _claim_models(self, roots: Iterable[torch.nn.Module]) -> None:
+        """Records ``roots`` as built in this strategy's scope, so that ``fit``/``evaluate``/``predict``
+        called without ``strategy=`` use this strategy for them (as Keras' ``model.fit`` does).
+        Strategies call it once a scope's models are distributed (never for a failed build)."""
+        for root in roots:
+            _models[root] = self
+
+    def _release_models(self) -> None:
+        """Forgets the models claimed by this strategy (``close()`` calls it)."""
+        for model in [m for m, owner in list(_models.items()) if owner is self]:
+            _models.pop(model, None)
+
     # ------------------------------------------------------------------ replica plumbing
 
     def _replica_all_reduce(self, context: ReplicaContext, reduce_op: ReduceOp, value: Any) -> Any:
@@ -197,9 +213,9 @@ class SingleReplicaStrategy(Strategy):
 
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
         op = ReduceOp(reduce_op) if isinstance(reduce_op, str) else reduce_op
-        if axis is None or not isinstance(value, torch.Tensor):
-            return value
-        return value.sum(dim=axis) if op is ReduceOp.SUM else value.mean(dim=axis)
+        if axis is not None and isinstance(value, torch.Tensor):
+            value = value.sum(dim=axis) if op is ReduceOp.SUM else value.mean(dim=axis)
+        return detached(value)
 
     def experimental_distribute_dataset(self, dataset: Iterable[Any]) -> Iterable[Any]:
         return dataset
@@ -232,6 +248,21 @@ class _Entry:
 
 
 _local = threading.local()
+
+_models: weakref.WeakKeyDictionary[torch.nn.Module, Strategy] = weakref.WeakKeyDictionary()
+"""Each model built in a strategy's scope -> that strategy (until it is closed)."""
+
+
+def strategy_of(model: torch.nn.Module) -> Strategy | None:
+    """The strategy in whose scope ``model`` was built (None: none, or it was closed)."""
+    return _models.get(model)
+
+
+def detached(value: Any) -> Any:
+    """``value`` with every tensor detached from autograd: what ``reduce`` returns, so that
+    ``total += strategy.reduce(...)`` does not keep each step's graph alive (tf.distribute's
+    reduced values are plain tensors too)."""
+    return nest.map_structure(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, value)
 
 
 def _stack() -> list[_Entry]:

@@ -84,6 +84,7 @@ from paramserve.coordinator.strategies.base import (
     ReduceOp,
     ReplicaContext,
     Strategy,
+    detached,
     get_replica_context,
 )
 from paramserve.coordinator.strategies.cross_device_ops import (
@@ -211,6 +212,7 @@ class OneDeviceStrategy(Strategy):
             yield
         for module in record.roots():
             module.to(self.device)
+        self._claim_models(record.roots())
 
     def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None) -> Any:
         args = nest.to_device(tuple(args), self.device)
@@ -220,7 +222,7 @@ class OneDeviceStrategy(Strategy):
 
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
         op = ReduceOp(reduce_op)
-        return nest.map_structure(lambda v: _reduce_plain(op, _single(v), axis), value)
+        return detached(nest.map_structure(lambda v: _reduce_plain(op, _single(v), axis), value))
 
     def experimental_distribute_dataset(self, dataset: Iterable[Any], options: InputOptions | None = None) -> DistributedDataset:
         return DistributedDataset(dataset, [self.device], options=options)
@@ -311,6 +313,7 @@ class _ReplicatedStrategy(Strategy):
                 self._adopt_module(root)
             for optimizer in optimizers:
                 self._adopt_optimizer(optimizer)
+        self._claim_models(roots)
 
     def _check_new_roots(self, roots: list[nn.Module]) -> None:
         for root in roots:
@@ -399,6 +402,7 @@ class _ReplicatedStrategy(Strategy):
             self._linked.clear()
             self._module_links.clear()
             self._guards.release()
+        self._release_models()
 
     def _before_run(self) -> None:
         """Hook: bring replicas up to date before their threads start."""
@@ -452,7 +456,8 @@ class _ReplicatedStrategy(Strategy):
         if context is None or context.strategy is not self:
             raise RuntimeError(
                 f"{what} of an optimizer built in {type(self).__name__}.scope() must run inside strategy.run(...), "
-                "where every replica reaches it and the gradients are summed: call it from the function you run"
+                "where every replica reaches it and the gradients are summed: call it from the function you run "
+                "(fit does, under the strategy its model was built in, or the one you pass as strategy=)"
             )
         return context.replica_id_in_sync_group
 
@@ -465,7 +470,7 @@ class _ReplicatedStrategy(Strategy):
         if context is not None and context.strategy is self:
             raise RuntimeError("strategy.reduce is for cross-replica context; inside run use get_replica_context().all_reduce")
         op = ReduceOp(reduce_op)
-        return nest.map_structure(lambda v: self._reduce_one(op, v, axis), value)
+        return detached(nest.map_structure(lambda v: self._reduce_one(op, v, axis), value))
 
     def _reduce_one(self, op: ReduceOp, value: Any, axis: int | None) -> Any:
         if not isinstance(value, DistributedValue):

@@ -441,6 +441,7 @@ class MultiWorkerMirroredStrategy(Strategy):
             self._broadcast(bucket)
         for key, tensor in tensors.items():
             self._mirrored[key] = weakref.ref(tensor, self._forgetter(key))
+        self._claim_models(roots)
         log.info("mirrored %d tensors of %d modules from rank 0", len(tensors), len(roots))
 
     def _forgetter(self, key: int) -> Callable[[Any], None]:
@@ -604,6 +605,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
         self._owns_group = False
+        self._release_models()
 
     def __repr__(self) -> str:
         return f"MultiWorkerMirroredStrategy(rank={self._rank}, world_size={self._world_size}, backend={self.backend!r})"

@@ -152,6 +152,7 @@ class ParameterServerStrategy(SingleReplicaStrategy):
                     self.register_table(table, self._unique_prefix("embedding"))
                     self._roots.append((table.variable, table))
             self._pending_tables.clear()
+        self._claim_models(roots)
 
     def _unique_prefix(self, base: str) -> str:
         taken = {p for p, _ in self._roots}
@@ -364,6 +365,7 @@ class ParameterServerStrategy(SingleReplicaStrategy):
             handle.remove()
         for optimizer in optimizers:
             _capture.unlink(optimizer)
+        self._release_models()
         self._access.close()
         self.client.close()
 

@@ -53,6 +53,7 @@ from paramserve.coordinator.strategies.base import (
     ReduceOp,
     Strategy,
     get_strategy,
+    strategy_of,
 )
 from paramserve.coordinator.strategies.step_runners import StepRunner, add_statistics
 from paramserve.coordinator.training.callbacks import (
@@ -64,7 +65,7 @@ from paramserve.coordinator.training.callbacks import (
     with_defaults,
 )
 
-__all__ = ["MetricFn", "accuracy", "evaluate", "fit", "predict", "resolve_metrics"]
+__all__ = ["MetricFn", "accuracy", "evaluate", "fit", "predict", "resolve_metrics", "resolve_strategy"]
 
 MetricFn = Callable[[Tensor, Tensor], Tensor]
 Metrics = Union[Sequence[Union[str, MetricFn]], Mapping[str, MetricFn]]
@@ -201,7 +202,8 @@ def fit(
         validation_data, validation_steps: evaluated after each epoch (``val_*`` logs).
         callbacks: Callback instances; a History is added (and returned), and a
             ProgressBar when ``verbose``.
-        strategy: default ``get_strategy()``.
+        strategy: default: the strategy in whose scope ``model`` was built, else the
+            strategy of the current scope (see :func:`resolve_strategy`).
         steps_per_execution: steps between batch callbacks (one closure under
             ParameterServerStrategy).
         metrics: see :func:`resolve_metrics`.
@@ -212,7 +214,7 @@ def fit(
     (naming the fix) and whatever a step or a callback raises; on an error the
     callbacks' ``on_train_end`` is skipped (a BackupAndRestore keeps its backup).
     """
-    strategy = strategy if strategy is not None else get_strategy()
+    strategy = resolve_strategy(model, strategy)
     _check_fit_arguments(optimizer, loss_fn, train_data, epochs, steps_per_epoch, steps_per_execution)
     _check_optimizer_belongs(strategy, optimizer)
     loop = Loop(epochs, steps_per_epoch, steps_per_execution, loss_fn, resolve_metrics(metrics), validation_data,
@@ -299,6 +301,27 @@ def _history_last(history: History) -> Logs:
     return {key: values[-1] for key, values in history.history.items() if values}
 
 
+def resolve_strategy(model: nn.Module, strategy: Strategy | None) -> Strategy:
+    """The strategy ``fit``/``evaluate``/``predict`` run ``model`` under: ``strategy`` when
+    given, else the one whose scope built ``model`` (Keras' ``model.fit`` needs no strategy
+    either), else the current scope's, else the default strategy.
+
+    Raises ValueError when ``strategy`` (or the current scope's) is not the one that built
+    ``model``: its replicas, mirrors or variables would be bypassed, silently or with an
+    error deep in the step.
+    """
+    owner = strategy_of(model)
+    chosen = strategy if strategy is not None else owner if owner is not None else get_strategy()
+    if owner is not None and chosen is not owner:
+        where = "passed as strategy=" if strategy is not None else "of the current scope"
+        raise ValueError(
+            f"{type(model).__name__} was built in {type(owner).__name__}.scope(), but the strategy {where} is "
+            f"{type(chosen).__name__}: pass strategy=<the {type(owner).__name__}> (or leave strategy= out and "
+            "call outside other strategies' scopes)"
+        )
+    return chosen
+
+
 def _check_fit_arguments(optimizer: Any, loss_fn: LossFn, train_data: Any, epochs: int,
                          steps_per_epoch: int | None, steps_per_execution: int) -> None:
     if epochs < 1:
@@ -356,7 +379,7 @@ def evaluate(model: nn.Module, loss_fn: LossFn, data: Any, *, steps: int | None 
     ``data``: an iterable of ``(inputs, targets)`` batches or one such pair of
     tensors. Returns ``{"loss": ..., <metric>: ...}``; raises ValueError when ``data`` is empty.
     """
-    local = (strategy if strategy is not None else get_strategy()).evaluation_strategy()
+    local = resolve_strategy(model, strategy).evaluation_strategy()
     named = resolve_metrics(metrics)
 
     def step(batch: Any) -> Tensor:
@@ -380,7 +403,7 @@ def predict(model: nn.Module, data: Any, *, steps: int | None = None, strategy: 
     ``data``: an iterable of batches (a tensor of inputs, or a tuple whose first
     element is the inputs) or one tensor. Raises ValueError when ``data`` is empty.
     """
-    local = (strategy if strategy is not None else get_strategy()).evaluation_strategy()
+    local = resolve_strategy(model, strategy).evaluation_strategy()
 
     def step(batch: Any) -> Tensor:
         inputs = batch[0] if isinstance(batch, (tuple, list)) else batch
