@@ -55,7 +55,9 @@ def batches(context) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:  # type: ig
     x_train, y_train, _, _ = digits_split()
     batch = context.get_per_replica_batch_size(GLOBAL_BATCH)
     mine = torch.arange(context.input_pipeline_id, len(x_train), context.num_input_pipelines)
-    generator = torch.Generator().manual_seed(context.input_pipeline_id)
+    # Parameter-server workers all see TensorFlow's input context (1, 0, 1): each shuffles in
+    # its own order (by the worker index it also gets) so that workers see different batches.
+    generator = torch.Generator().manual_seed(1000 * getattr(context, "worker_index", 0) + context.input_pipeline_id)
     while True:
         order = mine[torch.randperm(len(mine), generator=generator)]
         for start in range(0, len(order) - batch + 1, batch):

@@ -40,7 +40,14 @@ class InputContext:
 @dataclass(frozen=True, kw_only=True)
 class WorkerContext(InputContext):
     """The InputContext of a per-worker dataset or resource function, plus which worker
-    it runs on (e.g. to shard input by ``worker_index``) and that worker's incarnation."""
+    it runs on (e.g. to shard input by ``worker_index``) and that worker's incarnation.
+
+    As an InputContext it is TensorFlow's for parameter-server training: one input pipeline,
+    id 0, one replica in sync (``(1, 0, 1)``). Each worker runs its own replica
+    asynchronously and consumes whole batches, so ``get_per_replica_batch_size(B)`` is
+    ``B`` and no pipeline is told to keep a fraction of the data; shuffle (or shard by
+    ``worker_index`` / ``num_workers``) to give workers different examples.
+    """
 
     worker_index: int
     num_workers: int
@@ -48,11 +55,8 @@ class WorkerContext(InputContext):
 
     @classmethod
     def for_worker(cls, worker_index: int, num_workers: int, incarnation: str) -> WorkerContext:
-        """The context of worker ``worker_index`` of ``num_workers``: one input pipeline per worker."""
-        return cls(
-            num_input_pipelines=num_workers, input_pipeline_id=worker_index, num_replicas_in_sync=num_workers,
-            worker_index=worker_index, num_workers=num_workers, incarnation=incarnation,
-        )
+        """The context of worker ``worker_index`` of ``num_workers`` (input context ``(1, 0, 1)``)."""
+        return cls(worker_index=worker_index, num_workers=num_workers, incarnation=incarnation)
 
 
 class ResourceMissingError(Exception):
