@@ -32,6 +32,7 @@ from paramserve.psserver import checkpoint
 from paramserve.psserver.client import ClientConfig, ParameterServerClient
 from paramserve.psserver.optimizer import OptimizerSpec
 from paramserve.psserver.partition import Partitioner
+from paramserve.psserver.serving import TOKEN_ENV
 from paramserve.psserver.types import ClusterContext, ShardState, VariableLayout
 from paramserve.wire.v1 import tensor_pb2
 from paramserve.worker.variables import (
@@ -75,7 +76,8 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         variable_partitioner: splits large variables into shards along the first
             axis (FixedShardsPartitioner, MinSizePartitioner, MaxSizePartitioner);
             default: one shard per variable.
-        token: the cluster's shared token (servers and workers reject calls without it).
+        token: the cluster's shared token (servers and workers reject calls without it);
+            default ``PARAMSERVE_TOKEN`` from ``environ`` (``paramserve launch`` sets it).
         client_config: deadlines and retries of parameter-server calls.
         max_value_age: a worker's step starts from the variables' values as its previous
             step's push returned them (read right after that push was applied), instead of
@@ -83,6 +85,7 @@ class ParameterServerStrategy(SingleReplicaStrategy):
             those values are at most this many seconds old. 0 (default): a closure's first
             step pulls. A positive age saves a round trip per closure and lets a step miss
             the other workers' pushes made in that time (a bounded extra staleness).
+        environ: where ``cluster`` and ``token`` are read from when not given; default ``os.environ``.
     """
 
     def __init__(
@@ -93,18 +96,20 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         token: str | None = None,
         client_config: ClientConfig | None = None,
         max_value_age: float = 0.0,
+        environ: Mapping[str, str] | None = None,
     ):
-        self.cluster = cluster or ClusterSpec.from_env()
+        env = os.environ if environ is None else environ
+        self.cluster = cluster or ClusterSpec.from_env(environ=env)
         if not self.cluster.workers:
             raise ValueError("ParameterServerStrategy needs at least one worker in the cluster")
         self.variable_partitioner = variable_partitioner
-        self.token = token
+        self.token = token if token is not None else env.get(TOKEN_ENV) or None
         if not max_value_age >= 0:
             raise ValueError(f"max_value_age must be >= 0 seconds, got {max_value_age!r}")
         self.max_value_age = float(max_value_age)
         config = client_config or ClientConfig()
-        if token and not config.token:
-            config = ClientConfig(**{**config.__dict__, "token": token})
+        if self.token and not config.token:
+            config = ClientConfig(**{**config.__dict__, "token": self.token})
         self.client = ParameterServerClient(self.cluster.parameter_servers, config)
         self._lock = threading.RLock()
         self._variables: dict[str, Variable] = {}
