@@ -10,6 +10,7 @@ from paramserve.psserver.server import ServerConfig, build_server
 from paramserve.psserver.serving import (
     add_server_arguments,
     configure_logging,
+    resolve_address,
     resolve_tls,
     resolve_token,
     resolve_torch_threads,
@@ -38,9 +39,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ServerConfig:
     if args.chunk_bytes <= 0 or args.chunk_bytes > args.max_message_bytes - (1 << 20):
         parser.error("--chunk-bytes must be positive and at least 1 MiB below --max-message-bytes")
+    host, port = resolve_address(args, parser, "ps", os.environ)
     return ServerConfig(
-        host=args.host,
-        port=args.port,
+        host=host,
+        port=port,
         metrics_port=args.metrics_port,
         max_workers=args.max_workers,
         chunk_bytes=args.chunk_bytes,

@@ -26,7 +26,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -42,6 +42,7 @@ from paramserve.psserver.errors import (
     InvalidRequestError,
     ParamServeError,
 )
+from paramserve.psserver.tf_config import ClusterSpecError, task_address
 
 log = logging.getLogger(__name__)
 
@@ -477,12 +478,17 @@ def _bracket(host: str) -> str:
 # ---------------------------------------------------------------- the command line of every server
 
 TOKEN_ENV = "PARAMSERVE_TOKEN"
+DEFAULT_HOST = "127.0.0.1"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags every paramserve server takes (parameter server and worker alike)."""
     net = parser.add_argument_group("network")
-    net.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s; 0.0.0.0 for all)")
-    net.add_argument("--port", type=int, default=0, help="gRPC port; 0 picks a free one (default: %(default)s)")
+    net.add_argument("--host", help=f"address to listen on (default: the host of TF_CONFIG's task, else {DEFAULT_HOST}; "
+                                    "0.0.0.0 for all)")
+    net.add_argument("--port", type=int, help="gRPC port; 0 picks a free one (default: the port of TF_CONFIG's task, "
+                                              "else 0)")
     net.add_argument("--port-file", type=pathlib.Path, help="once serving, atomically write {port, metrics_port, pid} as JSON here")
     net.add_argument("--metrics-port", type=int, help="serve Prometheus metrics over HTTP on this port (0: a free one; default: off)")
     net.add_argument("--max-workers", type=int, default=16, help="RPC handler threads (default: %(default)s)")
@@ -496,7 +502,24 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     sec.add_argument("--tls-cert", type=pathlib.Path, help="PEM certificate chain: serve TLS (needs --tls-key)")
     sec.add_argument("--tls-key", type=pathlib.Path, help="PEM private key for --tls-cert")
     sec.add_argument("--tls-client-ca", type=pathlib.Path, help="PEM CA bundle: require client certificates signed by it (mutual TLS)")
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="(default: %(default)s)")
+    parser.add_argument("--log-level", default="INFO", choices=LOG_LEVELS,
+                        help=f"how much to log: {', '.join(LOG_LEVELS)} (default: %(default)s)")
+
+
+def resolve_address(args: argparse.Namespace, parser: argparse.ArgumentParser, role: str,
+                    environ: Mapping[str, str]) -> tuple[str, int]:
+    """Where the server listens: ``--host``/``--port``, else TF_CONFIG's task (a ``role`` task:
+    "ps" or "worker"), else 127.0.0.1 and a free port. Exits through ``parser.error`` when
+    TF_CONFIG is invalid or names another role."""
+    try:
+        task = task_address(role, environ) if args.host is None or args.port is None else None
+    except ClusterSpecError as err:
+        parser.error(str(err))
+    host = args.host if args.host is not None else task[0] if task else DEFAULT_HOST
+    port = args.port if args.port is not None else task[1] if task else 0
+    if task:
+        log.info("listening on %s:%d, as TF_CONFIG's %s task", host, port, role)
+    return host, port
 
 
 def resolve_token(args: argparse.Namespace, environ: dict[str, str] | os._Environ[str]) -> str | None:

@@ -10,6 +10,7 @@ import sys
 from paramserve.psserver.serving import (
     add_server_arguments,
     configure_logging,
+    resolve_address,
     read_token_file,
     resolve_tls,
     resolve_token,
@@ -35,9 +36,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> WorkerConfig:
     if args.ps_retry_deadline <= 0:
         parser.error("--ps-retry-deadline must be positive")
+    host, port = resolve_address(args, parser, "worker", os.environ)
     return WorkerConfig(
-        host=args.host,
-        port=args.port,
+        host=host,
+        port=port,
         metrics_port=args.metrics_port,
         max_workers=args.max_workers,
         max_message_bytes=args.max_message_bytes,

@@ -175,7 +175,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--checkpoint-every", type=int, default=400, help="steps between checkpoints (default: %(default)s)")
     parser.add_argument("--cluster-from-env", action="store_true",
                         help="train on the cluster in PARAMSERVE_PS / PARAMSERVE_WORKERS / TF_CONFIG (token: PARAMSERVE_TOKEN) instead of starting one")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the train/test split, the model's initial weights and the workers' shuffling: "
+                             "the same seed trains the same way up to the asynchrony of the workers (default: %(default)s)")
     parser.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
