@@ -10,8 +10,8 @@ import sys
 from paramserve.psserver.serving import (
     add_server_arguments,
     configure_logging,
-    resolve_address,
     read_token_file,
+    resolve_address,
     resolve_tls,
     resolve_token,
     resolve_torch_threads,
