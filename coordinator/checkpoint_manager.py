@@ -10,6 +10,7 @@ checkpoint from 2 servers restores onto 3.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import pathlib
@@ -23,7 +24,7 @@ from torch import nn
 from paramserve.psserver import checkpoint
 from paramserve.psserver.atomic_files import atomic_torch_save
 from paramserve.psserver.errors import CheckpointError
-from paramserve.psserver.types import ShardState
+from paramserve.psserver.types import ShardRef, ShardState
 
 if TYPE_CHECKING:
     from paramserve.coordinator.strategies.parameter_server import ParameterServerStrategy
@@ -57,7 +58,13 @@ class CheckpointManager:
         ``coordinator.join()`` first for a checkpoint of one consistent step.
         """
         self.strategy.materialize()
-        states = [state for server_states in self.strategy.client.export().values() for state in server_states]
+        mine = self.strategy.variables
+        states = [  # this strategy's variables only (servers may hold other runs'), named without the run name
+            dataclasses.replace(state, ref=ShardRef(self.strategy.checkpoint_key(state.ref.variable), state.ref.shard))
+            for server_states in self.strategy.client.export().values()
+            for state in server_states
+            if state.ref.variable in mine
+        ]
         path = checkpoint.save_checkpoint(
             self.directory, states, extra={STEP_KEY: int(step), **(extra or {})}, keep=self.max_to_keep
         )
@@ -78,12 +85,14 @@ class CheckpointManager:
         resolved = checkpoint.resolve(pathlib.Path(path))
         manifest = checkpoint.read_manifest(resolved)
         layouts = self.strategy.plan_layouts()
-        _check_compatible(manifest, layouts, resolved)
+        keys = {name: self.strategy.checkpoint_key(name) for name in layouts}
+        _check_compatible(manifest, {keys[name]: layout for name, layout in layouts.items()}, resolved)
         states: dict[int, list[ShardState]] = defaultdict(list)
         for name, layout in layouts.items():
             for shard in layout.shards:
                 rows = shard.num_rows if layout.shape else 1
-                states[shard.server].append(checkpoint.load_rows(resolved, name, shard.row_start, rows, layout.ref(shard)))
+                states[shard.server].append(
+                    checkpoint.load_rows(resolved, keys[name], shard.row_start, rows, layout.ref(shard)))
         self.strategy.materialize(dict(states), layouts)
         step = int(manifest.extra.get(STEP_KEY, 0))
         log.info("restored step %d from %s onto %d parameter servers", step, resolved, self.strategy.cluster.num_ps())

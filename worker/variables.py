@@ -131,6 +131,12 @@ def mark_variable(parameter: nn.Parameter, name: str) -> None:
     setattr(parameter, VARIABLE_ATTRIBUTE, name)
 
 
+def unmark_variable(parameter: nn.Parameter) -> None:
+    """Undoes ``mark_variable``: the parameter is a plain one again."""
+    if hasattr(parameter, VARIABLE_ATTRIBUTE):
+        delattr(parameter, VARIABLE_ATTRIBUTE)
+
+
 def distributed_parameters(module: nn.Module) -> list[nn.Parameter]:
     return [p for p in module.parameters() if variable_name(p) is not None]
 

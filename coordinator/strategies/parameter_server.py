@@ -2,9 +2,16 @@
 
 Modules built inside ``strategy.scope()`` keep their ordinary torch code; their
 parameters become variables partitioned across the parameter servers (created
-there lazily, when the first closure is scheduled, so that the optimizer
-declared after the model can be created with them). ``strategy.optimizer()``
-declares the torch.optim class the servers apply.
+there lazily, when the next closure is scheduled, so that the optimizer
+declared after the model can be created with them). Models may be built at any
+time, also after training started: their variables are created with the next
+closure, and the cluster context workers receive changes with them.
+``strategy.optimizer()`` declares the torch.optim class the servers apply.
+
+Variables are named ``[<run_name>/]<model>.<parameter>``. Creating one that the
+servers hold already (an earlier run with the same names) is refused unless the
+strategy was built with ``reuse_variables=True``: a run never silently starts from
+another run's trained values.
 """
 
 from __future__ import annotations
@@ -29,7 +36,8 @@ from paramserve.coordinator.strategies.base import DefaultStrategy, SingleReplic
 from paramserve.coordinator.strategies.step_runners import StepFn, StepRunner, add_statistics
 from paramserve.coordinator.strategies.training_state import TrainingCheckpoints
 from paramserve.psserver import checkpoint
-from paramserve.psserver.client import ClientConfig, ParameterServerClient
+from paramserve.psserver.client import ClientConfig, ParameterServerClient, layouts_from_infos
+from paramserve.psserver.errors import VariableExistsError
 from paramserve.psserver.optimizer import OptimizerSpec
 from paramserve.psserver.partition import Partitioner
 from paramserve.psserver.serving import TOKEN_ENV
@@ -41,6 +49,7 @@ from paramserve.worker.variables import (
     ShardedEmbedding,
     mark_variable,
     registering_tables,
+    unmark_variable,
     variable_name,
 )
 
@@ -86,6 +95,12 @@ class ParameterServerStrategy(SingleReplicaStrategy):
             step pulls. A positive age saves a round trip per closure and lets a step miss
             the other workers' pushes made in that time (a bounded extra staleness).
         environ: where ``cluster`` and ``token`` are read from when not given; default ``os.environ``.
+        run_name: namespaces this run's variables on the servers (``<run_name>/<model>.<param>``),
+            so that runs sharing parameter servers keep apart. Checkpoints store names
+            without it: a checkpoint restores into a run of any name.
+        reuse_variables: variables that exist on the servers already (from an earlier run of
+            the same names) are trained on from their current values and optimizer state;
+            without it (the default) creating them raises VariableExistsError.
     """
 
     def __init__(
@@ -97,6 +112,8 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         client_config: ClientConfig | None = None,
         max_value_age: float = 0.0,
         environ: Mapping[str, str] | None = None,
+        run_name: str | None = None,
+        reuse_variables: bool = False,
     ):
         env = os.environ if environ is None else environ
         self.cluster = cluster or ClusterSpec.from_env(environ=env)
@@ -107,6 +124,9 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         if not max_value_age >= 0:
             raise ValueError(f"max_value_age must be >= 0 seconds, got {max_value_age!r}")
         self.max_value_age = float(max_value_age)
+        self.run_name = _check_run_name(run_name)
+        self.reuse_variables = bool(reuse_variables)
+        self._namespace = f"{self.run_name}/" if self.run_name else ""
         config = client_config or ClientConfig()
         if self.token and not config.token:
             config = ClientConfig(**{**config.__dict__, "token": self.token})
@@ -115,6 +135,7 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         self._variables: dict[str, Variable] = {}
         self._roots: list[tuple[str, nn.Module]] = []
         self._materialized = False
+        self._created: set[str] = set()  # variables that exist on the servers (for this strategy)
         self._pending_tables: list[ShardedEmbedding] = []
         self._context: ClusterContext | None = None
         self._coordinator: Any = None
@@ -140,38 +161,59 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         with _capture.recording_modules() as record, _capture.capturing_optimizers(on_optimizer), \
                 registering_tables(self):
             yield
-        self._adopt(record.roots())
-        for optimizer in built:
-            self._adopt_optimizer(optimizer)
+        with self._lock, self._rolled_back_on_error():
+            self._adopt(record.roots())
+            for optimizer in built:
+                self._adopt_optimizer(optimizer)
+            if self._materialized:  # training started: a clash with the servers' variables fails the build now
+                self._existing_on_servers([name for name in self._variables if name not in self._created])
+        self._claim_models(record.roots())
+
+    @contextlib.contextmanager
+    def _rolled_back_on_error(self) -> Iterator[None]:
+        """What one scope adds (models, tables, variables, optimizers) is all recorded or, when
+        adopting it fails, none of it: a failed build leaves the strategy as it was."""
+        variables, roots = dict(self._variables), list(self._roots)
+        handles, optimizers = len(self._hook_handles), len(self._linked_optimizers)
+        try:
+            yield
+        except BaseException:
+            for name, variable in self._variables.items():
+                if name not in variables and variable.parameter is not None:
+                    unmark_variable(variable.parameter)
+                if name not in variables and variable.table is not None:
+                    variable.table.variable, variable.table.home = "", None
+            self._variables, self._roots = variables, roots
+            for handle in self._hook_handles[handles:]:
+                handle.remove()
+            for optimizer in self._linked_optimizers[optimizers:]:
+                _capture.unlink(optimizer)
+            del self._hook_handles[handles:], self._linked_optimizers[optimizers:]
+            self._pending_tables.clear()
+            raise
 
     def _adopt(self, roots: list[nn.Module]) -> None:
-        with self._lock:
-            for root in roots:
-                if any(r is root for _, r in self._roots):
-                    continue
-                prefix = self._unique_prefix(type(root).__name__.lower())
-                self._roots.append((prefix, root))
-                self._adopt_module(prefix, root)
-            for table in self._pending_tables:  # tables built on their own, outside any module
-                if not table.variable:
-                    self.register_table(table, self._unique_prefix("embedding"))
-                    self._roots.append((table.variable, table))
-            self._pending_tables.clear()
-        self._claim_models(roots)
+        for root in roots:
+            if any(r is root for _, r in self._roots):
+                continue
+            prefix = self._unique_prefix(type(root).__name__.lower())
+            self._roots.append((prefix, root))
+            self._adopt_module(prefix, root)
+        for table in self._pending_tables:  # tables built on their own, outside any module
+            if not table.variable:
+                self.register_table(table, self._unique_prefix("embedding"))
+                self._roots.append((table.variable, table))
+        self._pending_tables.clear()
 
     def _unique_prefix(self, base: str) -> str:
+        """``[<run_name>/]<base>[_n]``, not taken by another model of this strategy."""
         taken = {p for p, _ in self._roots}
-        prefix, n = base, 1
+        prefix, n = f"{self._namespace}{base}", 1
         while prefix in taken:
-            prefix, n = f"{base}_{n}", n + 1
+            prefix, n = f"{self._namespace}{base}_{n}", n + 1
         return prefix
 
     def _adopt_module(self, prefix: str, root: nn.Module) -> None:
-        if self._materialized:
-            raise RuntimeError(
-                f"{type(root).__name__} was built after training started; build every model "
-                "inside strategy.scope() before the first schedule()"
-            )
         for qualified, param in root.named_parameters():
             if variable_name(param) is not None:
                 continue
@@ -225,8 +267,12 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         spec.validate()
         with self._lock:
             names = self._variable_names(params)
-            if self._materialized:
-                raise RuntimeError("declare the optimizer before the first schedule(): the variables exist already")
+            created = [name for name in names if name in self._created]
+            if created or not names:
+                raise RuntimeError(
+                    f"declare the optimizer before the variables are created on the servers (they are at the "
+                    f"first schedule() after the model is built): {created or 'no new variable'} exist already"
+                )
             for variable in names:
                 self._variables[variable].optimizer = spec
         return ServerOptimizer(names, spec.name, dict(spec.kwargs), home=self._access)
@@ -242,7 +288,7 @@ class ParameterServerStrategy(SingleReplicaStrategy):
 
     def _variable_names(self, params: Iterable[Any] | None) -> list[str]:
         if params is None:
-            return [n for n, v in self._variables.items() if v.optimizer is None]
+            return [n for n, v in self._variables.items() if v.optimizer is None and n not in self._created]
         names = []
         for item in params:
             item = item.variable if isinstance(item, ShardedEmbedding) else item
@@ -268,8 +314,10 @@ class ParameterServerStrategy(SingleReplicaStrategy):
             return list(self._roots)
 
     def layouts(self) -> dict[str, VariableLayout]:
+        """Where this strategy's variables live (creating those not yet on the servers)."""
         self.materialize()
-        return self.client.layouts
+        layouts = self.client.layouts
+        return {name: layouts[name] for name in self.variables}
 
     def plan_layouts(self) -> dict[str, VariableLayout]:
         """Where each variable's shards go with the current partitioner and servers."""
@@ -280,23 +328,68 @@ class ParameterServerStrategy(SingleReplicaStrategy):
             }
 
     def materialize(self, states_by_server: dict[int, list[ShardState]] | None = None, layouts: dict[str, VariableLayout] | None = None) -> None:
-        """Creates every variable on the servers (once): from initial values, or from
-        restored shard states (a checkpoint) laid out by ``layouts``."""
+        """Creates the variables not yet on the servers: from initial values, or (before training
+        starts) from restored shard states (a checkpoint) laid out by ``layouts``. Cheap when
+        there is nothing new; models built after training started get their variables here.
+
+        Raises VariableExistsError when a variable to create exists on the servers already and
+        the strategy was not built with ``reuse_variables=True``.
+        """
         with self._lock:
-            if self._materialized:
-                return
-            if states_by_server is not None and layouts is not None:
+            if states_by_server is not None and layouts is not None and not self._materialized:
                 self.client.load_states(states_by_server)
                 self.client.adopt_layouts(layouts)
-            else:
-                for variable in self._variables.values():
-                    self._create(variable)
+                self._created.update(layouts)
+            new = [v for name, v in self._variables.items() if name not in self._created]
+            if new:
+                self._create_all(new)
             self._materialized = True
-            log.info("%d variables on %d parameter servers", len(self._variables), self.cluster.num_ps())
+
+    def _create_all(self, variables: list[Variable]) -> None:
+        existing = self._existing_on_servers([v.name for v in variables])
+        for variable in variables:
+            if variable.name not in existing:
+                self._create(variable)
+            self._created.add(variable.name)
+        self._context = None  # workers must learn the new layouts
+        log.info("%d variables on %d parameter servers (%d created, %d reused)", len(self._created),
+                 self.cluster.num_ps(), len(variables) - len(existing), len(existing))
+
+    def _existing_on_servers(self, names: list[str]) -> set[str]:
+        """Which of ``names`` the servers hold already; they are reused (their layouts adopted)
+        when the strategy allows it, else VariableExistsError says how to keep runs apart."""
+        infos = self.client.list_shards()
+        layouts = {n: l for n, l in layouts_from_infos(infos).items() if n in names}
+        if layouts and not self.reuse_variables:
+            raise VariableExistsError(
+                f"{len(layouts)} variables of this model exist on the parameter servers already, e.g. "
+                f"{sorted(layouts)[:3]} (from an earlier run?): pass ParameterServerStrategy(run_name=...) a new "
+                "name to keep this run's variables apart, or reuse_variables=True to train on from their values",
+                variable=sorted(layouts)[0],
+            )
+        for name, layout in layouts.items():
+            variable = self._variables[name]
+            if (layout.shape, layout.dtype) != (variable.shape, variable.dtype):
+                raise VariableExistsError(
+                    f"reuse_variables: the servers hold it as {layout.shape} {layout.dtype}, the model builds "
+                    f"{variable.shape} {variable.dtype}: use a new run_name for a different model", variable=name,
+                )
+        self.client.adopt_layouts(layouts)
+        return set(layouts)
 
     @property
     def materialized(self) -> bool:
+        """Whether training started: the variables were created (or restored) on the servers."""
         return self._materialized
+
+    def is_created(self, name: str) -> bool:
+        """Whether variable ``name`` exists on the servers (models built after training started
+        have theirs created with the next closure)."""
+        return name in self._created
+
+    def checkpoint_key(self, name: str) -> str:
+        """Variable ``name`` as checkpoints store it: without the run name."""
+        return name[len(self._namespace):] if self._namespace and name.startswith(self._namespace) else name
 
     def _create(self, variable: Variable) -> None:
         if variable.table is not None:
@@ -312,11 +405,15 @@ class ParameterServerStrategy(SingleReplicaStrategy):
                                     partitioner=self.variable_partitioner)
 
     def cluster_context(self) -> ClusterContext:
-        """What every closure carries so a (restarted) worker can reach the variables
-        (creates the variables first). Built once: layouts do not change after the variables exist."""
+        """What every closure carries so a (restarted) worker can reach the variables (creates
+        the variables not yet on the servers first). Cached; built again when variables are
+        added, so its fingerprint tells the workers (and their dispatchers) that it changed."""
         with self._lock:
+            self.materialize()
             if self._context is None:
-                self._context = ClusterContext(self.cluster.parameter_servers, self.layouts())
+                layouts = self.client.layouts
+                self._context = ClusterContext(self.cluster.parameter_servers,
+                                               {name: layouts[name] for name in self._created})
             return self._context
 
     def set_server_hyperparameters(self, values: Mapping[str, float], params: Iterable[Any] | None = None) -> None:
@@ -381,6 +478,14 @@ class ParameterServerStrategy(SingleReplicaStrategy):
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this ParameterServerStrategy was closed: create a new one")
+
+
+def _check_run_name(run_name: str | None) -> str | None:
+    if run_name is None:
+        return None
+    if not isinstance(run_name, str) or not run_name.strip() or run_name != run_name.strip() or "/" in run_name:
+        raise ValueError(f"run_name must be a non-empty name without '/' or surrounding spaces, got {run_name!r}")
+    return run_name
 
 
 _LOCAL_ONLY_OPTIONS = frozenset({"foreach", "fused", "capturable", "differentiable"})
@@ -551,7 +656,10 @@ class CoordinatorAccess:
     def refresh(self, parameters: Sequence[nn.Parameter]) -> None:
         if not self.strategy.materialized or not parameters:
             return  # before training, the local values are the variables' values
-        names = [variable_name(p) for p in parameters]
+        # A model built after training started holds its variables' values until they are created.
+        names = [n if n and self.strategy.is_created(n) else None for n in map(variable_name, parameters)]
+        if not any(names):
+            return
         pulled = self.strategy.client.pull([n for n in names if n])
         with torch.no_grad():
             for param, name in zip(parameters, names):
