@@ -58,7 +58,7 @@ class CheckpointManager:
         ``coordinator.join()`` first for a checkpoint of one consistent step.
         """
         self.strategy.materialize()
-        mine = self.strategy.variables
+        mine = {name for name, variable in self.strategy.variables.items() if variable.checkpointed}
         states = [  # this strategy's variables only (servers may hold other runs'), named without the run name
             dataclasses.replace(state, ref=ShardRef(self.strategy.checkpoint_key(state.ref.variable), state.ref.shard))
             for server_states in self.strategy.client.export().values()
@@ -84,7 +84,8 @@ class CheckpointManager:
         """Restores ``path`` (a checkpoint, or a directory of them: its latest)."""
         resolved = checkpoint.resolve(pathlib.Path(path))
         manifest = checkpoint.read_manifest(resolved)
-        layouts = self.strategy.plan_layouts()
+        variables = self.strategy.variables
+        layouts = {name: layout for name, layout in self.strategy.plan_layouts().items() if variables[name].checkpointed}
         keys = {name: self.strategy.checkpoint_key(name) for name in layouts}
         _check_compatible(manifest, {keys[name]: layout for name, layout in layouts.items()}, resolved)
         states: dict[int, list[ShardState]] = defaultdict(list)

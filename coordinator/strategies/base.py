@@ -152,6 +152,13 @@ class Strategy(abc.ABC):
         for group in _param_groups(optimizer):
             group["lr"] = lr
 
+    def metric_state(self, template: Any, name: str) -> Any:
+        """Where a metric built under this strategy keeps its state (a ``metrics.MetricState``
+        over a copy of the torchmetrics metric ``template``): here one copy in this process."""
+        from paramserve.coordinator.metrics import LocalMetricState
+
+        return LocalMetricState(template)
+
     can_restore_model_weights: bool = True
     """Whether ``load_model_weights`` works (EarlyStopping's restore_best_weights needs it)."""
 

@@ -496,6 +496,16 @@ class _ReplicatedStrategy(Strategy):
             return self._param_replicas[id(value)]
         return super().experimental_local_results(value)
 
+    def metric_state(self, template: Any, name: str) -> Any:
+        """A copy per replica, merged when read (metrics are SyncOnRead, as in tf.distribute)."""
+        from paramserve.coordinator.metrics import PerReplicaMetricState
+
+        def replica_id() -> int | None:
+            context = get_replica_context()
+            return context.replica_id_in_sync_group if context is not None and context.strategy is self else None
+
+        return PerReplicaMetricState(template, replica_id, self.num_replicas_in_sync)
+
     def sync_on_read_buffers(
         self, module: nn.Module, aggregation: VariableAggregation | str = VariableAggregation.MEAN
     ) -> dict[str, SyncOnReadVariable]:

@@ -586,6 +586,13 @@ class MultiWorkerMirroredStrategy(Strategy):
         )
         return dataset_fn(context)
 
+    def metric_state(self, template: Any, name: str) -> Any:
+        """A copy in this process; reading it gathers every process's copy over this strategy's
+        group (torchmetrics' own synchronisation: a collective, every process reads it)."""
+        from paramserve.coordinator.metrics import LocalMetricState
+
+        return LocalMetricState(template, process_group=self._group)
+
     # ------------------------------------------------------------------ lifecycle
 
     def barrier(self) -> None:

@@ -17,6 +17,7 @@ another run's trained values.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
 import pathlib
@@ -47,6 +48,7 @@ from paramserve.worker.variables import (
     RefreshBeforeForward,
     ServerOptimizer,
     ShardedEmbedding,
+    current_access,
     mark_variable,
     registering_tables,
     unmark_variable,
@@ -66,6 +68,7 @@ class Variable:
     parameter: nn.Parameter | None = None  # dense: the coordinator's own parameter
     table: ShardedEmbedding | None = None  # row variable: never materialised locally
     optimizer: OptimizerSpec | None = None
+    checkpointed: bool = True  # a metric's state is not: checkpoints hold the model
 
 
 
@@ -224,6 +227,31 @@ class ParameterServerStrategy(SingleReplicaStrategy):
             if isinstance(table, ShardedEmbedding) and not table.variable:
                 self.register_table(table, f"{prefix}.{qualified}")
         self._hook_handles.append(root.register_forward_pre_hook(RefreshBeforeForward(self._access)))
+
+    def metric_state(self, template: Any, name: str) -> Any:
+        """The metric's state tensors as variables on the servers (see ServerMetricState)."""
+        return ServerMetricState(self, template, name)
+
+    def _register_metric(self, name: str, states: Mapping[str, torch.Tensor]) -> dict[str, nn.Parameter]:
+        """Variables ``[<run>/]metric.<name>[_n].<state>`` (float64, summed by an SGD step of rate 1)
+        for a metric's states; created on the servers with the next closure."""
+        with self._lock:
+            self._check_open()
+            base, n = f"{self._namespace}metric.{name}", 1
+            prefix = base
+            while any(v.startswith(prefix + ".") for v in self._variables):
+                prefix, n = f"{base}_{n}", n + 1
+            parameters = {}
+            for state, value in states.items():
+                variable = f"{prefix}.{state}"
+                parameter = nn.Parameter(torch.zeros(tuple(value.shape), dtype=torch.float64))
+                mark_variable(parameter, variable)
+                self._variables[variable] = Variable(variable, tuple(value.shape), torch.float64, parameter=parameter,
+                                                     optimizer=METRIC_OPTIMIZER, checkpointed=False)
+                parameters[state] = parameter
+            if self._materialized:
+                self._existing_on_servers([variable_name(p) or "" for p in parameters.values()])
+            return parameters
 
     def register_table(self, table: ShardedEmbedding, name: str | None = None) -> None:
         """Called by ShardedEmbedding built in scope; named later by its root module."""
@@ -486,6 +514,59 @@ def _check_run_name(run_name: str | None) -> str | None:
     if not isinstance(run_name, str) or not run_name.strip() or run_name != run_name.strip() or "/" in run_name:
         raise ValueError(f"run_name must be a non-empty name without '/' or surrounding spaces, got {run_name!r}")
     return run_name
+
+
+METRIC_OPTIMIZER = OptimizerSpec("SGD", {"lr": 1.0})
+"""How the servers apply a metric's pushes: ``state - 1.0 * (-increment)``, an exact sum."""
+
+
+class ServerMetricState:
+    """A metric's state under ParameterServerStrategy: each state tensor is a variable on the
+    parameter servers, as TensorFlow keeps a metric's variables there.
+
+    ``update`` (on a worker inside a closure, or on the coordinator) computes the batch's
+    state with a fresh torchmetrics copy and pushes it as an increment: an idempotent push
+    (the closure's key), so a retried closure counts once and every worker's updates count.
+    ``merged`` pulls the servers' sums; ``reset`` pushes minus the values it read, so
+    increments that arrive meanwhile are kept. Pickled into a closure, the variables travel
+    as references (as a model's parameters do) and the pushes go through the worker.
+    """
+
+    def __init__(self, strategy: ParameterServerStrategy, template: Any, name: str):
+        from paramserve.coordinator.metrics import additive_states
+
+        self.template = template
+        self.states = additive_states(template)
+        self.parameters = strategy._register_metric(name, {n: getattr(template, n) for n in self.states})
+        names = [variable_name(p) or "" for p in self.parameters.values()]
+        self.optimizer = ServerOptimizer(names, METRIC_OPTIMIZER.name, dict(METRIC_OPTIMIZER.kwargs), home=strategy._access)
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        batch = copy.deepcopy(self.template)
+        batch.update(*args, **kwargs)
+        self._push({n: getattr(batch, n) for n in self.states}, sign=-1.0)
+
+    def merged(self) -> Any:
+        from paramserve.coordinator.metrics import load_states
+
+        self._refresh()
+        metric = copy.deepcopy(self.template)
+        load_states(metric, self.states, torch.cat([p.detach().reshape(-1) for p in self.parameters.values()]))
+        return metric
+
+    def reset(self) -> None:
+        self._refresh()
+        self._push({n: p.detach().clone() for n, p in self.parameters.items()}, sign=1.0)
+
+    def _refresh(self) -> None:
+        current_access(self.optimizer.home).refresh(list(self.parameters.values()))
+
+    def _push(self, values: Mapping[str, torch.Tensor], sign: float) -> None:
+        for state, parameter in self.parameters.items():
+            parameter.grad = values[state].detach().to(torch.float64).reshape(parameter.shape) * sign
+        self.optimizer.step()
+        for parameter in self.parameters.values():
+            parameter.grad = None
 
 
 _LOCAL_ONLY_OPTIONS = frozenset({"foreach", "fused", "capturable", "differentiable"})

@@ -42,9 +42,9 @@ metric, and ``val_``-prefixed ones after validation.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -64,50 +64,12 @@ from paramserve.coordinator.training.callbacks import (
     TrainingState,
     with_defaults,
 )
+from paramserve.coordinator.training.step_metrics import Metrics, StepMetric, resolve_metrics
 
-__all__ = ["MetricFn", "accuracy", "evaluate", "fit", "predict", "resolve_metrics", "resolve_strategy"]
+__all__ = ["evaluate", "fit", "predict", "resolve_metrics", "resolve_strategy"]
 
-MetricFn = Callable[[Tensor, Tensor], Tensor]
-Metrics = Union[Sequence[Union[str, MetricFn]], Mapping[str, MetricFn]]
 LossFn = Callable[[Tensor, Tensor], Tensor]
-_Named = tuple[tuple[str, MetricFn], ...]
-
-
-# ------------------------------------------------------------------ metrics
-
-
-def accuracy(outputs: Tensor, targets: Tensor) -> Tensor:
-    """Per-example classification accuracy: 1.0 where ``outputs.argmax(-1) == targets``.
-
-    Raises TypeError for floating-point targets (a regression): pass ``metrics=()``.
-    """
-    if targets.is_floating_point():
-        raise TypeError(
-            "the accuracy metric needs integer class targets, got floating-point ones: for a "
-            "regression pass metrics=() or your own metric functions"
-        )
-    return (outputs.argmax(dim=-1) == targets).to(torch.float32)
-
-
-_BUILTIN_METRICS: dict[str, MetricFn] = {"accuracy": accuracy, "acc": accuracy}
-
-
-def resolve_metrics(metrics: Metrics) -> _Named:
-    """``metrics`` as (name, function) pairs; raises ValueError for an unknown name or an unnamed lambda."""
-    if isinstance(metrics, Mapping):
-        return tuple((str(name), fn) for name, fn in metrics.items())
-    named = []
-    for metric in metrics:
-        if isinstance(metric, str):
-            if metric not in _BUILTIN_METRICS:
-                raise ValueError(f"unknown metric {metric!r}: use one of {sorted(_BUILTIN_METRICS)} or pass a function")
-            named.append(("accuracy" if metric == "acc" else metric, _BUILTIN_METRICS[metric]))
-            continue
-        name = getattr(metric, "__name__", "")
-        if not name or name == "<lambda>":
-            raise ValueError("a metric function needs a name: pass metrics={'name': fn}")
-        named.append((name, metric))
-    return tuple(named)
+_Named = tuple[StepMetric, ...]
 
 
 # ------------------------------------------------------------------ per-batch statistics
@@ -132,23 +94,21 @@ def _per_example_loss(loss_fn: LossFn, outputs: Tensor, targets: Tensor) -> Tens
 
 
 def _batch_stats(losses: Tensor, outputs: Tensor, targets: Tensor, metrics: _Named) -> Tensor:
-    """[sum of losses, examples, sum of each metric] of one batch, detached, in float64."""
-    count = losses.shape[0]
-    values = [losses.detach().double().sum(), torch.tensor(float(count), dtype=torch.float64, device=losses.device)]
-    for _, metric in metrics:
-        with torch.no_grad():
-            value = metric(outputs, targets).double().to(losses.device)
-        values.append(value.sum() if value.dim() else value * count)
-    return torch.stack(values)
+    """[sum of losses, examples, each metric's state] of one batch, detached, in float64."""
+    count = torch.tensor([float(losses.shape[0])], dtype=torch.float64, device=losses.device)
+    parts = [losses.detach().double().sum().reshape(1), count]
+    parts += [metric.stats(outputs, targets).to(losses.device) for metric in metrics]
+    return torch.cat(parts)
 
 
 def _logs(totals: Tensor | None, metrics: _Named, prefix: str = "") -> Logs:
     if totals is None or float(totals[1]) == 0:
         return {}
-    count = float(totals[1])
-    logs = {f"{prefix}loss": float(totals[0]) / count}
-    for i, (name, _) in enumerate(metrics):
-        logs[f"{prefix}{name}"] = float(totals[2 + i]) / count
+    logs = {f"{prefix}loss": float(totals[0]) / float(totals[1])}
+    offset = 2
+    for metric in metrics:
+        logs[f"{prefix}{metric.name}"] = metric.value(totals[offset: offset + metric.size])
+        offset += metric.size
     return logs
 
 
@@ -292,7 +252,7 @@ def _execution_size(done: int, steps_per_epoch: int | None, steps_per_execution:
 
 def _validate(state: TrainingState, loop: Loop) -> Logs:
     results = evaluate(state.model, loop.loss_fn, loop.validation_data, steps=loop.validation_steps,
-                       metrics=dict(loop.metrics), strategy=state.strategy)
+                       metrics=loop.metrics, strategy=state.strategy)
     return {f"val_{key}": value for key, value in results.items()}
 
 
@@ -373,7 +333,7 @@ def _batches(data: Any, steps: int | None) -> Iterator[Any]:
 
 
 def evaluate(model: nn.Module, loss_fn: LossFn, data: Any, *, steps: int | None = None,
-             metrics: Metrics = ("accuracy",), strategy: Any = None) -> dict[str, float]:
+             metrics: Metrics | Sequence[StepMetric] = ("accuracy",), strategy: Any = None) -> dict[str, float]:
     """The mean loss and metrics of ``model`` over ``data`` (at most ``steps`` batches).
 
     ``data``: an iterable of ``(inputs, targets)`` batches or one such pair of

@@ -1,0 +1,101 @@
+"""Metrics on torchmetrics that aggregate under every strategy, in custom loops and in fit
+(issue 11, items 3 and 10)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torchmetrics
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from paramserve.coordinator import metrics
+from paramserve.coordinator.commands.demo import MLP, digits_split
+from paramserve.coordinator.strategies import MirroredStrategy, OneDeviceStrategy, get_strategy
+from paramserve.coordinator.training.fit import evaluate, fit
+
+LOSS = nn.CrossEntropyLoss(reduction="none")
+
+
+def batches(rows=256, batch=64):
+    x, y, _, _ = digits_split()
+    return DataLoader(TensorDataset(x[:rows], y[:rows]), batch_size=batch)
+
+
+def reference(model, data):
+    """Accuracy and AUC (of 'is it a 0') over all of ``data`` on one device, with torchmetrics."""
+    accuracy, auc = torchmetrics.MeanMetric(), torchmetrics.classification.BinaryAUROC(thresholds=200)
+    with torch.no_grad():
+        for x, y in data:
+            outputs = model(x)
+            accuracy.update((outputs.argmax(-1) == y).double())
+            auc.update(outputs.softmax(-1)[:, 0], (y == 0).long())
+    return float(accuracy.compute()), float(auc.compute())
+
+
+@pytest.mark.parametrize("make", [get_strategy, lambda: OneDeviceStrategy("cpu"),
+                                  lambda: MirroredStrategy(["cpu:0", "cpu:1"])],
+                         ids=["default", "one_device", "mirrored"])
+def test_metrics_updated_in_every_replica_count_when_read(make):
+    strategy = make()
+    try:
+        torch.manual_seed(0)
+        with strategy.scope():
+            model = MLP(16)
+            accuracy, auc, seen = metrics.Accuracy(), metrics.AUC(), metrics.Mean("seen")
+
+        def step(x, y):  # the seed's custom loop: update_state inside strategy.run
+            with torch.no_grad():
+                outputs = model(x)
+            accuracy.update_state(outputs, y)
+            auc.update_state(outputs.softmax(-1)[:, 0], (y == 0).long())
+            seen.update_state(torch.ones(len(y)))
+
+        for batch in strategy.experimental_distribute_dataset(batches()):
+            strategy.run(step, args=batch)
+        expected_accuracy, expected_auc = reference(model, batches())
+        assert float(accuracy.result()) == pytest.approx(expected_accuracy)
+        assert float(auc.result()) == pytest.approx(expected_auc)
+        assert float(seen.result()) == 1.0 and float(seen._state.merged().weight) == 256
+        seen.reset_state()
+        assert float(seen._state.merged().weight) == 0
+    finally:
+        strategy.close()
+
+
+def test_a_mirrored_metric_keeps_a_copy_per_replica():
+    strategy = MirroredStrategy(["cpu:0", "cpu:1"])
+    try:
+        with strategy.scope():
+            mean = metrics.Mean()
+        strategy.run(lambda: mean.update_state(torch.ones(3)))
+        assert [float(copy.weight) for copy in mean._state.copies] == [3.0, 3.0]
+        assert float(mean._state.merged().weight) == 6.0
+    finally:
+        strategy.close()
+
+
+def test_fit_takes_metric_objects_torchmetrics_names_and_functions():
+    torch.manual_seed(0)
+    model = MLP(16)
+    optimizer = torch.optim.Adam(model.parameters(), lr=5e-3)
+    x, y, _, _ = digits_split()
+    f1 = torchmetrics.classification.MulticlassF1Score(10, average="micro")
+
+    def correct(outputs, targets):
+        return (outputs.argmax(-1) == targets).float()
+
+    history = fit(model, optimizer, LOSS, batches(), epochs=2, verbose=False, validation_data=(x[:200], y[:200]),
+                  metrics=["accuracy", metrics.AUC(name="auc_of_0", from_logits=True), f1, correct])
+    for name in ("accuracy", "auc_of_0", "multiclass_f1_score", "correct"):
+        assert name in history.history and f"val_{name}" in history.history
+    assert history.history["val_accuracy"] == pytest.approx(history.history["val_correct"])
+    assert history.history["val_accuracy"] == pytest.approx(history.history["val_multiclass_f1_score"])
+    results = evaluate(model, LOSS, (x[:200], y[:200]), metrics=[metrics.Accuracy()])
+    assert results["accuracy"] == pytest.approx(history.history["val_accuracy"][-1])
+
+
+def test_metrics_whose_state_does_not_add_up_are_refused_with_the_fix():
+    with pytest.raises(ValueError, match="thresholds=200"):
+        fit(MLP(16), torch.optim.SGD(MLP(16).parameters(), lr=0.1), LOSS, batches(), verbose=False,
+            metrics=[torchmetrics.classification.BinaryAUROC()])
