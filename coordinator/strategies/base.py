@@ -196,6 +196,21 @@ class Strategy(abc.ABC):
         """Default (one replica): the value itself."""
         return value
 
+    @property
+    def _local_replicas(self) -> int:
+        """How many of the replicas in sync this process holds (all of them, unless the
+        strategy spans processes)."""
+        return self.num_replicas_in_sync
+
+    def _local_index(self, replica_id: int) -> int:
+        """Where replica ``replica_id`` is among this process's replicas."""
+        return replica_id
+
+    def _sum_across_processes(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` summed over the processes of the strategy (a collective where it spans
+        several; here the tensor itself)."""
+        return tensor
+
     @contextlib.contextmanager
     def _in_replica(self, replica_id: int) -> Iterator[ReplicaContext]:
         """Enters replica context for this thread (used by ``run`` implementations)."""

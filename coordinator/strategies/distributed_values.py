@@ -67,7 +67,10 @@ class SyncOnReadVariable(DistributedValue):
     In replica context (inside ``strategy.run`` of the owning strategy) reads and
     writes touch only that replica's copy, with no synchronisation: that is why
     metrics and batch-norm statistics use it. Read in cross-replica context (or
-    outside the strategy) the copies are combined by ``aggregation``.
+    outside the strategy) the copies are combined by ``aggregation``, across every
+    process of a multi-process strategy too (MultiWorkerMirroredStrategy: each process
+    holds its replica's copy, and reading the aggregate is a collective that every
+    process makes).
 
     Args:
         initial_value: the value every copy starts from.
@@ -98,10 +101,10 @@ class SyncOnReadVariable(DistributedValue):
         DistributedValue.__init__(variable, list(local_values))
         variable.aggregation = VariableAggregation(aggregation)
         variable.strategy = strategy or get_strategy()
-        if len(variable.values) != variable.strategy.num_replicas_in_sync:
+        if len(variable.values) != variable.strategy._local_replicas:
             raise ValueError(
-                f"got {len(variable.values)} local values for {variable.strategy.num_replicas_in_sync} replicas: "
-                "pass one tensor per replica (strategy.experimental_local_results gives them)"
+                f"got {len(variable.values)} local values for {variable.strategy._local_replicas} replicas in this "
+                "process: pass one tensor per replica (strategy.experimental_local_results gives them)"
             )
         return variable
 
@@ -117,7 +120,9 @@ class SyncOnReadVariable(DistributedValue):
     value = read_value
 
     def aggregate(self) -> torch.Tensor:
-        """The copies combined by ``aggregation``, on replica 0's device (a new tensor)."""
+        """The copies of every replica, in this process and the others, combined by
+        ``aggregation``, on this process's first copy's device (a new tensor). Under a
+        multi-process strategy a collective: every process must call it."""
         if self.aggregation is VariableAggregation.NONE:
             raise ValueError(
                 "a SyncOnReadVariable with aggregation NONE has no cross-replica value: read each "
@@ -125,13 +130,23 @@ class SyncOnReadVariable(DistributedValue):
             )
         first = self.values[0]
         if self.aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
-            return first.detach().clone()
+            # Replica 0's copy, wherever it lives: the other processes add zeros.
+            local = first.detach().clone() if self._holds_replica_zero() else torch.zeros_like(first)
+            return self.strategy._sum_across_processes(local).to(first.dtype)
         total = first.detach().clone()
         for copy in self.values[1:]:
             total.add_(copy.detach().to(first.device))
+        total = self.strategy._sum_across_processes(total).to(first.dtype)
+        replicas = self.strategy.num_replicas_in_sync
         if self.aggregation is VariableAggregation.MEAN:
-            return total / len(self.values) if total.is_floating_point() else total // len(self.values)
+            return total / replicas if total.is_floating_point() else total // replicas
         return total
+
+    def _holds_replica_zero(self) -> bool:
+        """Whether this process holds replica 0 (in a single-process strategy, always)."""
+        if self.strategy._local_replicas == self.strategy.num_replicas_in_sync:
+            return True
+        return self.strategy.is_chief  # rank 0 holds replica 0
 
     # ------------------------------------------------------------------ writing
 
@@ -145,7 +160,7 @@ class SyncOnReadVariable(DistributedValue):
             return
         value = torch.as_tensor(value)
         if self.aggregation is VariableAggregation.SUM:
-            value = value / len(self.values)
+            value = value / self.strategy.num_replicas_in_sync
         for copy in self.values:
             copy.copy_(value)
 
@@ -165,15 +180,16 @@ class SyncOnReadVariable(DistributedValue):
         context = get_replica_context()
         if context is None or context.strategy is not self.strategy:
             return None
-        return context.replica_id_in_sync_group
+        return self.strategy._local_index(context.replica_id_in_sync_group)
 
 
 def _replica_devices(strategy: Strategy, fallback: torch.device) -> tuple[torch.device, ...]:
-    """Where each replica's copy lives: the strategy's replica devices when it has them."""
+    """Where each of this process's replicas keeps its copy: the strategy's replica devices
+    when it has them."""
     devices = getattr(strategy, "replica_devices", None)
     if devices is not None:
         return tuple(devices)
-    return (fallback,) * strategy.num_replicas_in_sync
+    return (fallback,) * strategy._local_replicas
 
 
 def regroup(per_replica: Sequence[Any]) -> Any:

@@ -523,6 +523,21 @@ class MultiWorkerMirroredStrategy(Strategy):
     def _replica_all_reduce(self, context: ReplicaContext, reduce_op: ReduceOp, value: Any) -> Any:
         return _map_tensors(lambda t: self._all_reduce_tensor(reduce_op, t), value)
 
+    @property
+    def _local_replicas(self) -> int:
+        return 1  # this process's replica; the others are other processes'
+
+    def _local_index(self, replica_id: int) -> int:
+        return 0
+
+    def _sum_across_processes(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self._all_reduce_tensor(ReduceOp.SUM, tensor)
+
+    @property
+    def replica_devices(self) -> tuple[torch.device, ...]:
+        """The device of this process's replica (SyncOnReadVariable keeps its copy there)."""
+        return (self.device,)
+
     def _all_reduce_tensor(self, reduce_op: ReduceOp, tensor: torch.Tensor) -> torch.Tensor:
         result = tensor.detach().to(self.device, copy=True)
         dist.all_reduce(result, op=dist.ReduceOp.SUM, group=self._group)

@@ -21,8 +21,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from paramserve.coordinator import metrics
 from paramserve.coordinator.cluster import ClusterSpecError
 from paramserve.coordinator.strategies.base import ReduceOp, get_replica_context
+from paramserve.coordinator.strategies.distributed_values import SyncOnReadVariable, VariableAggregation
 from paramserve.coordinator.strategies.losses import compute_average_loss
 from paramserve.coordinator.strategies.multi_worker import (
     ClusterResolver,
@@ -112,10 +114,30 @@ def rank_main(mode: str, out_path: str) -> None:
     checks = strategy.run(replica_checks)
     checks["num_replicas_in_sync"] = strategy.num_replicas_in_sync
     checks["mean_along_batch"] = strategy.reduce("MEAN", torch.full((3 + rank,), float(rank)), axis=0).item()
+    checks.update(aggregates_across_processes(strategy, rank))
     torch.save({"rank": rank, "state": model.state_dict(), "losses": losses, "checks": checks}, out_path)
     strategy.shutdown()
     if mode == "process_group":
         dist.destroy_process_group()
+
+
+def aggregates_across_processes(strategy: MultiWorkerMirroredStrategy, rank: int) -> dict[str, float]:
+    """SyncOnReadVariables and metrics updated by each process's replica, read as one value."""
+    with strategy.scope():
+        total = SyncOnReadVariable(0.0, VariableAggregation.SUM)
+        average = SyncOnReadVariable(0.0, VariableAggregation.MEAN)
+        first = SyncOnReadVariable(0.0, VariableAggregation.ONLY_FIRST_REPLICA)
+        mean = metrics.Mean()
+
+    def replica_fn() -> None:
+        total.assign_add(rank + 1.0)
+        average.assign(float(rank))
+        first.assign(10.0 + rank)
+        mean.update_state(torch.full((rank + 1,), float(rank)))
+
+    strategy.run(replica_fn)
+    return {"sync_on_read_sum": total.read_value().item(), "sync_on_read_mean": average.read_value().item(),
+            "sync_on_read_first": first.read_value().item(), "metric_mean": mean.result().item()}
 
 
 # --------------------------------------------------------------------------- the parent
@@ -175,6 +197,10 @@ def assert_matches_single_process(results: list[dict]) -> None:
         assert checks["all_reduce_sum"] == 3.0
         assert checks["num_replicas_in_sync"] == WORLD_SIZE
         assert checks["mean_along_batch"] == pytest.approx(4 / 7)  # rank 1's four 1.0s among 3 + 4 values
+        assert checks["sync_on_read_sum"] == 3.0, "1 + 2: every process's copy counts"
+        assert checks["sync_on_read_mean"] == 0.5
+        assert checks["sync_on_read_first"] == 10.0
+        assert checks["metric_mean"] == pytest.approx(2 / 3)  # rank 0's one 0.0 and rank 1's two 1.0s
     for name in reference_state:
         assert torch.equal(results[0]["state"][name], results[1]["state"][name]), name
 
