@@ -481,6 +481,12 @@ class ParameterServerStrategy(SingleReplicaStrategy):
 
     can_restore_model_weights = False  # variables are only assigned by a checkpoint restore
 
+    def model_weights(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The variables' current values (pulled from the servers) as ``model``'s state_dict."""
+        from paramserve.coordinator.checkpoint_manager import state_dict
+
+        return state_dict(self, model)
+
     def close(self) -> None:
         """Ends the strategy: removes the refresh hooks from its modules, gives the optimizers
         built in its scope their own classes back, and closes the parameter-server client.
@@ -686,6 +692,11 @@ class ServerCheckpoints:
 
     def save(self, name: str, model: nn.Module, optimizer: Any, extra: Mapping[str, Any]) -> pathlib.Path:
         return self._manager.save(int(extra.get("step", 0)), extra={**extra, "name": name})
+
+    def save_at(self, path: pathlib.Path, model: nn.Module, optimizer: Any, extra: Mapping[str, Any]) -> pathlib.Path:
+        """A checkpoint directory at ``path`` (restore it with ``CheckpointManager(strategy, path)``)."""
+        CheckpointManager(self._strategy, path, max_to_keep=1).save(int(extra.get("step", 0)), extra=dict(extra))
+        return path
 
     def latest(self) -> pathlib.Path | None:
         return self._manager.latest

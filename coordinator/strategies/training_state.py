@@ -30,6 +30,9 @@ class TrainingCheckpoints(Protocol):
     def save(self, name: str, model: nn.Module, optimizer: Any, extra: Mapping[str, Any]) -> pathlib.Path:
         """Writes a checkpoint (``name`` names it where the format allows); keeps the newest ``keep``."""
 
+    def save_at(self, path: pathlib.Path, model: nn.Module, optimizer: Any, extra: Mapping[str, Any]) -> pathlib.Path:
+        """Writes one checkpoint at exactly ``path`` (ModelCheckpoint's formatted filepath)."""
+
     def latest(self) -> pathlib.Path | None:
         """The newest checkpoint, None when there is none."""
 
@@ -49,9 +52,11 @@ class TorchFileCheckpoints:
         self.directory = pathlib.Path(directory)
         self.keep = keep
 
+    def save_at(self, path: pathlib.Path, model: nn.Module, optimizer: Any, extra: Mapping[str, Any]) -> pathlib.Path:
+        return atomic_torch_save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), **extra}, path)
+
     def save(self, name: str, model: nn.Module, optimizer: Any, extra: Mapping[str, Any]) -> pathlib.Path:
-        payload = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), **extra}
-        path = atomic_torch_save(payload, self.directory / f"{name}{self.SUFFIX}")
+        path = self.save_at(self.directory / f"{name}{self.SUFFIX}", model, optimizer, extra)
         if self.keep:
             for old in self._files()[: -self.keep]:
                 old.unlink(missing_ok=True)

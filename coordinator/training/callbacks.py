@@ -2,8 +2,9 @@
 
 A callback sees the training through a :class:`TrainingState` (its
 ``state`` attribute, set by ``fit`` before ``on_train_begin``): the model, the
-optimizer, the strategy, the epoch and the global step. It stops training by
-setting ``state.stop_training``. Hooks, in the order ``fit`` calls them::
+optimizer, the strategy, the epoch and the global step; ``self.model`` is the model,
+as in Keras. It stops training by setting ``state.stop_training``. Hooks, in the
+order ``fit`` calls them::
 
     on_train_begin(logs)
       on_epoch_begin(epoch, logs)
@@ -24,10 +25,13 @@ Every file a callback writes is written atomically (temporary file, fsync,
 from __future__ import annotations
 
 import importlib.util
+import inspect
+import json
 import logging
 import math
 import os
 import pathlib
+import shutil
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -35,6 +39,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from paramserve.psserver.atomic_files import atomic_torch_save, atomic_write
 
 __all__ = [
     "BackupAndRestore",
@@ -47,6 +53,7 @@ __all__ = [
     "ProgressBar",
     "TensorBoard",
     "TrainingState",
+    "latest_checkpoint",
 ]
 
 log = logging.getLogger(__name__)
@@ -86,6 +93,11 @@ class Callback:
 
     def bind(self, state: TrainingState) -> None:
         self.state = state
+
+    @property
+    def model(self) -> nn.Module:
+        """The model ``fit`` trains (Keras' ``callback.model``)."""
+        return self.state.model
 
     def on_train_begin(self, logs: Logs | None = None) -> None: ...
 
@@ -199,34 +211,129 @@ def _format(logs: Mapping[str, float]) -> dict[str, str]:
 
 
 class ModelCheckpoint(Callback):
-    """Saves the model and optimizer every ``save_every_epochs`` epochs, keeping the last ``keep``.
+    """Saves the model (and optimizer) at each epoch's end, or every ``save_freq`` steps,
+    as Keras' ModelCheckpoint does.
 
-    Where and how is the strategy's (``strategy.training_checkpoints``): in-process
-    strategies write ``directory/epoch-<NNNN>.pt`` (NNNN: epochs completed) atomically with
-    torch.save, ``torch.load(path)`` giving ``{"model": state_dict, "optimizer": state_dict,
-    "epoch": int, "step": int}``; ParameterServerStrategy writes CheckpointManager checkpoints
-    in ``directory`` (``extra["epoch"]`` holds the epochs completed), restored with
-    ``CheckpointManager(strategy, directory).restore_or_initialize()``.
-    Under a multi-process strategy only the chief writes.
+    Args:
+        filepath: where to write, formatted with ``epoch`` (from 1, as in Keras) and the
+            epoch's logs, e.g. ``"ckpts/ckpt-{epoch:02d}.pt"`` or
+            ``"best-{epoch:02d}-{val_loss:.2f}.pt"``.
+        monitor, mode, save_best_only: with ``save_best_only`` a checkpoint is written only
+            when ``monitor`` improves (``mode`` "min", "max", or "auto": max for names with
+            "acc" or "auc", else min); a fixed ``filepath`` then always holds the best model.
+        save_weights_only: write the model's weights only, a plain ``state_dict`` that
+            ``model.load_state_dict(torch.load(path))`` loads under any strategy or none
+            (under ParameterServerStrategy: the variables' current values). Otherwise the
+            training state, where the strategy keeps it (``strategy.training_checkpoints``):
+            a torch file ``{"model", "optimizer", "epoch", "step"}``, or for
+            ParameterServerStrategy a CheckpointManager checkpoint of every variable with
+            its optimizer state, in a directory at ``filepath``.
+        save_freq: "epoch", or a number of steps (checked at each batch callback).
+        keep: how many checkpoints written by this callback to keep (None: all).
+
+    ``latest_checkpoint(directory)`` names the newest one (an index file ``checkpoint``
+    beside them says which, as TensorFlow's does). Under a multi-process strategy only the
+    chief writes.
     """
 
-    def __init__(self, directory: str | os.PathLike[str], save_every_epochs: int = 1, keep: int = 3):
-        if save_every_epochs < 1:
-            raise ValueError(f"save_every_epochs must be >= 1, got {save_every_epochs}")
-        if keep < 1:
-            raise ValueError(f"keep must be >= 1, got {keep}")
-        self.directory = pathlib.Path(directory)
-        self.save_every_epochs = save_every_epochs
-        self.keep = keep
+    def __init__(self, filepath: str | os.PathLike[str], monitor: str = "val_loss", verbose: int = 0,
+                 save_best_only: bool = False, save_weights_only: bool = False, mode: str = "auto",
+                 save_freq: str | int = "epoch", keep: int | None = None):
+        if mode not in ("auto", "min", "max"):
+            raise ValueError(f"mode must be 'auto', 'min' or 'max', got {mode!r}")
+        if save_freq != "epoch" and not (isinstance(save_freq, int) and save_freq >= 1):
+            raise ValueError(f"save_freq must be 'epoch' or a number of steps >= 1, got {save_freq!r}")
+        if keep is not None and keep < 1:
+            raise ValueError(f"keep must be >= 1 or None, got {keep}")
+        self.filepath = os.fspath(filepath)
+        self.monitor, self.verbose = monitor, verbose
+        self.save_best_only, self.save_weights_only = save_best_only, save_weights_only
+        self.maximize = _maximize(monitor, mode)
+        self.save_freq, self.keep = save_freq, keep
+        self.best: float | None = None
+        self._last_saved_step = 0
+
+    def on_train_batch_end(self, step: int, logs: Logs | None = None) -> None:
+        if isinstance(self.save_freq, int) and step - self._last_saved_step >= self.save_freq:
+            self._last_saved_step = step
+            self._save(self.state.epoch, logs or {})
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
-        completed = epoch + 1
-        if completed % self.save_every_epochs or not self.state.is_chief:
+        if self.save_freq == "epoch":
+            self._save(epoch, logs or {})
+
+    def _save(self, epoch: int, logs: Logs) -> None:
+        if self.save_best_only:
+            if self.monitor not in logs:
+                log.warning("ModelCheckpoint(save_best_only=True) monitors %r, which is not in the logs %s: "
+                            "skipping the checkpoint", self.monitor, sorted(logs))
+                return
+            if not improved(float(logs[self.monitor]), self.best, 0.0, self.maximize):
+                return
+            self.best = float(logs[self.monitor])
+        if not self.state.is_chief:
             return
-        checkpoints = self.state.strategy.training_checkpoints(self.directory, self.keep)
-        path = checkpoints.save(f"epoch-{completed:04d}", self.state.model, self.state.optimizer,
-                                _progress(self.state, completed))
-        log.info("checkpoint of epoch %d written to %s", completed, path)
+        path = self._path(epoch, logs)
+        if self.save_weights_only:
+            atomic_torch_save(self.state.strategy.model_weights(self.state.model), path)
+        else:
+            checkpoints = self.state.strategy.training_checkpoints(path.parent, keep=0)
+            checkpoints.save_at(path, self.state.model, self.state.optimizer, _progress(self.state, epoch + 1))
+        _record_checkpoint(path, self.keep)
+        if self.verbose:
+            print(f"\nEpoch {epoch + 1}: saving model to {path}", file=sys.stderr)
+        log.info("checkpoint of epoch %d written to %s", epoch + 1, path)
+
+    def _path(self, epoch: int, logs: Logs) -> pathlib.Path:
+        try:
+            return pathlib.Path(self.filepath.format(epoch=epoch + 1, **logs))
+        except (KeyError, IndexError) as err:
+            raise KeyError(f"ModelCheckpoint filepath {self.filepath!r} names {err}, which is not in the logs "
+                           f"{sorted(logs)}: use epoch or one of those") from None
+
+
+CHECKPOINT_INDEX = "checkpoint"
+"""The file beside ModelCheckpoint's checkpoints that names them, newest last (TF's ``checkpoint``)."""
+
+
+def _record_checkpoint(path: pathlib.Path, keep: int | None) -> None:
+    """Names ``path`` the newest checkpoint in its directory's index; deletes the ones beyond ``keep``."""
+    index = path.parent / CHECKPOINT_INDEX
+    names = [n for n in _read_index(index) if n != path.name] + [path.name]
+    if keep is not None:
+        for old in names[:-keep]:
+            _delete(path.parent / old)
+        names = names[-keep:]
+    atomic_write(index, lambda file: file.write(json.dumps({"latest": path.name, "all": names}).encode()))
+
+
+def _read_index(index: pathlib.Path) -> list[str]:
+    try:
+        return list(json.loads(index.read_text())["all"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+
+
+def _delete(path: pathlib.Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def latest_checkpoint(directory: str | os.PathLike[str]) -> str | None:
+    """The newest checkpoint ModelCheckpoint wrote in ``directory`` (TensorFlow's
+    ``tf.train.latest_checkpoint``), None when there is none. Without an index (files written
+    otherwise) the newest ``*.pt`` file or checkpoint directory, by modification time."""
+    root = pathlib.Path(directory)
+    names = _read_index(root / CHECKPOINT_INDEX)
+    existing = [root / n for n in names if (root / n).exists()]
+    if existing:
+        return str(existing[-1])
+    if not root.is_dir():
+        return None
+    candidates = [p for p in root.iterdir() if (p.suffix == ".pt" and p.is_file()) or (p / "LATEST").is_file()]
+    return str(max(candidates, key=lambda p: p.stat().st_mtime_ns)) if candidates else None
 
 
 class BackupAndRestore(Callback):
@@ -281,17 +388,21 @@ def _progress(state: TrainingState, epochs_completed: int) -> dict[str, int]:
 
 
 class LearningRateScheduler(Callback):
-    """Sets the learning rate to ``schedule(epoch, lr)`` at each epoch's begin (epoch from 0,
-    ``lr`` the current rate) and logs it as ``lr``. The strategy applies it
-    (``strategy.set_learning_rate``): every ``param_groups`` entry of a torch optimizer, or
-    the parameter servers' optimizer for its variables.
+    """Sets the learning rate to ``schedule(epoch)`` or ``schedule(epoch, lr)`` at each epoch's
+    begin (epoch from 0, ``lr`` the current rate), as Keras' does, and logs it as ``lr``. The
+    strategy applies it (``strategy.set_learning_rate``): every ``param_groups`` entry of a
+    torch optimizer, or the parameter servers' optimizer for its variables.
     """
 
-    def __init__(self, schedule: Callable[[int, float], float]):
+    def __init__(self, schedule: Callable[[int, float], float] | Callable[[int], float], verbose: int = 0):
         self.schedule = schedule
+        self.verbose = verbose
+        self._with_lr = _takes_two_arguments(schedule)
 
     def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None:
-        lr = float(self.schedule(epoch, self.current_lr()))
+        lr = float(self.schedule(epoch, self.current_lr()) if self._with_lr else self.schedule(epoch))  # type: ignore[call-arg]
+        if self.verbose:
+            print(f"\nEpoch {epoch + 1}: LearningRateScheduler setting learning rate to {lr}.", file=sys.stderr)
         if not math.isfinite(lr) or lr < 0:
             raise ValueError(f"the schedule returned learning rate {lr} for epoch {epoch}: return a finite rate >= 0")
         self.state.strategy.set_learning_rate(self.state.optimizer, lr)
@@ -302,6 +413,18 @@ class LearningRateScheduler(Callback):
 
     def current_lr(self) -> float:
         return self.state.strategy.learning_rate(self.state.optimizer)
+
+
+def _takes_two_arguments(schedule: Callable[..., float]) -> bool:
+    """Whether ``schedule`` takes ``(epoch, lr)`` rather than ``(epoch)`` (decided by its
+    signature, not by calling it: a TypeError inside the schedule must not be hidden)."""
+    try:
+        inspect.signature(schedule).bind(0, 0.0)
+    except TypeError:
+        return False
+    except ValueError:  # no signature: Keras' two-argument form
+        return True
+    return True
 
 
 class EarlyStopping(Callback):
@@ -322,7 +445,7 @@ class EarlyStopping(Callback):
         self.monitor = monitor
         self.patience = patience
         self.min_delta = abs(min_delta)
-        self.maximize = mode == "max" or (mode == "auto" and "acc" in monitor)
+        self.maximize = _maximize(monitor, mode)
         self.restore_best_weights = restore_best_weights
         self.best: float | None = None
         self.best_epoch: int | None = None
@@ -361,6 +484,11 @@ class EarlyStopping(Callback):
             log.info("restored the weights of epoch %s (%s %.4g)", self.best_epoch, self.monitor, self.best)
 
 
+def _maximize(monitor: str, mode: str) -> bool:
+    """Whether larger is better for ``monitor`` (mode "auto": accuracies and AUCs)."""
+    return mode == "max" or (mode == "auto" and ("acc" in monitor or "auc" in monitor))
+
+
 def improved(value: float, best: float | None, min_delta: float, maximize: bool) -> bool:
     """Whether ``value`` beats ``best`` by more than ``min_delta`` (any value beats None)."""
     if best is None:
@@ -380,35 +508,62 @@ def _monitored(name: str, logs: Mapping[str, float]) -> float:
 
 
 class TensorBoard(Callback):
-    """Writes each epoch's logs as scalars ``epoch/<name>`` to ``log_dir``
-    (torch.utils.tensorboard.SummaryWriter; only the chief of a multi-process strategy writes).
+    """Writes the logs for TensorBoard as Keras does: ``log_dir/train`` holds the training
+    logs and ``log_dir/validation`` the ``val_*`` ones (without the prefix), as scalars
+    ``epoch_<name>`` (``epoch_loss``, ``epoch_accuracy``, ...) at step ``epoch``; with
+    ``update_freq="batch"`` (or N: every N steps) also ``batch_<name>`` at the global step.
+    torch.utils.tensorboard writes them; only the chief of a multi-process strategy does.
 
     Raises ImportError at construction when the ``tensorboard`` package is missing.
     """
 
-    def __init__(self, log_dir: str | os.PathLike[str]):
+    def __init__(self, log_dir: str | os.PathLike[str] = "logs", update_freq: str | int = "epoch"):
         if importlib.util.find_spec("tensorboard") is None:
             raise ImportError("the TensorBoard callback needs the tensorboard package: pip install tensorboard")
+        if update_freq not in ("epoch", "batch") and not (isinstance(update_freq, int) and update_freq >= 1):
+            raise ValueError(f"update_freq must be 'epoch', 'batch' or a number of steps >= 1, got {update_freq!r}")
         self.log_dir = pathlib.Path(log_dir)
-        self._writer: Any = None
+        self.update_freq = 1 if update_freq == "batch" else update_freq
+        self._writers: dict[str, Any] = {}
+        self._last_batch_step = 0
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
-        if self.state.is_chief and self._writer is None:
-            from torch.utils.tensorboard import SummaryWriter
+        if self.state.is_chief and not self._writers:
+            self._writers = {run: summary_writer(self.log_dir / run) for run in ("train", "validation")}
 
-            self._writer = SummaryWriter(log_dir=str(self.log_dir))
+    def on_train_batch_end(self, step: int, logs: Logs | None = None) -> None:
+        if not self._writers or not isinstance(self.update_freq, int) or step - self._last_batch_step < self.update_freq:
+            return
+        self._last_batch_step = step
+        for key, value in (logs or {}).items():
+            self._writers["train"].add_scalar(f"batch_{key}", value, global_step=step)
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
-        if self._writer is None:
+        if not self._writers:
             return
-        for key, value in (logs or {}).items():
-            self._writer.add_scalar(f"epoch/{key}", value, global_step=epoch)
-        self._writer.flush()
+        write_epoch_logs(self._writers, logs or {}, epoch)
 
     def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        for writer in self._writers.values():
+            writer.close()
+        self._writers = {}
+
+
+def summary_writer(log_dir: pathlib.Path) -> Any:
+    """A torch.utils.tensorboard SummaryWriter for ``log_dir``."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(log_dir=str(log_dir))
+
+
+def write_epoch_logs(writers: Mapping[str, Any], logs: Mapping[str, float], step: int) -> None:
+    """Keras' layout: ``val_<name>`` as ``epoch_<name>`` in the ``validation`` run, the others in ``train``."""
+    for key, value in logs.items():
+        run, name = ("validation", key[4:]) if key.startswith("val_") else ("train", key)
+        if run in writers:
+            writers[run].add_scalar(f"epoch_{name}", value, global_step=step)
+    for writer in writers.values():
+        writer.flush()
 
 
 def with_defaults(callbacks: Sequence[Callback], verbose: bool) -> tuple[list[Callback], History]:

@@ -56,6 +56,7 @@ from paramserve.coordinator.strategies.base import (
     strategy_of,
 )
 from paramserve.coordinator.strategies.step_runners import StepRunner, add_statistics
+from paramserve.coordinator.training.arrays import ArrayData, as_tensor, split_validation
 from paramserve.coordinator.training.callbacks import (
     Callback,
     CallbackList,
@@ -140,7 +141,11 @@ def fit(
     optimizer: Any,
     loss_fn: LossFn,
     train_data: Any,
+    y: Any = None,
     *,
+    batch_size: int | None = None,
+    validation_split: float = 0.0,
+    shuffle: bool = True,
     epochs: int = 1,
     steps_per_epoch: int | None = None,
     validation_data: Any = None,
@@ -158,7 +163,13 @@ def fit(
         optimizer: a torch.optim optimizer (in-process strategies) or the
             ServerOptimizer of ``strategy.optimizer(...)`` (ParameterServerStrategy).
         loss_fn: ``loss_fn(outputs, targets)`` -> per-example losses.
-        steps_per_epoch: steps per epoch; required under ParameterServerStrategy.
+        train_data, y: batches or a dataset function (see above); or, as Keras'
+            ``fit(x, y)``, the inputs and targets themselves (tensors or NumPy arrays),
+            cut into ``batch_size`` batches (default 32), reshuffled every epoch when
+            ``shuffle``; ``validation_split`` then holds out the last fraction of them
+            as validation data (before shuffling, as Keras does).
+        steps_per_epoch: steps per epoch; required under ParameterServerStrategy for
+            dataset functions (in-memory ``x, y``: one pass over them).
         validation_data, validation_steps: evaluated after each epoch (``val_*`` logs).
         callbacks: Callback instances; a History is added (and returned), and a
             ProgressBar when ``verbose``.
@@ -175,6 +186,13 @@ def fit(
     callbacks' ``on_train_end`` is skipped (a BackupAndRestore keeps its backup).
     """
     strategy = resolve_strategy(model, strategy)
+    if y is not None:
+        train_data, held_out = _in_memory(train_data, y, batch_size, validation_split, shuffle)
+        validation_data = held_out if held_out is not None else validation_data
+        steps_per_epoch = steps_per_epoch or len(train_data)
+    elif batch_size is not None or validation_split:
+        raise ValueError("batch_size and validation_split cut in-memory inputs: pass fit(model, optimizer, loss, x, y, "
+                         "batch_size=...), or batch train_data yourself")
     _check_fit_arguments(optimizer, loss_fn, train_data, epochs, steps_per_epoch, steps_per_execution)
     _check_optimizer_belongs(strategy, optimizer)
     loop = Loop(epochs, steps_per_epoch, steps_per_execution, loss_fn, resolve_metrics(metrics), validation_data,
@@ -187,6 +205,15 @@ def fit(
             return train(runner, state, loop)
     finally:
         runner.close()
+
+
+def _in_memory(x: Any, y: Any, batch_size: int | None, validation_split: float,
+               shuffle: bool) -> tuple[ArrayData, ArrayData | None]:
+    """Keras' ``fit(x, y, batch_size, validation_split)``: batches of the arrays, and the held-out part."""
+    size = batch_size or 32
+    (x_train, y_train), held = split_validation(as_tensor(x, "x"), as_tensor(y, "y"), validation_split)
+    validation = ArrayData(*held, size, shuffle=False) if held is not None else None
+    return ArrayData(x_train, y_train, size, shuffle=shuffle), validation
 
 
 @dataclass(frozen=True)
@@ -252,7 +279,7 @@ def _execution_size(done: int, steps_per_epoch: int | None, steps_per_execution:
 
 def _validate(state: TrainingState, loop: Loop) -> Logs:
     results = evaluate(state.model, loop.loss_fn, loop.validation_data, steps=loop.validation_steps,
-                       metrics=loop.metrics, strategy=state.strategy)
+                       metrics=loop.metrics, strategy=state.strategy, return_dict=True)
     return {f"val_{key}": value for key, value in results.items()}
 
 
@@ -297,8 +324,9 @@ def _check_fit_arguments(optimizer: Any, loss_fn: LossFn, train_data: Any, epoch
             f"reduction='none', e.g. {type(loss_fn).__name__}(reduction='none')"
         )
     if _is_pair_of_tensors(train_data):
-        raise TypeError("train_data is an (inputs, targets) pair of tensors: wrap it in batches, e.g. "
-                        "DataLoader(TensorDataset(x, y), batch_size=64, shuffle=True)")
+        raise TypeError("train_data is an (inputs, targets) pair of tensors: pass them as fit(model, optimizer, "
+                        "loss_fn, x, y, batch_size=64), or batch them, e.g. DataLoader(TensorDataset(x, y), "
+                        "batch_size=64, shuffle=True)")
 
 
 def _check_optimizer_belongs(strategy: Strategy, optimizer: Any) -> None:
@@ -332,13 +360,19 @@ def _batches(data: Any, steps: int | None) -> Iterator[Any]:
         yield batch
 
 
-def evaluate(model: nn.Module, loss_fn: LossFn, data: Any, *, steps: int | None = None,
-             metrics: Metrics | Sequence[StepMetric] = ("accuracy",), strategy: Any = None) -> dict[str, float]:
+def evaluate(model: nn.Module, loss_fn: LossFn, data: Any, y: Any = None, *, batch_size: int | None = None,
+             steps: int | None = None, metrics: Metrics | Sequence[StepMetric] = ("accuracy",),
+             strategy: Any = None, return_dict: bool = False) -> Any:
     """The mean loss and metrics of ``model`` over ``data`` (at most ``steps`` batches).
 
-    ``data``: an iterable of ``(inputs, targets)`` batches or one such pair of
-    tensors. Returns ``{"loss": ..., <metric>: ...}``; raises ValueError when ``data`` is empty.
+    ``data``: an iterable of ``(inputs, targets)`` batches or one such pair of tensors; or,
+    with ``y``, the inputs themselves (tensors or arrays, in ``batch_size`` batches).
+    Returns, as Keras does, the loss alone when there are no metrics, else
+    ``[loss, *metrics]`` in order; with ``return_dict``, ``{"loss": ..., <metric>: ...}``.
+    Raises ValueError when ``data`` is empty.
     """
+    if y is not None:
+        data = ArrayData(as_tensor(data, "x"), as_tensor(y, "y"), batch_size or 32, shuffle=False)
     local = resolve_strategy(model, strategy).evaluation_strategy()
     named = resolve_metrics(metrics)
 
@@ -354,15 +388,23 @@ def evaluate(model: nn.Module, loss_fn: LossFn, data: Any, *, steps: int | None 
             totals = add_statistics(totals, local.reduce(ReduceOp.SUM, local.run(step, args=(batch,)), axis=None))
     if totals is None:
         raise ValueError("evaluate got no batch: give it data (and steps >= 1)")
-    return _logs(totals, named)
+    results = _logs(totals, named)
+    if return_dict:
+        return results
+    return results["loss"] if len(results) == 1 else list(results.values())
 
 
-def predict(model: nn.Module, data: Any, *, steps: int | None = None, strategy: Any = None) -> Tensor:
+def predict(model: nn.Module, data: Any, *, batch_size: int | None = None, steps: int | None = None,
+            strategy: Any = None) -> Tensor:
     """``model``'s outputs for every example of ``data``, concatenated along the batch axis.
 
     ``data``: an iterable of batches (a tensor of inputs, or a tuple whose first
-    element is the inputs) or one tensor. Raises ValueError when ``data`` is empty.
+    element is the inputs) or one tensor (or array; with ``batch_size``, cut into batches).
+    Raises ValueError when ``data`` is empty.
     """
+    if batch_size is not None:
+        inputs = as_tensor(data, "x")
+        data = [inputs[start: start + batch_size] for start in range(0, len(inputs), batch_size)]
     local = resolve_strategy(model, strategy).evaluation_strategy()
 
     def step(batch: Any) -> Tensor:

@@ -30,6 +30,7 @@ from paramserve.coordinator.training.callbacks import (
     Callback,
     LearningRateScheduler,
     ModelCheckpoint,
+    latest_checkpoint,
 )
 from paramserve.coordinator.training.fit import evaluate, fit, predict
 from paramserve.psserver.partition import FixedShardsPartitioner
@@ -125,7 +126,7 @@ class AccuracyAtBegin(Callback):
         self.data, self.accuracy = data, None
 
     def on_train_begin(self, logs=None):
-        self.accuracy = evaluate(self.state.model, LOSS, self.data, strategy=self.state.strategy)["accuracy"]
+        self.accuracy = evaluate(self.model, LOSS, self.data, strategy=self.state.strategy, return_dict=True)["accuracy"]
 
 
 def make_setup(name: str, start_cluster: Callable[..., Any]) -> Setup:
@@ -145,7 +146,7 @@ def test_the_same_fit_call_trains_digits_under_every_strategy(name, start_cluste
         validation_data=(x_test, y_test), strategy=setup.strategy, verbose=False,
         callbacks=[
             LearningRateScheduler(lambda epoch, lr: 5e-3 * 0.8**epoch),
-            ModelCheckpoint(tmp_path / "checkpoints", keep=2),
+            ModelCheckpoint(tmp_path / "checkpoints" / "epoch-{epoch:04d}.pt", keep=2),
             BackupAndRestore(tmp_path / "backup"),
         ],
     )
@@ -153,7 +154,7 @@ def test_the_same_fit_call_trains_digits_under_every_strategy(name, start_cluste
     assert history.epoch == [0, 1, 2]
     assert history.history["val_accuracy"][-1] >= 0.9
     assert history.history["lr"] == pytest.approx([5e-3, 4e-3, 3.2e-3])
-    results = evaluate(setup.model, LOSS, (x_test, y_test), strategy=setup.strategy)
+    results = evaluate(setup.model, LOSS, (x_test, y_test), strategy=setup.strategy, return_dict=True)
     assert results["accuracy"] >= 0.9
     predicted = predict(setup.model, DataLoader(TensorDataset(x_test), batch_size=120), strategy=setup.strategy)
     assert float((predicted.argmax(dim=1) == y_test).float().mean()) == pytest.approx(results["accuracy"])
@@ -166,11 +167,12 @@ def test_the_same_fit_call_trains_digits_under_every_strategy(name, start_cluste
 
 
 def assert_checkpoints_restore(setup: Setup, directory: Any) -> None:
-    if isinstance(setup.strategy, ParameterServerStrategy):
-        manager = CheckpointManager(setup.strategy, directory)
-        assert manager.latest is not None and manager.latest.name.endswith("3")
+    latest = latest_checkpoint(directory)
+    assert latest is not None and latest.endswith("epoch-0003.pt")
+    assert sorted(p.name for p in directory.iterdir()) == ["checkpoint", "epoch-0002.pt", "epoch-0003.pt"]
+    if isinstance(setup.strategy, ParameterServerStrategy):  # a directory with a checkpoint of every variable
+        assert CheckpointManager(setup.strategy, latest).latest is not None
         return
-    assert sorted(p.name for p in directory.iterdir()) == ["epoch-0002.pt", "epoch-0003.pt"]
     saved = torch.load(directory / "epoch-0003.pt", weights_only=True)
     fresh = MLP(64)
     fresh.load_state_dict(saved["model"])
@@ -262,7 +264,7 @@ def multi_worker_rank(out_path: str, checkpoint_dir: str) -> None:
         setup.model, setup.optimizer, LOSS, setup.train_data,
         epochs=EPOCHS, steps_per_epoch=STEPS_PER_EPOCH, steps_per_execution=STEPS_PER_EXECUTION,
         validation_data=(x_test, y_test), strategy=setup.strategy, verbose=False,
-        callbacks=[LearningRateScheduler(lambda epoch, lr: 5e-3 * 0.8**epoch), ModelCheckpoint(checkpoint_dir, keep=2)],
+        callbacks=[LearningRateScheduler(lambda epoch, lr: 5e-3 * 0.8**epoch), ModelCheckpoint(os.path.join(checkpoint_dir, "epoch-{epoch:04d}.pt"), keep=2)],
     )
     torch.save({"rank": setup.strategy.rank, "history": history.history, "state": setup.model.state_dict()}, out_path)
     setup.strategy.shutdown()
@@ -309,7 +311,7 @@ def test_the_same_fit_call_trains_digits_under_multi_worker_mirrored_on_two_proc
     assert first["history"]["val_accuracy"][-1] >= 0.9
     for name, tensor in first["state"].items():
         assert torch.equal(tensor, second["state"][name]), name
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["epoch-0002.pt", "epoch-0003.pt"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["checkpoint", "epoch-0002.pt", "epoch-0003.pt"]
     one = in_process(default_strategy)  # one process on the whole global batches: the same training
     fit(one.model, one.optimizer, LOSS, one.train_data, epochs=EPOCHS, steps_per_epoch=STEPS_PER_EPOCH,
         strategy=one.strategy, verbose=False, callbacks=[LearningRateScheduler(lambda epoch, lr: 5e-3 * 0.8**epoch)])

@@ -91,7 +91,7 @@ def test_fit_takes_metric_objects_torchmetrics_names_and_functions():
         assert name in history.history and f"val_{name}" in history.history
     assert history.history["val_accuracy"] == pytest.approx(history.history["val_correct"])
     assert history.history["val_accuracy"] == pytest.approx(history.history["val_multiclass_f1_score"])
-    results = evaluate(model, LOSS, (x[:200], y[:200]), metrics=[metrics.Accuracy()])
+    results = evaluate(model, LOSS, (x[:200], y[:200]), metrics=[metrics.Accuracy()], return_dict=True)
     assert results["accuracy"] == pytest.approx(history.history["val_accuracy"][-1])
 
 

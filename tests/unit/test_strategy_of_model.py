@@ -54,7 +54,7 @@ def test_fit_outside_the_scope_without_strategy_uses_the_models_strategy(make):
         fit(model, optimizer, LOSS, global_batches(), epochs=1, callbacks=[seen], verbose=False)  # no strategy=
         assert seen.strategy is strategy
         x, y, _, _ = digits_split()
-        assert set(evaluate(model, LOSS, (x[:64], y[:64]))) == {"loss", "accuracy"}
+        assert set(evaluate(model, LOSS, (x[:64], y[:64]), return_dict=True)) == {"loss", "accuracy"}
         assert predict(model, x[:64]).shape == (64, 10)
     finally:
         strategy.close()
