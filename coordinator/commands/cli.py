@@ -26,6 +26,8 @@ SUBCOMMANDS = (
     Subcommand("demo", "paramserve.coordinator.commands.demo", "main", "train an MLP on a local cluster it starts (the quick start)"),
     Subcommand("launch", "paramserve.coordinator.commands.launch", "main", "run a training script against a local cluster"),
     Subcommand("health", "paramserve.coordinator.commands.health", "main", "check that a server is SERVING (exit status 0)"),
+    Subcommand("evaluator", "paramserve.coordinator.commands.evaluate", "main",
+               "evaluate each new checkpoint and write TensorBoard summaries (a sidecar evaluator)"),
 )
 
 

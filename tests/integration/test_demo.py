@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 
 def processes_mentioning(text: str) -> list[int]:
     found = []
@@ -45,6 +47,17 @@ def test_demo_trains_reports_json_and_stops_every_process(tmp_path):
     assert (summary["steps"], summary["workers"], summary["parameter_servers"]) == (600, 2, 2)
     assert (pathlib.Path(summary["checkpoint_dir"]) / "LATEST").exists()
     assert wait_gone(str(tmp_path), time.monotonic() + 30) == []
+
+    # The sidecar evaluator reads the parameter servers' checkpoints from the files alone.
+    evaluator = subprocess.run(
+        [sys.executable, "-m", "paramserve.coordinator.commands.cli", "evaluator", "--checkpoint-dir",
+         str(tmp_path / "ckpt"), "--max-evaluations", "1", "--every", "0.1", "--json", "--log-dir", str(tmp_path / "logs")],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert evaluator.returncode == 0, evaluator.stderr
+    evaluation = json.loads(evaluator.stdout.strip().splitlines()[-1])
+    assert evaluation["accuracy"] == pytest.approx(summary["test_accuracy"])
+    assert list((tmp_path / "logs" / "validation").glob("events.out.tfevents.*"))
 
 
 def test_ctrl_c_stops_every_process_the_demo_started(tmp_path):
