@@ -1,5 +1,6 @@
 """The user's program: ParameterServerStrategy, ClusterCoordinator, checkpoints, the local launcher."""
 
+from paramserve.coordinator import metrics
 from paramserve.coordinator.checkpoint_manager import (
     CheckpointManager,
     export_state_dict,
@@ -15,6 +16,7 @@ from paramserve.coordinator.errors import (
 )
 from paramserve.coordinator.local_cluster import LocalCluster
 from paramserve.coordinator.remote_value import RemoteValue, RemoteValueState
+from paramserve.coordinator.sidecar_evaluator import SidecarEvaluator
 from paramserve.coordinator.strategies import (
     CentralStorageStrategy,
     MirroredStrategy,
@@ -26,6 +28,7 @@ from paramserve.coordinator.strategies import (
 )
 from paramserve.coordinator.strategies.parameter_server import ParameterServerStrategy
 from paramserve.coordinator.training import callbacks
+from paramserve.coordinator.training.callbacks import latest_checkpoint
 from paramserve.coordinator.training.fit import evaluate, fit, predict
 from paramserve.psserver.partition import (
     FixedShardsPartitioner,
@@ -54,13 +57,16 @@ __all__ = [
     "RemoteValue",
     "RemoteValueState",
     "ShardedEmbedding",
+    "SidecarEvaluator",
     "callbacks",
     "compute_average_loss",
     "evaluate",
     "export_state_dict",
     "fit",
     "get_strategy",
+    "latest_checkpoint",
     "load_state_dict",
+    "metrics",
     "predict",
     "state_dict",
 ]
