@@ -107,6 +107,8 @@ class Metric:
     def reset_state(self) -> None:
         self._state.reset()
 
+    reset_states = reset_state  # TensorFlow 2's older name
+
     # torchmetrics' names
     update, compute, reset = update_state, result, reset_state
 
