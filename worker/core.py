@@ -389,6 +389,20 @@ class WorkerCore:
         self._cluster = ClusterContext()
         self._cluster_fingerprint = ""
 
+    def run_closures(self, requests: Sequence[ClosureRequest]) -> list[ClosureOutcome]:
+        """Runs closures in order; stops after the first that does not succeed (the rest are not
+        run: a user error cancels what was queued after it, and a closure that needs something
+        resent is retried with it). Raises InvalidRequestError, before running any, for a
+        malformed request."""
+        for request in requests:
+            _validate(request)
+        outcomes: list[ClosureOutcome] = []
+        for request in requests:
+            outcomes.append(self.run_closure(request))
+            if outcomes[-1].error is not None:
+                break
+        return outcomes
+
     def run_closure(self, request: ClosureRequest) -> ClosureOutcome:
         """Runs ``request``'s function ``steps`` times and returns the last result or the error.
 
