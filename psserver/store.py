@@ -16,6 +16,7 @@ reported as not applied and changes nothing.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -613,10 +614,10 @@ class ShardStore:
                 if push.rows is None:
                     dense.setdefault(shard.optimizer.spec, []).append((shard, push))
                 else:
-                    self._step(shard, lambda s=shard, p=push: s.optimizer.apply_rows(p.rows, p.values))
+                    self._step(shard, functools.partial(shard.optimizer.apply_rows, push.rows, push.values))
             for group in dense.values():
-                self._step(group[0][0], lambda g=group: self._grouped.apply_dense(
-                    [s.optimizer for s, _ in g], [p.values for _, p in g]))
+                optimizers = [shard.optimizer for shard, _ in group if shard.optimizer is not None]
+                self._step(group[0][0], functools.partial(self._grouped.apply_dense, optimizers, [p.values for _, p in group]))
             for shard, _, staleness in fresh:
                 shard.version += 1
                 shard.window.record(key)
