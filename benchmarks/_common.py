@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 
 import grpc
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 ECHO_METHOD = "/paramserve.bench.Echo/Stream"
@@ -62,6 +63,43 @@ def fixed_batch(index: int, sizes: tuple[int, ...]) -> tuple[torch.Tensor, torch
     generator = torch.Generator().manual_seed(1000 + index)
     return (torch.randn(BATCH, sizes[0], generator=generator),
             torch.randint(0, sizes[-1], (BATCH,), generator=generator))
+
+
+# What the training benchmarks' workers run. Workers import these (BENCHMARKS_DIR is on their
+# PYTHONPATH, as a deployment ships its code in the image), so closures name them by reference.
+
+BENCHMARKS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def worker_environment() -> dict[str, str]:
+    """Environment for cluster processes: one torch thread, and this directory importable."""
+    path = os.pathsep.join(p for p in (BENCHMARKS_DIR, os.environ.get("PYTHONPATH", "")) if p)
+    return {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": path}
+
+
+def noop() -> int:
+    return 1
+
+
+def make_batch(sizes: tuple[int, ...]) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """A per-worker resource: each worker builds its own fixed batch from these sizes."""
+
+    def batch(context: object) -> tuple[torch.Tensor, torch.Tensor]:
+        return fixed_batch(getattr(context, "worker_index"), sizes)
+
+    return batch
+
+
+def train_step(batch: tuple[torch.Tensor, torch.Tensor], model: nn.Module, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+    x, y = batch
+    device = next(model.parameters()).device
+    if x.device != device:  # a GPU worker's parameters live on its device
+        x, y = x.to(device), y.to(device)
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
 
 
 def one_torch_thread() -> None:

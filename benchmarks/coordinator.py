@@ -5,6 +5,9 @@
 - closures: trivial closures per second through ClusterCoordinator.schedule/join on 2
   worker processes, beside bare gRPC unary round trips per second (one caller, raw bytes
   of the same size as a closure request, another process).
+- closure_pickling: CPU microseconds schedule() spends serialising the training closure below
+  when its code is importable on the workers (sent by reference, as these benchmarks run),
+  beside the same closure with its code sent by value (a script's __main__ functions).
 - train_steps_vs_rpc: training steps per second (summed over workers) of an MLP
   784-256-128-10, softmax cross-entropy, SGD lr 0.01 applied on the servers, one fixed
   random batch of 64 per worker reused every step: paramserve with 2 ps + 2 workers,
@@ -27,57 +30,31 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import _common
 import cloudpickle
 import torch
-import torch.nn.functional as F
 from _common import (
     LARGE,
     MLP,
     SMALL,
     EchoServer,
     Result,
-    fixed_batch,
+    make_batch,
+    noop,
     one_torch_thread,
     print_report,
     process_cpu_seconds,
+    train_step,
+    worker_environment,
 )
 from rpc_ps import run_rpc_ps
 
 from paramserve.coordinator import ClusterCoordinator, FixedShardsPartitioner, LocalCluster, ParameterServerStrategy
 from paramserve.worker.variables import dumps_closure
 
-# Workers run functions of these modules: send them by value (a worker cannot import benchmarks/).
-cloudpickle.register_pickle_by_value(_common)
-cloudpickle.register_pickle_by_value(sys.modules[__name__])
-
 LR = 0.01
-METRICS = ("closures", "train_steps_vs_rpc", "train_steps_large_vs_rpc", "gpu_worker_steps")
-
-
-def noop() -> int:
-    return 1
-
-
-# The worker builds its fixed batch from the sizes the coordinator sends with the resource.
-def make_batch(sizes: tuple[int, ...]) -> Any:
-    def batch(context: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        return fixed_batch(context.worker_index, sizes)
-
-    return batch
-
-
-def train_step(batch: Any, model: Any, optimizer: Any) -> torch.Tensor:
-    x, y = batch
-    if x.device != next(model.parameters()).device:  # a GPU worker's parameters live on its device
-        x, y = x.to(next(model.parameters()).device), y.to(next(model.parameters()).device)
-    optimizer.zero_grad()
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    optimizer.step()
-    return loss.detach()
+METRICS = ("closures", "closure_pickling", "train_steps_vs_rpc", "train_steps_large_vs_rpc", "gpu_worker_steps")
 
 
 def bare_round_trips_per_second(count: int, payload_bytes: int) -> float:
@@ -109,6 +86,40 @@ def closures_per_second(cluster: LocalCluster, count: int) -> float:
     return count / seconds
 
 
+def closure_pickling_us(count: int) -> tuple[float, float]:
+    """CPU microseconds to serialise the training closure (train_step, per-worker batch, model,
+    optimizer) at schedule(): code importable on the workers (sent by reference) vs code sent by
+    value (what a function defined in a script's __main__ costs; cloudpickle scans sys.modules
+    for each function and class it sends by value)."""
+    with LocalCluster(num_ps=1, num_workers=1, env=worker_environment()) as cluster:
+        strategy = ParameterServerStrategy(cluster.spec)
+        try:
+            with strategy.scope():
+                model = MLP(SMALL)
+            optimizer = strategy.optimizer(torch.optim.SGD, lr=LR)
+            with ClusterCoordinator(strategy) as coordinator:
+                batch = coordinator.create_per_worker_resource(make_batch(SMALL))
+                closure = (train_step, (batch, model, optimizer), {})
+
+                def cost() -> float:
+                    for _ in range(20):
+                        dumps_closure(closure)
+                    start = time.process_time()
+                    for _ in range(count):
+                        dumps_closure(closure)
+                    return 1e6 * (time.process_time() - start) / count
+
+                by_reference = cost()
+                cloudpickle.register_pickle_by_value(_common)
+                try:
+                    by_value = cost()
+                finally:
+                    cloudpickle.unregister_pickle_by_value(_common)
+        finally:
+            strategy.close()
+    return by_reference, by_value
+
+
 @dataclass
 class TrainRun:
     steps_per_s: float
@@ -118,7 +129,7 @@ class TrainRun:
 def paramserve_steps(sizes: tuple[int, ...], steps: int, warmup: int, device: str | None = None) -> TrainRun:
     """2 ps + 2 workers on 127.0.0.1, one thread per process, 1 step per closure."""
     worker_args = ["--torch-threads", "1"] + (["--device", device] if device else [])
-    with LocalCluster(num_ps=2, num_workers=2, env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
+    with LocalCluster(num_ps=2, num_workers=2, env=worker_environment(),
                       extra_ps_args=["--torch-threads", "1"], extra_worker_args=worker_args) as cluster:
         strategy = ParameterServerStrategy(cluster.spec, variable_partitioner=FixedShardsPartitioner(2))
         try:
@@ -176,10 +187,14 @@ def main(argv: list[str] | None = None) -> int:
     if "closures" in wanted:
         request_bytes = len(dumps_closure((noop, (), {})))
         bare = bare_round_trips_per_second(args.closures, request_bytes)
-        with LocalCluster(num_ps=2, num_workers=2) as cluster:
+        with LocalCluster(num_ps=2, num_workers=2, env=worker_environment()) as cluster:
             closures = closures_per_second(cluster, args.closures)
         print(f"trivial closures: {closures:.0f}/s; bare gRPC round trips: {bare:.0f}/s ({request_bytes} B)")
         results.append(Result("closures", closures, "closures/s", bare, "bare gRPC unary round trips/s"))
+    if "closure_pickling" in wanted:
+        by_reference, by_value = closure_pickling_us(500)
+        print(f"closure pickling: {by_reference:.0f} us by reference, {by_value:.0f} us by value")
+        results.append(Result("closure_pickling", by_reference, "us", by_value, "the same closure with its code sent by value"))
     if "train_steps_vs_rpc" in wanted:
         results.append(versus_rpc("train_steps_vs_rpc", SMALL, args.steps, 30, args.rounds))
     if "train_steps_large_vs_rpc" in wanted:

@@ -16,7 +16,7 @@ import enum
 import logging
 import threading
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,6 +128,12 @@ class ClosureQueue:
         self._in_flight: dict[str, tuple[Closure, str]] = {}
         self._error: ClosureError | None = None
         self._closed: CoordinatorClosedError | None = None
+        self._waker: Callable[[], None] = lambda: None
+
+    def set_waker(self, wake: Callable[[], None]) -> None:
+        """``wake()`` is called, outside the lock, whenever closures may be taken: after a put,
+        a put-back or close (the dispatch loop hands them to free workers)."""
+        self._waker = wake
 
     # ---------------------------------------------------------------- producers
 
@@ -154,35 +160,41 @@ class ClosureQueue:
                 )
             self._queue.append(closure)
             self._cond.notify_all()
+        self._waker()
 
-    def put_back(self, closure: Closure) -> None:
-        """Returns a running closure to the FRONT of the queue (a retry); never blocks.
-
-        After ``close()`` the closure is cancelled instead.
+    def put_back(self, closures: Sequence[Closure]) -> None:
+        """Returns running closures to the FRONT of the queue, in order (a retry, or closures a
+        worker did not get to); never blocks. After ``close()``, or while a closure's error
+        is pending (TF cancels what is queued at the first error), they are cancelled instead.
         """
         with self._cond:
-            self._leave_flight(closure)
-            closure.transition(ClosureState.QUEUED)
-            if self._closed is not None:
-                closure.cancel(self._closed)
-            else:
-                self._queue.appendleft(closure)
+            for closure in closures:
+                self._leave_flight(closure)
+                closure.transition(ClosureState.QUEUED)
+            reason = self._closed or self._error
+            for closure in reversed(closures):
+                if reason is not None:
+                    closure.cancel(reason)
+                else:
+                    self._queue.appendleft(closure)
             self._cond.notify_all()
+        self._waker()
 
     # ---------------------------------------------------------------- dispatchers
 
-    def get(self, timeout: float | None, worker: str, stop: threading.Event | None = None) -> Closure | None:
-        """Takes the next closure for ``worker`` (now RUNNING); None on timeout, close or ``stop``."""
+    def take(self, worker: str, limit: int) -> list[Closure]:
+        """Up to ``limit`` closures from the front of the queue for ``worker`` (now RUNNING);
+        none once closed. Never blocks."""
         with self._cond:
-            stopping = (lambda: stop.is_set()) if stop is not None else (lambda: False)
-            self._cond.wait_for(lambda: self._queue or self._closed or stopping(), timeout)
-            if not self._queue or self._closed or stopping():
-                return None
-            closure = self._queue.popleft()
-            closure.transition(ClosureState.RUNNING)
-            self._in_flight[closure.closure_id] = (closure, worker)
-            self._cond.notify_all()  # a slot is free for put()
-            return closure
+            taken: list[Closure] = []
+            while self._queue and self._closed is None and len(taken) < limit:
+                closure = self._queue.popleft()
+                closure.transition(ClosureState.RUNNING)
+                self._in_flight[closure.closure_id] = (closure, worker)
+                taken.append(closure)
+            if taken:
+                self._cond.notify_all()  # room for put()
+            return taken
 
     def succeed(self, closure: Closure, value: Any) -> None:
         with self._cond:
@@ -191,11 +203,16 @@ class ClosureQueue:
             closure.remote_value.set_result(value)
             self._cond.notify_all()
 
-    def fail(self, closure: Closure, error: ClosureError) -> bool:
-        """Marks ``closure`` FAILED. The first error is kept for the coordinator to raise and
+    def fail(self, closure: Closure, error: ClosureError, not_run: Sequence[Closure] = ()) -> bool:
+        """Marks ``closure`` FAILED and cancels ``not_run`` (running closures of its batch that
+        never started), in one step. The first error is kept for the coordinator to raise and
         cancels every queued closure; returns whether ``error`` was that first one."""
         with self._cond:
             self._leave_flight(closure)
+            for sibling in not_run:
+                self._leave_flight(sibling)
+                sibling.transition(ClosureState.QUEUED)
+                sibling.cancel(error)
             closure.transition(ClosureState.FAILED)
             closure.remote_value.set_error(error)
             first = self._error is None
@@ -207,13 +224,6 @@ class ClosureQueue:
                 log.error("%s failed too (an earlier error is pending): %s", closure.name, _first_line(error))
             self._cond.notify_all()
             return first
-
-    def cancel_running(self, closure: Closure, reason: BaseException) -> None:
-        """A running closure is abandoned (its dispatcher stopped)."""
-        with self._cond:
-            self._leave_flight(closure)
-            closure.cancel(reason)
-            self._cond.notify_all()
 
     # ---------------------------------------------------------------- the coordinator
 
@@ -230,7 +240,8 @@ class ClosureQueue:
             self._closed = reason
             count = self._cancel_queued(reason)
             self._cond.notify_all()
-            return count
+        self._waker()
+        return count
 
     def take_error(self) -> ClosureError | None:
         """The pending error of a failed closure, which is then forgotten (TF raises it once)."""
@@ -247,10 +258,6 @@ class ClosureQueue:
         with self._cond:
             return self._idle()
 
-    def wake_all(self) -> None:
-        """Makes every waiting get() re-check its stop event."""
-        with self._cond:
-            self._cond.notify_all()
 
     @property
     def num_queued(self) -> int:

@@ -5,8 +5,9 @@ Behaves like TF's ``tf.distribute.experimental.coordinator.ClusterCoordinator``:
 whichever worker is free; a closure whose worker fails is retried on another
 one; an error of the user's code is raised by the next ``schedule``,
 ``join`` or ``done`` (and by that closure's ``fetch``), after the queued
-closures are cancelled. Threads: one dispatcher per worker
-(``paramserve-dispatch-<i>``, see ``coordinator.dispatch``), nothing else.
+closures are cancelled. Threads: one, ``paramserve-dispatch``, running every
+worker's dispatcher on an event loop (``coordinator.dispatch``), however many
+workers there are.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any, NoReturn, Protocol
 from paramserve.coordinator.closures import Closure, ClosureQueue, find_resource_ids
 from paramserve.coordinator.cluster import ClusterSpec
 from paramserve.coordinator.dispatch import (
-    DispatcherPool,
+    DispatchLoop,
     GrpcTransport,
     ResourceSpecs,
     WireContext,
@@ -61,8 +62,9 @@ class CoordinatorConfig:
     """join() logs what it waits for this often."""
     max_message_bytes: int = 64 << 20
     shutdown_timeout: float = 10.0
-    poll_interval: float = 0.5
-    """How often an idle dispatcher re-checks whether it must stop."""
+    max_batch: int = 8
+    """Queued closures one RunClosures call may carry to a worker (each keeps its own id,
+    retries and RemoteValue; batching saves round trips when closures queue up)."""
 
 
 class CoordinatedStrategy(Protocol):
@@ -74,7 +76,7 @@ class CoordinatedStrategy(Protocol):
     """How old (seconds) the values a worker's last push returned may be to start its next closure."""
 
     def cluster_context(self) -> ClusterContext:
-        """Where the variables live; called for every RunClosure (may create variables first)."""
+        """Where the variables live; called for every RunClosures call (may create variables first)."""
 
 
 class ClusterCoordinator:
@@ -82,8 +84,7 @@ class ClusterCoordinator:
 
     ``config`` tunes queue size, deadlines and the failure policy;
     ``transport_factory`` (address -> WorkerTransport) replaces gRPC in tests.
-    Starts one dispatcher thread per worker; call ``shutdown()`` (or use it
-    as a context manager) to stop them.
+    Starts the dispatch thread; call ``shutdown()`` (or use it as a context manager) to stop it.
     """
 
     def __init__(
@@ -100,14 +101,14 @@ class ClusterCoordinator:
         self._closed = False
         self._lock = threading.Lock()
         token, max_bytes = strategy.token, self.config.max_message_bytes
-        self._pool = DispatcherPool(
+        self._pool = DispatchLoop(
             queue=self._queue,
             specs=self._specs,
             policy=self.config.policy,
             transport_factory=transport_factory or (lambda address: GrpcTransport(address, token, max_bytes)),
             cluster_context=_ContextSource(strategy.cluster_context),
-            poll_interval=self.config.poll_interval,
             max_value_age=strategy.max_value_age,
+            max_batch=self.config.max_batch,
         )
         for address in strategy.cluster.workers:
             self._pool.add_worker(address)
@@ -197,17 +198,15 @@ class ClusterCoordinator:
         return self._pool.num_workers()
 
     def shutdown(self) -> None:
-        """Stops the dispatchers and waits for their threads; queued and running closures are
+        """Stops dispatching and waits for the dispatch thread; queued and running closures are
         cancelled. Idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
         cancelled = self._queue.close(CoordinatorClosedError("the ClusterCoordinator was shut down"))
-        alive = self._pool.stop(self.config.shutdown_timeout)
-        if alive:
-            log.error("dispatchers still running after %ss: %s", self.config.shutdown_timeout,
-                      [d.address for d in alive])
+        if not self._pool.stop(self.config.shutdown_timeout):
+            log.error("the dispatch thread still runs after %ss", self.config.shutdown_timeout)
         log.info("coordinator shut down (%d queued closures cancelled)", cancelled)
 
     def __enter__(self) -> ClusterCoordinator:

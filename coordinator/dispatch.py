@@ -1,18 +1,28 @@
-"""Dispatchers: one thread per worker that takes closures from the queue and runs them there.
+"""Dispatch: how scheduled closures reach the workers.
 
-A dispatcher sends ``RunClosure`` with a deadline, the cluster's token and the
-current ClusterContext, attaching the specs of the per-worker resources this
-worker incarnation is not known to hold. It acts on each failure through the
-pure decisions of ``coordinator.failures``:
+One thread, ``paramserve-dispatch``, runs an asyncio event loop that holds a
+``Dispatcher`` per worker and talks to the workers with grpc.aio: however many
+workers there are, the coordinator has one dispatch thread (threads do not grow
+with the workers). When closures are queued and a worker is free, the loop hands
+that worker a batch of them (up to ``max_batch``, and no more than its share of
+what is queued, so batches form only under a backlog): one ``RunClosures`` call
+carries them, the worker runs them in order and stops at the first that does not
+succeed. Each closure keeps its own id, attempts and RemoteValue; batching only
+saves round trips. (So scheduled functions must not wait for one another: two may
+run one after the other on one worker.)
 
-- RETRY_ELSEWHERE: the closure goes back to the front of the queue (another
-  worker takes it), this worker is marked DOWN and probed with the standard
-  gRPC health service until it serves again (then UP; its resources are
-  re-sent because a DOWN worker is assumed to hold none);
-- RESEND: run again on this worker with the missing resources or the cluster
-  context (sent once per worker incarnation and context, otherwise only named
-  by its fingerprint);
-- RAISE: the closure fails; the queue keeps the first error for join().
+A dispatcher attaches to a call the specs of the per-worker resources that worker
+is not known to hold and, once per worker incarnation and change, the cluster
+context (otherwise only its fingerprint). It acts on each failure through the pure
+decisions of ``coordinator.failures``:
+
+- RETRY_ELSEWHERE: the batch goes back to the front of the queue (other workers
+  take it), this worker is marked DOWN and probed with the standard gRPC health
+  service until it serves again (then UP; its resources are re-sent because a DOWN
+  worker is assumed to hold none);
+- RESEND: run again on this worker with the missing resources or the cluster context;
+- RAISE: the closure fails; the queue keeps the first error for join(), and the
+  closures of the batch that did not run are put back (and so cancelled).
 
 A retried closure keeps its closure_id, so the parameter servers' idempotency
 keys stop its gradients from being applied twice.
@@ -20,13 +30,15 @@ keys stop its gradients from being applied twice.
 
 from __future__ import annotations
 
+import asyncio
+import collections
+import concurrent.futures
 import enum
 import logging
 import threading
-import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 import cloudpickle
 import grpc
@@ -34,12 +46,9 @@ import tenacity
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from paramserve.coordinator.closures import Closure, ClosureQueue
-from paramserve.coordinator.errors import (
-    ClosureError,
-    InvalidTransitionError,
-    closure_error_from_remote,
-)
+from paramserve.coordinator.errors import ClosureError, InvalidTransitionError, closure_error_from_remote
 from paramserve.coordinator.failures import (
+    RETRYABLE_CODES,
     Action,
     Decision,
     FailurePolicy,
@@ -52,19 +61,22 @@ from paramserve.worker.core import ClosureFailure
 from paramserve.worker.messages import failure_from_proto
 
 __all__ = [
+    "DispatchLoop",
     "Dispatcher",
-    "DispatcherPool",
     "GrpcTransport",
     "ResourceSpecs",
     "RpcFailure",
+    "THREAD_NAME",
+    "WireContext",
     "WorkerState",
     "WorkerTransport",
 ]
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
-THREAD_PREFIX = "paramserve-dispatch-"
-RUN_CLOSURE_METHOD = "/paramserve.wire.v1.Worker/RunClosure"
+THREAD_NAME = "paramserve-dispatch"
+RUN_CLOSURES_METHOD = "/paramserve.wire.v1.Worker/RunClosures"
 WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 
 
@@ -82,15 +94,15 @@ TRANSITIONS: Mapping[WorkerState, frozenset[WorkerState]] = {
 }
 
 
-# ---------------------------------------------------------------- transport
-
-
 @dataclass(frozen=True)
 class WireContext:
     """The cluster context as a dispatcher sends it: its fingerprint and its wire message."""
 
     fingerprint: str
     message: cluster_pb2.ClusterContext
+
+
+# ---------------------------------------------------------------- transport
 
 
 class RpcFailure(Exception):
@@ -103,83 +115,63 @@ class RpcFailure(Exception):
 
 
 class WorkerTransport(Protocol):
-    """How a dispatcher reaches its worker (tests substitute a double)."""
+    """How a dispatcher reaches its worker (tests substitute a double). Used on the loop."""
 
-    def run_closure(self, request: worker_pb2.RunClosureRequest, timeout: float) -> worker_pb2.RunClosureResponse:
+    async def run_closures(self, request: worker_pb2.RunClosuresRequest, timeout: float) -> worker_pb2.RunClosuresResponse:
         """Raises RpcFailure when the call fails."""
 
-    def is_serving(self, timeout: float) -> bool:
+    async def is_serving(self, timeout: float) -> bool:
         """One health check."""
 
-    def reset(self) -> None:
+    async def reset(self) -> None:
         """Drops the connection: the next call dials afresh (the worker may have restarted)."""
 
-    def close(self) -> None:
-        """Cancels a call in progress; every later call fails with CANCELLED."""
+    async def close(self) -> None:
+        """Closes the connection for good."""
 
 
 class GrpcTransport:
-    """WorkerTransport over gRPC, with ``authorization: Bearer <token>`` when a token is set."""
+    """WorkerTransport over grpc.aio, with ``authorization: Bearer <token>`` when a token is set.
+    Create it on the dispatch loop (aio channels belong to the loop that made them)."""
 
     def __init__(self, address: str, token: str | None, max_message_bytes: int):
         self.address = address
         self._metadata = ((AUTH_METADATA_KEY, f"Bearer {token}"),) if token else ()
         self._options = channel_options(max_message_bytes)
-        self._lock = threading.Lock()
-        self._channel: grpc.Channel | None = None
-        self._future: grpc.Future | None = None
-        self._closed = False
+        self._channel: grpc.aio.Channel | None = None
+        self._call: Any = None
 
-    def run_closure(self, request: worker_pb2.RunClosureRequest, timeout: float) -> worker_pb2.RunClosureResponse:
-        future = self._start(request, timeout)
-        try:
-            return future.result()
-        except grpc.FutureCancelledError:
-            raise RpcFailure("CANCELLED", "the coordinator cancelled the call") from None
-        except grpc.RpcError as err:
-            raise RpcFailure(err.code().name, err.details() or "") from None
-        finally:
-            with self._lock:
-                self._future = None
-
-    def is_serving(self, timeout: float) -> bool:
-        # A fresh channel per probe: no reconnect backoff inherited from the dead connection.
-        with grpc.insecure_channel(self.address, options=self._options) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(service=WORKER_SERVICE), timeout=timeout)
-            except grpc.RpcError:
-                return False
-        return reply.status == health_pb2.HealthCheckResponse.SERVING
-
-    def reset(self) -> None:
-        with self._lock:
-            channel, self._channel = self._channel, None
-        if channel is not None:
-            channel.close()
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            future, channel, self._channel = self._future, self._channel, None
-        if future is not None:
-            future.cancel()
-        if channel is not None:
-            channel.close()
-
-    def _start(self, request: worker_pb2.RunClosureRequest, timeout: float) -> grpc.Future:
-        with self._lock:
-            if self._closed:
-                raise RpcFailure("CANCELLED", "the dispatcher is stopping")
-            if self._channel is None:
-                self._channel = grpc.insecure_channel(self.address, options=self._options)
-            call = self._channel.unary_unary(
-                RUN_CLOSURE_METHOD,
-                request_serializer=worker_pb2.RunClosureRequest.SerializeToString,
-                response_deserializer=worker_pb2.RunClosureResponse.FromString,
+    async def run_closures(self, request: worker_pb2.RunClosuresRequest, timeout: float) -> worker_pb2.RunClosuresResponse:
+        if self._channel is None:
+            self._channel = grpc.aio.insecure_channel(self.address, options=self._options)
+            self._call = self._channel.unary_unary(
+                RUN_CLOSURES_METHOD,
+                request_serializer=worker_pb2.RunClosuresRequest.SerializeToString,
+                response_deserializer=worker_pb2.RunClosuresResponse.FromString,
             )
-            self._future = call.future(request, timeout=timeout, metadata=self._metadata)
-            return self._future
+        try:
+            return await self._call(request, timeout=timeout, metadata=self._metadata)
+        except grpc.aio.AioRpcError as err:
+            raise RpcFailure(err.code().name, err.details() or "") from None
+
+    async def is_serving(self, timeout: float) -> bool:
+        # A fresh channel per probe: no reconnect backoff inherited from the dead connection.
+        async with grpc.aio.insecure_channel(self.address, options=self._options) as channel:
+            try:
+                reply = await health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service=WORKER_SERVICE), timeout=timeout
+                )
+            except grpc.aio.AioRpcError:
+                return False
+        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+    async def reset(self) -> None:
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            await channel.close()
+
+    async def close(self) -> None:
+        await self.reset()
 
 
 # ---------------------------------------------------------------- resources
@@ -214,8 +206,8 @@ class ResourceSpecs:
 
 
 class Dispatcher:
-    """Runs closures on one worker. ``step()`` is one iteration of its loop (tests call it
-    directly); ``start()`` runs the loop in a thread named ``paramserve-dispatch-<index>``."""
+    """Runs batches of closures on one worker and probes it when it is down. ``run`` is one
+    call of its worker (tests await it directly); the DispatchLoop drives it otherwise."""
 
     def __init__(
         self,
@@ -228,7 +220,6 @@ class Dispatcher:
         cluster_context: Callable[[], WireContext],
         num_workers: Callable[[], int],
         policy: FailurePolicy,
-        poll_interval: float = 0.5,
         max_value_age: float = 0.0,
     ):
         self.address = address
@@ -239,133 +230,108 @@ class Dispatcher:
         self._cluster_context = cluster_context
         self._num_workers = num_workers
         self._policy = policy
-        self._poll_interval = poll_interval
         self._max_value_age = max_value_age
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
         self._state = WorkerState.UP
         self._held: frozenset[str] = frozenset()
         self._cluster_held = ""  # fingerprint of the cluster context the worker is known to hold
         self._incarnation: str | None = None
-        self._thread: threading.Thread | None = None
-
-    # ---------------------------------------------------------------- lifecycle
 
     @property
     def state(self) -> WorkerState:
-        with self._lock:
-            return self._state
+        return self._state
 
     @property
     def incarnation(self) -> str | None:
         """The worker process last seen (None before its first reply)."""
-        with self._lock:
-            return self._incarnation
+        return self._incarnation
 
-    @property
-    def thread(self) -> threading.Thread | None:
-        return self._thread
+    # ---------------------------------------------------------------- a batch
 
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name=f"{THREAD_PREFIX}{self.index}", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        """Asks the loop to end: a call in progress is cancelled and its closure put back."""
-        self._stop.set()
-        self._transport.close()
-        self._queue.wake_all()
-
-    def join(self, timeout: float | None) -> bool:
-        if self._thread is not None:
-            self._thread.join(timeout)
-            return not self._thread.is_alive()
-        return True
-
-    def _loop(self) -> None:
-        try:
-            while not self._stop.is_set():
-                self.step(self._poll_interval)
-        except Exception:  # noqa: BLE001 - a bug here must be loud, not a silent dead thread
-            log.exception("dispatcher of worker %s (%s) crashed", self.index, self.address)
-            raise
-        finally:
-            self._set_state(WorkerState.STOPPED, "dispatcher stopped")
-            self._transport.close()
-
-    def step(self, timeout: float) -> bool:
-        """Probes the worker if DOWN, else runs at most one closure; True if one ran."""
-        if self.state is WorkerState.DOWN:
-            self._probe()
-            return False
-        closure = self._queue.get(timeout, self.address, self._stop)
-        if closure is None:
-            return False
-        self._run(closure)
-        return True
-
-    # ---------------------------------------------------------------- one closure
-
-    def _run(self, closure: Closure) -> None:
+    async def run(self, batch: Sequence[Closure]) -> None:
+        """Runs ``batch`` (closures the queue gave this worker) until each succeeded, failed or
+        went back to the queue. If cancelled (the worker is removed or the coordinator stops),
+        the closures not finished go back to the queue: not the worker's fault."""
+        pending = list(batch)
         force: frozenset[str] = frozenset()
-        while True:
-            try:
-                request = self._request(closure, force)
-                response = self._transport.run_closure(request, self._policy.closure_timeout)
-            except RpcFailure as failure:
-                self._on_rpc_failure(closure, failure)
-                return
-            except Exception as exc:  # noqa: BLE001 - e.g. the cluster context could not be built
-                self._queue.fail(closure, _local_error(closure, self.address, "could not send the closure", exc))
-                return
-            self._observe(response)
-            if response.WhichOneof("outcome") != "error":
-                self._cluster_held = request.cluster_fingerprint
-                self._on_result(closure, response.result)
-                return
-            remote = failure_from_proto(response.error)
+        try:
+            while pending:
+                request = self._request(pending, force)
+                try:
+                    response = await self._transport.run_closures(request, self._policy.closure_timeout * len(pending))
+                except RpcFailure as failure:
+                    self._on_rpc_failure(pending, failure)
+                    pending = []
+                    await self._after_failure()
+                    return
+                except Exception as exc:  # noqa: BLE001 - e.g. the cluster context could not be built
+                    for closure in pending:
+                        self._queue.fail(closure, _local_error(closure, self.address, "could not send the closure", exc))
+                    pending = []
+                    return
+                pending, force = self._on_results(pending, request, response)
+        finally:
+            if pending:  # cancelled mid-call
+                self._queue.put_back(pending)
+
+    def _request(self, batch: Sequence[Closure], force: frozenset[str]) -> worker_pb2.RunClosuresRequest:
+        context = self._cluster_context()
+        needed = set(force) | set().union(*(c.resource_ids for c in batch))
+        requests = [
+            worker_pb2.RunClosureRequest(
+                closure_id=closure.closure_id,
+                attempt=closure.attempt,
+                function_name=closure.function_name,
+                payload=closure.payload,
+                steps=closure.steps,
+                worker_index=self.index,
+                num_workers=self._num_workers(),
+                cluster_fingerprint=context.fingerprint,
+                max_value_age=self._max_value_age,
+            )
+            for closure in batch
+        ]
+        first = requests[0]  # the worker creates what the batch needs before its first closure
+        first.resources.extend(self._specs.specs(needed - self._held))
+        if context.fingerprint != self._cluster_held:
+            first.cluster.CopyFrom(context.message)
+        return worker_pb2.RunClosuresRequest(closures=requests)
+
+    def _on_results(self, pending: list[Closure], request: worker_pb2.RunClosuresRequest,
+                    response: worker_pb2.RunClosuresResponse) -> tuple[list[Closure], frozenset[str]]:
+        """Settles the closures the worker answered for; returns those to send again and the
+        resources to force. Closures after a failed one did not run: they go back to the queue."""
+        for position, (closure, result) in enumerate(zip(pending, response.results)):
+            self._observe(result)
+            if result.WhichOneof("outcome") != "error":
+                self._cluster_held = request.closures[0].cluster_fingerprint
+                self._on_result(closure, result.result)
+                continue
+            remote = failure_from_proto(result.error)
             decision = decide_on_closure_error(
                 remote, resends=closure.resends, known_resources=self._specs.ids(), policy=self._policy
             )
             self._log_decision(closure, decision)
-            if decision.action is not Action.RESEND:
-                self._queue.fail(closure, self._remote_error(closure, decision, remote))
-                return
-            closure.resends += 1
-            force = frozenset(remote.missing_resources)
-            if remote.needs_cluster:
-                self._cluster_held = ""
+            if decision.action is Action.RESEND:
+                closure.resends += 1
+                if remote.needs_cluster:
+                    self._cluster_held = ""
+                return pending[position:], frozenset(remote.missing_resources)
+            self._queue.fail(closure, self._remote_error(closure, decision, remote), not_run=pending[position + 1 :])
+            return [], frozenset()
+        answered = len(response.results)
+        if answered < len(pending):  # a worker that stops without saying why: send the rest again
+            log.warning("worker %s answered %d of %d closures without an error", self.address, answered, len(pending))
+        return pending[answered:], frozenset()
 
-    def _request(self, closure: Closure, force: frozenset[str]) -> worker_pb2.RunClosureRequest:
-        with self._lock:
-            needed = (closure.resource_ids | force) - self._held
-        context = self._cluster_context()
-        request = worker_pb2.RunClosureRequest(
-            closure_id=closure.closure_id,
-            attempt=closure.attempt,
-            function_name=closure.function_name,
-            payload=closure.payload,
-            resources=self._specs.specs(needed),
-            steps=closure.steps,
-            worker_index=self.index,
-            num_workers=self._num_workers(),
-            cluster_fingerprint=context.fingerprint,
-            max_value_age=self._max_value_age,
-        )
-        if context.fingerprint != self._cluster_held:
-            request.cluster.CopyFrom(context.message)
-        return request
-
-    def _observe(self, response: worker_pb2.RunClosureResponse) -> None:
+    def _observe(self, result: worker_pb2.RunClosureResponse) -> None:
         """Tracks which resources this worker incarnation holds."""
-        with self._lock:
-            previous = self._incarnation
-            self._incarnation = response.worker_incarnation
-            self._held = frozenset(response.resources_held)
-        if previous is not None and previous != response.worker_incarnation:
+        previous = self._incarnation
+        self._incarnation = result.worker_incarnation
+        self._held = frozenset(result.resources_held)
+        if previous is not None and previous != result.worker_incarnation:
             self._cluster_held = ""
             log.warning("worker %d (%s) restarted (incarnation %s -> %s): its resources are re-sent",
-                        self.index, self.address, previous, response.worker_incarnation)
+                        self.index, self.address, previous, result.worker_incarnation)
 
     def _on_result(self, closure: Closure, payload: bytes) -> None:
         try:
@@ -375,25 +341,30 @@ class Dispatcher:
             return
         self._queue.succeed(closure, value)
 
-    def _on_rpc_failure(self, closure: Closure, failure: RpcFailure) -> None:
-        if self._stop.is_set():
-            self._queue.put_back(closure)  # cancelled by stop(): not the worker's fault
-            return
-        decision = decide_on_rpc_failure(failure.code, closure.attempt + 1, self._policy)
-        self._log_decision(closure, decision, failure.details)
-        if decision.action is Action.RETRY_ELSEWHERE:
-            closure.attempt += 1
-            self._mark_down(decision.reason)
-            self._queue.put_back(closure)
-            return
-        assert decision.error_type is not None
-        self._queue.fail(closure, decision.error_type(
-            remote_type=f"grpc.StatusCode.{failure.code}",
-            message=f"{failure.details} ({decision.reason})",
-            function_name=closure.function_name,
-            closure_id=closure.closure_id,
-            worker=self.address,
-        ))
+    def _on_rpc_failure(self, batch: Sequence[Closure], failure: RpcFailure) -> None:
+        retry: list[Closure] = []
+        for closure in batch:
+            decision = decide_on_rpc_failure(failure.code, closure.attempt + 1, self._policy)
+            self._log_decision(closure, decision, failure.details)
+            if decision.action is Action.RETRY_ELSEWHERE:
+                closure.attempt += 1
+                retry.append(closure)
+                continue
+            assert decision.error_type is not None
+            self._queue.fail(closure, decision.error_type(
+                remote_type=f"grpc.StatusCode.{failure.code}",
+                message=f"{failure.details} ({decision.reason})",
+                function_name=closure.function_name,
+                closure_id=closure.closure_id,
+                worker=self.address,
+            ))
+        self._queue.put_back(retry)
+        if failure.code in RETRYABLE_CODES:  # the worker failed, not the request: probe it
+            self._mark_down(f"{failure.code} calling it")
+
+    async def _after_failure(self) -> None:
+        if self._state is WorkerState.DOWN:
+            await self._transport.reset()
 
     def _remote_error(self, closure: Closure, decision: Decision, data: ClosureFailure) -> ClosureError:
         assert decision.error_type is not None
@@ -410,42 +381,39 @@ class Dispatcher:
     # ---------------------------------------------------------------- membership
 
     def _mark_down(self, reason: str) -> None:
-        with self._lock:
-            self._held = frozenset()  # it may come back as a new process holding nothing
+        self._held = frozenset()  # it may come back as a new process holding nothing
         self._cluster_held = ""
-        self._transport.reset()
         self._set_state(WorkerState.DOWN, reason)
 
-    def _probe(self) -> None:
-        """Health-checks the DOWN worker with backoff until it serves (UP), or stop/give-up (STOPPED)."""
+    async def probe(self) -> bool:
+        """Health-checks the DOWN worker with backoff until it serves (UP, True) or the probe
+        deadline passes (False: the caller gives it up). Cancellable."""
         policy = self._policy
-        stop: tenacity.stop.stop_base = tenacity.stop_when_event_set(self._stop)
+        stop: tenacity.stop.stop_base = tenacity.stop_never
         if policy.probe_deadline is not None:
-            stop = stop | tenacity.stop_after_delay(policy.probe_deadline)
-        retrying = tenacity.Retrying(
+            stop = tenacity.stop_after_delay(policy.probe_deadline)
+        retrying = tenacity.AsyncRetrying(
             retry=tenacity.retry_if_result(lambda serving: not serving),
             wait=tenacity.wait_exponential(multiplier=policy.probe_initial_backoff, max=policy.probe_max_backoff)
             + tenacity.wait_random(0, policy.probe_jitter),
             stop=stop,
-            sleep=self._sleep,  # interruptible by stop()
             retry_error_callback=lambda _state: False,
         )
-        if retrying(self._transport.is_serving, policy.probe_timeout):
+        if await retrying(self._transport.is_serving, policy.probe_timeout):
             self._set_state(WorkerState.UP, "it serves again")
-        elif not self._stop.is_set():
-            log.error("worker %d (%s) did not come back within %ss: giving it up",
-                      self.index, self.address, policy.probe_deadline)
-            self._stop.set()
+            return True
+        log.error("worker %d (%s) did not come back within %ss: giving it up",
+                  self.index, self.address, policy.probe_deadline)
+        return False
 
-    def _sleep(self, seconds: float) -> None:
-        self._stop.wait(seconds)
+    def stop(self, reason: str) -> None:
+        self._set_state(WorkerState.STOPPED, reason)
 
     def _set_state(self, to: WorkerState, reason: str) -> None:
-        with self._lock:
-            if self._state is to:
-                return
-            previous = self._state
-            self._state = InvalidTransitionError.check(TRANSITIONS, previous, to, f"worker {self.address}")
+        if self._state is to:
+            return
+        previous = self._state
+        self._state = InvalidTransitionError.check(TRANSITIONS, previous, to, f"worker {self.address}")
         log.info("worker %d (%s): %s -> %s (%s)", self.index, self.address, previous.name, to.name, reason)
 
 
@@ -461,11 +429,16 @@ def _local_error(closure: Closure, worker: str, what: str, exc: Exception) -> Cl
     )
 
 
-# ---------------------------------------------------------------- all workers
+# ---------------------------------------------------------------- all workers, one loop
 
 
-class DispatcherPool:
-    """The dispatchers of a coordinator, one per worker address; workers may join and leave."""
+class DispatchLoop:
+    """Every worker's dispatcher on one event loop in one thread (``paramserve-dispatch``).
+
+    Free workers wait in a FIFO; each put to the queue wakes the loop, which gives the free
+    workers batches (O(1) work per closure, whatever the number of workers). Workers may join
+    and leave while closures run. Methods other than ``dispatchers`` are thread-safe.
+    """
 
     def __init__(
         self,
@@ -475,68 +448,160 @@ class DispatcherPool:
         policy: FailurePolicy,
         transport_factory: Callable[[str], WorkerTransport],
         cluster_context: Callable[[], WireContext],
-        poll_interval: float = 0.5,
         max_value_age: float = 0.0,
+        max_batch: int = 8,
     ):
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self._queue = queue
         self._specs = specs
         self._policy = policy
         self._transport_factory = transport_factory
         self._cluster_context = cluster_context
-        self._poll_interval = poll_interval
         self._max_value_age = max_value_age
-        self._lock = threading.Lock()
+        self._max_batch = max_batch
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._serve, name=THREAD_NAME, daemon=True)
         self._dispatchers: dict[str, Dispatcher] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._free: collections.deque[Dispatcher] = collections.deque()
         self._stopped = False
+        self._thread.start()
+        queue.set_waker(self._wake)
+
+    # ---------------------------------------------------------------- from any thread
 
     def add_worker(self, address: str) -> Dispatcher:
-        """Starts a dispatcher for ``address`` with the smallest free worker index."""
-        with self._lock:
-            if self._stopped:
-                raise RuntimeError("the coordinator is shut down; it cannot add workers")
-            if address in self._dispatchers:
-                raise ValueError(f"worker {address} is already part of the cluster")
-            used = {d.index for d in self._dispatchers.values()}
-            index = next(i for i in range(len(used) + 1) if i not in used)
-            dispatcher = Dispatcher(
-                address, index, queue=self._queue, specs=self._specs,
-                transport=self._transport_factory(address), cluster_context=self._cluster_context,
-                num_workers=self.num_workers, policy=self._policy, poll_interval=self._poll_interval,
-                max_value_age=self._max_value_age,
-            )
-            self._dispatchers[address] = dispatcher
-        dispatcher.start()
-        log.info("worker %d (%s) joined", index, address)
-        return dispatcher
+        """Starts dispatching to ``address`` with the smallest free worker index."""
+        return self._call(self._add(address))
 
     def remove_worker(self, address: str, timeout: float | None = None) -> None:
-        """Stops the dispatcher of ``address``; a closure it was running is put back for others."""
-        with self._lock:
-            dispatcher = self._dispatchers.pop(address, None)
-        if dispatcher is None:
-            raise KeyError(f"worker {address} is not part of the cluster")
-        dispatcher.stop()
-        dispatcher.join(timeout)
-        log.info("worker %d (%s) left", dispatcher.index, address)
-
-    def stop(self, timeout: float | None = None) -> list[Dispatcher]:
-        """Stops every dispatcher and waits for its thread; returns those still alive after ``timeout``."""
-        with self._lock:
-            self._stopped = True
-            dispatchers = list(self._dispatchers.values())
-        for dispatcher in dispatchers:
-            dispatcher.stop()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        return [d for d in dispatchers if not d.join(_remaining(deadline))]
+        """Stops dispatching to ``address``; the closures it was running go back to the queue."""
+        self._call(self._remove(address), timeout)
 
     def num_workers(self) -> int:
-        with self._lock:
-            return len(self._dispatchers)
+        return len(self._dispatchers)
 
     def dispatchers(self) -> list[Dispatcher]:
-        with self._lock:
-            return sorted(self._dispatchers.values(), key=lambda d: d.index)
+        return sorted(self._dispatchers.values(), key=lambda d: d.index)
 
+    @property
+    def thread(self) -> threading.Thread:
+        return self._thread
 
-def _remaining(deadline: float | None) -> float | None:
-    return None if deadline is None else max(0.0, deadline - time.monotonic())
+    def stop(self, timeout: float | None = None) -> bool:
+        """Cancels every call in progress (its closures go back to the queue, which the
+        coordinator has closed by then), closes the connections and joins the thread.
+        Returns whether the thread ended within ``timeout``."""
+        if not self._stopped:
+            self._stopped = True
+            try:
+                self._call(self._stop_all(), timeout)
+            except (concurrent.futures.TimeoutError, RuntimeError):
+                log.error("the dispatch loop did not stop its workers within %ss", timeout)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def _wake(self) -> None:
+        if not self._stopped and not self._loop.is_closed():
+            try:
+                self._loop.call_soon_threadsafe(self._assign)
+            except RuntimeError:  # the loop closed meanwhile
+                pass
+
+    def _call(self, coroutine: Coroutine[Any, Any, _T], timeout: float | None = None) -> _T:
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("a DispatchLoop method was called from its own thread")
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
+
+    # ---------------------------------------------------------------- on the loop
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_forever()
+        finally:
+            self._loop.run_until_complete(self._loop.shutdown_asyncgens())
+            self._loop.close()
+
+    async def _add(self, address: str) -> Dispatcher:
+        if self._stopped:
+            raise RuntimeError("the coordinator is shut down; it cannot add workers")
+        if address in self._dispatchers:
+            raise ValueError(f"worker {address} is already part of the cluster")
+        used = {d.index for d in self._dispatchers.values()}
+        index = next(i for i in range(len(used) + 1) if i not in used)
+        dispatcher = Dispatcher(
+            address, index, queue=self._queue, specs=self._specs, transport=self._transport_factory(address),
+            cluster_context=self._cluster_context, num_workers=self.num_workers, policy=self._policy,
+            max_value_age=self._max_value_age,
+        )
+        self._dispatchers[address] = dispatcher
+        self._free.append(dispatcher)
+        log.info("worker %d (%s) joined", index, address)
+        self._assign()
+        return dispatcher
+
+    async def _remove(self, address: str) -> None:
+        dispatcher = self._dispatchers.pop(address, None)
+        if dispatcher is None:
+            raise KeyError(f"worker {address} is not part of the cluster")
+        await self._retire(dispatcher, "removed from the cluster")
+        log.info("worker %d (%s) left", dispatcher.index, address)
+        self._assign()
+
+    async def _retire(self, dispatcher: Dispatcher, reason: str) -> None:
+        if dispatcher in self._free:
+            self._free.remove(dispatcher)
+        task = self._tasks.pop(dispatcher.address, None)
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        dispatcher.stop(reason)
+        await dispatcher._transport.close()
+
+    async def _stop_all(self) -> None:
+        for dispatcher in list(self._dispatchers.values()):
+            await self._retire(dispatcher, "the coordinator stops")
+
+    def _assign(self) -> None:
+        """Gives free workers batches while closures are queued."""
+        while self._free and not self._stopped:
+            queued = self._queue.num_queued
+            if queued == 0:
+                return
+            # No more than its share: a batch never holds a closure another free worker could
+            # start now, so batches form only when closures queue up behind busy workers.
+            share = max(1, queued // len(self._free))
+            dispatcher = self._free.popleft()
+            batch = self._queue.take(dispatcher.address, min(self._max_batch, share))
+            if not batch:
+                self._free.appendleft(dispatcher)
+                return
+            self._start(dispatcher, dispatcher.run(batch))
+
+    def _start(self, dispatcher: Dispatcher, work: Coroutine[Any, Any, Any]) -> None:
+        task = self._loop.create_task(work)
+        self._tasks[dispatcher.address] = task
+        task.add_done_callback(lambda done: self._finished(dispatcher, done))
+
+    def _finished(self, dispatcher: Dispatcher, task: asyncio.Task[Any]) -> None:
+        if self._tasks.get(dispatcher.address) is task:
+            del self._tasks[dispatcher.address]
+        if task.cancelled() or self._stopped or dispatcher.address not in self._dispatchers:
+            return
+        if task.exception() is not None:
+            log.error("dispatcher of worker %d (%s) crashed", dispatcher.index, dispatcher.address,
+                      exc_info=task.exception())
+            return
+        if dispatcher.state is WorkerState.DOWN:
+            self._start(dispatcher, self._probe(dispatcher))
+            return
+        if dispatcher.state is WorkerState.UP:
+            self._free.append(dispatcher)
+            self._assign()
+
+    async def _probe(self, dispatcher: Dispatcher) -> None:
+        if not await dispatcher.probe():
+            dispatcher.stop("it did not come back")

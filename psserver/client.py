@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar, Union
 
 import grpc
+import numpy as np
 import tenacity
 import torch
 
@@ -55,6 +56,7 @@ from paramserve.psserver.streams import (
     decode_step_reply,
     encode_parts,
     encode_step_request,
+    meta_nbytes,
     meta_of,
     read_parts,
     tensor_from_bytes,
@@ -324,7 +326,8 @@ class ParameterServerClient:
             pushed: list[ps_pb2.PushResult] = []
             if work.parts:
                 chunk_bytes = self.config.chunk_bytes
-                pushed = list(stub.push(lambda: encode_parts(iter(work.parts), chunk_bytes), key or "",
+                headed = [(tensor_pb2.PartHeader(push=part), pieces) for part, pieces in work.parts]
+                pushed = list(stub.push(lambda: encode_parts(iter(headed), chunk_bytes), key or "",
                                         self._call_options()).results)
             versions = stub.pull(work.pull_request(self.config.chunk_bytes), work.destinations, self._call_options()) \
                 if work.items else {}
@@ -506,9 +509,10 @@ class _Stub:
         return _receive_pulled(stream, list(request.items), destinations)
 
     def step(self, work: _ServerWork, key: str, options: _CallOptions) -> tuple[list[ps_pb2.PushResult], dict[ShardRef, int]]:
-        request = encode_step_request(work.parts, key, work.items)
-        pushed, chunks = decode_step_reply(self._step(request, timeout=options.timeout, metadata=options.metadata()))
-        return pushed, _receive_pulled(chunks, work.items, work.destinations)
+        plan = ps_pb2.StepPlan(idempotency_key=key, push=[part for part, _ in work.parts], pull=work.items)
+        request = encode_step_request(plan, [piece for _, pieces in work.parts for piece in pieces])
+        outcome, payload = decode_step_reply(self._step(request, timeout=options.timeout, metadata=options.metadata()))
+        return list(outcome.pushed), _receive_packed(outcome.pulled, payload, work.items, work.destinations)
 
     def export(self, chunk_bytes: int, options: _CallOptions) -> list[ShardState]:
         request = ps_pb2.ExportShardsRequest(chunk_bytes=chunk_bytes)
@@ -534,7 +538,7 @@ class _Stub:
 
 
 _Destination = Union[torch.Tensor, "_RowScatter"]
-_Part = tuple[tensor_pb2.PartHeader, list[memoryview]]
+_Part = tuple[tensor_pb2.PushPart, list[memoryview]]
 
 
 @dataclass
@@ -605,6 +609,41 @@ def _receive_pulled(chunks: Iterable[bytes | memoryview], items: Sequence[ps_pb2
     return versions
 
 
+def _receive_packed(pulled: Sequence[tensor_pb2.PulledPart], payload: memoryview, items: Sequence[ps_pb2.PullItem],
+                    destinations: Sequence[_Destination]) -> dict[ShardRef, int]:
+    """Fills ``destinations`` from a StepReply's parts (their bytes back to back in ``payload``);
+    returns the version each shard was read at. Whole-shard reads are copied straight into
+    their destination."""
+    versions: dict[ShardRef, int] = {}
+    offset = 0
+    for part in pulled:
+        if not 0 <= part.item < len(destinations):
+            raise InvalidRequestError(f"the server answered for item {part.item} of {len(destinations)}")
+        destination = destinations[part.item]
+        size = meta_nbytes(part.meta)
+        expected = _destination_bytes(destination)
+        if size != expected or offset + size > len(payload):
+            raise InvalidRequestError(f"the server sent {size} bytes for a read of {expected}")
+        data = np.frombuffer(payload[offset : offset + size], dtype=np.uint8)
+        offset += size
+        versions[convert.ref_from_proto(items[part.item].ref)] = int(part.version)
+        if not size:
+            continue
+        if isinstance(destination, torch.Tensor) and destination.is_contiguous():
+            destination.reshape(-1).view(torch.uint8).numpy()[:] = data
+            continue
+        buffer = byte_buffer(size)
+        buffer.numpy()[:] = data
+        value = tensor_from_bytes(buffer, part.meta)
+        if isinstance(destination, _RowScatter):
+            destination.target[destination.positions] = value
+        else:
+            destination.copy_(value.reshape(destination.shape))
+    if offset != len(payload):
+        raise InvalidRequestError(f"the server's reply holds {len(payload) - offset} bytes no part describes")
+    return versions
+
+
 def _push_parts(layout: VariableLayout, gradient: torch.Tensor | RowGradient, base_versions: Mapping[ShardRef, int]) -> Iterator[tuple[int, tuple]]:
     if isinstance(gradient, RowGradient):
         indices = gradient.indices.reshape(-1).to(torch.int64)
@@ -618,7 +657,7 @@ def _push_parts(layout: VariableLayout, gradient: torch.Tensor | RowGradient, ba
             ref = layout.ref(shard)
             part = tensor_pb2.PushPart(ref=convert.ref_to_proto(ref), values=meta_of(rows_values), sparse=True,
                                        num_indices=local.numel(), base_version=base_versions.get(ref, -1))
-            yield shard.server, (tensor_pb2.PartHeader(push=part), [tensor_payload(local), tensor_payload(rows_values)])
+            yield shard.server, (part, [tensor_payload(local), tensor_payload(rows_values)])
         return
     gradient = gradient.detach().cpu()
     if tuple(gradient.shape) != layout.shape:
@@ -627,7 +666,7 @@ def _push_parts(layout: VariableLayout, gradient: torch.Tensor | RowGradient, ba
         piece = gradient[shard.row_start : shard.row_start + shard.num_rows] if layout.shape else gradient
         ref = layout.ref(shard)
         part = tensor_pb2.PushPart(ref=convert.ref_to_proto(ref), values=meta_of(piece), base_version=base_versions.get(ref, -1))
-        yield shard.server, (tensor_pb2.PartHeader(push=part), [tensor_payload(piece)])
+        yield shard.server, (part, [tensor_payload(piece)])
 
 
 def _group_rows(layout: VariableLayout, indices: torch.Tensor) -> Iterator[tuple[ShardPlacement, torch.Tensor]]:

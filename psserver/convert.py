@@ -231,6 +231,7 @@ def cluster_to_proto(context: ClusterContext) -> cluster_pb2.ClusterContext:
     return cluster_pb2.ClusterContext(
         parameter_servers=list(context.parameter_servers),
         variables=[layout_to_proto(layout) for layout in context.layouts.values()],
+        generation=context.generation,
     )
 
 
@@ -243,4 +244,6 @@ def cluster_from_proto(message: cluster_pb2.ClusterContext) -> ClusterContext:
         if layout.name in layouts:
             raise InvalidRequestError("the cluster context lists the variable twice", variable=layout.name)
         layouts[layout.name] = layout
-    return ClusterContext(servers, layouts)
+    if message.generation < 0:
+        raise InvalidRequestError(f"the cluster context's generation must be >= 0, got {message.generation}")
+    return ClusterContext(servers, layouts, int(message.generation))

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import json
 import pathlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 import grpc
+import numpy as np
 import torch
 
 from paramserve.psserver import checkpoint, convert
@@ -22,8 +23,8 @@ from paramserve.psserver.streams import (
     decode_step_request,
     encode_parts,
     encode_step_reply,
-    meta_nbytes,
     meta_of,
+    push_part_bytes,
     read_parts,
     tensor_from_bytes,
     tensor_payload,
@@ -108,30 +109,52 @@ class ParameterServerServicer:
 
     @unary_boundary
     def Step(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
-        chunks, key, items = decode_step_request(raw)
-        reads = [(convert.ref_from_proto(i.ref), convert.rows_from_bytes(i.row_indices) if i.sparse else None) for i in items]
+        plan, payload = decode_step_request(raw)
+        reads = [(convert.ref_from_proto(i.ref), convert.rows_from_bytes(i.row_indices) if i.sparse else None) for i in plan.pull]
         self._store.check_reads(reads)  # a bad read fails the request before the push changes anything
-        pushed = self._push(chunks, key) if chunks else []
+        pushed = self._apply(self._packed_pushes(plan.push, payload), plan.idempotency_key) if plan.push else []
+        if not plan.push and len(payload):
+            raise InvalidRequestError(f"the payload holds {len(payload)} bytes but the plan pushes nothing")
         dense = [ref for ref, rows in reads if rows is None]
         rows = {i: self._store.pull_rows(ref, r) for i, (ref, r) in enumerate(reads) if r is not None}
 
         def reply(live: dict[ShardRef, Pulled]) -> bytes:  # under the dense shards' locks: one consistent read
-            parts = []
-            for index, item in enumerate(items):
-                pulled = rows[index] if item.sparse else live[convert.ref_from_proto(item.ref)]
-                part = tensor_pb2.PulledPart(item=index, meta=meta_of(pulled.value), version=pulled.version)
-                parts.append((tensor_pb2.PartHeader(pulled=part), [tensor_payload(pulled.value)]))
-            return encode_step_reply(pushed, parts)
+            outcome = ps_pb2.StepOutcome(pushed=pushed)
+            values = []
+            for index, (ref, _) in enumerate(reads):
+                pulled = rows[index] if index in rows else live[ref]
+                outcome.pulled.append(tensor_pb2.PulledPart(item=index, meta=meta_of(pulled.value), version=pulled.version))
+                values.append(tensor_payload(pulled.value))
+            return encode_step_reply(outcome, values)
 
         return self._store.read_many(dense, reply)
 
+    def _packed_pushes(self, parts: Sequence[tensor_pb2.PushPart], payload: memoryview) -> list[ShardPush]:
+        """The pushes of a Step: each part's bytes are its slice of the one payload, copied once
+        into one buffer (so tensors are aligned and outlive the request)."""
+        sizes = [self._checked_push_bytes(part) for part in parts]
+        if sum(sizes) != len(payload):
+            raise InvalidRequestError(
+                f"the payload holds {len(payload)} bytes but the plan's push parts describe {sum(sizes)}"
+            )
+        buffer = byte_buffer(len(payload))
+        buffer.numpy()[:] = np.frombuffer(payload, dtype=np.uint8)
+        pushes, offset = [], 0
+        for part, size in zip(parts, sizes):
+            pushes.append(self._push_from_part(part, buffer[offset : offset + size]))
+            offset += size
+        return pushes
+
     def _push(self, chunks: Iterable[bytes | memoryview], key: str) -> list[ps_pb2.PushResult]:
+        pushes = [self._push_from_part(h.push, payload) for h, payload in read_parts(chunks, self._allocate_push)]
+        return self._apply(pushes, key)
+
+    def _apply(self, pushes: list[ShardPush], key: str) -> list[ps_pb2.PushResult]:
         if not key:
             raise InvalidRequestError(
-                "push without an idempotency key: send it in the StepRequest, or in the "
+                "push without an idempotency key: send it in the StepPlan, or in the "
                 f"{IDEMPOTENCY_METADATA_KEY!r} metadata of a Push stream"
             )
-        pushes = [self._push_from_part(h.push, payload) for h, payload in read_parts(chunks, self._allocate_push)]
         return [
             ps_pb2.PushResult(ref=convert.ref_to_proto(o.ref), applied=o.applied, version=o.version, staleness=o.staleness)
             for o in self._store.push(pushes, key)
@@ -143,22 +166,26 @@ class ParameterServerServicer:
     def _allocate_push(self, header: tensor_pb2.PartHeader) -> torch.Tensor:
         if header.WhichOneof("kind") != "push":
             raise InvalidRequestError("Push takes parts with PushPart headers")
-        push = header.push
-        if push.num_indices < 0 or (push.num_indices and not push.sparse):
-            raise InvalidRequestError("num_indices must be 0 for a dense push and >= 0 for a sparse one")
-        expected = push.num_indices * 8 + meta_nbytes(push.values)
+        expected = self._checked_push_bytes(header.push)
         if header.payload_bytes != expected:
             raise InvalidRequestError(
                 f"push part declares {header.payload_bytes} payload bytes, its header describes {expected}",
-                variable=push.ref.variable,
+                variable=header.push.ref.variable,
             )
+        return byte_buffer(expected)
+
+    def _checked_push_bytes(self, push: tensor_pb2.PushPart) -> int:
+        """The payload bytes ``push`` describes; raises for a malformed or oversized part."""
+        if push.num_indices < 0 or (push.num_indices and not push.sparse):
+            raise InvalidRequestError("num_indices must be 0 for a dense push and >= 0 for a sparse one")
+        expected = push_part_bytes(push)
         if expected > self._max_push_bytes:
             raise InvalidRequestError(
                 f"push part of {expected} bytes exceeds this server's limit of {self._max_push_bytes}; "
                 "split the gradient or raise --max-push-bytes",
                 variable=push.ref.variable,
             )
-        return byte_buffer(expected)
+        return expected
 
     def _push_from_part(self, push: tensor_pb2.PushPart, payload: torch.Tensor) -> ShardPush:
         ref = convert.ref_from_proto(push.ref)

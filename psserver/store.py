@@ -2,8 +2,9 @@
 
 A :class:`ShardStore` holds shards keyed by :class:`ShardRef`. Every request
 is validated completely before anything changes, so a bad request leaves the
-store exactly as it was. Updates to one shard are serialised by that shard's
-lock; different shards are updated concurrently. A separate lock guards only
+store exactly as it was. Each shard has a lock; a push holds the locks of the
+shards it updates (taken in sorted order), so pushes to disjoint shards run
+concurrently. A separate lock guards only
 the dictionary of shards (lookups, creation, deletion) and is never held
 while tensors are copied or updated.
 
@@ -15,6 +16,7 @@ reported as not applied and changes nothing.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -37,7 +39,7 @@ from paramserve.psserver.errors import (
     VariableNotFoundError,
 )
 from paramserve.psserver.idempotency import IdempotencyWindow
-from paramserve.psserver.optimizer import OptimizerSpec, ShardOptimizer
+from paramserve.psserver.optimizer import GroupedSteps, OptimizerSpec, ShardOptimizer
 from paramserve.psserver.tensors import DTYPE_NAMES, dtype_name
 from paramserve.psserver.types import PushOutcome, ShardInfo, ShardRef, ShardState
 
@@ -397,6 +399,7 @@ class ShardStore:
         self._observer = observer
         self._shards: dict[ShardRef, _Shard] = {}
         self._shards_lock = threading.Lock()
+        self._grouped = GroupedSteps()
 
     @property
     def config(self) -> StoreConfig:
@@ -421,6 +424,8 @@ class ShardStore:
             for shard, existing in zip(built, kept):
                 if existing is None:
                     self._shards[shard.ref] = shard
+        if replace:
+            self._grouped.clear()  # groups hold the replaced shards' tensors
         return [(existing or shard).info() for shard, existing in zip(built, kept)]
 
     def _keep_or_conflict(self, shard: _Shard, replace: bool) -> _Shard | None:
@@ -464,6 +469,7 @@ class ShardStore:
             refs = [ref for ref in self._shards if ref.variable == variable]
             for ref in refs:
                 del self._shards[ref]
+        self._grouped.clear()  # groups hold the deleted shards' tensors
         return len(refs)
 
     def list_shards(self) -> list[ShardInfo]:
@@ -538,7 +544,7 @@ class ShardStore:
             if self._observer is not None:
                 self._observer.on_rejected(error)
             raise
-        outcomes = [self._apply(shard, push, idempotency_key) for shard, push in plan]
+        outcomes = self._apply_all(plan, idempotency_key)
         if self._observer is not None:
             for outcome in outcomes:
                 self._observer.on_push(outcome)
@@ -587,25 +593,45 @@ class ShardStore:
                 f"(max_staleness={bound}); pull the variable again and recompute"
             )
 
-    def _apply(self, shard: _Shard, push: ShardPush, key: str) -> PushOutcome:
-        assert shard.optimizer is not None  # checked by _validate_push
-        with shard.lock:
-            before = shard.version
-            staleness = _staleness(before, push.base_version)
-            if key in shard.window:
-                return PushOutcome(shard.ref, False, before, staleness)
-            try:
-                if push.rows is None:
-                    shard.optimizer.apply_dense(push.values)
+    def _apply_all(self, plan: Sequence[tuple[_Shard, ShardPush]], key: str) -> list[PushOutcome]:
+        """Applies a validated push under all its shards' locks (taken in sorted order, as every
+        multi-shard lock here is): shards that saw ``key`` change nothing; dense gradients of one
+        optimizer spec are applied as one torch.optim step (psserver.optimizer.GroupedSteps)."""
+        outcomes: dict[ShardRef, PushOutcome] = {}
+        with contextlib.ExitStack() as stack:
+            for shard, _ in sorted(plan, key=lambda entry: entry[0].ref):
+                stack.enter_context(shard.lock)
+            fresh = []
+            for shard, push in plan:
+                staleness = _staleness(shard.version, push.base_version)
+                if key in shard.window:
+                    outcomes[shard.ref] = PushOutcome(shard.ref, False, shard.version, staleness)
                 else:
-                    shard.optimizer.apply_rows(push.rows, push.values)
-            except Exception as exc:  # validated already: anything here is our bug
-                raise InternalError(
-                    f"applying a push to shard {shard.ref} failed: {exc}", variable=shard.ref.variable
-                ) from exc
-            shard.version = before + 1
-            shard.window.record(key)
-            return PushOutcome(shard.ref, True, shard.version, staleness)
+                    fresh.append((shard, push, staleness))
+            dense: dict[OptimizerSpec, list[tuple[_Shard, ShardPush]]] = {}
+            for shard, push, _ in fresh:
+                assert shard.optimizer is not None  # checked by _validate_push
+                if push.rows is None:
+                    dense.setdefault(shard.optimizer.spec, []).append((shard, push))
+                else:
+                    self._step(shard, functools.partial(shard.optimizer.apply_rows, push.rows, push.values))
+            for group in dense.values():
+                optimizers = [shard.optimizer for shard, _ in group if shard.optimizer is not None]
+                self._step(group[0][0], functools.partial(self._grouped.apply_dense, optimizers, [p.values for _, p in group]))
+            for shard, _, staleness in fresh:
+                shard.version += 1
+                shard.window.record(key)
+                outcomes[shard.ref] = PushOutcome(shard.ref, True, shard.version, staleness)
+        return [outcomes[shard.ref] for shard, _ in plan]
+
+    @staticmethod
+    def _step(shard: _Shard, apply: Callable[[], None]) -> None:
+        try:
+            apply()
+        except Exception as exc:  # validated already: anything here is our bug
+            raise InternalError(
+                f"applying a push to shard {shard.ref} failed: {exc}", variable=shard.ref.variable
+            ) from exc
 
     # -- export and hyperparameters -------------------------------------------
 

@@ -183,97 +183,79 @@ def read_parts(chunks: Iterable[bytes | memoryview], allocate: Allocator) -> Ite
         )
 
 
-# ---------------------------------------------------------------- whole parts in one message
+# ---------------------------------------------------------------- a plan and one payload
 #
-# Small exchanges travel as one unary message each way (a gRPC stream costs a thread and
-# a message per chunk on both sides, which dominate a small model's step). Such a message
-# holds whole parts, each a complete Chunk in a length-delimited field, written with one
-# join (one copy of the tensor bytes) and read as views into the received bytes.
+# Exchanges under the unary limit travel as one message each way (a gRPC stream costs a
+# thread and a message per chunk on both sides, which dominate a small model's step). Such
+# a message is a protobuf plan (field 1) describing every part, then one bytes field
+# (field 2) holding the parts' bytes back to back: one protobuf parse and one join per
+# message, however many tensors it carries. Written with one copy of the tensor bytes (the
+# join), read as a view into the received message.
 
 
-def part_pieces(header: tensor_pb2.PartHeader, payload: Sequence[memoryview]) -> list[bytes | memoryview]:
-    """The serialised pieces of one Chunk holding a whole part (its header and all its payload)."""
-    header.payload_bytes = sum(len(p) for p in payload)
-    raw = header.SerializeToString()
-    pieces: list[bytes | memoryview] = [bytes((_HEADER_TAG,)), _varint(len(raw)), raw]
-    if header.payload_bytes:
-        pieces += [bytes((_DATA_TAG,)), _varint(header.payload_bytes), *payload]
-    return pieces
+def pack(plan: bytes, payload: Sequence[bytes | memoryview]) -> bytes:
+    """A message of ``plan`` (a serialised message) as field 1 and ``payload``'s pieces,
+    joined, as bytes field 2."""
+    size = sum(len(p) for p in payload)
+    return b"".join([bytes((_HEADER_TAG,)), _varint(len(plan)), plan, bytes((_DATA_TAG,)), _varint(size), *payload])
 
 
-def frame(fields: Iterable[tuple[int, Sequence[bytes | memoryview]]]) -> bytes:
-    """One protobuf message of length-delimited fields ``(field number, pieces)``, in order."""
-    out: list[bytes | memoryview] = []
-    for number, pieces in fields:
-        out += [_varint(number << 3 | 2), _varint(sum(len(p) for p in pieces)), *pieces]
-    return b"".join(out)
-
-
-def fields_of(raw: bytes | memoryview) -> list[tuple[int, memoryview]]:
-    """``(field number, payload view)`` of each field of a message made only of length-delimited
-    fields. Raises ValueError for anything else (callers then let protobuf parse it)."""
+def unpack(raw: bytes) -> tuple[memoryview, memoryview]:
+    """(plan bytes, payload) of a packed message. Raises ValueError when ``raw`` is not the
+    two fields in that layout (callers then let protobuf parse it)."""
     view = memoryview(raw)
-    fields: list[tuple[int, memoryview]] = []
+    found: dict[int, memoryview] = {}
     pos = 0
     while pos < len(view):
-        key, pos = _read_varint(view, pos)
-        if key & 7 != 2:
-            raise ValueError("not a length-delimited field")
-        length, pos = _read_varint(view, pos)
-        end = pos + length
-        if end > len(view):
+        tag = view[pos]
+        if tag not in (_HEADER_TAG, _DATA_TAG) or tag in found:
+            raise ValueError("not the packed layout")
+        length, pos = _read_varint(view, pos + 1)
+        if pos + length > len(view):
             raise ValueError("truncated field")
-        fields.append((key >> 3, view[pos:end]))
-        pos = end
-    return fields
+        found[tag] = view[pos : pos + length]
+        pos += length
+    return found.get(_HEADER_TAG, _EMPTY), found.get(_DATA_TAG, _EMPTY)
 
 
-def encode_step_request(parts: Sequence[tuple[tensor_pb2.PartHeader, Sequence[memoryview]]], key: str,
-                        pull: Sequence[ps_pb2.PullItem]) -> bytes:
-    """A StepRequest: push ``parts`` (each whole) under ``key``, then read ``pull``."""
-    fields: list[tuple[int, Sequence[bytes | memoryview]]] = [(1, part_pieces(h, p)) for h, p in parts]
-    if key:
-        fields.append((2, [key.encode()]))
-    fields += [(3, [item.SerializeToString()]) for item in pull]
-    return frame(fields)
+def encode_step_request(plan: ps_pb2.StepPlan, payload: Sequence[memoryview]) -> bytes:
+    """A StepRequest: ``plan`` and its push parts' bytes, in plan order."""
+    return pack(plan.SerializeToString(), payload)
 
 
-def decode_step_request(raw: bytes) -> tuple[list[memoryview], str, list[ps_pb2.PullItem]]:
-    """(push chunks, idempotency key, pull items) of a StepRequest. Raises InvalidRequestError."""
+def decode_step_request(raw: bytes) -> tuple[ps_pb2.StepPlan, memoryview]:
+    """(plan, payload) of a StepRequest. Raises InvalidRequestError for garbage."""
     try:
-        fields = fields_of(raw)
-        if any(number not in (1, 2, 3) for number, _ in fields):
-            raise ValueError("unknown field")
-        key = b"".join(bytes(v) for n, v in fields if n == 2).decode()
-        chunks = [v for n, v in fields if n == 1]
-        return chunks, key, [ps_pb2.PullItem.FromString(bytes(v)) for n, v in fields if n == 3]
-    except (ValueError, IndexError, UnicodeDecodeError, DecodeError):
+        plan, payload = unpack(raw)
+        return ps_pb2.StepPlan.FromString(plan.tobytes()), payload
+    except (ValueError, IndexError, DecodeError):
         pass
     try:
         message = ps_pb2.StepRequest.FromString(raw)
     except DecodeError as err:
         raise InvalidRequestError(f"malformed StepRequest ({len(raw)} bytes): {err}") from None
-    return [memoryview(c.SerializeToString()) for c in message.push], message.idempotency_key, list(message.pull)
+    return message.plan, memoryview(message.payload)
 
 
-def encode_step_reply(pushed: Sequence[ps_pb2.PushResult],
-                      parts: Sequence[tuple[tensor_pb2.PartHeader, Sequence[memoryview]]]) -> bytes:
-    """A StepReply: the push's results, then the pulled parts (each whole)."""
-    fields: list[tuple[int, Sequence[bytes | memoryview]]] = [(1, [r.SerializeToString()]) for r in pushed]
-    return frame([*fields, *((2, part_pieces(h, p)) for h, p in parts)])
+def encode_step_reply(outcome: ps_pb2.StepOutcome, payload: Sequence[memoryview]) -> bytes:
+    """A StepReply: the push's results and the pulled parts' headers, then their bytes."""
+    return pack(outcome.SerializeToString(), payload)
 
 
-def decode_step_reply(raw: bytes) -> tuple[list[ps_pb2.PushResult], list[memoryview]]:
-    """(push results, pulled chunks) of a StepReply."""
+def decode_step_reply(raw: bytes) -> tuple[ps_pb2.StepOutcome, memoryview]:
+    """(outcome, payload) of a StepReply."""
     try:
-        fields = fields_of(raw)
-        if any(number not in (1, 2) for number, _ in fields):
-            raise ValueError("unknown field")
-        return [ps_pb2.PushResult.FromString(bytes(v)) for n, v in fields if n == 1], [v for n, v in fields if n == 2]
+        outcome, payload = unpack(raw)
+        return ps_pb2.StepOutcome.FromString(outcome.tobytes()), payload
     except (ValueError, IndexError, DecodeError):
         pass
     message = ps_pb2.StepReply.FromString(raw)
-    return list(message.pushed), [memoryview(c.SerializeToString()) for c in message.pulled]
+    return message.outcome, memoryview(message.payload)
+
+
+def push_part_bytes(part: tensor_pb2.PushPart) -> int:
+    """Payload bytes of a push part: its row indices (sparse) and its values."""
+    return part.num_indices * 8 + meta_nbytes(part.values)
 
 
 def meta_of(tensor: torch.Tensor) -> tensor_pb2.TensorMeta:

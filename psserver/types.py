@@ -129,6 +129,9 @@ class ClusterContext:
 
     parameter_servers: tuple[str, ...] = ()
     layouts: Mapping[str, VariableLayout] = field(default_factory=dict)
+    # Counts the coordinator's rewrites of the variables' values (restores): a worker drops
+    # values it holds from an older generation instead of reusing them.
+    generation: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "parameter_servers", tuple(self.parameter_servers))
@@ -136,14 +139,14 @@ class ClusterContext:
 
     @property
     def fingerprint(self) -> str:
-        digest = hashlib.sha256(repr(self.parameter_servers).encode())
+        digest = hashlib.sha256(repr((self.parameter_servers, self.generation)).encode())
         for name in sorted(self.layouts):
             layout = self.layouts[name]
             digest.update(repr((name, layout.shape, str(layout.dtype), layout.shards)).encode())
         return digest.hexdigest()[:32]
 
-    def __reduce__(self) -> tuple[type[ClusterContext], tuple[tuple[str, ...], dict[str, VariableLayout]]]:
-        return ClusterContext, (self.parameter_servers, dict(self.layouts))
+    def __reduce__(self) -> tuple[type[ClusterContext], tuple[tuple[str, ...], dict[str, VariableLayout], int]]:
+        return ClusterContext, (self.parameter_servers, dict(self.layouts), self.generation)
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from paramserve.psserver.errors import (
     ServerUnavailableError,
     ShapeMismatchError,
 )
+from paramserve.psserver.tensors import DTYPE_NAMES, as_byte_view, dtype_from_name, tensor_from_buffer
 from paramserve.psserver.types import ClusterContext, PullResult, PushSummary, RowGradient, ShardRef, VariableLayout
 from paramserve.worker.resources import (
     ResourceMissingError,
@@ -202,6 +203,11 @@ class LocalVariables:
         ``keep_returned`` (they were read as the previous step ended); all else is stale."""
         self._fresh = self._returned if keep_returned else set()
         self._returned = set()
+
+    def forget_returned(self) -> None:
+        """Values read back by pushes are not to be reused (the variables were rewritten)."""
+        self._returned = set()
+        self._returned_at = float("-inf")
 
     def returned_within(self, seconds: float, now: float) -> bool:
         """Whether the last push returned values at most ``seconds`` ago."""
@@ -389,6 +395,20 @@ class WorkerCore:
         self._cluster = ClusterContext()
         self._cluster_fingerprint = ""
 
+    def run_closures(self, requests: Sequence[ClosureRequest]) -> list[ClosureOutcome]:
+        """Runs closures in order; stops after the first that does not succeed (the rest are not
+        run: a user error cancels what was queued after it, and a closure that needs something
+        resent is retried with it). Raises InvalidRequestError, before running any, for a
+        malformed request."""
+        for request in requests:
+            _validate(request)
+        outcomes: list[ClosureOutcome] = []
+        for request in requests:
+            outcomes.append(self.run_closure(request))
+            if outcomes[-1].error is not None:
+                break
+        return outcomes
+
     def run_closure(self, request: ClosureRequest) -> ClosureOutcome:
         """Runs ``request``'s function ``steps`` times and returns the last result or the error.
 
@@ -466,8 +486,10 @@ class WorkerCore:
         """The context a request runs in: the one it carries (kept for later requests), the one
         held under its fingerprint, or None when this worker does not hold it."""
         if request.cluster is not None:
-            self._cluster = request.cluster
-            self._cluster_fingerprint = request.cluster_fingerprint or request.cluster.fingerprint
+            fingerprint = request.cluster_fingerprint or request.cluster.fingerprint
+            if fingerprint != self._cluster_fingerprint:
+                self._variables.forget_returned()  # values of another layout or generation
+            self._cluster, self._cluster_fingerprint = request.cluster, fingerprint
             return request.cluster
         if not request.cluster_fingerprint:
             return ClusterContext()  # a closure that uses no variables
@@ -549,12 +571,25 @@ def _load_resource_function(spec: ResourceSpec) -> Any:
 
 
 class _ValuePickler(cloudpickle.Pickler):
-    """Results travel as values: tensors lose their autograd history (a loss has a grad_fn)."""
+    """Results travel as values: tensors lose their autograd history (a loss has a grad_fn).
+
+    A dense tensor of a wire dtype travels as its raw bytes, dtype and shape (torch's own
+    pickling writes a small archive per tensor, several times slower for a loss), and
+    arrives on the coordinator's CPU whichever device it was computed on.
+    """
 
     def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor) and (obj.requires_grad or isinstance(obj, nn.Parameter)):
-            return obj.detach().clone().__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+        if isinstance(obj, torch.Tensor):
+            if type(obj) in (torch.Tensor, nn.Parameter) and obj.layout == torch.strided and obj.dtype in DTYPE_NAMES:
+                return _result_tensor, (bytes(as_byte_view(obj)), DTYPE_NAMES[obj.dtype], tuple(obj.shape))
+            if obj.requires_grad or isinstance(obj, nn.Parameter):
+                return obj.detach().clone().__reduce_ex__(pickle.HIGHEST_PROTOCOL)
         return super().reducer_override(obj)
+
+
+def _result_tensor(data: bytes, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """Rebuilds a result tensor sent by _ValuePickler (runs on the coordinator)."""
+    return tensor_from_buffer(bytearray(data), dtype_from_name(dtype), shape)
 
 
 def _dumps_value(value: Any) -> bytes:

@@ -7,6 +7,8 @@ request goes through ``psserver.convert`` (the one form of "where variables live
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from paramserve.psserver import convert as ps_convert
 from paramserve.wire.v1 import worker_pb2
 from paramserve.worker.core import ClosureFailure, ClosureOutcome, ClosureRequest, ResourceSpec, WorkerInfo
@@ -91,6 +93,14 @@ def failure_from_proto(message: worker_pb2.ClosureFailure) -> ClosureFailure:
         message.parameter_server,
         message.needs_cluster,
     )
+
+
+def batch_from_proto(message: worker_pb2.RunClosuresRequest) -> list[ClosureRequest]:
+    return [request_from_proto(closure) for closure in message.closures]
+
+
+def batch_outcomes_to_proto(outcomes: Sequence[ClosureOutcome]) -> worker_pb2.RunClosuresResponse:
+    return worker_pb2.RunClosuresResponse(results=[outcome_to_proto(o) for o in outcomes])
 
 
 def outcome_from_proto(message: worker_pb2.RunClosureResponse) -> ClosureOutcome:

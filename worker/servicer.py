@@ -11,7 +11,7 @@ import grpc
 from paramserve.psserver.serving import parse, unary_boundary
 from paramserve.wire.v1 import worker_pb2
 from paramserve.worker.core import WorkerCore
-from paramserve.worker.messages import info_to_proto, outcome_to_proto, request_from_proto
+from paramserve.worker.messages import batch_from_proto, batch_outcomes_to_proto, info_to_proto
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 
@@ -23,9 +23,9 @@ class WorkerServicer:
         self._core = core
 
     @unary_boundary
-    def RunClosure(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
-        request = request_from_proto(parse(worker_pb2.RunClosureRequest, raw))
-        return outcome_to_proto(self._core.run_closure(request)).SerializeToString()
+    def RunClosures(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
+        requests = batch_from_proto(parse(worker_pb2.RunClosuresRequest, raw))
+        return batch_outcomes_to_proto(self._core.run_closures(requests)).SerializeToString()
 
     @unary_boundary
     def GetInfo(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
@@ -36,7 +36,7 @@ class WorkerServicer:
 def generic_handler(servicer: WorkerServicer) -> grpc.GenericRpcHandler:
     """Registers the servicer with raw-bytes (de)serialisers: it parses messages itself."""
     handlers = {
-        "RunClosure": grpc.unary_unary_rpc_method_handler(servicer.RunClosure),
+        "RunClosures": grpc.unary_unary_rpc_method_handler(servicer.RunClosures),
         "GetInfo": grpc.unary_unary_rpc_method_handler(servicer.GetInfo),
     }
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)

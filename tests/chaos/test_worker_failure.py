@@ -60,7 +60,7 @@ def cluster() -> Iterator[LocalCluster]:
 def coordinator(cluster: LocalCluster) -> Iterator[ClusterCoordinator]:
     with ClusterCoordinator(FakeStrategy(cluster, TOKEN), CoordinatorConfig(policy=FAST_PROBES, log_interval=2.0)) as coord:
         yield coord
-    assert not [t.name for t in threading.enumerate() if t.name.startswith("paramserve-dispatch-")]
+    assert not [t.name for t in threading.enumerate() if t.name == "paramserve-dispatch"]
 
 
 def items_from_both_workers(coordinator: ClusterCoordinator, iterator: Iterator[Item]) -> dict[int, Item]:

@@ -30,7 +30,7 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 TOKEN = "integration-secret"
 DEADLINE = 30.0
-DISPATCH_PREFIX = "paramserve-dispatch-"
+DISPATCH_THREAD = "paramserve-dispatch"
 
 
 # ---------------------------------------------------------------- fixtures
@@ -57,7 +57,7 @@ def gate() -> Iterator[Gate]:
 
 
 def dispatch_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith(DISPATCH_PREFIX)]
+    return [t.name for t in threading.enumerate() if t.name == DISPATCH_THREAD]
 
 
 # ---------------------------------------------------------------- closures (run on workers)
@@ -195,7 +195,7 @@ def test_fetch_times_out_naming_the_closure(coordinator, gate):
 
 def test_shutdown_cancels_what_is_left_and_stops_every_thread(cluster, gate):
     coord = ClusterCoordinator(FakeStrategy(cluster, TOKEN))
-    assert len(dispatch_threads()) == 2
+    assert len(dispatch_threads()) == 1, "one dispatch thread, however many workers"
     worker_index = coord.create_per_worker_resource(lambda ctx: ctx.worker_index)
     running = [coord.schedule(blocked, args=(worker_index, gate.address, i)) for i in range(2)]
     queued = coord.schedule(square, args=(3,))

@@ -210,14 +210,20 @@ def test_unknown_optimizer_is_rejected_at_creation(cluster):
     assert [i.ref.variable for i in server.store.list_shards()] == ["w", "w"]
 
 
+def step_request(parts, key: str, pull) -> bytes:
+    """A StepRequest as a client would pack it, from push_part()s."""
+    from paramserve.psserver.streams import encode_step_request
+
+    plan = ps_pb2.StepPlan(idempotency_key=key, push=[header.push for header, _ in parts], pull=pull)
+    return encode_step_request(plan, [piece for _, pieces in parts for piece in pieces])
+
+
 def raw_step(address: str, request: bytes) -> bytes:
     with grpc.insecure_channel(address) as channel:
         return channel.unary_unary(f"/{SERVICE_NAME}/Step")(request, timeout=10)
 
 
 def test_a_step_whose_read_is_bad_applies_none_of_its_push(cluster):
-    from paramserve.psserver.streams import encode_step_request
-
     server, client, value = cluster
     good_push = [push_part("w", 0, torch.ones(3, 4))]
     for bad_read in (
@@ -226,19 +232,32 @@ def test_a_step_whose_read_is_bad_applies_none_of_its_push(cluster):
                         row_indices=torch.tensor([7]).numpy().tobytes()),  # row out of range
     ):
         with pytest.raises(grpc.RpcError) as caught:
-            raw_step(server.address, encode_step_request(good_push, "k", [bad_read]))
+            raw_step(server.address, step_request(good_push, "k", [bad_read]))
         assert caught.value.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.OUT_OF_RANGE)
     assert_unchanged(client, value)
 
 
 def test_a_step_push_without_a_key_is_rejected(cluster):
+    server, client, value = cluster
+    with pytest.raises(grpc.RpcError) as caught:
+        raw_step(server.address, step_request([push_part("w", 0, torch.ones(3, 4))], "", []))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "idempotency key" in caught.value.details()
+    assert_unchanged(client, value)
+
+
+@pytest.mark.parametrize("extra", [b"\x00" * 4, b""])
+def test_a_step_whose_payload_disagrees_with_its_plan_is_rejected(cluster, extra):
     from paramserve.psserver.streams import encode_step_request
 
     server, client, value = cluster
+    header, pieces = push_part("w", 0, torch.ones(3, 4))
+    plan = ps_pb2.StepPlan(idempotency_key="k", push=[header.push])
+    payload = [*pieces, extra] if extra else [memoryview(pieces[0].tobytes()[:-4])]  # 4 bytes too many / too few
     with pytest.raises(grpc.RpcError) as caught:
-        raw_step(server.address, encode_step_request([push_part("w", 0, torch.ones(3, 4))], "", []))
+        raw_step(server.address, encode_step_request(plan, payload))
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "idempotency key" in caught.value.details()
+    assert "the payload holds" in caught.value.details()
     assert_unchanged(client, value)
 
 

@@ -65,14 +65,34 @@ def start_worker():
         worker.stop(grace=0)
 
 
+class OneClosure:
+    """``RunClosures`` with a batch of one, answering that closure's response (as RunClosure would)."""
+
+    def __init__(self, multicallable):
+        self._call = multicallable
+
+    def __call__(self, request, **kwargs):
+        return self._call(worker_pb2.RunClosuresRequest(closures=[request]), **kwargs).results[0]
+
+    def future(self, request, **kwargs):
+        future = self._call.future(worker_pb2.RunClosuresRequest(closures=[request]), **kwargs)
+        return type("OneResult", (), {"done": future.done, "result": lambda self: future.result().results[0]})()
+
+
+class WorkerStubOfOne:
+    def __init__(self, channel):
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        self.RunClosure, self.RunClosures, self.GetInfo = OneClosure(stub.RunClosures), stub.RunClosures, stub.GetInfo
+
+
 @pytest.fixture
 def stub_for():
     channels = []
 
-    def make(worker) -> worker_pb2_grpc.WorkerStub:
+    def make(worker) -> WorkerStubOfOne:
         channel = grpc.insecure_channel(worker.address)
         channels.append(channel)
-        return worker_pb2_grpc.WorkerStub(channel)
+        return WorkerStubOfOne(channel)
 
     yield make
     for channel in channels:
@@ -168,7 +188,7 @@ def test_malformed_requests_get_invalid_argument_and_the_server_stays_up(start_w
     worker = start_worker()
     stub = stub_for(worker)
     with grpc.insecure_channel(worker.address) as channel:
-        raw_run = channel.unary_unary(f"/{SERVICE_NAME}/RunClosure")
+        raw_run = channel.unary_unary(f"/{SERVICE_NAME}/RunClosures")
         with pytest.raises(grpc.RpcError) as garbage:
             raw_run(b"\xff\xff\xff\xff", timeout=30)
     bad_cluster = cluster_pb2.ClusterContext(  # a shard on a server the cluster does not have
@@ -192,7 +212,7 @@ def test_malformed_requests_get_invalid_argument_and_the_server_stays_up(start_w
     assert stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=30).closures_run == 0
     assert cloudpickle.loads(stub.RunClosure(run_request(answer), timeout=30).result) == 42
     rpcs = worker.registry.get_sample_value(
-        "paramserve_rpcs_total", {"role": "worker", "method": "RunClosure", "code": "INVALID_ARGUMENT"}
+        "paramserve_rpcs_total", {"role": "worker", "method": "RunClosures", "code": "INVALID_ARGUMENT"}
     )
     assert rpcs == 4.0
 
@@ -206,7 +226,7 @@ def test_stop_leaves_no_worker_threads(start_ps, make_client):
     before = set(threading.enumerate())
     worker = build_worker(WorkerConfig(port=0, max_workers=2))
     with grpc.insecure_channel(worker.address) as channel:
-        stub = worker_pb2_grpc.WorkerStub(channel)
+        stub = WorkerStubOfOne(channel)
         assert stub.RunClosure(run_request(descend, weight, ServerOptimizer(["w"], "SGD", {}), cluster=cluster), timeout=30).HasField("result")
     started = {t.name for t in set(threading.enumerate()) - before}
     assert any(name.startswith("paramserve-client") for name in started), started
@@ -215,3 +235,18 @@ def test_stop_leaves_no_worker_threads(start_ps, make_client):
 
     left = [t.name for t in set(threading.enumerate()) - before if t.is_alive()]
     assert not [n for n in left if n.startswith(("paramserve-worker", "paramserve-client"))], left
+
+
+def test_a_batch_runs_in_order_and_stops_at_the_first_failure(start_worker, stub_for):
+    stub = stub_for(start_worker())
+    batch = worker_pb2.RunClosuresRequest(closures=[
+        run_request(answer, closure_id="a"), run_request(failing_user_code, closure_id="b"),
+        run_request(answer, closure_id="c"),
+    ])
+
+    results = stub.RunClosures(batch, timeout=30).results
+
+    assert len(results) == 2, "the closure after the failure is not run"
+    assert cloudpickle.loads(results[0].result) == 42
+    assert results[1].WhichOneof("outcome") == "error" and results[1].error.type.endswith("KeyError")
+    assert stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=30).closures_run == 2

@@ -23,7 +23,7 @@ def layout(name: str, shape: tuple[int, ...], shards: int, servers: int) -> Vari
 @pytest.fixture
 def cluster() -> ClusterContext:
     layouts = [layout("w", (10, 3), 3, 2), layout("b", (3,), 1, 2), layout("scale", (), 1, 2)]
-    return ClusterContext(("10.0.0.1:2222", "10.0.0.2:2222"), {l.name: l for l in layouts})
+    return ClusterContext(("10.0.0.1:2222", "10.0.0.2:2222"), {l.name: l for l in layouts}, generation=2)
 
 
 def test_cluster_context_round_trips_through_the_wire(cluster):
@@ -41,6 +41,7 @@ def test_fingerprints_differ_when_anything_moves(cluster):
     moved["w"] = VariableLayout(w.name, w.shape, w.dtype, (*w.shards[:-1], ShardPlacement(2, 1, 7, 3)))  # last shard moves
     assert ClusterContext(cluster.parameter_servers, moved).fingerprint != cluster.fingerprint
     assert ClusterContext(cluster.parameter_servers[::-1], cluster.layouts).fingerprint != cluster.fingerprint
+    assert ClusterContext(cluster.parameter_servers, cluster.layouts, 3).fingerprint != cluster.fingerprint
 
 
 @pytest.mark.parametrize("mutate", [
@@ -51,7 +52,8 @@ def test_fingerprints_differ_when_anything_moves(cluster):
     lambda m: m.variables[0].__setattr__("dtype", "complex1024"),  # unknown dtype
     lambda m: m.variables[0].__setattr__("name", ""),  # no name
     lambda m: m.variables.append(m.variables[0]),  # a variable twice
-], ids=["server", "row_start", "index", "missing_rows", "dtype", "name", "twice"])
+    lambda m: m.__setattr__("generation", -1),
+], ids=["server", "row_start", "index", "missing_rows", "dtype", "name", "twice", "generation"])
 def test_malformed_cluster_contexts_are_refused_on_the_way_in(cluster, mutate):
     message = convert.cluster_to_proto(cluster)
     mutate(message)

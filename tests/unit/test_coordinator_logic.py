@@ -3,6 +3,7 @@ the closure queue, fetch_structure, and one dispatcher stepped by hand over a tr
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import pickle
 import threading
@@ -18,7 +19,9 @@ from paramserve.coordinator.closures import (
     find_resource_ids,
 )
 from paramserve.coordinator.dispatch import (
+    THREAD_NAME,
     Dispatcher,
+    DispatchLoop,
     ResourceSpecs,
     RpcFailure,
     WireContext,
@@ -192,16 +195,18 @@ def test_closure_transitions_follow_the_table():
 # ---------------------------------------------------------------- queue
 
 
-def test_queue_is_fifo_and_put_back_goes_first():
+def test_queue_is_fifo_batches_are_taken_in_order_and_put_back_first():
     queue = ClosureQueue(10)
+    wakes = []
+    queue.set_waker(lambda: wakes.append(queue.num_queued))
     a, b, c = _closure("a"), _closure("b"), _closure("c")
     for closure in (a, b, c):
         queue.put(closure, timeout=0)
-    first = queue.get(0, "w0")
-    assert first is a and queue.num_in_flight == 1 and first.state is ClosureState.RUNNING
-    queue.put_back(first)
-    assert [queue.get(0, "w0") for _ in range(3)] == [a, b, c]
-    assert queue.get(0, "w0") is None
+    assert wakes == [1, 2, 3], "every put wakes the dispatch loop"
+    batch = queue.take("w0", 2)
+    assert batch == [a, b] and queue.num_in_flight == 2 and {x.state for x in batch} == {ClosureState.RUNNING}
+    queue.put_back(batch)
+    assert queue.take("w0", 5) == [a, b, c] and queue.take("w0", 5) == []
 
 
 def test_a_full_queue_times_out_naming_the_closure():
@@ -226,17 +231,19 @@ def test_cancel_all_cancels_every_queued_closure():
     assert queue.idle() and queue.wait_idle(0)
 
 
-def test_the_first_failure_is_kept_once_and_cancels_the_queued():
+def test_the_first_failure_is_kept_once_and_cancels_the_queued_and_the_put_back():
     queue = ClosureQueue(10)
-    failing, queued = _closure("failing"), _closure("queued")
-    queue.put(failing, timeout=0)
-    queue.put(queued, timeout=0)
-    running = queue.get(0, "w0")
+    failing, queued, sibling = _closure("failing"), _closure("queued"), _closure("sibling")
+    for closure in (failing, sibling, queued):
+        queue.put(closure, timeout=0)
+    running, later = queue.take("w0", 2)
     assert not queue.wait_idle(0)
     error = ClosureError(remote_type="builtins.ValueError", message="boom")
     assert queue.fail(running, error)
     assert failing.remote_value.state is RemoteValueState.ABORTED
     assert queued.remote_value.state is RemoteValueState.CANCELLED
+    queue.put_back([later])  # a closure of the failed one's batch, not run: cancelled, not retried
+    assert sibling.remote_value.state is RemoteValueState.CANCELLED
     assert queue.take_error() is error and queue.take_error() is None
     assert queue.wait_idle(0)
 
@@ -244,37 +251,31 @@ def test_the_first_failure_is_kept_once_and_cancels_the_queued():
 def test_put_after_a_failure_cancels_the_closure_for_the_caller_to_raise():
     queue = ClosureQueue(10)
     queue.put(_closure("f"), timeout=0)
-    queue.fail(queue.get(0, "w"), ClosureError(remote_type="E", message="m"))
+    [running] = queue.take("w", 1)
+    queue.fail(running, ClosureError(remote_type="E", message="m"))
     late = _closure("late")
     queue.put(late, timeout=0)
     assert late.state is ClosureState.CANCELLED and queue.num_queued == 0
 
 
-def test_close_rejects_puts_cancels_put_backs_and_releases_getters():
+def test_close_rejects_puts_cancels_put_backs_and_gives_nothing_more():
     queue = ClosureQueue(10)
     queue.put(_closure("a"), timeout=0)
-    running = queue.get(0, "w")
-    stop = threading.Event()
-    assert queue.close(CoordinatorClosedError("closed")) == 0
+    queue.put(_closure("b"), timeout=0)
+    running = queue.take("w", 1)
+    assert queue.close(CoordinatorClosedError("closed")) == 1
     with pytest.raises(CoordinatorClosedError):
-        queue.put(_closure("b"), timeout=0)
+        queue.put(_closure("c"), timeout=0)
     queue.put_back(running)
-    assert running.state is ClosureState.CANCELLED
-    assert queue.get(None, "w", stop) is None  # returns at once: closed
-
-
-def test_get_returns_none_when_its_stop_event_is_set():
-    queue, stop = ClosureQueue(10), threading.Event()
-    stop.set()
-    queue.put(_closure(), timeout=0)
-    assert queue.get(None, "w", stop) is None and queue.num_queued == 1
+    assert running[0].state is ClosureState.CANCELLED
+    assert queue.take("w", 1) == []
 
 
 def test_in_flight_snapshot_names_the_worker():
     queue = ClosureQueue(10)
     closure = _closure("step")
     queue.put(closure, timeout=0)
-    queue.get(0, "10.0.0.9:1")
+    queue.take("10.0.0.9:1", 1)
     [flight] = queue.in_flight()
     assert (flight.function_name, flight.worker, flight.closure_id) == ("step", "10.0.0.9:1", closure.closure_id)
 
@@ -307,35 +308,36 @@ def test_find_resource_ids_walks_arguments_and_captured_values():
     assert find_resource_ids(len, (), {}) == frozenset()
 
 
-# ---------------------------------------------------------------- a dispatcher stepped by hand
+# ---------------------------------------------------------------- a dispatcher, one call at a time
 
 
 @dataclass
 class FakeTransport:
-    """Replies from a script: a RunClosureResponse, or an RpcFailure to raise."""
+    """Replies from a script, one entry per call: a list of RunClosureResponse (one per closure
+    answered), an RpcFailure to raise, or a callable run during the call that returns one of those."""
 
     script: list[object] = field(default_factory=list)
     serving: list[bool] = field(default_factory=lambda: [True])
-    requests: list[worker_pb2.RunClosureRequest] = field(default_factory=list)
+    requests: list[worker_pb2.RunClosuresRequest] = field(default_factory=list)
     resets: int = 0
     closed: bool = False
 
-    def run_closure(self, request, timeout):
+    async def run_closures(self, request, timeout):
         self.requests.append(request)
         reply = self.script.pop(0)
-        if callable(reply):  # something that happens during the call
-            reply = reply()
+        if callable(reply):
+            reply = await reply()
         if isinstance(reply, RpcFailure):
             raise reply
-        return reply
+        return worker_pb2.RunClosuresResponse(results=reply)
 
-    def is_serving(self, timeout):
+    async def is_serving(self, timeout):
         return self.serving.pop(0) if len(self.serving) > 1 else self.serving[0]
 
-    def reset(self):
+    async def reset(self):
         self.resets += 1
 
-    def close(self):
+    async def close(self):
         self.closed = True
 
 
@@ -353,20 +355,42 @@ def _dispatcher(transport, queue, specs=None, policy=POLICY):
     )
 
 
-def test_the_cluster_context_travels_once_per_worker_incarnation():
-    needs = worker_pb2.RunClosureResponse(
-        error=worker_pb2.ClosureFailure(needs_cluster=True), worker_incarnation="inc-2")
-    queue = ClosureQueue(10)
-    transport = FakeTransport([_ok(1), _ok(2), needs, _ok(3, incarnation="inc-2"), _ok(4, incarnation="inc-2")])
-    dispatcher = _dispatcher(transport, queue)
-    closures = [_closure() for _ in range(4)]
+def _run(dispatcher, queue, limit=8):
+    """Gives ``dispatcher`` a batch of up to ``limit`` queued closures and runs it to the end."""
+    asyncio.run(dispatcher.run(queue.take(dispatcher.address, limit)))
+
+
+def _queued(queue, *closures):
     for closure in closures:
         queue.put(closure, timeout=0)
+    return closures
+
+
+def _sent(request):
+    return [r.closure_id for r in request.closures]
+
+
+def test_a_batch_runs_in_one_call_and_sets_every_value():
+    queue, transport = ClosureQueue(10), FakeTransport([[_ok(1), _ok(2), _ok(3)]])
+    closures = _queued(queue, _closure("a"), _closure("b"), _closure("c"))
+    _run(_dispatcher(transport, queue), queue)
+    assert [c.remote_value.fetch(0) for c in closures] == [1, 2, 3]
+    [request] = transport.requests
+    assert _sent(request) == [c.closure_id for c in closures]
+    assert [(r.attempt, r.num_workers) for r in request.closures] == [(0, 2)] * 3
+
+
+def test_the_cluster_context_travels_once_per_worker_incarnation():
+    needs = worker_pb2.RunClosureResponse(error=worker_pb2.ClosureFailure(needs_cluster=True), worker_incarnation="inc-2")
+    queue = ClosureQueue(10)
+    transport = FakeTransport([[_ok(1)], [_ok(2)], [needs], [_ok(3, incarnation="inc-2")], [_ok(4, incarnation="inc-2")]])
+    dispatcher = _dispatcher(transport, queue)
+    closures = _queued(queue, *(_closure() for _ in range(4)))
 
     for _ in closures:
-        assert dispatcher.step(0)
+        _run(dispatcher, queue, limit=1)
 
-    sent = [(r.cluster_fingerprint, r.HasField("cluster")) for r in transport.requests]
+    sent = [(r.closures[0].cluster_fingerprint, r.closures[0].HasField("cluster")) for r in transport.requests]
     assert sent == [
         ("fingerprint-1", True),  # first contact: the context travels
         ("fingerprint-1", False),  # the worker holds it: only its fingerprint
@@ -378,37 +402,28 @@ def test_the_cluster_context_travels_once_per_worker_incarnation():
     assert closures[2].attempt == 0, "asking for the context is not a failed attempt"
 
 
-def test_a_dispatcher_runs_a_closure_and_sets_its_value():
-    queue, transport = ClosureQueue(10), FakeTransport([_ok(7)])
-    closure = _closure()
-    queue.put(closure, timeout=0)
-    assert _dispatcher(transport, queue).step(0)
-    assert closure.remote_value.fetch(0) == 7
-    [request] = transport.requests
-    assert (request.closure_id, request.attempt, request.num_workers) == (closure.closure_id, 0, 2)
-
-
-def test_a_worker_failure_puts_the_closure_back_first_marks_the_worker_down_then_probes_it_up():
+def test_a_worker_failure_puts_the_batch_back_first_marks_the_worker_down_then_probes_it_up():
     specs = ResourceSpecs()
     specs.add("r1", b"make-it")
     queue = ClosureQueue(10)
-    transport = FakeTransport([_ok(1, held=["r1"]), RpcFailure("UNAVAILABLE", "connection reset"), _ok(2, held=["r1"])])
+    transport = FakeTransport([[_ok(1, held=["r1"])], RpcFailure("UNAVAILABLE", "connection reset"),
+                               [_ok(2, held=["r1"]), _ok(3, held=["r1"])]],
+                              serving=[False, True])
     dispatcher = _dispatcher(transport, queue, specs)
-    first, second, third = (_closure(n, frozenset({"r1"})) for n in ("first", "second", "third"))
-    for closure in (first, second, third):
-        queue.put(closure, timeout=0)
-    assert dispatcher.step(0)  # first: creates r1
-    assert [s.resource_id for s in transport.requests[0].resources] == ["r1"]
-    assert dispatcher.step(0)  # second: the worker dies
+    first, second, third, fourth = _queued(queue, *(_closure(n, frozenset({"r1"})) for n in ("1", "2", "3", "4")))
+    _run(dispatcher, queue, limit=1)  # first: creates r1
+    assert [s.resource_id for s in transport.requests[0].closures[0].resources] == ["r1"]
+    _run(dispatcher, queue, limit=2)  # second and third: the worker dies
     assert dispatcher.state is WorkerState.DOWN and transport.resets == 1
-    assert second.state is ClosureState.QUEUED and second.attempt == 1
-    assert not dispatcher.step(0)  # probe: serving again
-    assert dispatcher.state is WorkerState.UP
-    assert dispatcher.step(0)  # the retry comes before third, with r1 again (a DOWN worker holds nothing)
+    assert (second.state, third.state) == (ClosureState.QUEUED, ClosureState.QUEUED)
+    assert (second.attempt, third.attempt) == (1, 1)
+    assert asyncio.run(dispatcher.probe()) and dispatcher.state is WorkerState.UP  # not serving, then serving
+    _run(dispatcher, queue, limit=2)  # the retries come first, in order, with r1 again (a DOWN worker holds nothing)
     retry = transport.requests[2]
-    assert retry.closure_id == second.closure_id and retry.attempt == 1
-    assert [s.resource_id for s in retry.resources] == ["r1"]
-    assert second.remote_value.fetch(0) == 2 and third.state is ClosureState.QUEUED
+    assert _sent(retry) == [second.closure_id, third.closure_id] and retry.closures[0].attempt == 1
+    assert [s.resource_id for s in retry.closures[0].resources] == ["r1"]
+    assert (second.remote_value.fetch(0), third.remote_value.fetch(0)) == (2, 3)
+    assert fourth.state is ClosureState.QUEUED
 
 
 def test_missing_resources_are_resent_on_the_same_worker():
@@ -417,24 +432,42 @@ def test_missing_resources_are_resent_on_the_same_worker():
     missing = worker_pb2.RunClosureResponse(
         error=worker_pb2.ClosureFailure(type="ResourceMissingError", missing_resources=["r1"]), worker_incarnation="new"
     )
-    queue, transport = ClosureQueue(10), FakeTransport([missing, _ok("done", incarnation="new", held=["r1"])])
-    closure = _closure("step")  # the reference was captured where find_resource_ids does not look
-    queue.put(closure, timeout=0)
-    assert _dispatcher(transport, queue, specs).step(0)
-    assert closure.remote_value.fetch(0) == "done" and closure.attempt == 0 and closure.resends == 1
-    assert [s.resource_id for s in transport.requests[1].resources] == ["r1"]
+    queue = ClosureQueue(10)
+    transport = FakeTransport([[_ok("a")], [missing], [_ok("b", incarnation="new", held=["r1"])]])
+    # the reference was captured where find_resource_ids does not look: the second closure asks for it
+    first, second = _queued(queue, _closure("step"), _closure("step"))
+    _run(_dispatcher(transport, queue, specs), queue)
+    assert _sent(transport.requests[1]) == [second.closure_id], "the first closure is done: only the rest is resent"
+    assert second.remote_value.fetch(0) == "b" and second.attempt == 0 and second.resends == 1
+    assert [s.resource_id for s in transport.requests[2].closures[0].resources] == ["r1"]
 
 
-def test_a_user_error_fails_the_closure_with_the_remote_details():
+def test_missing_resources_are_resent_on_the_same_worker_in_one_batch():
+    specs = ResourceSpecs()
+    specs.add("r1", b"make-it")
+    missing = worker_pb2.RunClosureResponse(
+        error=worker_pb2.ClosureFailure(type="ResourceMissingError", missing_resources=["r1"]), worker_incarnation="new"
+    )
+    queue = ClosureQueue(10)
+    transport = FakeTransport([[_ok("a"), missing], [_ok("b", incarnation="new", held=["r1"])]])
+    first, second = _queued(queue, _closure("step"), _closure("step"))
+    _run(_dispatcher(transport, queue, specs), queue)
+    assert first.remote_value.fetch(0) == "a" and second.remote_value.fetch(0) == "b"
+    assert _sent(transport.requests[1]) == [second.closure_id]
+    assert [s.resource_id for s in transport.requests[1].closures[0].resources] == ["r1"]
+
+
+def test_a_user_error_fails_the_closure_and_cancels_the_rest_of_its_batch():
     reply = worker_pb2.RunClosureResponse(error=worker_pb2.ClosureFailure(
         type="builtins.ZeroDivisionError", message="division by zero", traceback="in train_step"))
     queue = ClosureQueue(10)
-    closure = _closure("train_step")
-    queue.put(closure, timeout=0)
-    assert _dispatcher(FakeTransport([reply]), queue).step(0)
+    done, failing, not_run = _queued(queue, _closure("a"), _closure("train_step"), _closure("c"))
+    _run(_dispatcher(FakeTransport([[_ok(1), reply]]), queue), queue)
+    assert done.remote_value.fetch(0) == 1
     with pytest.raises(ClosureError, match="ZeroDivisionError") as info:
-        closure.remote_value.fetch(0)
+        failing.remote_value.fetch(0)
     assert info.value.worker == "w:0" and "in train_step" in info.value.remote_traceback
+    assert not_run.state is ClosureState.CANCELLED, "TF cancels what comes after an error"
     assert queue.take_error() is info.value
 
 
@@ -443,23 +476,81 @@ def test_attempts_run_out_into_worker_unavailable():
     closure = _closure()
     closure.attempt = POLICY.max_attempts - 1
     queue.put(closure, timeout=0)
-    assert _dispatcher(FakeTransport([RpcFailure("UNAVAILABLE", "gone")]), queue).step(0)
+    _run(_dispatcher(FakeTransport([RpcFailure("UNAVAILABLE", "gone")]), queue), queue)
     with pytest.raises(WorkerUnavailableError, match="UNAVAILABLE"):
         closure.remote_value.fetch(0)
 
 
-def test_a_dispatcher_stopped_during_a_call_puts_its_closure_back():
+def test_a_dispatcher_cancelled_during_a_call_puts_its_batch_back():
     queue = ClosureQueue(10)
-    closure = _closure()
-    queue.put(closure, timeout=0)
-    transport = FakeTransport()
-    dispatcher = _dispatcher(transport, queue)
+    closures = _queued(queue, _closure("a"), _closure("b"))
+    entered = asyncio.Event
 
-    def stop_during_the_call():
-        dispatcher.stop()
-        return RpcFailure("CANCELLED", "stopping")
+    async def scenario():
+        started = entered()
 
-    transport.script.append(stop_during_the_call)
-    assert dispatcher.step(0)
-    assert closure.state is ClosureState.QUEUED and closure.attempt == 0 and transport.closed
+        async def hang():
+            started.set()
+            await asyncio.sleep(3600)
+
+        dispatcher = _dispatcher(FakeTransport([hang]), queue)
+        task = asyncio.ensure_future(dispatcher.run(queue.take("w:0", 2)))
+        await started.wait()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return dispatcher
+
+    dispatcher = asyncio.run(scenario())
+    assert [c.state for c in closures] == [ClosureState.QUEUED] * 2 and [c.attempt for c in closures] == [0, 0]
+    assert queue.take("w", 2) == list(closures), "back at the front, in order"
     assert dispatcher.state is WorkerState.UP  # not the worker's fault
+
+
+# ---------------------------------------------------------------- the dispatch loop
+
+
+class AnsweringTransport:
+    """A worker that answers every closure with its own id, after yielding to the loop."""
+
+    def __init__(self, address: str):
+        self.address, self.batches = address, []
+
+    async def run_closures(self, request, timeout):
+        self.batches.append(len(request.closures))
+        await asyncio.sleep(0)
+        return worker_pb2.RunClosuresResponse(results=[_ok(r.closure_id) for r in request.closures])
+
+    async def is_serving(self, timeout):
+        return True
+
+    async def reset(self):
+        pass
+
+    async def close(self):
+        pass
+
+
+def test_one_thread_dispatches_to_a_hundred_workers_in_bounded_batches():
+    queue, transports = ClosureQueue(1000), {}
+
+    def connect(address):
+        transports[address] = AnsweringTransport(address)
+        return transports[address]
+
+    threads_before = {t.ident for t in threading.enumerate()}
+    loop = DispatchLoop(queue=queue, specs=ResourceSpecs(), policy=POLICY, transport_factory=connect,
+                        cluster_context=lambda: CONTEXT, max_batch=4)
+    try:
+        for i in range(100):
+            loop.add_worker(f"w:{i}")
+        closures = _queued(queue, *(_closure(str(i)) for i in range(1000 - 1)))
+        assert [c.remote_value.fetch(30) for c in closures] == [c.closure_id for c in closures]
+        new_threads = [t.name for t in threading.enumerate() if t.ident not in threads_before]
+        assert new_threads.count(THREAD_NAME) == 1 and len(new_threads) <= 4, new_threads  # + grpc's own, if any
+        batches = [size for t in transports.values() for size in t.batches]
+        assert sum(batches) == len(closures) and max(batches) <= 4
+        assert sum(1 for t in transports.values() if t.batches) > 50, "work spreads over the workers"
+        assert [d.index for d in loop.dispatchers()] == list(range(100))
+    finally:
+        assert loop.stop(10)
+    assert not loop.thread.is_alive()

@@ -316,3 +316,23 @@ class TestOptimizerSpec:
 
     def test_server_defaults_for_implementation_flags_are_accepted(self) -> None:
         OptimizerSpec("Adam", {"foreach": False, "fused": None, "differentiable": False}).validate()
+
+
+@pytest.mark.parametrize("name", OPTIMIZER_NAMES)
+def test_grouped_steps_are_bit_for_bit_one_step_per_shard(name):
+    from paramserve.psserver.optimizer import GroupedSteps
+
+    spec = OptimizerSpec(name, {"lr": 0.05} if name != "Adadelta" else {})
+    alone = [ShardOptimizer(spec, _initial(seed).clone()) for seed in range(3)]
+    together = [ShardOptimizer(spec, _initial(seed).clone()) for seed in range(3)]
+    grouped = GroupedSteps(capacity=1)
+    for step, grads in enumerate(zip(_gradients(4, seed=1), _gradients(4, seed=2), _gradients(4, seed=3))):
+        for optimizer, grad in zip(alone, grads):
+            optimizer.apply_dense(grad)
+        members = together if step % 2 == 0 else together[::-1]  # another group: evicts the first
+        grouped.apply_dense(members, grads if step % 2 == 0 else grads[::-1])
+    for one, other in zip(alone, together):
+        assert torch.equal(one.value, other.value)
+        assert one.slots().keys() == other.slots().keys()
+        for key, slot in one.slots().items():
+            assert torch.equal(slot, other.slots()[key]), key

@@ -423,6 +423,19 @@ def test_a_closure_pulls_at_its_first_step_unless_the_returned_values_are_young_
     assert len(servers.traffic.pulled) == 6, "values older than max_value_age are pulled again"
 
 
+def test_a_new_generation_of_the_cluster_context_drops_the_values_a_worker_holds(core, servers):
+    model, optimizer = distributed_linear()
+    x, y = torch.randn(4, 3), torch.randn(4, 2)
+    core.run_closure(request_with(servers, model, optimizer, x, y, closure_id="a", max_value_age=3600.0))
+    assert len(servers.traffic.pulled) == 2
+
+    restored = ClusterContext(servers.cluster.parameter_servers, servers.cluster.layouts, generation=1)
+    assert restored.fingerprint != servers.cluster.fingerprint
+    request = request_with(servers, model, optimizer, x, y, closure_id="b", max_value_age=3600.0)
+    core.run_closure(ClosureRequest(**{**request.__dict__, "cluster": restored}))
+    assert len(servers.traffic.pulled) == 4, "values from before a restore are pulled again"
+
+
 def test_a_worker_without_the_named_cluster_context_asks_for_it(core, servers):
     weight = nn.Parameter(torch.zeros(2, 3))
     mark_variable(weight, "w")
@@ -437,3 +450,25 @@ def test_a_worker_without_the_named_cluster_context_asks_for_it(core, servers):
     assert torch.equal(result_of(first), servers.value("w"))
     assert torch.equal(result_of(again), servers.value("w")), "held under its fingerprint: no resend needed"
     assert core.info().closures_run == 2, "asking for the context is not running the closure"
+
+
+def return_values() -> dict:
+    base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    return {
+        "loss": (base * torch.ones(1, requires_grad=True)).sum(),  # has a grad_fn
+        "transposed": base.t(),  # not contiguous
+        "bf16": base.to(torch.bfloat16),
+        "count": torch.tensor(7),
+        "empty": torch.empty(0, 5),
+        "complex": torch.ones(2, dtype=torch.complex64),  # no wire dtype: torch's own pickling
+    }
+
+
+def test_result_tensors_arrive_as_detached_values(core, servers):
+    values = result_of(core.run_closure(closure_request(servers, return_values)))
+    expected = return_values()
+    for name, tensor in values.items():
+        assert torch.equal(tensor, expected[name].detach()), name
+        assert tensor.dtype == expected[name].dtype and tensor.shape == expected[name].shape
+        assert tensor.grad_fn is None and not tensor.requires_grad
+    values["transposed"].add_(1)  # an independent, writable tensor

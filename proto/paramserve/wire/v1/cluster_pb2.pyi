@@ -31,9 +31,11 @@ class VariableLayout(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., shards: _Optional[_Iterable[_Union[ShardPlacement, _Mapping]]] = ...) -> None: ...
 
 class ClusterContext(_message.Message):
-    __slots__ = ("parameter_servers", "variables")
+    __slots__ = ("parameter_servers", "variables", "generation")
     PARAMETER_SERVERS_FIELD_NUMBER: _ClassVar[int]
     VARIABLES_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     parameter_servers: _containers.RepeatedScalarFieldContainer[str]
     variables: _containers.RepeatedCompositeFieldContainer[VariableLayout]
-    def __init__(self, parameter_servers: _Optional[_Iterable[str]] = ..., variables: _Optional[_Iterable[_Union[VariableLayout, _Mapping]]] = ...) -> None: ...
+    generation: int
+    def __init__(self, parameter_servers: _Optional[_Iterable[str]] = ..., variables: _Optional[_Iterable[_Union[VariableLayout, _Mapping]]] = ..., generation: _Optional[int] = ...) -> None: ...

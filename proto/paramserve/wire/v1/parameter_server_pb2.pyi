@@ -50,22 +50,38 @@ class PushResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[PushResult, _Mapping]]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("push", "idempotency_key", "pull")
-    PUSH_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("plan", "payload")
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    plan: StepPlan
+    payload: bytes
+    def __init__(self, plan: _Optional[_Union[StepPlan, _Mapping]] = ..., payload: _Optional[bytes] = ...) -> None: ...
+
+class StepPlan(_message.Message):
+    __slots__ = ("idempotency_key", "push", "pull")
     IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
+    PUSH_FIELD_NUMBER: _ClassVar[int]
     PULL_FIELD_NUMBER: _ClassVar[int]
-    push: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.Chunk]
     idempotency_key: str
+    push: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.PushPart]
     pull: _containers.RepeatedCompositeFieldContainer[PullItem]
-    def __init__(self, push: _Optional[_Iterable[_Union[_tensor_pb2.Chunk, _Mapping]]] = ..., idempotency_key: _Optional[str] = ..., pull: _Optional[_Iterable[_Union[PullItem, _Mapping]]] = ...) -> None: ...
+    def __init__(self, idempotency_key: _Optional[str] = ..., push: _Optional[_Iterable[_Union[_tensor_pb2.PushPart, _Mapping]]] = ..., pull: _Optional[_Iterable[_Union[PullItem, _Mapping]]] = ...) -> None: ...
 
 class StepReply(_message.Message):
+    __slots__ = ("outcome", "payload")
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    outcome: StepOutcome
+    payload: bytes
+    def __init__(self, outcome: _Optional[_Union[StepOutcome, _Mapping]] = ..., payload: _Optional[bytes] = ...) -> None: ...
+
+class StepOutcome(_message.Message):
     __slots__ = ("pushed", "pulled")
     PUSHED_FIELD_NUMBER: _ClassVar[int]
     PULLED_FIELD_NUMBER: _ClassVar[int]
     pushed: _containers.RepeatedCompositeFieldContainer[PushResult]
-    pulled: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.Chunk]
-    def __init__(self, pushed: _Optional[_Iterable[_Union[PushResult, _Mapping]]] = ..., pulled: _Optional[_Iterable[_Union[_tensor_pb2.Chunk, _Mapping]]] = ...) -> None: ...
+    pulled: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.PulledPart]
+    def __init__(self, pushed: _Optional[_Iterable[_Union[PushResult, _Mapping]]] = ..., pulled: _Optional[_Iterable[_Union[_tensor_pb2.PulledPart, _Mapping]]] = ...) -> None: ...
 
 class ExportShardsRequest(_message.Message):
     __slots__ = ("refs", "chunk_bytes")

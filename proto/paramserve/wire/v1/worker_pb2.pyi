@@ -77,6 +77,18 @@ class RunClosureResponse(_message.Message):
     seconds: float
     def __init__(self, result: _Optional[bytes] = ..., error: _Optional[_Union[ClosureFailure, _Mapping]] = ..., worker_incarnation: _Optional[str] = ..., resources_held: _Optional[_Iterable[str]] = ..., pushes_applied: _Optional[int] = ..., pushes_duplicate: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
+class RunClosuresRequest(_message.Message):
+    __slots__ = ("closures",)
+    CLOSURES_FIELD_NUMBER: _ClassVar[int]
+    closures: _containers.RepeatedCompositeFieldContainer[RunClosureRequest]
+    def __init__(self, closures: _Optional[_Iterable[_Union[RunClosureRequest, _Mapping]]] = ...) -> None: ...
+
+class RunClosuresResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[RunClosureResponse]
+    def __init__(self, results: _Optional[_Iterable[_Union[RunClosureResponse, _Mapping]]] = ...) -> None: ...
+
 class GetInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

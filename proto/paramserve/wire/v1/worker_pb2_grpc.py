@@ -34,10 +34,10 @@ class WorkerStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.RunClosure = channel.unary_unary(
-                '/paramserve.wire.v1.Worker/RunClosure',
-                request_serializer=paramserve_dot_wire_dot_v1_dot_worker__pb2.RunClosureRequest.SerializeToString,
-                response_deserializer=paramserve_dot_wire_dot_v1_dot_worker__pb2.RunClosureResponse.FromString,
+        self.RunClosures = channel.unary_unary(
+                '/paramserve.wire.v1.Worker/RunClosures',
+                request_serializer=paramserve_dot_wire_dot_v1_dot_worker__pb2.RunClosuresRequest.SerializeToString,
+                response_deserializer=paramserve_dot_wire_dot_v1_dot_worker__pb2.RunClosuresResponse.FromString,
                 _registered_method=True)
         self.GetInfo = channel.unary_unary(
                 '/paramserve.wire.v1.Worker/GetInfo',
@@ -49,8 +49,10 @@ class WorkerStub:
 class WorkerServicer:
     """Missing associated documentation comment in .proto file."""
 
-    def RunClosure(self, request, context):
-        """Runs a closure (possibly several steps of it) and returns its result or its error.
+    def RunClosures(self, request, context):
+        """Runs closures in order (each possibly several steps), returning each one's result or
+        error; stops at the first that does not succeed (the rest are not run). A coordinator
+        sends as many as are queued for this worker, up to its batch limit, in one call.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -66,10 +68,10 @@ class WorkerServicer:
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'RunClosure': grpc.unary_unary_rpc_method_handler(
-                    servicer.RunClosure,
-                    request_deserializer=paramserve_dot_wire_dot_v1_dot_worker__pb2.RunClosureRequest.FromString,
-                    response_serializer=paramserve_dot_wire_dot_v1_dot_worker__pb2.RunClosureResponse.SerializeToString,
+            'RunClosures': grpc.unary_unary_rpc_method_handler(
+                    servicer.RunClosures,
+                    request_deserializer=paramserve_dot_wire_dot_v1_dot_worker__pb2.RunClosuresRequest.FromString,
+                    response_serializer=paramserve_dot_wire_dot_v1_dot_worker__pb2.RunClosuresResponse.SerializeToString,
             ),
             'GetInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetInfo,
@@ -88,7 +90,7 @@ class Worker:
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
-    def RunClosure(request,
+    def RunClosures(request,
             target,
             options=(),
             channel_credentials=None,
@@ -101,9 +103,9 @@ class Worker:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/paramserve.wire.v1.Worker/RunClosure',
-            paramserve_dot_wire_dot_v1_dot_worker__pb2.RunClosureRequest.SerializeToString,
-            paramserve_dot_wire_dot_v1_dot_worker__pb2.RunClosureResponse.FromString,
+            '/paramserve.wire.v1.Worker/RunClosures',
+            paramserve_dot_wire_dot_v1_dot_worker__pb2.RunClosuresRequest.SerializeToString,
+            paramserve_dot_wire_dot_v1_dot_worker__pb2.RunClosuresResponse.FromString,
             options,
             channel_credentials,
             insecure,
