@@ -282,7 +282,17 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         return self._coordinator.create_per_worker_dataset(dataset_fn)
 
     def _attach_coordinator(self, coordinator: Any) -> None:
+        """Called by a new ClusterCoordinator: a clash with variables the servers hold is refused
+        here, on the caller's thread, rather than when a dispatcher first builds the context."""
         self._coordinator = coordinator
+        with self._lock:
+            pending = [name for name in self._variables if name not in self._created]
+            try:
+                if pending:
+                    self._existing_on_servers(pending)
+            except VariableExistsError:
+                coordinator.shutdown()
+                raise
 
     def __reduce__(self) -> tuple[Any, tuple[()]]:
         # A step that calls strategy.run() is sent to workers with the strategy in it:

@@ -13,7 +13,6 @@ from torch import nn
 from paramserve.coordinator.checkpoint_manager import CheckpointManager, export_state_dict, state_dict
 from paramserve.coordinator.cluster_coordinator import ClusterCoordinator
 from paramserve.coordinator.commands.demo import MLP, train_step, worker_batches
-from paramserve.coordinator.errors import ClosureError
 from paramserve.coordinator.strategies.parameter_server import ParameterServerStrategy
 from paramserve.psserver.errors import VariableExistsError
 
@@ -97,7 +96,7 @@ def test_runs_sharing_servers_keep_apart_and_reuse_is_explicit(start_cluster, tm
 
     again = ParameterServerStrategy(cluster.spec)  # a second program, same model class and shapes
     again_model, again_optimizer = build(again, seed=1)
-    with pytest.raises(ClosureError, match=r"VariableExistsError.*run_name=.*reuse_variables=True"):
+    with pytest.raises(VariableExistsError, match=r"run_name=.*reuse_variables=True"):
         train(again, again_model, again_optimizer)  # used to start silently from the first run's values
 
     named = ParameterServerStrategy(cluster.spec, run_name="second")
