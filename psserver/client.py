@@ -466,6 +466,22 @@ def _index_error(name: str, index: int, rows: int) -> IndexOutOfRangeError:
     return IndexOutOfRangeError(f"row index {index} is outside [0, {rows})", variable=name)
 
 
+def _read_destination(layout: VariableLayout, given: torch.Tensor | None) -> torch.Tensor:
+    """Where a pulled variable lands: the caller's host tensor, checked to fit, or a new one."""
+    if given is None:
+        return torch.empty(layout.shape, dtype=layout.dtype)
+    if tuple(given.shape) != layout.shape:
+        raise ShapeMismatchError(f"the destination has shape {tuple(given.shape)}, the servers hold {layout.shape}",
+                                 variable=layout.name)
+    if given.dtype != layout.dtype:
+        raise DtypeMismatchError(f"the destination holds {given.dtype}, the servers hold {layout.dtype}",
+                                 variable=layout.name)
+    if given.device.type != "cpu" or not given.is_contiguous():
+        raise InvalidRequestError(f"a pull destination must be a contiguous host tensor, got one on {given.device}",
+                                  variable=layout.name)
+    return given
+
+
 @dataclass(frozen=True)
 class _CallOptions:
     token: str | None
@@ -610,22 +626,6 @@ def _receive_pulled(chunks: Iterable[bytes | memoryview], items: Sequence[ps_pb2
         elif payload.data_ptr() != destination.data_ptr() or not destination.numel():
             destination.copy_(tensor_from_bytes(payload, part.meta).reshape(destination.shape))
     return versions
-
-
-def _read_destination(layout: VariableLayout, given: torch.Tensor | None) -> torch.Tensor:
-    """Where a pulled variable lands: the caller's host tensor, checked to fit, or a new one."""
-    if given is None:
-        return torch.empty(layout.shape, dtype=layout.dtype)
-    if tuple(given.shape) != layout.shape:
-        raise ShapeMismatchError(f"the destination has shape {tuple(given.shape)}, the servers hold {layout.shape}",
-                                 variable=layout.name)
-    if given.dtype != layout.dtype:
-        raise DtypeMismatchError(f"the destination holds {given.dtype}, the servers hold {layout.dtype}",
-                                 variable=layout.name)
-    if given.device.type != "cpu" or not given.is_contiguous():
-        raise InvalidRequestError(f"a pull destination must be a contiguous host tensor, got one on {given.device}",
-                                  variable=layout.name)
-    return given
 
 
 def _push_parts(layout: VariableLayout, gradient: torch.Tensor | RowGradient, base_versions: Mapping[ShardRef, int]) -> Iterator[tuple[int, tuple]]:
