@@ -17,6 +17,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 
 @dataclass(frozen=True)
 class InputContext:
@@ -40,18 +42,24 @@ class InputContext:
 @dataclass(frozen=True, kw_only=True)
 class WorkerContext(InputContext):
     """The InputContext of a per-worker dataset or resource function, plus which worker
-    it runs on (e.g. to shard input by ``worker_index``) and that worker's incarnation."""
+    it runs on (e.g. to shard input by ``worker_index``), that worker's incarnation, and
+    the device its closures compute on (``paramserve worker --device``): a per-worker
+    dataset's batches are moved there for the closures; a resource function that builds
+    tensors for them puts them there itself."""
 
     worker_index: int
     num_workers: int
     incarnation: str
+    device: torch.device = torch.device("cpu")
 
     @classmethod
-    def for_worker(cls, worker_index: int, num_workers: int, incarnation: str) -> WorkerContext:
+    def for_worker(
+        cls, worker_index: int, num_workers: int, incarnation: str, device: torch.device = torch.device("cpu")
+    ) -> WorkerContext:
         """The context of worker ``worker_index`` of ``num_workers``: one input pipeline per worker."""
         return cls(
             num_input_pipelines=num_workers, input_pipeline_id=worker_index, num_replicas_in_sync=num_workers,
-            worker_index=worker_index, num_workers=num_workers, incarnation=incarnation,
+            worker_index=worker_index, num_workers=num_workers, incarnation=incarnation, device=device,
         )
 
 
