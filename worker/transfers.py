@@ -4,9 +4,9 @@ The client of the parameter servers reads and writes host (CPU) tensors; a worke
 on one device (``paramserve worker --device``), where its distributed parameters live.
 ``transfers_for(device)`` gives what the worker's core uses:
 
-- ``HostTransfers`` (a CPU worker): nothing crosses. The client allocates what it pulls,
-  which is copied once into the parameters; gradients go to the wire as they are. A CPU
-  worker pays nothing for the GPU path: no pinned buffers, no extra copies.
+- ``HostTransfers`` (a CPU worker): nothing crosses. The client pulls straight into the
+  parameters (the one copy out of the received message); gradients go to the wire as they
+  are. A CPU worker pays nothing for the GPU path: no pinned buffers, no extra copies.
 - ``CudaTransfers`` (a GPU worker): pulls land in pinned host buffers, one per variable and
   reused, and are copied to the parameters asynchronously on the current stream; gradients
   are copied device -> pinned buffer (one per variable) asynchronously, then the stream is
@@ -55,12 +55,13 @@ class HostTransfers:
         self.device = torch.device("cpu")
 
     def pull_destinations(self, parameters: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
-        return None
+        return {name: parameter.detach() for name, parameter in parameters.items() if parameter.is_contiguous()}
 
     def fill(self, copies: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         with torch.no_grad():
             for parameter, value in copies:
-                parameter.copy_(value)
+                if value.data_ptr() != parameter.data_ptr() or not value.numel():  # else pulled in place
+                    parameter.copy_(value)
 
     def to_host(self, gradients: Gradients) -> dict[str, torch.Tensor | RowGradient]:
         return dict(gradients)

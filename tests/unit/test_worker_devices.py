@@ -135,7 +135,7 @@ def expected_after_steps(servers, x, y, steps=1):  # type: ignore[no-untyped-def
 # ---------------------------------------------------------------- the CPU path (any machine)
 
 
-def test_a_cpu_worker_lets_the_client_allocate_and_pushes_what_it_computed():
+def test_a_cpu_worker_pulls_straight_into_its_parameters_and_pushes_what_it_computed():
     servers = servers_with_linear()
     core = WorkerCore(servers.factory)
     model, optimizer = distributed_linear()
@@ -144,7 +144,8 @@ def test_a_cpu_worker_lets_the_client_allocate_and_pushes_what_it_computed():
     finally:
         core.close()
     assert servers.traffic.pulled and servers.traffic.read_back
-    assert servers.traffic.destinations == [], "no pinned buffers, no copies on the CPU"
+    assert servers.traffic.destinations and not any(pinned for _, pinned in servers.traffic.destinations), \
+        "no pinned buffers on the CPU: the parameters themselves are the destinations"
     assert set(servers.traffic.pushed_from) == {CPU}
 
 
