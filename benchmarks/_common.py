@@ -237,3 +237,30 @@ class EchoServer:
         self.channel.close()
         self._process.terminate()
         self._process.join(timeout=30)
+
+
+# ------------------------------------------------------------------ many workers in few processes
+
+
+def serve_workers(count: int, addresses: "multiprocessing.Queue[list[str]]", stop: "multiprocessing.synchronize.Event") -> None:
+    """Runs ``count`` real worker gRPC servers in this process (spawn target) until ``stop``."""
+    from paramserve.worker.server import WorkerConfig, build_worker
+
+    torch.set_num_threads(1)
+    workers = [build_worker(WorkerConfig(host="127.0.0.1", port=0, max_workers=2)) for _ in range(count)]
+    addresses.put([f"127.0.0.1:{worker.port}" for worker in workers])
+    stop.wait()
+    for worker in workers:
+        worker.stop(grace=None)
+
+
+def process_threads_and_rss_mb(pid: int) -> tuple[int, float]:
+    """Live OS threads and resident memory (MB) of a process, from /proc."""
+    threads = rss_kb = 0
+    with open(f"/proc/{pid}/status") as handle:
+        for line in handle:
+            if line.startswith("Threads:"):
+                threads = int(line.split()[1])
+            elif line.startswith("VmRSS:"):
+                rss_kb = int(line.split()[1])
+    return threads, rss_kb / 1024

@@ -5,6 +5,10 @@
 - closures: trivial closures per second through ClusterCoordinator.schedule/join on 2
   worker processes, beside bare gRPC unary round trips per second (one caller, raw bytes
   of the same size as a closure request, another process).
+- closure_overhead_scale: the coordinator's CPU microseconds per trivial closure with 2, 16, 64
+  and 256 workers (real worker gRPC servers, 32 to a process), beside 2 workers in the same run,
+  with the default batching and with one closure per call (closure_overhead_unbatched); and the
+  coordinator's OS threads and resident memory at 256 workers beside 2.
 - closure_pickling: CPU microseconds schedule() spends serialising the training closure below
   when its code is importable on the workers (sent by reference, as these benchmarks run),
   beside the same closure with its code sent by value (a script's __main__ functions).
@@ -25,6 +29,7 @@
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import statistics
 import sys
@@ -45,16 +50,25 @@ from _common import (
     one_torch_thread,
     print_report,
     process_cpu_seconds,
+    process_threads_and_rss_mb,
+    serve_workers,
     train_step,
     worker_environment,
 )
 from rpc_ps import run_rpc_ps
 
-from paramserve.coordinator import ClusterCoordinator, FixedShardsPartitioner, LocalCluster, ParameterServerStrategy
+from paramserve.coordinator import (
+    ClusterCoordinator,
+    ClusterSpec,
+    CoordinatorConfig,
+    FixedShardsPartitioner,
+    LocalCluster,
+    ParameterServerStrategy,
+)
 from paramserve.worker.variables import dumps_closure
 
 LR = 0.01
-METRICS = ("closures", "closure_pickling", "train_steps_vs_rpc", "train_steps_large_vs_rpc", "gpu_worker_steps")
+METRICS = ("closures", "closure_overhead_scale", "closure_pickling", "train_steps_vs_rpc", "train_steps_large_vs_rpc", "gpu_worker_steps")
 
 
 def bare_round_trips_per_second(count: int, payload_bytes: int) -> float:
@@ -84,6 +98,77 @@ def closures_per_second(cluster: LocalCluster, count: int) -> float:
         seconds = time.perf_counter() - start
     strategy.close()
     return count / seconds
+
+
+@dataclass
+class ScalePoint:
+    workers: int
+    max_batch: int
+    cpu_us_per_closure: float
+    closures_per_s: float
+    threads: int
+    rss_mb: float
+
+
+def closure_overhead_at(ps_address: str, addresses: list[str], closures: int, max_batch: int) -> ScalePoint:
+    """Trivial closures through a coordinator of ``addresses``: its CPU per closure, its OS
+    threads and resident memory once every worker has run closures."""
+    spec = ClusterSpec(parameter_servers=(ps_address,), workers=tuple(addresses))
+    strategy = ParameterServerStrategy(spec)
+    try:
+        with ClusterCoordinator(strategy, CoordinatorConfig(max_batch=max_batch)) as coordinator:
+            for _ in range(2 * len(addresses)):  # every worker connected and warm
+                coordinator.schedule(noop)
+            coordinator.join()
+            cpu = time.process_time()
+            start = time.perf_counter()
+            for _ in range(closures):
+                coordinator.schedule(noop)
+            coordinator.join()
+            seconds = time.perf_counter() - start
+            cpu = time.process_time() - cpu
+            threads, rss_mb = process_threads_and_rss_mb(os.getpid())
+    finally:
+        strategy.close()
+    return ScalePoint(len(addresses), max_batch, 1e6 * cpu / closures, closures / seconds, threads, rss_mb)
+
+
+def closure_overhead_scale(counts: tuple[int, ...], closures: int, per_process: int = 32) -> dict[int, list[ScalePoint]]:
+    """The coordinator's cost per closure as the cluster grows: real worker gRPC servers,
+    ``per_process`` to a process (so 256 fit on a small machine), one coordinator. Each point
+    runs at least ``closures`` closures and 40 per worker. Measured twice: with the default
+    batching, and with one closure per call (max_batch=1), the dispatch cost without batching:
+    batches form only while closures queue behind busy workers (coordinator.dispatch.BatchSizer),
+    and a large cluster's workers are often idle when a closure arrives, so they get it alone.
+    Returns the points by max_batch."""
+    context = multiprocessing.get_context("spawn")
+    largest = max(counts)
+    stop = context.Event()
+    queue = context.Queue()
+    hosts = []
+    for start in range(0, largest, per_process):
+        host = context.Process(target=serve_workers, args=(min(per_process, largest - start), queue, stop), daemon=True)
+        host.start()
+        hosts.append(host)
+    try:
+        addresses = [address for _ in hosts for address in queue.get(timeout=120)]
+        with LocalCluster(num_ps=1, num_workers=1, env=worker_environment()) as cluster:
+            points: dict[int, list[ScalePoint]] = {CoordinatorConfig().max_batch: [], 1: []}
+            for count in counts:
+                for max_batch, curve in points.items():
+                    total = max(closures, 40 * count)
+                    curve.append(closure_overhead_at(cluster.spec.parameter_servers[0], addresses[:count], total, max_batch))
+                    p = curve[-1]
+                    print(f"  {p.workers:4d} workers, max_batch {max_batch}: {p.cpu_us_per_closure:6.0f} coordinator "
+                          f"CPU-us per closure, {p.closures_per_s:6.0f} closures/s, {p.threads} threads, "
+                          f"{p.rss_mb:.0f} MB resident", flush=True)
+            return points
+    finally:
+        stop.set()
+        for host in hosts:
+            host.join(timeout=30)
+            if host.is_alive():
+                host.kill()
 
 
 def closure_pickling_us(count: int) -> tuple[float, float]:
@@ -176,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     parser.add_argument("--only", nargs="+", choices=METRICS, help="measure only these metrics")
     parser.add_argument("--closures", type=int, default=2000)
+    parser.add_argument("--scale-closures", type=int, default=3000, help="closures per point of closure_overhead_scale")
     parser.add_argument("--steps", type=int, default=600, help="timed steps of the small model per side")
     parser.add_argument("--large-steps", type=int, default=60, help="timed steps of the large model per side")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of each training comparison (medians)")
@@ -191,6 +277,18 @@ def main(argv: list[str] | None = None) -> int:
             closures = closures_per_second(cluster, args.closures)
         print(f"trivial closures: {closures:.0f}/s; bare gRPC round trips: {bare:.0f}/s ({request_bytes} B)")
         results.append(Result("closures", closures, "closures/s", bare, "bare gRPC unary round trips/s"))
+    if "closure_overhead_scale" in wanted:
+        curves = closure_overhead_scale((2, 16, 64, 256), args.scale_closures)
+        for max_batch, points in curves.items():
+            base, name = points[0], "closure_overhead_scale" if max_batch > 1 else "closure_overhead_unbatched"
+            for point in points[1:]:
+                results.append(Result(f"{name}_{point.workers}", point.cpu_us_per_closure, "CPU-us",
+                                      base.cpu_us_per_closure, f"{base.workers} workers, same run"))
+        points = curves[CoordinatorConfig().max_batch]
+        results.append(Result(f"coordinator_threads_{points[-1].workers}", points[-1].threads, "threads",
+                              points[0].threads, f"{points[0].workers} workers, same run"))
+        results.append(Result(f"coordinator_rss_{points[-1].workers}", points[-1].rss_mb, "MB",
+                              points[0].rss_mb, f"{points[0].workers} workers, same run"))
     if "closure_pickling" in wanted:
         by_reference, by_value = closure_pickling_us(500)
         print(f"closure pickling: {by_reference:.0f} us by reference, {by_value:.0f} us by value")

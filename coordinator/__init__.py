@@ -8,7 +8,7 @@ from paramserve.coordinator.checkpoint_manager import (
     state_dict,
 )
 from paramserve.coordinator.cluster import ClusterSpec
-from paramserve.coordinator.cluster_coordinator import ClusterCoordinator
+from paramserve.coordinator.cluster_coordinator import ClusterCoordinator, CoordinatorConfig
 from paramserve.coordinator.errors import (
     ClosureError,
     OutOfRangeError,
@@ -43,6 +43,7 @@ __all__ = [
     "ClosureError",
     "ClusterCoordinator",
     "ClusterSpec",
+    "CoordinatorConfig",
     "FixedShardsPartitioner",
     "LocalCluster",
     "MaxSizePartitioner",

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, Protocol
 
+from paramserve.coordinator import nest
 from paramserve.coordinator.closures import Closure, ClosureQueue, find_resource_ids
 from paramserve.coordinator.cluster import ClusterSpec
 from paramserve.coordinator.dispatch import (
@@ -180,7 +181,9 @@ class ClusterCoordinator:
     def create_per_worker_dataset(self, dataset_fn: Callable[..., Iterable[Any]]) -> PerWorkerDataset:
         """A dataset created on each worker by ``dataset_fn(ctx)`` (shard it by
         ``ctx.worker_index`` / ``ctx.num_workers``); iterate it to get the iterator
-        that closures take as an argument and call ``next()`` on."""
+        that closures take as an argument and call ``next()`` on. On a GPU worker the
+        batches (tensors, in any nest of tuples, lists and dicts) reach the closures on its
+        device, ``ctx.device``; ``dataset_fn`` builds them on the CPU as it would anywhere."""
         if not callable(dataset_fn):
             raise TypeError(f"create_per_worker_dataset needs a function, got {type(dataset_fn).__name__}")
         return PerWorkerDataset(self, dataset_fn)
@@ -307,9 +310,17 @@ class PerWorkerDataset:
 
 
 def _iterator_factory(dataset_fn: Callable[[WorkerContext], Iterable[Any]]) -> Callable[[WorkerContext], Any]:
-    # A nested function pickles by value: the worker needs nothing from this module.
+    """The per-worker iterator over ``dataset_fn(ctx)``: on a GPU worker its batches reach the
+    closures on the worker's device (``ctx.device``; from pinned memory, e.g. a DataLoader with
+    ``pin_memory=True``, the copies are asynchronous), as TensorFlow places a worker's input.
+    On a CPU worker it is the dataset's own iterator: nothing in between."""
+
+    # A nested function pickles by value: the worker needs only coordinator.nest from this package.
     def make_iterator(ctx: WorkerContext) -> Any:
-        return iter(dataset_fn(ctx))
+        batches = iter(dataset_fn(ctx))
+        if ctx.device.type == "cpu":
+            return batches
+        return (nest.to_device(batch, ctx.device) for batch in batches)
 
     return make_iterator
 

@@ -4,12 +4,12 @@ One thread, ``paramserve-dispatch``, runs an asyncio event loop that holds a
 ``Dispatcher`` per worker and talks to the workers with grpc.aio: however many
 workers there are, the coordinator has one dispatch thread (threads do not grow
 with the workers). When closures are queued and a worker is free, the loop hands
-that worker a batch of them (up to ``max_batch``, and no more than its share of
-what is queued, so batches form only under a backlog): one ``RunClosures`` call
-carries them, the worker runs them in order and stops at the first that does not
-succeed. Each closure keeps its own id, attempts and RemoteValue; batching only
-saves round trips. (So scheduled functions must not wait for one another: two may
-run one after the other on one worker.)
+that worker a batch of them: one ``RunClosures`` call carries them, the worker runs
+them in order and stops at the first that does not succeed. Each closure keeps its
+own id, attempts and RemoteValue; batching only saves round trips. A batch forms
+only from short closures under a backlog (``BatchSizer``): closures of one batch run
+one after another on one worker, so a long closure is never held behind another
+while a worker could start it.
 
 A dispatcher attaches to a call the specs of the per-worker resources that worker
 is not known to hold and, once per worker incarnation and change, the cluster
@@ -205,6 +205,39 @@ class ResourceSpecs:
 # ---------------------------------------------------------------- one worker
 
 
+class BatchSizer:
+    """How many queued closures one RunClosures call carries.
+
+    A batch saves a round trip per closure (about a millisecond of coordinator and worker
+    time), which matters only for closures of a few milliseconds; and its closures run one
+    after another on one worker. So a batch is sized to last about ``target_seconds`` at the
+    recent closure duration (an exponential average of what workers report), never more than
+    ``max_batch`` nor one worker's share of the queue, counting every worker of the cluster (a
+    closure another worker could start now, or once it is back up, is not held back), and is 1
+    until a duration is known.
+    """
+
+    def __init__(self, max_batch: int = 8, target_seconds: float = 0.01, smoothing: float = 0.2):
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.max_batch = max_batch
+        self.target_seconds = target_seconds
+        self._smoothing = smoothing
+        self._seconds: float | None = None
+
+    def observe(self, seconds: float) -> None:
+        """A closure ran for ``seconds`` on a worker."""
+        if seconds >= 0:
+            self._seconds = seconds if self._seconds is None else self._seconds + self._smoothing * (seconds - self._seconds)
+
+    def size(self, queued: int, workers: int) -> int:
+        if self._seconds is None or queued <= 1:
+            return 1
+        share = max(1, queued // max(1, workers))
+        lasting = max(1, int(self.target_seconds / max(self._seconds, 1e-6)))
+        return min(self.max_batch, share, lasting)
+
+
 class Dispatcher:
     """Runs batches of closures on one worker and probes it when it is down. ``run`` is one
     call of its worker (tests await it directly); the DispatchLoop drives it otherwise."""
@@ -221,9 +254,11 @@ class Dispatcher:
         num_workers: Callable[[], int],
         policy: FailurePolicy,
         max_value_age: float = 0.0,
+        sizer: BatchSizer | None = None,
     ):
         self.address = address
         self.index = index
+        self._sizer = sizer or BatchSizer()
         self._queue = queue
         self._specs = specs
         self._transport = transport
@@ -302,6 +337,7 @@ class Dispatcher:
         resources to force. Closures after a failed one did not run: they go back to the queue."""
         for position, (closure, result) in enumerate(zip(pending, response.results)):
             self._observe(result)
+            self._sizer.observe(result.seconds)
             if result.WhichOneof("outcome") != "error":
                 self._cluster_held = request.closures[0].cluster_fingerprint
                 self._on_result(closure, result.result)
@@ -451,15 +487,13 @@ class DispatchLoop:
         max_value_age: float = 0.0,
         max_batch: int = 8,
     ):
-        if max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self._sizer = BatchSizer(max_batch)
         self._queue = queue
         self._specs = specs
         self._policy = policy
         self._transport_factory = transport_factory
         self._cluster_context = cluster_context
         self._max_value_age = max_value_age
-        self._max_batch = max_batch
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._serve, name=THREAD_NAME, daemon=True)
         self._dispatchers: dict[str, Dispatcher] = {}
@@ -535,7 +569,7 @@ class DispatchLoop:
         dispatcher = Dispatcher(
             address, index, queue=self._queue, specs=self._specs, transport=self._transport_factory(address),
             cluster_context=self._cluster_context, num_workers=self.num_workers, policy=self._policy,
-            max_value_age=self._max_value_age,
+            max_value_age=self._max_value_age, sizer=self._sizer,
         )
         self._dispatchers[address] = dispatcher
         self._free.append(dispatcher)
@@ -571,11 +605,8 @@ class DispatchLoop:
             queued = self._queue.num_queued
             if queued == 0:
                 return
-            # No more than its share: a batch never holds a closure another free worker could
-            # start now, so batches form only when closures queue up behind busy workers.
-            share = max(1, queued // len(self._free))
             dispatcher = self._free.popleft()
-            batch = self._queue.take(dispatcher.address, min(self._max_batch, share))
+            batch = self._queue.take(dispatcher.address, self._sizer.size(queued, len(self._dispatchers)))
             if not batch:
                 self._free.appendleft(dispatcher)
                 return

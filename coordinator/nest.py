@@ -53,5 +53,10 @@ def flatten(structure: Any) -> list[Any]:
 
 
 def to_device(structure: Any, device: torch.device) -> Any:
-    """Every tensor leaf moved to ``device`` (asynchronously when the copy allows it)."""
-    return map_structure(lambda x: x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x, structure)
+    """Every tensor leaf moved to ``device`` (a leaf already there is itself).
+
+    Copies to a GPU are asynchronous (from pinned memory; ordered before any later use on the
+    device's current stream); copies to the host wait for their data, which the host would
+    otherwise read before it arrives."""
+    non_blocking = torch.device(device).type == "cuda"
+    return map_structure(lambda x: x.to(device, non_blocking=non_blocking) if isinstance(x, torch.Tensor) else x, structure)

@@ -32,6 +32,7 @@ from paramserve.psserver.errors import (
     ERROR_VARIABLE_METADATA_KEY,
     AuthenticationError,
     DeadlineExceededError,
+    DtypeMismatchError,
     IndexOutOfRangeError,
     InternalError,
     InvalidRequestError,
@@ -248,10 +249,14 @@ class ParameterServerClient:
 
     # ------------------------------------------------------------------ pull and push
 
-    def pull(self, names: Sequence[str] | None = None) -> PullResult:
-        """Reads whole variables (all known ones by default) from all servers in parallel."""
+    def pull(self, names: Sequence[str] | None = None, *, out: Mapping[str, torch.Tensor] | None = None) -> PullResult:
+        """Reads whole variables (all known ones by default) from all servers in parallel.
+
+        ``out``: host tensors to read variables into, by name (e.g. a GPU worker's pinned
+        buffers; the result holds them); others are allocated. Raises ShapeMismatchError or
+        DtypeMismatchError, before any call, for one that does not fit the variable."""
         exchange = _Exchange()
-        self._add_reads(exchange, names if names is not None else list(self.layouts))
+        self._add_reads(exchange, names if names is not None else list(self.layouts), out)
         _, versions = self._run(exchange, None, names[0] if names and len(names) == 1 else None)
         return PullResult(exchange.outputs, versions)
 
@@ -294,22 +299,24 @@ class ParameterServerClient:
         *,
         key: str | None = None,
         base_versions: Mapping[ShardRef, int] | None = None,
+        out: Mapping[str, torch.Tensor] | None = None,
     ) -> tuple[PushSummary, PullResult]:
         """``push(gradients)``, then reads the variables ``names`` as each server holds them
         once the push is applied there: one round trip per server when the payloads are
-        under ``ClientConfig.max_unary_bytes``, else a push stream then a pull stream."""
+        under ``ClientConfig.max_unary_bytes``, else a push stream then a pull stream.
+        ``out``: where to read them, as for ``pull``."""
         exchange = _Exchange()
         for name, gradient in gradients.items():
             for server, part in _push_parts(self.layout(name), gradient, base_versions or {}):
                 exchange.push(server, part)
-        self._add_reads(exchange, names)
+        self._add_reads(exchange, names, out)
         variable = next(iter(gradients)) if len(gradients) == 1 else None
         outcomes, versions = self._run(exchange, key or uuid.uuid4().hex, variable)
         return PushSummary(tuple(outcomes)), PullResult(exchange.outputs, versions)
 
-    def _add_reads(self, exchange: _Exchange, names: Sequence[str]) -> None:
+    def _add_reads(self, exchange: _Exchange, names: Sequence[str], out: Mapping[str, torch.Tensor] | None) -> None:
         for layout in (self.layout(n) for n in names):
-            output = exchange.outputs[layout.name] = torch.empty(layout.shape, dtype=layout.dtype)
+            output = exchange.outputs[layout.name] = _read_destination(layout, (out or {}).get(layout.name))
             for shard in layout.shards:
                 item = ps_pb2.PullItem(ref=convert.ref_to_proto(layout.ref(shard)))
                 rows = output[shard.row_start : shard.row_start + shard.num_rows] if layout.shape else output
@@ -460,6 +467,22 @@ class ParameterServerClient:
 
 def _index_error(name: str, index: int, rows: int) -> IndexOutOfRangeError:
     return IndexOutOfRangeError(f"row index {index} is outside [0, {rows})", variable=name)
+
+
+def _read_destination(layout: VariableLayout, given: torch.Tensor | None) -> torch.Tensor:
+    """Where a pulled variable lands: the caller's host tensor, checked to fit, or a new one."""
+    if given is None:
+        return torch.empty(layout.shape, dtype=layout.dtype)
+    if tuple(given.shape) != layout.shape:
+        raise ShapeMismatchError(f"the destination has shape {tuple(given.shape)}, the servers hold {layout.shape}",
+                                 variable=layout.name)
+    if given.dtype != layout.dtype:
+        raise DtypeMismatchError(f"the destination holds {given.dtype}, the servers hold {layout.dtype}",
+                                 variable=layout.name)
+    if given.device.type != "cpu" or not given.is_contiguous():
+        raise InvalidRequestError(f"a pull destination must be a contiguous host tensor, got one on {given.device}",
+                                  variable=layout.name)
+    return given
 
 
 @dataclass(frozen=True)

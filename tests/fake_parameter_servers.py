@@ -33,12 +33,15 @@ ADDRESS = "fake-ps:1"
 @dataclass
 class Traffic:
     """What workers asked for: variables pulled whole, rows pulled, push keys, variables
-    read back by pushes (in the same round trip)."""
+    read back by pushes (in the same round trip), the destinations they gave for reads (by
+    name, whether pinned), and the devices of the gradients they pushed."""
 
     pulled: list[str] = field(default_factory=list)
     read_back: list[str] = field(default_factory=list)
     rows_pulled: list[int] = field(default_factory=list)
     push_keys: list[str] = field(default_factory=list)
+    destinations: list[tuple[str, bool]] = field(default_factory=list)
+    pushed_from: list[torch.device] = field(default_factory=list)
 
 
 class FakeParameterServers:
@@ -81,15 +84,23 @@ class FakeParameterServers:
     def adopt_layouts(self, layouts: Mapping[str, VariableLayout]) -> None:
         assert dict(layouts) == self.layouts, "the worker must use the layouts the coordinator sent"
 
-    def pull(self, names: Sequence[str] | None = None) -> PullResult:
+    def pull(self, names: Sequence[str] | None = None, *, out: Mapping[str, torch.Tensor] | None = None) -> PullResult:
         self._check_up()
         names = list(self.layouts) if names is None else list(names)
         self.traffic.pulled.extend(names)
-        return self._read(names)
+        return self._read(names, out)
 
-    def _read(self, names: Sequence[str]) -> PullResult:
+    def _read(self, names: Sequence[str], out: Mapping[str, torch.Tensor] | None) -> PullResult:
         pulled = {name: self.store.pull(ShardRef(name, 0)) for name in names}
-        return PullResult({n: p.value for n, p in pulled.items()}, {ShardRef(n, 0): p.version for n, p in pulled.items()})
+        values = {}
+        for name, shard in pulled.items():
+            if out is not None and name in out:  # as the real client: checked, then written in place
+                assert out[name].device.type == "cpu" and out[name].shape == shard.value.shape, name
+                self.traffic.destinations.append((name, out[name].is_pinned()))
+                values[name] = out[name].copy_(shard.value)
+            else:
+                values[name] = shard.value
+        return PullResult(values, {ShardRef(n, 0): p.version for n, p in pulled.items()})
 
     def pull_rows(self, name: str, indices: torch.Tensor) -> PullResult:
         self._check_up()
@@ -103,10 +114,11 @@ class FakeParameterServers:
     def push_and_pull(
         self, gradients: Mapping[str, torch.Tensor | RowGradient], names: Sequence[str], *,
         key: str | None = None, base_versions: Mapping[ShardRef, int] | None = None,
+        out: Mapping[str, torch.Tensor] | None = None,
     ) -> tuple[PushSummary, PullResult]:
         summary = self.push(gradients, key=key, base_versions=base_versions)
         self.traffic.read_back.extend(names)
-        return summary, self._read(names)
+        return summary, self._read(names, out)
 
     def push(
         self, gradients: Mapping[str, torch.Tensor | RowGradient], *, key: str | None = None,
@@ -119,6 +131,7 @@ class FakeParameterServers:
         pushes = []
         for name, gradient in gradients.items():
             ref = ShardRef(name, 0)
+            self.traffic.pushed_from.append((gradient.values if isinstance(gradient, RowGradient) else gradient).device)
             if isinstance(gradient, RowGradient):
                 pushes.append(ShardPush(ref, gradient.values, gradient.indices.to(torch.int64), base.get(ref, -1)))
             else:

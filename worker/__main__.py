@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import pathlib
 import sys
 
+import torch
+
+from paramserve.psserver.devices import worker_device
 from paramserve.psserver.serving import (
     add_server_arguments,
     configure_logging,
@@ -30,6 +34,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                       help="PEM CA bundle to verify parameter servers that serve TLS (default: plaintext)")
     work.add_argument("--ps-retry-deadline", type=float, default=60.0,
                       help="seconds a closure keeps retrying an unreachable parameter server (default: %(default)s)")
+    work.add_argument("--device",
+                      help="where closures compute: 'cpu' or 'cuda:N'. Default, where CUDA is available: GPU "
+                           "LOCAL_RANK (modulo the visible GPUs) when LOCAL_RANK is set, else cuda:0 when "
+                           "CUDA_VISIBLE_DEVICES is set; otherwise the CPU")
     return parser
 
 
@@ -49,7 +57,16 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         ps_root_certificates=args.ps_tls_ca,
         ps_retry_deadline=args.ps_retry_deadline,
         torch_threads=resolve_torch_threads(args, parser),
+        device=resolve_device(args, parser),
     )
+
+
+def resolve_device(args: argparse.Namespace, parser: argparse.ArgumentParser) -> torch.device:
+    """--device, else the default the environment gives (psserver.devices.worker_device)."""
+    try:
+        return worker_device(args.device)
+    except ValueError as err:
+        parser.error(f"--device: {err}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,7 +76,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     configure_logging(args.log_level, "worker")
-    worker = build_worker(config_from_args(args, parser))
+    config = config_from_args(args, parser)
+    logging.getLogger("paramserve.worker").info("closures compute on %s", config.device)
+    worker = build_worker(config)
     serve_until_signal(worker, args.port_file, args.grace_seconds, "paramserve.worker")
     return 0
 

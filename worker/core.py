@@ -1,10 +1,11 @@
 """The worker's core: runs closures sent by the coordinator. Imports no grpc itself.
 
 One closure runs at a time (a worker is one device). A closure's distributed
-parameters are worker-wide ``nn.Parameter`` objects, filled from the
-parameter servers before each step and lazily after each ``optimizer.step()``;
+parameters are worker-wide ``nn.Parameter`` objects on the worker's device, filled
+from the parameter servers before each step and lazily after each ``optimizer.step()``;
 its gradients are pushed with idempotency keys derived from the closure id,
-so a retried closure never updates a variable twice.
+so a retried closure never updates a variable twice. How values cross between the
+client's host tensors and a GPU is ``worker.transfers``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import cloudpickle
 import torch
 from torch import nn
 
+from paramserve.psserver.devices import computing_on
 from paramserve.psserver.errors import (
     DeadlineExceededError,
     DtypeMismatchError,
@@ -41,6 +43,7 @@ from paramserve.worker.resources import (
     collecting_missing,
     using_resources,
 )
+from paramserve.worker.transfers import HostTransfers, Transfers, transfers_for
 from paramserve.worker.variables import (
     loads_closure,
     mark_variable,
@@ -131,8 +134,9 @@ class VariableClient(Protocol):
     def adopt_layouts(self, layouts: Mapping[str, VariableLayout]) -> None:
         """Uses these layouts (sent by the coordinator) instead of discovering them."""
 
-    def pull(self, names: Sequence[str] | None = None) -> PullResult:
-        """Whole variables, with the version each shard was read at."""
+    def pull(self, names: Sequence[str] | None = None, *, out: Mapping[str, torch.Tensor] | None = None) -> PullResult:
+        """Whole variables, with the version each shard was read at; read into ``out``'s host
+        tensors where it names the variable (a GPU worker's pinned buffers)."""
 
     def pull_rows(self, name: str, indices: torch.Tensor) -> PullResult:
         """Rows of a variable: shape ``indices.shape + variable.shape[1:]``."""
@@ -140,9 +144,10 @@ class VariableClient(Protocol):
     def push_and_pull(
         self, gradients: Mapping[str, torch.Tensor | RowGradient], names: Sequence[str], *,
         key: str | None = None, base_versions: Mapping[ShardRef, int] | None = None,
+        out: Mapping[str, torch.Tensor] | None = None,
     ) -> tuple[PushSummary, PullResult]:
-        """Applies gradients on the servers (at most once per shard for ``key``), then reads
-        ``names`` as the servers hold them once the push is applied."""
+        """Applies gradients (host tensors) on the servers (at most once per shard for ``key``),
+        then reads ``names`` as the servers hold them once the push is applied (into ``out``)."""
 
     def close(self) -> None: ...
 
@@ -162,13 +167,15 @@ class ClosureObserver(Protocol):
 
 
 class LocalVariables:
-    """The worker-wide local copies of distributed variables, and how fresh they are.
+    """The worker-wide local copies of distributed variables, on the worker's device, and how
+    fresh they are.
 
     Worker-wide (not per closure) so that modules kept in per-worker resources,
     and closures scheduled again and again, reuse one parameter per variable.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, transfers: Transfers | None = None) -> None:
+        self.transfers = transfers or HostTransfers()
         self.parameters: dict[str, nn.Parameter] = {}
         self.versions: dict[ShardRef, int] = {}
         self._fresh: set[str] = set()
@@ -183,11 +190,19 @@ class LocalVariables:
             return existing
         # New, or the variable was re-created with another shape or dtype.
         trainable = dtype.is_floating_point or dtype.is_complex
-        parameter = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=trainable)
+        parameter = nn.Parameter(torch.empty(shape, dtype=dtype, device=self.device), requires_grad=trainable)
         mark_variable(parameter, name)
         self.parameters[name] = parameter
         self._fresh.discard(name)
         return parameter
+
+    @property
+    def device(self) -> torch.device:
+        return self.transfers.device
+
+    def pull_destinations(self, names: Sequence[str]) -> dict[str, torch.Tensor] | None:
+        """Where the client should pull ``names`` (see Transfers.pull_destinations)."""
+        return self.transfers.pull_destinations({n: self.parameters[n] for n in names if n in self.parameters})
 
     def stale(self, names: Sequence[str]) -> list[str]:
         return [n for n in dict.fromkeys(names) if n not in self._fresh]
@@ -221,11 +236,12 @@ class LocalVariables:
             name = variable_name(parameter)
             if name in pulled.tensors and all(parameter is not t for t in targets[name]):
                 targets[name].append(parameter)
-        with torch.no_grad():
-            for name, value in pulled.tensors.items():
-                for parameter in targets[name]:
-                    _check_matches(name, parameter, value)
-                    parameter.copy_(value)
+        copies = []
+        for name, value in pulled.tensors.items():
+            for parameter in targets[name]:
+                _check_matches(name, parameter, value)
+                copies.append((parameter, value))
+        self.transfers.fill(copies)
         self.versions.update(pulled.versions)
         self._fresh.update(pulled.tensors)
         if returned_at is not None:
@@ -276,6 +292,7 @@ class ClosureAccess:
         self._client = client
         self._closure_id = closure_id
         self._used: dict[str, nn.Parameter] = {}
+        self._placed: set[int] = set()
         self._lookups: dict[str, list[_RowLookup]] = defaultdict(list)
         self._row_versions: dict[ShardRef, int] = {}
         self._push_seq = 0
@@ -291,7 +308,18 @@ class ClosureAccess:
         named = [p for p in parameters if variable_name(p) is not None]
         stale = self._variables.stale([str(variable_name(p)) for p in named])
         if stale:
-            self._variables.fill(self._require_client().pull(stale), named)
+            client = self._require_client()
+            self._variables.fill(client.pull(stale, out=self._variables.pull_destinations(stale)), named)
+
+    def place(self, module: nn.Module) -> None:
+        """Moves ``module``'s other tensors (buffers, parameters that are not variables: they
+        arrived in the closure as the coordinator held them) to the worker's device, once per
+        module and closure; a no-op on a CPU worker."""
+        device = self._variables.device
+        if device.type == "cpu" or id(module) in self._placed:
+            return
+        module.to(device)
+        self._placed.add(id(module))
 
     def refresh_used(self) -> None:
         """Makes every parameter this closure resolved current (one pull), so code that
@@ -299,27 +327,31 @@ class ClosureAccess:
         self.refresh(list(self._used.values()))
 
     def lookup_rows(self, name: str, indices: torch.Tensor) -> torch.Tensor:
+        """The rows ``indices`` (on any device) name, on the worker's device."""
+        indices = indices.detach().to("cpu")  # the client and the pushed row gradients need host indices
         pulled = self._require_client().pull_rows(name, indices)
         for ref, version in pulled.versions.items():
             self._row_versions.setdefault(ref, version)  # the oldest read is the gradient's base
-        leaf = pulled.tensors[name]
+        leaf = self._variables.transfers.to_device(pulled.tensors[name])
         if leaf.dtype.is_floating_point:
             leaf.requires_grad_(True)
-            flat = indices.detach().reshape(-1).to(torch.int64)
+            flat = indices.reshape(-1).to(torch.int64)
             self._lookups[name].append(_RowLookup(flat, leaf, tuple(leaf.shape[indices.dim():])))
         return leaf
 
     def apply_gradients(self, names: Sequence[str]) -> None:
         """Pushes the gradients of ``names`` and, in the same round trip, reads back the dense
         ones this worker holds: their values as the servers hold them right after this push."""
-        gradients = self._gradients(names)
+        gradients = self._variables.transfers.to_host(self._gradients(names))
         self._variables.mark_stale(list(names))
         if gradients:
             key = f"{self._closure_id}/{self._push_seq}"
             self._push_seq += 1
             base = {**self._variables.base_versions(list(gradients)), **self._row_versions}
             read_back = [n for n in dict.fromkeys(names) if n in self._used]
-            summary, pulled = self._require_client().push_and_pull(gradients, read_back, key=key, base_versions=base)
+            summary, pulled = self._require_client().push_and_pull(
+                gradients, read_back, key=key, base_versions=base, out=self._variables.pull_destinations(read_back)
+            )
             self._variables.fill(pulled, list(self._used.values()), returned_at=time.monotonic())
             self.pushes_applied += summary.applied
             self.pushes_duplicate += summary.duplicates
@@ -378,9 +410,14 @@ class WorkerCore:
 
     ``client_factory`` makes the client of a cluster's parameter servers (the server
     passes one building ParameterServerClient; unit tests pass an in-memory fake).
+    ``device``: where closures compute (the CPU, or a CUDA GPU: ``paramserve worker --device``).
+    Raises ValueError for another kind of device.
     """
 
-    def __init__(self, client_factory: ClientFactory, observer: ClosureObserver | None = None):
+    def __init__(
+        self, client_factory: ClientFactory, observer: ClosureObserver | None = None,
+        device: torch.device = torch.device("cpu"),
+    ):
         self._client_factory = client_factory
         self.incarnation = uuid.uuid4().hex
         self._observer = observer
@@ -389,7 +426,7 @@ class WorkerCore:
         self._run_lock = threading.Lock()
         self._state_lock = threading.Lock()
         self._resources: dict[str, object] = {}
-        self._variables = LocalVariables()
+        self._variables = LocalVariables(transfers_for(device))
         self._clients: OrderedDict[tuple[str, ...], VariableClient] = OrderedDict()
         self._closures_run = 0
         self._cluster = ClusterContext()
@@ -452,11 +489,12 @@ class WorkerCore:
             client.close()
 
     def _execute(self, request: ClosureRequest, access: ClosureAccess) -> tuple[bytes | None, ClosureFailure | None]:
-        context = WorkerContext.for_worker(request.worker_index, request.num_workers, self.incarnation)
+        context = WorkerContext.for_worker(request.worker_index, request.num_workers, self.incarnation,
+                                           device=self._variables.device)
         # Gradients left by an earlier (perhaps failed) closure must not leak into this one.
         self._variables.clear_grads()
         try:
-            with using_access(access), using_resources(self._resources):
+            with using_access(access), using_resources(self._resources), computing_on(self._variables.device):
                 self._create_resources(request.resources, context)
                 fn, args, kwargs = _load(request.payload, access)
                 result = None
@@ -571,17 +609,19 @@ def _load_resource_function(spec: ResourceSpec) -> Any:
 
 
 class _ValuePickler(cloudpickle.Pickler):
-    """Results travel as values: tensors lose their autograd history (a loss has a grad_fn).
+    """Results travel as values: tensors lose their autograd history (a loss has a grad_fn), and
+    a GPU worker's tensors travel as host tensors (the coordinator may have no GPU).
 
     A dense tensor of a wire dtype travels as its raw bytes, dtype and shape (torch's own
-    pickling writes a small archive per tensor, several times slower for a loss), and
-    arrives on the coordinator's CPU whichever device it was computed on.
+    pickling writes a small archive per tensor, several times slower for a loss).
     """
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
             if type(obj) in (torch.Tensor, nn.Parameter) and obj.layout == torch.strided and obj.dtype in DTYPE_NAMES:
                 return _result_tensor, (bytes(as_byte_view(obj)), DTYPE_NAMES[obj.dtype], tuple(obj.shape))
+            if obj.device.type != "cpu":
+                return obj.detach().to("cpu").__reduce_ex__(pickle.HIGHEST_PROTOCOL)
             if obj.requires_grad or isinstance(obj, nn.Parameter):
                 return obj.detach().clone().__reduce_ex__(pickle.HIGHEST_PROTOCOL)
         return super().reducer_override(obj)

@@ -17,6 +17,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 
 @dataclass(frozen=True)
 class InputContext:
@@ -40,7 +42,10 @@ class InputContext:
 @dataclass(frozen=True, kw_only=True)
 class WorkerContext(InputContext):
     """The InputContext of a per-worker dataset or resource function, plus which worker
-    it runs on (e.g. to shard input by ``worker_index``) and that worker's incarnation.
+    it runs on (e.g. to shard input by ``worker_index``), that worker's incarnation, and
+    the device its closures compute on (``paramserve worker --device``): a per-worker
+    dataset's batches are moved there for the closures; a resource function that builds
+    tensors for them puts them there itself.
 
     As an InputContext it is TensorFlow's for parameter-server training: one input pipeline,
     id 0, one replica in sync (``(1, 0, 1)``). Each worker runs its own replica
@@ -52,11 +57,14 @@ class WorkerContext(InputContext):
     worker_index: int
     num_workers: int
     incarnation: str
+    device: torch.device = torch.device("cpu")
 
     @classmethod
-    def for_worker(cls, worker_index: int, num_workers: int, incarnation: str) -> WorkerContext:
+    def for_worker(
+        cls, worker_index: int, num_workers: int, incarnation: str, device: torch.device = torch.device("cpu")
+    ) -> WorkerContext:
         """The context of worker ``worker_index`` of ``num_workers`` (input context ``(1, 0, 1)``)."""
-        return cls(worker_index=worker_index, num_workers=num_workers, incarnation=incarnation)
+        return cls(worker_index=worker_index, num_workers=num_workers, incarnation=incarnation, device=device)
 
 
 class ResourceMissingError(Exception):

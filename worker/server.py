@@ -34,6 +34,8 @@ class WorkerConfig:
     ps_retry_deadline: float = 60.0
     torch_threads: int | None = None
     """torch.set_num_threads for this process; None leaves it (workers started in a test)."""
+    device: torch.device = torch.device("cpu")
+    """Where closures compute: the CPU or a CUDA GPU (``--device``; psserver.devices.worker_device)."""
 
     @property
     def effective_ps_token(self) -> str | None:
@@ -103,7 +105,7 @@ def build_worker(config: WorkerConfig, registry: CollectorRegistry | None = None
     if config.torch_threads is not None:
         torch.set_num_threads(config.torch_threads)
     registry = registry or CollectorRegistry()
-    core = WorkerCore(parameter_server_clients(config), observer=ClosureMetrics(registry))
+    core = WorkerCore(parameter_server_clients(config), observer=ClosureMetrics(registry), device=config.device)
     service = GrpcService.for_config(
         config, handlers=[generic_handler(WorkerServicer(core))], service_names=[SERVICE_NAME],
         registry=registry, role="worker",

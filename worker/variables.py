@@ -42,6 +42,10 @@ class VariableAccess(Protocol):
     def refresh(self, parameters: Sequence[nn.Parameter]) -> None:
         """Makes the given parameters hold the servers' current values, if they are stale."""
 
+    def place(self, module: nn.Module) -> None:
+        """Puts ``module``'s tensors that are not variables (buffers) where its variables live:
+        a GPU worker's device; a no-op where that is where the module already is."""
+
     def lookup_rows(self, name: str, indices: torch.Tensor) -> torch.Tensor:
         """Rows of an embedding table; on a worker, a leaf whose gradient step() pushes."""
 
@@ -62,6 +66,9 @@ class NoAccess:
         )
 
     def refresh(self, parameters: Sequence[nn.Parameter]) -> None:
+        return None
+
+    def place(self, module: nn.Module) -> None:
         return None
 
     def lookup_rows(self, name: str, indices: torch.Tensor) -> torch.Tensor:
@@ -145,14 +152,17 @@ def distributed_parameters(module: nn.Module) -> list[nn.Parameter]:
 
 
 class RefreshBeforeForward:
-    """Forward pre-hook installed on modules built in a strategy scope: makes their
-    distributed parameters current before they are used (a no-op when fresh)."""
+    """Forward pre-hook installed on modules built in a strategy scope: puts the module's
+    buffers where its variables live (a GPU worker's device) and makes its distributed
+    parameters current before they are used (each a no-op when already so)."""
 
     def __init__(self, home: VariableAccess | None = None):
         self.home = home
 
     def __call__(self, module: nn.Module, args: Any) -> None:
-        current_access(self.home).refresh(distributed_parameters(module))
+        access = current_access(self.home)
+        access.place(module)
+        access.refresh(distributed_parameters(module))
 
     def __reduce__(self) -> tuple[type[RefreshBeforeForward], tuple[()]]:
         return RefreshBeforeForward, ()  # on a worker the closure's access applies

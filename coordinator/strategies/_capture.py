@@ -21,7 +21,7 @@ import contextlib
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -57,21 +57,37 @@ class ScopeRecord:
 
 
 @contextlib.contextmanager
-def recording_modules() -> Iterator[ScopeRecord]:
-    """Records modules built in this thread while open (see ScopeRecord.roots)."""
+def recording_modules(place_on: torch.device | None = None) -> Iterator[ScopeRecord]:
+    """Records modules built in this thread while open (see ScopeRecord.roots).
+
+    With ``place_on``, each parameter and buffer such a module registers moves to that device
+    as it is registered, so what the constructor does next (initialisation, tied weights) and
+    an optimizer built in the scope (eager state, e.g. Adagrad's) already see it there. Only
+    module state moves: no default device is set, so the rest of the scope's code (input
+    pipelines above all) builds its tensors where it always would."""
     record = ScopeRecord(threading.get_ident())
 
-    def on_tensor(module: nn.Module, name: str, tensor: torch.Tensor | None) -> None:
+    def on_parameter(module: nn.Module, name: str, parameter: nn.Parameter | None) -> nn.Parameter | None:
         record.saw_module(module)
+        if place_on is None or parameter is None or threading.get_ident() != record.thread:
+            return None
+        return _placed_parameter(parameter, place_on)
+
+    def on_buffer(module: nn.Module, name: str, buffer: torch.Tensor | None) -> torch.Tensor | None:
+        record.saw_module(module)
+        if place_on is None or buffer is None or threading.get_ident() != record.thread:
+            return None
+        return buffer.to(place_on) if buffer.device != place_on else None
 
     def on_submodule(module: nn.Module, name: str, submodule: nn.Module | None) -> None:
         record.saw_module(module)
         if submodule is not None and threading.get_ident() == record.thread:
             record.children.add(id(submodule))
 
+    # torch documents these hooks as "-> None or new parameter/buffer" but types them "-> None".
     handles = [
-        module_hooks.register_module_parameter_registration_hook(on_tensor),
-        module_hooks.register_module_buffer_registration_hook(on_tensor),
+        module_hooks.register_module_parameter_registration_hook(cast(Callable[..., None], on_parameter)),
+        module_hooks.register_module_buffer_registration_hook(cast(Callable[..., None], on_buffer)),
         module_hooks.register_module_module_registration_hook(on_submodule),
     ]
     try:
@@ -79,6 +95,20 @@ def recording_modules() -> Iterator[ScopeRecord]:
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _placed_parameter(parameter: nn.Parameter, device: torch.device) -> nn.Parameter | None:
+    """Moves ``parameter`` to ``device`` in place (the same object: a tied module or an optimizer
+    may already hold it), as ``Module.to`` does; a new Parameter only where torch cannot swap
+    the data in place (another kind of tensor, e.g. meta). None: nothing to replace."""
+    if parameter.device == device or nn.parameter.is_lazy(parameter):
+        return None  # lazy parameters have no data yet: the scope's exit moves the module
+    moved = parameter.detach().to(device)
+    try:
+        parameter.data = moved
+    except RuntimeError:  # set_data refuses tensors of another kind
+        return nn.Parameter(moved, requires_grad=parameter.requires_grad)
+    return None
 
 
 # ------------------------------------------------------------------ optimizers built in scope

@@ -11,17 +11,17 @@ waiting forever.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from paramserve.coordinator.strategies.base import Strategy, replica_thread_context
+from paramserve.psserver.devices import computing_on
 
 
 class ReplicaDeparted(RuntimeError):
@@ -116,16 +116,6 @@ def replica_of(strategy: Strategy) -> int | None:
     if getattr(_local, "strategy", None) is not strategy:
         return None
     return _local.replica
-
-
-@contextlib.contextmanager
-def _on_device(device: torch.device) -> Iterator[None]:
-    """New tensors and CUDA kernels of this thread go to the replica's device."""
-    if device.type != "cuda":
-        yield
-        return
-    with torch.cuda.device(device), device:
-        yield
 
 
 class ReplicaThreads:
@@ -263,8 +253,9 @@ def run_replicas(
     rendezvous: Rendezvous,
     threads: ReplicaThreads,
 ) -> list[Any]:
-    """Runs ``body(replica_id)`` in each replica's thread of ``threads``, in replica context,
-    and waits for them all. Returns the results in replica order.
+    """Runs ``body(replica_id)`` in each replica's thread of ``threads``, in replica context
+    (a GPU replica's device current for CUDA, no default device: see psserver.devices), and
+    waits for them all. Returns the results in replica order.
 
     Raises the first replica's own error (not a ReplicaDeparted it caused elsewhere),
     with a note naming the replica."""
@@ -276,7 +267,7 @@ def run_replicas(
         reason = "returned"
         _local.strategy, _local.replica = strategy, replica
         try:
-            with replica_thread_context(strategy, replica), torch.set_grad_enabled(grad_enabled), _on_device(devices[replica]):
+            with replica_thread_context(strategy, replica), torch.set_grad_enabled(grad_enabled), computing_on(devices[replica]):
                 results[replica] = body(replica)
         except BaseException as error:
             errors[replica], reason = error, f"failed ({type(error).__name__})"

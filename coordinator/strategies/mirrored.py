@@ -32,6 +32,14 @@ How (MirroredStrategy):
   module and every attribute of it (``model(x)``, ``model.fc.weight``,
   ``model.parameters()``) resolve to replica r's copy; call the module rather
   than ``model.forward``.
+- Devices: a module built in ``scope()`` has its parameters and buffers placed on the
+  device as they are registered (so an optimizer built next finds them there). Nothing
+  else is placed: no default device is set, in the scope or in ``run``, so input functions
+  and other code build their tensors where they always would (``torch.randperm`` with a
+  CPU generator keeps working on a GPU machine). ``run`` moves plain-tensor arguments to
+  each replica's device (as TensorFlow places a replica's inputs) and makes a GPU replica's
+  device the thread's current CUDA device; tensors the step creates itself go where its
+  code says (``device=x.device``), as in plain PyTorch.
 - ``optimizer.step()`` inside a replica is a merge point: all replicas meet,
   gradients are summed by ``cross_device_ops`` and every replica applies the
   same update to its copy, so the copies stay identical. Learning-rate changes
@@ -59,7 +67,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import re
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -104,35 +111,9 @@ from paramserve.coordinator.strategies.input import (
     DistributedDatasetsFromFunction,
     InputOptions,
 )
+from paramserve.psserver.devices import computing_on, cuda_device_count, resolve_device
 
 # ------------------------------------------------------------------ devices
-
-_DEVICE = re.compile(r"^(?:.*device:)?/?(cpu|gpu|cuda)(?::(\d+))?$", re.IGNORECASE)
-
-
-def resolve_device(spec: str | torch.device) -> tuple[str, torch.device]:
-    """A device name ("cpu:1", "cuda:0") and the torch device it runs on.
-
-    CPU indices are logical: "cpu:0" and "cpu:1" are two replicas on the host CPU.
-    TF spellings ("/gpu:0", "/job:localhost/replica:0/task:0/device:GPU:0") are accepted.
-
-    Raises:
-        ValueError: unparsable name, or a CUDA device this machine does not have.
-    """
-    match = _DEVICE.match(str(spec).strip())
-    if match is None:
-        raise ValueError(f"{spec!r} is not a device name: use 'cpu', 'cpu:N' or 'cuda:N' (TF's '/gpu:N' works too)")
-    kind, index = match.group(1).lower(), int(match.group(2) or 0)
-    if kind == "cpu":
-        return f"cpu:{index}", torch.device("cpu")
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if index >= count:
-        available = ", ".join(f"cuda:{i}" for i in range(count)) or "none"
-        raise ValueError(
-            f"device {str(spec)!r} does not exist: this machine has {count} CUDA device(s) ({available}); "
-            "pick one of them or 'cpu'"
-        )
-    return f"cuda:{index}", torch.device("cuda", index)
 
 
 def _resolve_devices(specs: Sequence[str | torch.device], what: str) -> tuple[list[str], list[torch.device]]:
@@ -147,7 +128,7 @@ def _resolve_devices(specs: Sequence[str | torch.device], what: str) -> tuple[li
 
 def _local_devices() -> list[str]:
     """All GPUs when there are any, else one CPU replica."""
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    count = cuda_device_count()
     return [f"cuda:{i}" for i in range(count)] or ["cpu:0"]
 
 
@@ -163,16 +144,6 @@ def _default_cross_device_ops(devices: Sequence[torch.device]) -> CrossDeviceOps
         except RuntimeError:
             return HierarchicalCopyAllReduce()
     return ReductionToOneDevice()
-
-
-@contextlib.contextmanager
-def _default_device(device: torch.device) -> Iterator[None]:
-    """Tensors and parameters built in scope land on ``device`` directly (no copy later)."""
-    if device.type == "cpu":
-        yield
-        return
-    with device:
-        yield
 
 
 def _reduce_plain(op: ReduceOp, value: Any, axis: int | None) -> Any:
@@ -208,16 +179,16 @@ class OneDeviceStrategy(Strategy):
 
     @contextlib.contextmanager
     def _scope_hooks(self) -> Iterator[None]:
-        with _capture.recording_modules() as record, _default_device(self.device):
+        with _capture.recording_modules(place_on=self.device) as record:
             yield
         for module in record.roots():
-            module.to(self.device)
+            module.to(self.device)  # what registration did not place (a lazy module's parameters)
         self._claim_models(record.roots())
 
     def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None) -> Any:
         args = nest.to_device(tuple(args), self.device)
         kwargs = nest.to_device(dict(kwargs or {}), self.device)
-        with self._in_replica(0), _default_device(self.device):
+        with self._in_replica(0), computing_on(self.device):
             return fn(*args, **kwargs)
 
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
@@ -297,7 +268,7 @@ class _ReplicatedStrategy(Strategy):
             self._linked.append(optimizer)
             built.append(optimizer)
 
-        with _capture.recording_modules() as record, _capture.capturing_optimizers(on_optimizer), _default_device(self._home_device):
+        with _capture.recording_modules(place_on=self._home_device) as record, _capture.capturing_optimizers(on_optimizer):
             yield
         self._adopt(record.roots(), built)
 
@@ -358,8 +329,10 @@ class _ReplicatedStrategy(Strategy):
 
     def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None) -> Any:
         """Runs ``fn`` once per replica, each in its own thread, in replica context; PerReplica
-        arguments give replica r its component r. Returns one value when every replica returned
-        the same object, else PerReplica values (inside the returned structure).
+        arguments give replica r its component r, and plain tensors among the arguments reach
+        replica r on its device (as TensorFlow places a replica's inputs). Returns one value
+        when every replica returned the same object, else PerReplica values (inside the
+        returned structure).
 
         Raises whatever a replica raised (its replica id in the exception's notes)."""
         context = get_replica_context()
@@ -375,7 +348,7 @@ class _ReplicatedStrategy(Strategy):
             try:
                 results = run_replicas(
                     self, self._devices,
-                    lambda r: fn(*_unwrap(args, r), **_unwrap(kwargs, r)),
+                    lambda r: fn(*self._replica_inputs(args, r), **self._replica_inputs(kwargs, r)),
                     self._rendezvous,
                     self._threads,
                 )
@@ -406,6 +379,19 @@ class _ReplicatedStrategy(Strategy):
 
     def _before_run(self) -> None:
         """Hook: bring replicas up to date before their threads start."""
+
+    def _replica_inputs(self, structure: Any, replica: int) -> Any:
+        """Replica ``replica``'s view of run's arguments: its component of each distributed value
+        (where the input pipeline put it), every plain tensor moved to its device. Runs in the
+        replica's thread, so the copies of several replicas overlap."""
+        device = self._devices[replica]
+
+        def pick(leaf: Any) -> Any:
+            if isinstance(leaf, DistributedValue) and not isinstance(leaf, SyncOnReadVariable):
+                return leaf.values[replica]
+            return nest.to_device(leaf, device) if isinstance(leaf, torch.Tensor) else leaf
+
+        return nest.map_structure(pick, structure)
 
     def _check_distributed_args(self, structure: Any) -> None:
         for leaf in nest.flatten(structure):
@@ -552,15 +538,6 @@ class _ReplicatedStrategy(Strategy):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(devices={list(self.device_names)})"
-
-
-def _unwrap(structure: Any, replica: int) -> Any:
-    def pick(leaf: Any) -> Any:
-        if isinstance(leaf, DistributedValue) and not isinstance(leaf, SyncOnReadVariable):
-            return leaf.values[replica]
-        return leaf
-
-    return nest.map_structure(pick, structure)
 
 
 def _rebuild_like(structure: Any, leaves: list[Any]) -> Any:

@@ -48,6 +48,7 @@ import datetime
 import enum
 import logging
 import os
+import socket
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -69,6 +70,7 @@ from paramserve.coordinator.strategies.base import (
 )
 from paramserve.coordinator.strategies.distributed_values import DistributedValue
 from paramserve.coordinator.strategies.input import InputOptions, split_batch
+from paramserve.psserver.devices import computing_on, cuda_device_count
 
 __all__ = [
     "ClusterResolver",
@@ -98,8 +100,9 @@ _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 class CollectiveCommunication(enum.Enum):
     """Which collective implementation carries the all-reduces (tf.distribute's names).
 
-    RING is torch's gloo (CPU and GPU tensors over TCP), NCCL is NVIDIA's library
-    (GPUs only), AUTO picks NCCL when CUDA is available and gloo otherwise.
+    RING is torch's gloo (over TCP; the replicas compute on the CPU), NCCL is NVIDIA's
+    library (one GPU per process; the replicas compute on their GPUs), AUTO picks NCCL when
+    every process has a GPU of its own and gloo otherwise (see ``select_backend``).
     """
 
     AUTO = "AUTO"
@@ -115,13 +118,29 @@ class CommunicationOptionsError(ValueError):
     """A communication choice this machine cannot honour (e.g. NCCL without a GPU)."""
 
 
-def select_backend(implementation: CollectiveCommunication, cuda_available: bool, nccl_available: bool) -> str:
-    """The torch.distributed backend for ``implementation`` on a machine with these capabilities.
+def select_backend(
+    implementation: CollectiveCommunication,
+    cuda_available: bool,
+    nccl_available: bool,
+    gpus: Sequence[str | None] | None = None,
+) -> str:
+    """The torch.distributed backend for ``implementation`` on a group with these capabilities.
 
-    Raises ``CommunicationOptionsError`` for NCCL without CUDA devices or without NCCL.
+    ``gpus``: by rank, the GPU each process of the group would drive (an identity such as the
+    device's UUID; None: that process has no GPU of its own), once the processes have told each
+    other; None before that. NCCL drives one GPU per process and cannot put two processes on
+    one GPU (it fails at the first collective, "Duplicate GPU detected"). So processes sharing
+    a GPU (two ranks on a one-GPU machine) or without one get gloo under AUTO, which trains
+    correctly on any machine, rather than a failure; NCCL asked for explicitly is refused
+    before training, with the reason, since the caller asked for something that cannot run.
+    Every process decides from the same list, so all of them pick the same backend.
+
+    Raises ``CommunicationOptionsError`` for NCCL without CUDA devices, without NCCL, or for
+    processes that share a GPU or have none.
     """
     if implementation is CollectiveCommunication.RING:
         return "gloo"
+    shared = _why_not_one_gpu_each(gpus) if gpus is not None else None
     if implementation is CollectiveCommunication.NCCL:
         if not cuda_available:
             raise CommunicationOptionsError(
@@ -133,8 +152,27 @@ def select_backend(implementation: CollectiveCommunication, cuda_available: bool
                 "CommunicationOptions(implementation=NCCL): this torch build has no NCCL: "
                 "install a CUDA build of torch, or use RING (gloo)"
             )
+        if shared is not None:
+            raise CommunicationOptionsError(
+                f"CommunicationOptions(implementation=NCCL) needs a GPU of its own for every process, and {shared}: "
+                "use CollectiveCommunication.AUTO or RING (gloo), or start at most as many processes per machine "
+                "as it has GPUs (torchrun --nproc-per-node), each with its LOCAL_RANK"
+            )
         return "nccl"
-    return "nccl" if cuda_available and nccl_available else "gloo"
+    return "nccl" if cuda_available and nccl_available and shared is None else "gloo"
+
+
+def _why_not_one_gpu_each(gpus: Sequence[str | None]) -> str | None:
+    """Why these processes (by rank) cannot each drive a GPU of its own; None when they can."""
+    without = [rank for rank, gpu in enumerate(gpus) if gpu is None]
+    if without:
+        return f"rank(s) {without} have no GPU of their own (more processes than GPUs on their machine)"
+    first: dict[str, int] = {}
+    for rank, gpu in enumerate(map(str, gpus)):
+        if gpu in first:
+            return f"ranks {first[gpu]} and {rank} share GPU {gpu}"
+        first[gpu] = rank
+    return None
 
 
 @dataclass(frozen=True)
@@ -169,9 +207,10 @@ class CommunicationOptions:
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
             raise CommunicationOptionsError(f"timeout_seconds must be a positive number or None, got {timeout!r}")
 
-    def backend(self) -> str:
-        """The torch.distributed backend on this machine ("gloo" or "nccl"); see ``select_backend``."""
-        return select_backend(self.implementation, torch.cuda.is_available(), dist.is_nccl_available())
+    def backend(self, gpus: Sequence[str | None] | None = None) -> str:
+        """The torch.distributed backend ("gloo" or "nccl") on this machine, for a group whose
+        processes drive ``gpus`` (None: not known yet); see ``select_backend``."""
+        return select_backend(self.implementation, torch.cuda.is_available(), dist.is_nccl_available(), gpus)
 
     def timeout(self) -> datetime.timedelta:
         return datetime.timedelta(seconds=self.timeout_seconds or DEFAULT_TIMEOUT_SECONDS)
@@ -322,10 +361,18 @@ class MultiWorkerMirroredStrategy(Strategy):
         environ: the environment read when ``cluster_resolver`` is None; default ``os.environ``.
 
     Construction joins the group (it blocks until every process has joined or the
-    timeout expires). Raises ``CommunicationOptionsError`` (NCCL without GPUs),
-    ``ClusterSpecError`` (malformed TF_CONFIG or torchrun environment, task not in
-    the cluster), ``RuntimeError`` if a default process group already exists (use
-    ``from_process_group``). Everything is checked before any connection is made.
+    timeout expires). The processes first tell each other which GPU each would drive
+    (``LOCAL_RANK``'s, where the machine has that many), then all pick the same backend:
+    NCCL when every process has a GPU of its own, else gloo (``select_backend``). So two
+    processes on a one-GPU machine train with gloo instead of failing in NCCL. Under NCCL
+    the replica's device (``self.device``) is the process's GPU, under gloo the CPU: modules
+    built in ``scope()`` are placed there and ``run`` moves plain-tensor arguments there.
+
+    Raises ``CommunicationOptionsError`` (NCCL without GPUs, before any connection; NCCL
+    for processes that share a GPU, once they have met, on every process alike),
+    ``ClusterSpecError`` (malformed TF_CONFIG or torchrun environment, task not in the
+    cluster), ``RuntimeError`` if a default process group already exists (use
+    ``from_process_group``).
     """
 
     def __init__(
@@ -336,16 +383,22 @@ class MultiWorkerMirroredStrategy(Strategy):
         environ: Mapping[str, str] | None = None,
     ):
         options = communication_options or CommunicationOptions()
-        backend = options.backend()
+        options.backend()  # what this process alone can tell (NCCL without GPUs) fails before connecting
         resolver = cluster_resolver or ClusterResolver.from_env(environ)
         if dist.is_initialized():
             raise RuntimeError(
                 "a torch.distributed process group is already initialised in this process: "
                 "adopt it with MultiWorkerMirroredStrategy.from_process_group()"
             )
-        if backend == "nccl":
-            torch.cuda.set_device(resolver.local_rank)
-        _init_process_group(backend, resolver, options.timeout())
+        store = _meeting_store(resolver, options.timeout())
+        gpu = _own_gpu(resolver.local_rank)
+        backend = options.backend(_exchange_gpus(store, resolver.rank, resolver.world_size, _gpu_identity(gpu)))
+        if backend == "nccl" and gpu is not None:
+            torch.cuda.set_device(gpu)
+        log.info("joining a group of %d (cluster from %s) as rank %d with %s", resolver.world_size,
+                 resolver.source, resolver.rank, backend)
+        dist.init_process_group(backend, store=store, rank=resolver.rank, world_size=resolver.world_size,
+                                timeout=options.timeout())
         self._setup(options, resolver, backend, _world(), owns_group=True)
 
     @classmethod
@@ -417,7 +470,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         outermost = self._scope_depth == 0  # an inner scope leaves the broadcast to the outermost one
         self._scope_depth += 1
         try:
-            with recording_modules() if outermost else contextlib.nullcontext() as record:
+            with recording_modules(place_on=self.device) if outermost else contextlib.nullcontext() as record:
                 yield
         finally:
             self._scope_depth -= 1
@@ -513,11 +566,12 @@ class MultiWorkerMirroredStrategy(Strategy):
     def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None) -> Any:
         """Runs ``fn`` once, in this process's replica context (replica id = rank); returns its result.
 
-        Distributed values among the arguments are replaced by this process's component.
+        Distributed values among the arguments are replaced by this process's component, and
+        plain tensors moved to ``self.device``.
         """
-        args = tuple(_local_component(a) for a in args)
-        kwargs = {k: _local_component(v) for k, v in (kwargs or {}).items()}
-        with self._in_replica(self._rank):
+        args = nest.to_device(tuple(_local_component(a) for a in args), self.device)
+        kwargs = nest.to_device({k: _local_component(v) for k, v in (kwargs or {}).items()}, self.device)
+        with self._in_replica(self._rank), computing_on(self.device):
             return fn(*args, **kwargs)
 
     def _replica_all_reduce(self, context: ReplicaContext, reduce_op: ReduceOp, value: Any) -> Any:
@@ -643,19 +697,53 @@ def _world() -> dist.ProcessGroup:
     return group
 
 
-def _init_process_group(backend: str, resolver: ClusterResolver, timeout: datetime.timedelta) -> None:
-    init_method = resolver.init_method()
-    if init_method is None and resolver.world_size > 1:
+def _meeting_store(resolver: ClusterResolver, timeout: datetime.timedelta) -> dist.Store:
+    """Where the processes meet: rank 0's TCP store at the master address (the others connect,
+    retrying until ``timeout``), or an in-memory store for a group of one (no port to find or
+    leak). Raises ``ClusterSpecError`` for a group of several without a master address."""
+    if resolver.world_size == 1:
+        return dist.HashStore()
+    if resolver.master_addr is None or resolver.master_port is None:
         raise ClusterSpecError(
             f"a group of {resolver.world_size} processes needs a master address and port (from {resolver.source})"
         )
-    if init_method is None:  # a group of one meets in memory: no port to find or leak
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-        return
-    log.info("joining a group of %d at %s as rank %d", resolver.world_size, init_method, resolver.rank)
-    dist.init_process_group(
-        backend, init_method=init_method, rank=resolver.rank, world_size=resolver.world_size, timeout=timeout
-    )
+    log.info("meeting %d processes at %s as rank %d", resolver.world_size, resolver.init_method(), resolver.rank)
+    return dist.TCPStore(resolver.master_addr, resolver.master_port, resolver.world_size,
+                         is_master=resolver.rank == 0, timeout=timeout)
+
+
+def _own_gpu(local_rank: int, cuda_devices: int | None = None) -> int | None:
+    """The GPU index a process of this ``local_rank`` drives: its LOCAL_RANK where the machine
+    has that many GPUs, else None (no GPU of its own)."""
+    count = cuda_device_count() if cuda_devices is None else cuda_devices
+    return local_rank if local_rank < count else None
+
+
+def _gpu_identity(index: int | None) -> str | None:
+    """What tells GPUs apart across processes: the device's UUID (processes with different
+    CUDA_VISIBLE_DEVICES may both call theirs cuda:0), else the host and index."""
+    if index is None:
+        return None
+    uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+    return str(uuid) if uuid is not None else f"{socket.gethostname()}/cuda:{index}"
+
+
+_GPU_KEY = "paramserve/gpu/{rank}"
+_READ_KEY = "paramserve/gpu-read/{rank}"
+_NO_GPU = "-"
+
+
+def _exchange_gpus(store: dist.Store, rank: int, world_size: int, mine: str | None) -> list[str | None]:
+    """Tells the group which GPU this process would drive and returns every process's, by rank
+    (None: none), waiting for each up to the store's timeout. Rank 0, whose process hosts the
+    store, returns only once every process has read the list: when they all refuse the same
+    choice (NCCL on a shared GPU), none loses the store before it has decided."""
+    store.set(_GPU_KEY.format(rank=rank), mine if mine is not None else _NO_GPU)
+    theirs = [store.get(_GPU_KEY.format(rank=r)).decode() for r in range(world_size)]
+    store.set(_READ_KEY.format(rank=rank), "1")
+    if rank == 0:
+        store.wait([_READ_KEY.format(rank=r) for r in range(world_size)])
+    return [None if gpu == _NO_GPU else gpu for gpu in theirs]
 
 
 def _buckets(tensors: Sequence[torch.Tensor], max_bytes: int = BUCKET_BYTES) -> list[list[torch.Tensor]]:

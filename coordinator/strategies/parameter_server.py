@@ -772,6 +772,9 @@ class CoordinatorAccess:
                 if name:
                     param.copy_(pulled.tensors[name])
 
+    def place(self, module: nn.Module) -> None:
+        return None  # the coordinator computes where the user put the module
+
     def lookup_rows(self, name: str, indices: torch.Tensor) -> torch.Tensor:
         self.strategy.materialize()
         return self.strategy.client.pull_rows(name, indices).tensors[name]

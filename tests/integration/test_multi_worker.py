@@ -13,6 +13,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -32,6 +33,8 @@ from paramserve.coordinator.strategies.multi_worker import (
     CommunicationOptions,
     CommunicationOptionsError,
     MultiWorkerMirroredStrategy,
+    _exchange_gpus,
+    _own_gpu,
     select_backend,
 )
 
@@ -78,6 +81,9 @@ def train_step(
 
 
 def rank_main(mode: str, out_path: str) -> None:
+    if mode == "nccl_on_a_shared_gpu":
+        nccl_on_a_shared_gpu(out_path)
+        return
     options = CommunicationOptions(CollectiveCommunication.RING, timeout_seconds=60)
     if mode == "process_group":
         dist.init_process_group(
@@ -138,6 +144,16 @@ def aggregates_across_processes(strategy: MultiWorkerMirroredStrategy, rank: int
     strategy.run(replica_fn)
     return {"sync_on_read_sum": total.read_value().item(), "sync_on_read_mean": average.read_value().item(),
             "sync_on_read_first": first.read_value().item(), "metric_mean": mean.result().item()}
+
+
+def nccl_on_a_shared_gpu(out_path: str) -> None:
+    """Asks for NCCL on a GPU another rank drives too: every rank must refuse, before training."""
+    try:
+        MultiWorkerMirroredStrategy(CommunicationOptions(CollectiveCommunication.NCCL, timeout_seconds=60))
+    except CommunicationOptionsError as error:
+        torch.save({"rank": int(os.environ["RANK"]), "error": str(error), "group": dist.is_initialized()}, out_path)
+        return
+    raise AssertionError("NCCL with two processes on one GPU was accepted")
 
 
 # --------------------------------------------------------------------------- the parent
@@ -249,6 +265,49 @@ def test_backend_choice():
     assert select_backend(CollectiveCommunication.NCCL, cuda_available=True, nccl_available=True) == "nccl"
     with pytest.raises(CommunicationOptionsError):
         CommunicationOptions("TREE")
+
+
+@pytest.mark.parametrize(("gpus", "reason"), [
+    (["GPU-a", "GPU-a"], "ranks 0 and 1 share GPU GPU-a"),  # two ranks, one GPU
+    (["GPU-a", None], r"rank\(s\) \[1\] have no GPU of their own"),  # LOCAL_RANK 1 on a one-GPU machine
+])
+def test_processes_without_a_gpu_each_get_gloo_under_auto_and_a_clear_error_under_nccl(gpus, reason):
+    auto, nccl = CollectiveCommunication.AUTO, CollectiveCommunication.NCCL
+    assert select_backend(auto, cuda_available=True, nccl_available=True, gpus=["GPU-a", "GPU-b"]) == "nccl"
+    assert select_backend(auto, cuda_available=True, nccl_available=True, gpus=gpus) == "gloo"
+    with pytest.raises(CommunicationOptionsError, match=f"{reason}.*use CollectiveCommunication.AUTO or RING"):
+        select_backend(nccl, cuda_available=True, nccl_available=True, gpus=gpus)
+
+
+def test_a_local_rank_beyond_the_machines_gpus_has_none():
+    assert [_own_gpu(rank, cuda_devices=1) for rank in (0, 1)] == [0, None]
+    assert [_own_gpu(rank, cuda_devices=2) for rank in (0, 1)] == [0, 1]
+    assert _own_gpu(0, cuda_devices=0) is None
+
+
+def test_every_process_learns_every_gpu_of_the_group_before_choosing():
+    store, learned = dist.HashStore(), {}
+
+    def process(rank: int, gpu: str | None) -> None:
+        learned[rank] = _exchange_gpus(store, rank, 2, gpu)
+
+    threads = [threading.Thread(target=process, args=(1, None)), threading.Thread(target=process, args=(0, "GPU-a"))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert learned == {0: ["GPU-a", None], 1: ["GPU-a", None]}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_nccl_for_two_processes_on_one_gpu_is_refused_by_both_before_training(tmp_path):
+    port = free_port()
+    envs = [{"RANK": str(r), "WORLD_SIZE": str(WORLD_SIZE), "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": str(port)} for r in range(WORLD_SIZE)]
+    results = run_ranks("nccl_on_a_shared_gpu", envs, tmp_path)
+    assert sorted(r["rank"] for r in results) == [0, 1]
+    for result in results:
+        assert "ranks 0 and 1 share GPU" in result["error"] and not result["group"]
 
 
 @pytest.mark.parametrize(

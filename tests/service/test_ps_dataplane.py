@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from paramserve.psserver.errors import DtypeMismatchError, InvalidRequestError, ShapeMismatchError
 from paramserve.psserver.optimizer import OptimizerSpec
 from paramserve.psserver.partition import FixedShardsPartitioner
 from paramserve.psserver.types import RowGradient, ShardRef
@@ -169,3 +171,34 @@ def test_push_and_pull_returns_the_values_its_push_produced(start_ps, make_clien
     assert {method: rpcs(servers, method) for method in expected} == expected
     again, _ = client.push_and_pull({"w": gradient}, ["w"], key="step-1")
     assert again.duplicates == 2, "the same key is applied once"
+
+
+def test_pulls_land_in_the_host_tensors_the_caller_gives(start_ps, make_client, transport):
+    servers = [start_ps(), start_ps()]
+    client = make_client([s.address for s in servers])
+    value, gradient = torch.randn(10, 4), torch.randn(10, 4)
+    client.create_variable("w", value, optimizer=SGD, partitioner=FixedShardsPartitioner(2))
+    client.create_variable("b", torch.ones(3), optimizer=SGD)
+    into_w, into_b = torch.full((10, 4), float("nan")), torch.full((3,), float("nan"))
+
+    pulled = client.pull(["w", "b"], out={"w": into_w})  # b: allocated by the client
+    _, pushed = client.push_and_pull({"w": gradient}, ["w", "b"], key="step-1", out={"w": into_w, "b": into_b})
+
+    assert pulled.tensors["w"] is into_w and pushed.tensors["w"] is into_w and pushed.tensors["b"] is into_b
+    torch.testing.assert_close(into_w, value - 0.5 * gradient)
+    assert torch.equal(into_b, torch.ones(3)) and torch.equal(pulled.tensors["b"], torch.ones(3))
+
+
+def test_a_destination_that_does_not_fit_is_refused_before_any_call(start_ps, make_client):
+    server = start_ps()
+    client = make_client([server.address])
+    client.create_variable("w", torch.zeros(4, 2), optimizer=SGD)
+    calls = rpcs([server], "Pull") + rpcs([server], "Step")
+
+    with pytest.raises(ShapeMismatchError, match=r"destination has shape \(2, 4\), the servers hold \(4, 2\)"):
+        client.pull(["w"], out={"w": torch.empty(2, 4)})
+    with pytest.raises(DtypeMismatchError, match="float64"):
+        client.pull(["w"], out={"w": torch.empty(4, 2, dtype=torch.float64)})
+    with pytest.raises(InvalidRequestError, match="contiguous host tensor"):
+        client.pull(["w"], out={"w": torch.empty(2, 4).t()})
+    assert rpcs([server], "Pull") + rpcs([server], "Step") == calls

@@ -20,6 +20,7 @@ from paramserve.coordinator.closures import (
 )
 from paramserve.coordinator.dispatch import (
     THREAD_NAME,
+    BatchSizer,
     Dispatcher,
     DispatchLoop,
     ResourceSpecs,
@@ -507,6 +508,22 @@ def test_a_dispatcher_cancelled_during_a_call_puts_its_batch_back():
 
 
 # ---------------------------------------------------------------- the dispatch loop
+
+
+def test_batches_form_only_from_short_closures_under_a_backlog():
+    sizer = BatchSizer(max_batch=8, target_seconds=0.01)
+    assert sizer.size(queued=100, workers=1) == 1, "no batch until a closure's duration is known"
+    sizer.observe(0.001)
+    assert sizer.size(queued=100, workers=1) == 8, "1 ms closures: up to max_batch"
+    assert sizer.size(queued=9, workers=3) == 3, "no more than one worker's share"
+    assert sizer.size(queued=1, workers=1) == 1
+    for _ in range(30):
+        sizer.observe(2.0)  # closures that wait on something: never held behind one another
+    assert sizer.size(queued=100, workers=1) == 1
+    for _ in range(60):
+        sizer.observe(0.004)
+    assert sizer.size(queued=100, workers=1) == 2, "about target_seconds of work per batch"
+
 
 
 class AnsweringTransport:
