@@ -290,8 +290,8 @@ class Dispatcher:
         force: frozenset[str] = frozenset()
         try:
             while pending:
-                request = self._request(pending, force)
                 try:
+                    request = self._request(pending, force)
                     response = await self._transport.run_closures(request, self._policy.closure_timeout * len(pending))
                 except RpcFailure as failure:
                     self._on_rpc_failure(pending, failure)

@@ -381,6 +381,20 @@ def test_a_batch_runs_in_one_call_and_sets_every_value():
     assert [(r.attempt, r.num_workers) for r in request.closures] == [(0, 2)] * 3
 
 
+def test_a_cluster_context_that_cannot_be_built_fails_the_batch_instead_of_hanging():
+    def broken():
+        raise RuntimeError("the servers hold another layout")
+
+    queue, transport = ClosureQueue(10), FakeTransport([])
+    closures = _queued(queue, _closure("a"), _closure("b"))
+    dispatcher = Dispatcher("w:0", 0, queue=queue, specs=ResourceSpecs(), transport=transport,
+                            cluster_context=broken, num_workers=lambda: 2, policy=POLICY)
+    _run(dispatcher, queue)
+    assert transport.requests == [] and queue.num_in_flight == 0
+    with pytest.raises(ClosureError, match="another layout"):
+        closures[0].remote_value.fetch(0)
+
+
 def test_the_cluster_context_travels_once_per_worker_incarnation():
     needs = worker_pb2.RunClosureResponse(error=worker_pb2.ClosureFailure(needs_cluster=True), worker_incarnation="inc-2")
     queue = ClosureQueue(10)
