@@ -12,12 +12,14 @@ workers there are.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, Protocol
@@ -80,6 +82,16 @@ class CoordinatedStrategy(Protocol):
         """Where the variables live; called for every RunClosures call (may create variables first)."""
 
 
+
+def _stop_dispatch(queue: ClosureQueue, pool: DispatchLoop, timeout: float) -> int:
+    """Closes the queue (cancelling what waits) and stops the dispatch thread; returns how many
+    queued closures were cancelled."""
+    cancelled = queue.close(CoordinatorClosedError("the ClusterCoordinator was shut down"))
+    if not pool.stop(timeout):
+        log.error("the dispatch thread still runs after %ss", timeout)
+    return cancelled
+
+
 class ClusterCoordinator:
     """Schedules functions to run on the workers of ``strategy.cluster``.
 
@@ -111,6 +123,9 @@ class ClusterCoordinator:
             max_value_age=strategy.max_value_age,
             max_batch=self.config.max_batch,
         )
+        # Dropped without shutdown() (or alive at interpreter exit): the dispatch thread stops.
+        # The callback holds the queue and the loop, never the coordinator itself.
+        self._finalizer = weakref.finalize(self, _stop_dispatch, self._queue, self._pool, self.config.shutdown_timeout)
         for address in strategy.cluster.workers:
             self._pool.add_worker(address)
         attach = getattr(strategy, "_attach_coordinator", None)
@@ -144,9 +159,11 @@ class ClusterCoordinator:
     def join(self, timeout: float | None = None) -> None:
         """Waits until every scheduled closure finished.
 
-        Raises the first error of a failed closure (after cancelling the queued
-        ones; the error is then forgotten, so training can go on), or
-        TimeoutError after ``timeout`` seconds. Logs progress every ``log_interval``.
+        Raises the first error of a failed closure as soon as it happens, as TensorFlow
+        does: the queued closures are cancelled then, and closures already running on
+        other workers finish in the background (their values stay readable). The error
+        is raised once and forgotten, so training can go on. Raises TimeoutError after
+        ``timeout`` seconds. Logs progress every ``log_interval``.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self._queue.wait_idle(self._wait_slice(deadline)):
@@ -200,6 +217,11 @@ class ClusterCoordinator:
     def num_workers(self) -> int:
         return self._pool.num_workers()
 
+    @property
+    def closed(self) -> bool:
+        """True after shutdown()."""
+        return self._closed
+
     def shutdown(self) -> None:
         """Stops dispatching and waits for the dispatch thread; queued and running closures are
         cancelled. Idempotent."""
@@ -207,10 +229,15 @@ class ClusterCoordinator:
             if self._closed:
                 return
             self._closed = True
-        cancelled = self._queue.close(CoordinatorClosedError("the ClusterCoordinator was shut down"))
-        if not self._pool.stop(self.config.shutdown_timeout):
-            log.error("the dispatch thread still runs after %ss", self.config.shutdown_timeout)
+        self._finalizer.detach()
+        cancelled = _stop_dispatch(self._queue, self._pool, self.config.shutdown_timeout)
         log.info("coordinator shut down (%d queued closures cancelled)", cancelled)
+
+    def paused(self, timeout: float | None = None) -> contextlib.AbstractContextManager[None]:
+        """Inside, no closure runs on any worker: dispatch pauses and entering waits for the
+        closures running to finish (see DispatchLoop.paused). For checkpoints and restores,
+        which then see every finished closure's pushes whole."""
+        return self._pool.paused(timeout)
 
     def __enter__(self) -> ClusterCoordinator:
         return self
