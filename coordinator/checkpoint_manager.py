@@ -74,6 +74,7 @@ class CheckpointManager:
         path = checkpoint.save_checkpoint(
             self.directory, states, extra={STEP_KEY: int(step), **(extra or {})}, keep=self.max_to_keep
         )
+        self.strategy.last_checkpoint = path
         log.info("checkpoint of step %d written to %s (%d shards)", step, path, len(states))
         return path
 
@@ -93,6 +94,7 @@ class CheckpointManager:
         then pull) or fresh ones, for any number of servers. Raises CheckpointError, before
         anything changes, when the checkpoint does not match the model."""
         resolved = checkpoint.resolve(pathlib.Path(path))
+        checkpoint.sweep_leftovers(resolved.parent)  # what interrupted saves left beside it
         manifest = checkpoint.read_manifest(resolved)
         variables = self.strategy.variables
         layouts = {name: layout for name, layout in self.strategy.plan_layouts().items() if variables[name].checkpointed}
@@ -107,6 +109,7 @@ class CheckpointManager:
         with self.strategy.quiesced():
             self.strategy.restore_states(dict(states), layouts)
         self.strategy.materialize()  # variables the checkpoint does not hold (none, once checked)
+        self.strategy.last_checkpoint = resolved
         step = int(manifest.extra.get(STEP_KEY, 0))
         log.info("restored step %d from %s onto %d parameter servers", step, resolved, self.strategy.cluster.num_ps())
         return step

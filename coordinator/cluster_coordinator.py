@@ -36,6 +36,7 @@ from paramserve.coordinator.dispatch import (
 )
 from paramserve.coordinator.errors import CoordinatorClosedError
 from paramserve.coordinator.failures import FailurePolicy
+from paramserve.coordinator.ps_recovery import ParameterServerRecovery, RecoveryPolicy
 from paramserve.coordinator.remote_value import RemoteValue, fetch_structure
 from paramserve.psserver import convert
 from paramserve.psserver.types import ClusterContext
@@ -68,6 +69,8 @@ class CoordinatorConfig:
     max_batch: int = 8
     """Queued closures one RunClosures call may carry to a worker (each keeps its own id,
     retries and RemoteValue; batching saves round trips when closures queue up)."""
+    recovery: RecoveryPolicy = field(default_factory=RecoveryPolicy)
+    """How failed parameter servers are recovered (coordinator.ps_recovery)."""
 
 
 class CoordinatedStrategy(Protocol):
@@ -83,9 +86,18 @@ class CoordinatedStrategy(Protocol):
 
 
 
-def _stop_dispatch(queue: ClosureQueue, pool: DispatchLoop, timeout: float) -> int:
-    """Closes the queue (cancelling what waits) and stops the dispatch thread; returns how many
-    queued closures were cancelled."""
+def _recoverable(strategy: object) -> bool:
+    """Whether ``strategy`` holds variables on parameter servers that recovery can restore
+    (a ParameterServerStrategy; not the doubles tests pass)."""
+    return all(hasattr(strategy, name) for name in ("client", "restore_states", "last_checkpoint"))
+
+
+def _stop_dispatch(queue: ClosureQueue, pool: DispatchLoop, timeout: float,
+                   recovery: ParameterServerRecovery | None = None) -> int:
+    """Stops recovering servers, closes the queue (cancelling what waits) and stops the dispatch
+    thread; returns how many queued closures were cancelled."""
+    if recovery is not None:
+        recovery.stop(timeout)
     cancelled = queue.close(CoordinatorClosedError("the ClusterCoordinator was shut down"))
     if not pool.stop(timeout):
         log.error("the dispatch thread still runs after %ss", timeout)
@@ -113,19 +125,28 @@ class ClusterCoordinator:
         self._specs = ResourceSpecs()
         self._closed = False
         self._lock = threading.Lock()
+        self._context = _ContextSource(strategy.cluster_context)
         token, max_bytes = strategy.token, self.config.max_message_bytes
+        self.recovery: ParameterServerRecovery | None = None
+        """Recovers failed parameter servers (None: recovery is off, or the strategy has none)."""
+        if self.config.recovery.enabled and _recoverable(strategy):
+            self.recovery = ParameterServerRecovery(strategy, queue=self._queue, policy=self.config.recovery)  # type: ignore[arg-type]
         self._pool = DispatchLoop(
             queue=self._queue,
             specs=self._specs,
             policy=self.config.policy,
             transport_factory=transport_factory or (lambda address: GrpcTransport(address, token, max_bytes)),
-            cluster_context=_ContextSource(strategy.cluster_context),
+            cluster_context=self._context,
             max_value_age=strategy.max_value_age,
             max_batch=self.config.max_batch,
+            on_server_failure=self.recovery.report if self.recovery is not None else None,
         )
+        if self.recovery is not None:
+            self.recovery.start(self._pool)
         # Dropped without shutdown() (or alive at interpreter exit): the dispatch thread stops.
-        # The callback holds the queue and the loop, never the coordinator itself.
-        self._finalizer = weakref.finalize(self, _stop_dispatch, self._queue, self._pool, self.config.shutdown_timeout)
+        # The callback holds the queue, the loop and the recovery, never the coordinator itself.
+        self._finalizer = weakref.finalize(self, _stop_dispatch, self._queue, self._pool, self.config.shutdown_timeout,
+                                           self.recovery)
         for address in strategy.cluster.workers:
             self._pool.add_worker(address)
         attach = getattr(strategy, "_attach_coordinator", None)
@@ -147,11 +168,14 @@ class ClusterCoordinator:
         Raises TypeError when ``fn`` is not callable or something cannot be
         sent to a worker, ValueError for a bad ``steps`` or an unknown per-worker
         resource, the pending ClosureError of an earlier closure (TF semantics),
-        TimeoutError when the queue stays full, CoordinatorClosedError after shutdown().
+        TimeoutError when the queue stays full, CoordinatorClosedError after shutdown(),
+        and at the first schedule the errors of creating the variables on the servers
+        (VariableExistsError when they hold them from an earlier run).
         """
         closure = self._closure(fn, tuple(args), dict(kwargs or {}), steps)
         self._check_open()
         self._raise_pending_error()
+        self._context()  # the variables exist (created now, on this thread, if new) or this raises
         self._queue.put(closure, self.config.schedule_timeout)
         self._raise_pending_error()
         return closure.remote_value
@@ -230,7 +254,7 @@ class ClusterCoordinator:
                 return
             self._closed = True
         self._finalizer.detach()
-        cancelled = _stop_dispatch(self._queue, self._pool, self.config.shutdown_timeout)
+        cancelled = _stop_dispatch(self._queue, self._pool, self.config.shutdown_timeout, self.recovery)
         log.info("coordinator shut down (%d queued closures cancelled)", cancelled)
 
     def paused(self, timeout: float | None = None) -> contextlib.AbstractContextManager[None]:

@@ -256,8 +256,10 @@ class Dispatcher:
         policy: FailurePolicy,
         max_value_age: float = 0.0,
         sizer: BatchSizer | None = None,
+        server_failed: Callable[[str], None] | None = None,
     ):
         self.address = address
+        self._server_failed = server_failed
         self.index = index
         self._sizer = sizer or BatchSizer()
         self._queue = queue
@@ -345,9 +347,15 @@ class Dispatcher:
                 continue
             remote = failure_from_proto(result.error)
             decision = decide_on_closure_error(
-                remote, resends=closure.resends, known_resources=self._specs.ids(), policy=self._policy
+                remote, resends=closure.resends, known_resources=self._specs.ids(), policy=self._policy,
+                server_waits=closure.server_waits, servers_recover=self._server_failed is not None,
             )
             self._log_decision(closure, decision)
+            if decision.action is Action.AWAIT_SERVER and self._server_failed is not None:
+                closure.server_waits += 1
+                self._queue.put_back(pending[position:])
+                self._server_failed(remote.parameter_server)
+                return [], frozenset()
             if decision.action is Action.RESEND:
                 closure.resends += 1
                 if remote.needs_cluster:
@@ -487,8 +495,11 @@ class DispatchLoop:
         cluster_context: Callable[[], WireContext],
         max_value_age: float = 0.0,
         max_batch: int = 8,
+        on_server_failure: Callable[[str], None] | None = None,
     ):
         self._sizer = BatchSizer(max_batch)
+        self._on_server_failure = on_server_failure
+        self._server_hold = False  # dispatch held since a closure saw a parameter server fail
         self._queue = queue
         self._specs = specs
         self._policy = policy
@@ -540,6 +551,10 @@ class DispatchLoop:
             self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout)
         return not self._thread.is_alive()
+
+    def release_server_hold(self) -> None:
+        """Ends the hold a parameter server's failure put on dispatch (the recovery is over)."""
+        self._call(self._release_server_hold())
 
     @contextlib.contextmanager
     def paused(self, timeout: float | None = None) -> Iterator[None]:
@@ -597,6 +612,7 @@ class DispatchLoop:
             address, index, queue=self._queue, specs=self._specs, transport=self._transport_factory(address),
             cluster_context=self._cluster_context, num_workers=self.num_workers, policy=self._policy,
             max_value_age=self._max_value_age, sizer=self._sizer,
+            server_failed=self._server_failed if self._on_server_failure is not None else None,
         )
         self._dispatchers[address] = dispatcher
         self._free.append(dispatcher)
@@ -628,6 +644,21 @@ class DispatchLoop:
 
     async def _hold(self) -> None:
         self._holds += 1
+
+    def _server_failed(self, server: str) -> None:
+        """A closure saw parameter server ``server`` fail (on the loop): no batch starts until
+        its recovery releases the hold, so closures put back do not spend their waits on a
+        server that is still down."""
+        if not self._server_hold:
+            self._server_hold = True
+            self._holds += 1
+        assert self._on_server_failure is not None
+        self._on_server_failure(server)
+
+    async def _release_server_hold(self) -> None:
+        if self._server_hold:
+            self._server_hold = False
+            await self._release()
 
     async def _release(self) -> None:
         self._holds -= 1

@@ -48,6 +48,7 @@ _TAIL_LINES = 40
 _TAIL_BYTES = 64 * 1024
 _POLL_SECONDS = 0.02
 _KILL_WAIT_SECONDS = 10.0
+_SUPERVISE_SECONDS = 0.25
 _PORT_FILE_CONTRACT = '{"port": int, "metrics_port": int | null, "pid": int}'
 
 
@@ -122,7 +123,10 @@ class LocalCluster:
     unless ``start()`` failed (pass ``run_dir`` to keep the logs). Children
     inherit ``os.environ`` updated with ``env`` and ``PYTHONUNBUFFERED=1``.
     ``ps_module`` / ``worker_module`` name what ``python -m`` runs; ``extra_*_args``
-    follow the launcher's own flags. Raises ``ValueError`` on a bad configuration.
+    follow the launcher's own flags. With ``supervise``, a thread restarts any child
+    that exits while the cluster runs, on its port (as Compose's or Kubernetes' restart
+    policy would; ``paramserve launch`` supervises). Raises ``ValueError`` on a bad
+    configuration.
     """
 
     def __init__(
@@ -138,6 +142,7 @@ class LocalCluster:
         startup_timeout: float = 60.0,
         ps_module: str = "paramserve.psserver",
         worker_module: str = "paramserve.worker",
+        supervise: bool = False,
     ) -> None:
         _check_config(num_ps, num_workers, token, startup_timeout)
         self._num = {PS: num_ps, WORKER: num_workers}
@@ -156,6 +161,11 @@ class LocalCluster:
         self._token_file: Path | None = None
         self._child_env: dict[str, str] = {}
         self._spec: ClusterSpec | None = None
+        self._supervise = supervise
+        self._stopping = threading.Event()
+        self._supervisor: threading.Thread | None = None
+        self.restarts = 0
+        """Children the supervisor restarted."""
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -185,6 +195,10 @@ class LocalCluster:
                 raise
             self._transition(ClusterState.RUNNING)
             logger.info("local cluster running: %s", self._spec)
+            if self._supervise:
+                self._supervisor = threading.Thread(target=self._supervise_children, name="paramserve-supervisor",
+                                                    daemon=True)
+                self._supervisor.start()
             return self._spec
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -193,6 +207,9 @@ class LocalCluster:
         Safe to call any number of times, from any state; the token file is
         deleted, and the run directory too when the cluster made it.
         """
+        self._stopping.set()
+        if self._supervisor is not None and self._supervisor is not threading.current_thread():
+            self._supervisor.join(timeout)
         with self._lock:
             if self._state is ClusterState.STOPPED:
                 return
@@ -285,6 +302,24 @@ class LocalCluster:
                 _kill_and_reap(new.proc)
                 raise
             logger.info("restarted %s on port %d", new.name, new.port)
+
+    # ------------------------------------------------------------------ supervision
+
+    def _supervise_children(self) -> None:
+        """Restarts children that exited (polling: a child's exit has no event to wait on)."""
+        while not self._stopping.wait(_SUPERVISE_SECONDS):
+            with self._lock:
+                if self._stopping.is_set() or self._state is not ClusterState.RUNNING:
+                    return
+                exited = [c for c in self._all_children() if c.proc.poll() is not None]
+                for child in exited:
+                    logger.warning("%s exited with %s: restarting it on port %d", child.name,
+                                   child.proc.returncode, child.port)
+                    try:
+                        self._restart(child.role, child.index)
+                        self.restarts += 1
+                    except Exception:  # noqa: BLE001 - try again at the next poll
+                        logger.exception("could not restart %s", child.name)
 
     # ------------------------------------------------------------------ internals
 

@@ -304,8 +304,12 @@ def sweep_leftovers(root: Path) -> int:
     root = Path(root)
     if not root.is_dir():
         return 0
-    with _exclusive(root):
-        return _sweep_locked(root)
+    try:
+        with _exclusive(root):
+            return _sweep_locked(root)
+    except OSError as exc:  # e.g. a read-only mount: restoring from it still works
+        logger.info("did not sweep %s: %s", root, exc)
+        return 0
 
 
 def save_checkpoint(

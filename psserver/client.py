@@ -365,6 +365,20 @@ class ParameterServerClient:
             lambda server, _: [convert.info_from_proto(i) for i in self._stubs[server].list_shards(self._call_options()).shards],
         )
 
+    def probe(self, server: int, timeout: float, *, shards: bool = False) -> tuple[str, list[ShardInfo]] | None:
+        """One call of server ``server`` within ``timeout`` seconds, no retries: its store's
+        incarnation (and with ``shards`` the shards it holds), or None when it does not answer.
+        A health check that also tells a restarted server: it answers with a new incarnation."""
+        options = _CallOptions(self.config.token, timeout, timeout)
+        request = ps_pb2.ListShardsRequest(incarnation_only=not shards)
+        try:
+            reply = self._stubs[server].unary("ListShards", request, ps_pb2.ListShardsResponse, options)
+        except grpc.RpcError as err:
+            if err.code() in RETRYABLE_CODES:
+                return None
+            raise typed_error(err, self.addresses[server], None) from None
+        return reply.incarnation, [convert.info_from_proto(i) for i in reply.shards]
+
     def save(self, directory: str, keep: int = 0) -> dict[int, str]:
         """Each server saves its shards under ``directory/ps-<i>`` on its own filesystem."""
         return self._fan_out(

@@ -8,6 +8,7 @@ import torch
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from paramserve.psserver.errors import ParamServeError
+from paramserve.psserver.optimizer import warm_up
 from paramserve.psserver.servicer import (
     SERVICE_NAME,
     ParameterServerServicer,
@@ -76,6 +77,7 @@ def build_server(config: ServerConfig, registry: CollectorRegistry | None = None
     """Creates and starts a parameter server. Tests pass port=0 and read ``.port``."""
     if config.torch_threads is not None:
         torch.set_num_threads(config.torch_threads)
+    warm_up()
     registry = registry or CollectorRegistry()
     store = ShardStore(config.store, observer=PushMetrics(registry))
     servicer = ParameterServerServicer(store, config.chunk_bytes, config.max_push_bytes)

@@ -105,9 +105,11 @@ class ParameterServerServicer:
 
     @unary_boundary
     def ListShards(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
-        parse(ps_pb2.ListShardsRequest, raw)
-        infos = self._store.list_shards()
-        return ps_pb2.ListShardsResponse(shards=[convert.info_to_proto(i) for i in infos]).SerializeToString()
+        request = parse(ps_pb2.ListShardsRequest, raw)
+        infos = [] if request.incarnation_only else self._store.list_shards()
+        return ps_pb2.ListShardsResponse(
+            shards=[convert.info_to_proto(i) for i in infos], incarnation=self._store.incarnation
+        ).SerializeToString()
 
     # -- updates
 
@@ -241,6 +243,7 @@ class ParameterServerServicer:
     def Restore(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
         request = parse(ps_pb2.RestoreRequest, raw)
         path = checkpoint.resolve(pathlib.Path(request.path))
+        checkpoint.sweep_leftovers(path.parent)  # what interrupted saves left beside it
         states = [
             checkpoint.load_rows(
                 path, t.ref.variable, int(t.row_start), int(t.num_rows), convert.ref_from_proto(t.ref)

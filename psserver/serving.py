@@ -300,6 +300,11 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
         ("grpc.keepalive_time_ms", 30_000),
         ("grpc.keepalive_timeout_ms", 10_000),
         ("grpc.enable_retries", 0),  # retries are tenacity's job, in one place
+        # A restarted peer is reached within about a second: gRPC's default reconnect backoff
+        # grows to two minutes, which left workers unaware of a restarted server for ~57 s.
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1000),
         *TCP_READ_OPTIONS,
     ]
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
+import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -424,6 +425,9 @@ class ShardStore:
         self._shards: dict[ShardRef, _Shard] = {}
         self._shards_lock = threading.Lock()
         self._grouped = GroupedSteps()
+        self.incarnation = uuid.uuid4().hex
+        """Names this store: a server process that restarts holds a new, empty one, and the
+        coordinator tells a restart (state lost) from a pause by this changing."""
 
     @property
     def config(self) -> StoreConfig:

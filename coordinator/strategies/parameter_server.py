@@ -148,6 +148,9 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         self._context: ClusterContext | None = None
         self._coordinator_ref: Callable[[], Any] = lambda: None  # weak: a dropped coordinator can be collected
         self._generation = 0  # restores so far (ClusterContext.generation)
+        self.last_checkpoint: pathlib.Path | None = None
+        """The checkpoint this program saved or restored last: a restarted parameter server is
+        restored from it (coordinator.ps_recovery)."""
         self._access = CoordinatorAccess(self)
         self._hook_handles: list[torch.utils.hooks.RemovableHandle] = []
         self._linked_optimizers: list[torch.optim.Optimizer] = []
@@ -297,17 +300,10 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         return coordinator.paused(timeout) if coordinator is not None else contextlib.nullcontext()
 
     def _attach_coordinator(self, coordinator: Any) -> None:
-        """Called by a new ClusterCoordinator: a clash with variables the servers hold is refused
-        here, on the caller's thread, rather than when a dispatcher first builds the context."""
+        """Called by a new ClusterCoordinator. Variables are created (or a clash with those the
+        servers hold refused) at its first ``schedule``, on the caller's thread, so that a
+        restarted program may restore its checkpoint onto the live servers in between."""
         self._coordinator_ref = weakref.ref(coordinator)
-        with self._lock:
-            pending = [name for name in self._variables if name not in self._created]
-            try:
-                if pending:
-                    self._existing_on_servers(pending)
-            except VariableExistsError:
-                coordinator.shutdown()
-                raise
 
     def __reduce__(self) -> tuple[Any, tuple[()]]:
         # A step that calls strategy.run() is sent to workers with the strategy in it:
@@ -431,7 +427,8 @@ class ParameterServerStrategy(SingleReplicaStrategy):
             raise VariableExistsError(
                 f"{len(layouts)} variables of this model exist on the parameter servers already, e.g. "
                 f"{sorted(layouts)[:3]} (from an earlier run?): pass ParameterServerStrategy(run_name=...) a new "
-                "name to keep this run's variables apart, or reuse_variables=True to train on from their values",
+                "name to keep this run's variables apart, reuse_variables=True to train on from their values, or (a "
+                "restarted program) restore its checkpoint first (CheckpointManager.restore_or_initialize)",
                 variable=sorted(layouts)[0],
             )
         for name, layout in layouts.items():
@@ -746,6 +743,9 @@ class ServerCheckpoints:
         return extra
 
     def clear(self) -> None:
+        last = self._strategy.last_checkpoint
+        if last is not None and last.parent == self.directory:
+            self._strategy.last_checkpoint = None
         checkpoint.delete_checkpoints(self.directory)
 
 
