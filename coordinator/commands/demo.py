@@ -97,9 +97,11 @@ def run(args: argparse.Namespace) -> DemoSummary:
     from paramserve.coordinator.cluster_coordinator import ClusterCoordinator
     from paramserve.coordinator.strategies.parameter_server import ParameterServerStrategy
     from paramserve.psserver.partition import MinSizePartitioner
+    from paramserve.psserver.security import writable_directory
 
     started = time.perf_counter()
-    checkpoint_dir = pathlib.Path(args.checkpoint_dir or tempfile.mkdtemp(prefix="paramserve-demo-"))
+    checkpoint_dir = writable_directory(pathlib.Path(args.checkpoint_dir), "--checkpoint-dir") if args.checkpoint_dir \
+        else pathlib.Path(tempfile.mkdtemp(prefix="paramserve-demo-"))
     _, _, x_test, y_test = digits_split(args.seed)
     with _cluster(args) as (spec, token):
         strategy = ParameterServerStrategy(
@@ -147,9 +149,11 @@ def _cluster(args: argparse.Namespace) -> Iterator[tuple[Any, str | None]]:
     """The cluster to train on: described by the environment, or started here."""
     from paramserve.coordinator.cluster import ClusterSpec
     from paramserve.coordinator.local_cluster import LocalCluster
+    from paramserve.psserver.security import check_token
+    from paramserve.psserver.serving import TOKEN_ENV
 
     if args.cluster_from_env:
-        yield ClusterSpec.from_env(), os.environ.get("PARAMSERVE_TOKEN") or None
+        yield ClusterSpec.from_env(), check_token(os.environ.get(TOKEN_ENV), TOKEN_ENV)
         return
     token = secrets.token_hex(16)
     with LocalCluster(num_ps=args.ps, num_workers=args.workers, token=token) as cluster:
