@@ -27,6 +27,7 @@ import logging
 import os
 import pathlib
 import signal
+import socket
 import sys
 import threading
 import time
@@ -601,6 +602,8 @@ def _bind(server: grpc.Server, address: str, tls: TlsConfig | None) -> int:
     """Adds the listening port; raises ConfigurationError when it cannot be bound."""
     why = (f"cannot listen on {address}: the port is in use, or the host is not an address of this machine; "
            "choose another --port (0 picks a free one) or --host")
+    if _port_is_taken(address):
+        raise ConfigurationError(why)  # before gRPC tries, which logs its own lines about it
     try:
         port = server.add_insecure_port(address) if tls is None else server.add_secure_port(
             address, tls.server_credentials())
@@ -609,6 +612,25 @@ def _bind(server: grpc.Server, address: str, tls: TlsConfig | None) -> int:
     if port == 0:
         raise ConfigurationError(why)
     return port
+
+
+def _port_is_taken(address: str) -> bool:
+    """Whether something listens on ``address``'s fixed port already (port 0: never)."""
+    host, _, port = address.rpartition(":")
+    if port == "0":
+        return False
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
+    except (OSError, ValueError):
+        return False  # let gRPC report it
+    for family, kind, proto, _, sockaddr in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds
+            try:
+                probe.bind(sockaddr)
+            except OSError:
+                return True
+    return False
 
 
 def _bracket(host: str) -> str:
