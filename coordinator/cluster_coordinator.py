@@ -20,7 +20,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, Protocol
 
@@ -39,6 +39,8 @@ from paramserve.coordinator.failures import FailurePolicy
 from paramserve.coordinator.ps_recovery import ParameterServerRecovery, RecoveryPolicy
 from paramserve.coordinator.remote_value import RemoteValue, fetch_structure
 from paramserve.psserver import convert
+from paramserve.psserver.errors import ConfigurationError
+from paramserve.psserver.security import ClientTls, unauthenticated_workers
 from paramserve.psserver.types import ClusterContext
 from paramserve.worker.resources import PerWorkerResource, WorkerContext
 from paramserve.worker.variables import dumps_closure
@@ -69,8 +71,27 @@ class CoordinatorConfig:
     max_batch: int = 8
     """Queued closures one RunClosures call may carry to a worker (each keeps its own id,
     retries and RemoteValue; batching saves round trips when closures queue up)."""
+    insecure: bool = False
+    """Accept pickled results from workers beyond loopback that nothing authenticates (no token
+    to sign replies, no TLS to verify the worker): refused unless set."""
     recovery: RecoveryPolicy = field(default_factory=RecoveryPolicy)
     """How failed parameter servers are recovered (coordinator.ps_recovery)."""
+
+
+def _check_workers_authenticate(workers: Sequence[str], *, token: str | None, tls: ClientTls | None,
+                                insecure: bool) -> None:
+    """Raises ConfigurationError when a worker's replies, which the coordinator unpickles,
+    would come from a process nothing authenticates (unless ``insecure``)."""
+    exposed = unauthenticated_workers(workers, token=token, tls=tls)
+    if exposed and not insecure:
+        raise ConfigurationError(
+            f"workers {', '.join(exposed)} are beyond this machine, and with neither a token nor TLS nothing "
+            "shows that a reply comes from them (the coordinator unpickles replies): set the cluster's token "
+            "(PARAMSERVE_TOKEN or token=), or TLS (ClientConfig(tls_root_certificates=...)), or "
+            "CoordinatorConfig(insecure=True) to accept the risk"
+        )
+    if exposed:
+        log.warning("WARNING: accepting unauthenticated pickled replies from %s (insecure=True)", ", ".join(exposed))
 
 
 class CoordinatedStrategy(Protocol):
@@ -78,6 +99,8 @@ class CoordinatedStrategy(Protocol):
 
     cluster: ClusterSpec
     token: str | None
+    tls: ClientTls | None
+    """How to reach workers over TLS (None: plaintext)."""
     max_value_age: float
     """How old (seconds) the values a worker's last push returned may be to start its next closure."""
 
@@ -126,7 +149,8 @@ class ClusterCoordinator:
         self._closed = False
         self._lock = threading.Lock()
         self._context = _ContextSource(strategy.cluster_context)
-        token, max_bytes = strategy.token, self.config.max_message_bytes
+        token, tls, max_bytes = strategy.token, strategy.tls, self.config.max_message_bytes
+        _check_workers_authenticate(strategy.cluster.workers, token=token, tls=tls, insecure=self.config.insecure)
         self.recovery: ParameterServerRecovery | None = None
         """Recovers failed parameter servers (None: recovery is off, or the strategy has none)."""
         if self.config.recovery.enabled and _recoverable(strategy):
@@ -135,7 +159,7 @@ class ClusterCoordinator:
             queue=self._queue,
             specs=self._specs,
             policy=self.config.policy,
-            transport_factory=transport_factory or (lambda address: GrpcTransport(address, token, max_bytes)),
+            transport_factory=transport_factory or (lambda address: GrpcTransport(address, token, max_bytes, tls)),
             cluster_context=self._context,
             max_value_age=strategy.max_value_age,
             max_batch=self.config.max_batch,

@@ -56,7 +56,17 @@ from paramserve.coordinator.failures import (
     decide_on_closure_error,
     decide_on_rpc_failure,
 )
-from paramserve.psserver.serving import AUTH_METADATA_KEY, channel_options
+from paramserve.psserver.security import (
+    REPLY_NONCE_METADATA_KEY,
+    REPLY_SIGNATURE_METADATA_KEY,
+    ClientTls,
+    bearer_metadata,
+    new_reply_nonce,
+    open_aio_channel,
+    reply_is_signed,
+    reply_key,
+)
+from paramserve.psserver.serving import channel_options
 from paramserve.wire.v1 import cluster_pb2, worker_pb2
 from paramserve.worker.core import ClosureFailure
 from paramserve.worker.messages import failure_from_proto
@@ -132,32 +142,56 @@ class WorkerTransport(Protocol):
 
 
 class GrpcTransport:
-    """WorkerTransport over grpc.aio, with ``authorization: Bearer <token>`` when a token is set.
-    Create it on the dispatch loop (aio channels belong to the loop that made them)."""
+    """WorkerTransport over grpc.aio. Create it on the dispatch loop (aio channels belong to
+    the loop that made them).
 
-    def __init__(self, address: str, token: str | None, max_message_bytes: int):
+    With a token, a call presents the credential derived from it (never the token) and a
+    fresh nonce, and the worker's reply is accepted only when its signature (HMAC under a key
+    derived from the token, over the method, the nonce and the reply's bytes) holds: the
+    coordinator unpickles results only from a holder of the token. With ``tls`` the channel
+    is TLS (the worker's certificate is verified; a client certificate is presented when
+    ``tls`` has one) and health probes go over TLS too.
+    """
+
+    def __init__(self, address: str, token: str | None, max_message_bytes: int, tls: ClientTls | None = None):
         self.address = address
-        self._metadata = ((AUTH_METADATA_KEY, f"Bearer {token}"),) if token else ()
+        self._token = token
+        self._reply_key = reply_key(token) if token else None
+        self._tls = tls
         self._options = channel_options(max_message_bytes)
         self._channel: grpc.aio.Channel | None = None
         self._call: Any = None
 
     async def run_closures(self, request: worker_pb2.RunClosuresRequest, timeout: float) -> worker_pb2.RunClosuresResponse:
         if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(self.address, options=self._options)
+            self._channel = open_aio_channel(self.address, self._tls, self._options)
             self._call = self._channel.unary_unary(
                 RUN_CLOSURES_METHOD,
                 request_serializer=worker_pb2.RunClosuresRequest.SerializeToString,
-                response_deserializer=worker_pb2.RunClosuresResponse.FromString,
+                response_deserializer=None,  # raw bytes: the signature covers them
             )
+        nonce = new_reply_nonce()
+        metadata = [(REPLY_NONCE_METADATA_KEY, nonce)]
+        if self._token:
+            metadata.append(bearer_metadata(self._token))
         try:
-            return await self._call(request, timeout=timeout, metadata=self._metadata)
+            call = self._call(request, timeout=timeout, metadata=metadata)
+            raw = await call
+            trailers = dict(await call.trailing_metadata() or ())
         except grpc.aio.AioRpcError as err:
             raise RpcFailure(err.code().name, err.details() or "") from None
+        if self._reply_key is not None and not reply_is_signed(
+            self._reply_key, RUN_CLOSURES_METHOD, nonce, raw, trailers.get(REPLY_SIGNATURE_METADATA_KEY)
+        ):
+            # Not unpickled: whatever answered does not hold the cluster's token.
+            raise RpcFailure("UNAUTHENTICATED", f"the reply from {self.address} is not signed with the cluster's "
+                             "token; refusing it (is something else listening at that address, or does the worker "
+                             "have another token?)")
+        return worker_pb2.RunClosuresResponse.FromString(raw)
 
     async def is_serving(self, timeout: float) -> bool:
         # A fresh channel per probe: no reconnect backoff inherited from the dead connection.
-        async with grpc.aio.insecure_channel(self.address, options=self._options) as channel:
+        async with open_aio_channel(self.address, self._tls, self._options) as channel:
             try:
                 reply = await health_pb2_grpc.HealthStub(channel).Check(
                     health_pb2.HealthCheckRequest(service=WORKER_SERVICE), timeout=timeout

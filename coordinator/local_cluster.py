@@ -36,6 +36,7 @@ from typing import Any, Mapping, Sequence
 
 from paramserve.coordinator.cluster import ClusterSpec
 from paramserve.psserver.cpus import PROCESSES_ENV
+from paramserve.psserver.errors import ConfigurationError
 
 __all__ = ["ClusterState", "LaunchError", "LocalCluster", "PortReport", "ProcessInfo", "parse_port_report"]
 
@@ -476,14 +477,14 @@ def _is_port(value: object) -> bool:
 
 def _check_config(num_ps: int, num_workers: int, token: str | None, startup_timeout: float) -> None:
     if not _is_int(num_ps) or num_ps < 1:
-        raise ValueError(f"num_ps={num_ps!r}: a cluster needs at least one parameter server; pass an integer >= 1")
+        raise ConfigurationError(f"num_ps={num_ps!r}: a cluster needs at least one parameter server; pass an integer >= 1")
     if not _is_int(num_workers) or num_workers < 0:
         # 0 workers is a parameter-server-only cluster (benchmarks, tools); training needs >= 1.
-        raise ValueError(f"num_workers={num_workers!r}: pass an integer >= 0")
+        raise ConfigurationError(f"num_workers={num_workers!r}: pass an integer >= 0")
     if token is not None and (not isinstance(token, str) or not token):
-        raise ValueError("token must be a non-empty string, or None to run without authentication")
+        raise ConfigurationError("token must be a non-empty string, or None to run without authentication")
     if not startup_timeout > 0:
-        raise ValueError(f"startup_timeout={startup_timeout!r}: pass a positive number of seconds")
+        raise ConfigurationError(f"startup_timeout={startup_timeout!r}: pass a positive number of seconds")
 
 
 def _write_secret(path: Path, secret: str) -> Path:

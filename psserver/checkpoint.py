@@ -444,6 +444,9 @@ def read_manifest(path: Path) -> Manifest:
         return Manifest(path, FORMAT_VERSION, entries, dict(raw.get("extra") or {}))
     except CheckpointError:
         raise
+    except RecursionError:  # a hostile manifest nested too deeply for the JSON reader
+        raise CheckpointError(f"{path / MANIFEST} nests too deeply to be a manifest; it is not a paramserve "
+                              "checkpoint") from None
     except (OSError, ValueError, KeyError, TypeError, AttributeError, ParamServeError) as exc:
         raise CheckpointError(f"{path / MANIFEST} is unreadable or malformed: {exc!r}") from None
 

@@ -226,9 +226,14 @@ def _build(spec: OptimizerSpec, params: list[torch.nn.Parameter]) -> torch.optim
 def _validated_by_torch(spec: OptimizerSpec) -> None:
     # torch checks ranges (lr >= 0, 0 <= beta < 1, nesterov needs momentum, ...);
     # its message is the most precise one we can give.
+    # One step on a probe as well: some arguments (betas=[0.9]) fail only when torch uses them,
+    # with whatever error that gives (IndexError, OverflowError, ...).
+    probe = torch.nn.Parameter(torch.zeros(2))
     try:
-        _build(spec, [torch.nn.Parameter(torch.zeros(1))])
-    except Exception as exc:  # noqa: BLE001 - torch raises IndexError for betas=(0.9,), ValueError for ranges...
+        optimizer = _build(spec, [probe])
+        probe.grad = torch.ones(2)
+        optimizer.step()
+    except Exception as exc:  # noqa: BLE001 - any failure of torch on these arguments means they are invalid
         raise InvalidRequestError(f"invalid arguments for optimizer {spec.name}: {type(exc).__name__}: {exc}") from None
 
 

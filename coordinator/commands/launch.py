@@ -33,6 +33,8 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("give the command to run after --, e.g. paramserve launch -- python train.py")
+    if args.ps < 1 or args.workers < 1:
+        parser.error("--ps and --workers must be at least 1")
     token = None if args.no_token else secrets.token_hex(16)
     with LocalCluster(num_ps=args.ps, num_workers=args.workers, token=token, supervise=True) as cluster:
         env = {

@@ -42,6 +42,7 @@ from paramserve.psserver.client import ClientConfig, ParameterServerClient, layo
 from paramserve.psserver.errors import VariableExistsError
 from paramserve.psserver.optimizer import OptimizerSpec
 from paramserve.psserver.partition import Partitioner
+from paramserve.psserver.security import check_token
 from paramserve.psserver.serving import TOKEN_ENV
 from paramserve.psserver.types import ClusterContext, ShardState, VariableLayout
 from paramserve.wire.v1 import tensor_pb2
@@ -128,7 +129,7 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         if not self.cluster.workers:
             raise ValueError("ParameterServerStrategy needs at least one worker in the cluster")
         self.variable_partitioner = variable_partitioner
-        self.token = token if token is not None else env.get(TOKEN_ENV) or None
+        self.token = check_token(token, "token=") if token is not None else check_token(env.get(TOKEN_ENV), TOKEN_ENV)
         if not max_value_age >= 0:
             raise ValueError(f"max_value_age must be >= 0 seconds, got {max_value_age!r}")
         self.max_value_age = float(max_value_age)
@@ -138,6 +139,8 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         config = client_config or ClientConfig()
         if self.token and not config.token:
             config = ClientConfig(**{**config.__dict__, "token": self.token})
+        self.tls = config.client_tls()
+        """How the coordinator reaches workers too: the parameter servers' TLS settings (ClientConfig)."""
         self.client = ParameterServerClient(self.cluster.parameter_servers, config)
         self._lock = threading.RLock()
         self._variables: dict[str, Variable] = {}

@@ -632,7 +632,8 @@ class _StubStrategy:
         from paramserve.psserver.types import ClusterContext
 
         self.cluster = ClusterSpec(parameter_servers=("ps0:1",), workers=tuple(workers))
-        self.token = None
+        self.token = "a-token"  # the doubles' addresses are not loopback: replies must be signed
+        self.tls = None
         self.max_value_age = 0.0
         self._context = ClusterContext(("ps0:1",))
 
