@@ -28,6 +28,7 @@ from paramserve.coordinator.errors import (
     InvalidTransitionError,
 )
 from paramserve.coordinator.remote_value import RemoteValue
+from paramserve.coordinator.telemetry import NO_OBSERVER, CoordinatorObserver
 from paramserve.worker.resources import PerWorkerResource
 
 __all__ = ["Closure", "ClosureQueue", "ClosureState", "InFlight", "find_resource_ids"]
@@ -117,12 +118,14 @@ class ClosureQueue:
     Also holds the first error of a failed closure until the coordinator
     raises it (``take_error``); when that error is recorded, every queued
     closure is cancelled at once (TF cancels them when the error is raised).
+    ``observer`` hears of each closure queued and each that reached a final state.
     """
 
-    def __init__(self, max_queued: int):
+    def __init__(self, max_queued: int, observer: CoordinatorObserver = NO_OBSERVER):
         if max_queued < 1:
             raise ValueError(f"max_queued must be >= 1, got {max_queued}")
         self._max = max_queued
+        self._observer = observer
         self._cond = threading.Condition()
         self._queue: collections.deque[Closure] = collections.deque()
         self._in_flight: dict[str, tuple[Closure, str]] = {}
@@ -151,7 +154,7 @@ class ClosureQueue:
             if self._closed is not None:
                 raise self._closed
             if self._error is not None:
-                closure.cancel(self._error)
+                self._cancel(closure, self._error)
                 return
             if not ready:
                 raise TimeoutError(
@@ -159,6 +162,7 @@ class ClosureQueue:
                     f"(the limit) and none finished within {timeout:g}s; are the workers alive?"
                 )
             self._queue.append(closure)
+            self._observer.closure_scheduled(closure)
             self._cond.notify_all()
         self._waker()
 
@@ -174,7 +178,7 @@ class ClosureQueue:
             reason = self._closed or self._error
             for closure in reversed(closures):
                 if reason is not None:
-                    closure.cancel(reason)
+                    self._cancel(closure, reason)
                 else:
                     self._queue.appendleft(closure)
             self._cond.notify_all()
@@ -201,6 +205,7 @@ class ClosureQueue:
             self._leave_flight(closure)
             closure.transition(ClosureState.SUCCEEDED)
             closure.remote_value.set_result(value)
+            self._observer.closure_finished(closure)
             self._cond.notify_all()
 
     def fail(self, closure: Closure, error: ClosureError, not_run: Sequence[Closure] = ()) -> bool:
@@ -212,9 +217,10 @@ class ClosureQueue:
             for sibling in not_run:
                 self._leave_flight(sibling)
                 sibling.transition(ClosureState.QUEUED)
-                sibling.cancel(error)
+                self._cancel(sibling, error)
             closure.transition(ClosureState.FAILED)
             closure.remote_value.set_error(error)
+            self._observer.closure_finished(closure)
             first = self._error is None
             if first:
                 self._error = error
@@ -285,8 +291,12 @@ class ClosureQueue:
     def _cancel_queued(self, reason: BaseException) -> int:
         count = len(self._queue)
         while self._queue:
-            self._queue.popleft().cancel(reason)
+            self._cancel(self._queue.popleft(), reason)
         return count
+
+    def _cancel(self, closure: Closure, reason: BaseException) -> None:
+        closure.cancel(reason)
+        self._observer.closure_finished(closure)
 
 
 # -------------------------------------------------------------------- resource references

@@ -7,7 +7,9 @@ one; an error of the user's code is raised by the next ``schedule``,
 ``join`` or ``done`` (and by that closure's ``fetch``), after the queued
 closures are cancelled. Threads: one, ``paramserve-dispatch``, running every
 worker's dispatcher on an event loop (``coordinator.dispatch``), however many
-workers there are.
+workers there are; with a worker service in the cluster, ``paramserve-discovery``
+resolving it (``coordinator.discovery``). Metrics: ``coordinator.telemetry``, served over
+HTTP with ``metrics_port``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any, NoReturn, Protocol
 from paramserve.coordinator import nest
 from paramserve.coordinator.closures import Closure, ClosureQueue, find_resource_ids
 from paramserve.coordinator.cluster import ClusterSpec
+from paramserve.coordinator.discovery import DiscoveryPolicy, Resolver, WorkerDiscovery, resolve_dns
 from paramserve.coordinator.dispatch import (
     DispatchLoop,
     GrpcTransport,
@@ -35,6 +38,7 @@ from paramserve.coordinator.dispatch import (
 from paramserve.coordinator.errors import CoordinatorClosedError
 from paramserve.coordinator.failures import FailurePolicy
 from paramserve.coordinator.remote_value import RemoteValue, fetch_structure
+from paramserve.coordinator.telemetry import CoordinatorTelemetry
 from paramserve.psserver import convert
 from paramserve.psserver.types import ClusterContext
 from paramserve.worker.resources import PerWorkerResource, WorkerContext
@@ -66,6 +70,8 @@ class CoordinatorConfig:
     max_batch: int = 8
     """Queued closures one RunClosures call may carry to a worker (each keeps its own id,
     retries and RemoteValue; batching saves round trips when closures queue up)."""
+    discovery: DiscoveryPolicy = field(default_factory=DiscoveryPolicy)
+    """How often a worker service is resolved, and how long a worker missing from it stays."""
 
 
 class CoordinatedStrategy(Protocol):
@@ -84,7 +90,10 @@ class ClusterCoordinator:
     """Schedules functions to run on the workers of ``strategy.cluster``.
 
     ``config`` tunes queue size, deadlines and the failure policy;
-    ``transport_factory`` (address -> WorkerTransport) replaces gRPC in tests.
+    ``transport_factory`` (address -> WorkerTransport) replaces gRPC in tests, and
+    ``resolver`` (``"name:port"`` -> addresses) the DNS lookup of ``strategy.cluster.worker_service``.
+    ``metrics_port`` serves ``telemetry`` (Prometheus) at ``http://metrics_host:port/metrics``
+    (0: a free port, then ``metrics_port`` says which).
     Starts the dispatch thread; call ``shutdown()`` (or use it as a context manager) to stop it.
     """
 
@@ -94,10 +103,18 @@ class ClusterCoordinator:
         config: CoordinatorConfig | None = None,
         *,
         transport_factory: Callable[[str], WorkerTransport] | None = None,
+        metrics_port: int | None = None,
+        metrics_host: str = "0.0.0.0",
+        resolver: Resolver = resolve_dns,
     ):
         self.strategy = strategy
         self.config = config or CoordinatorConfig()
-        self._queue = ClosureQueue(self.config.max_queued)
+        self.telemetry = CoordinatorTelemetry(
+            queue_depth=lambda: self._queue.num_queued,
+            in_flight=lambda: self._queue.num_in_flight,
+            checkpoint=lambda: getattr(strategy, "last_checkpoint", None),
+        )
+        self._queue = ClosureQueue(self.config.max_queued, observer=self.telemetry)
         self._specs = ResourceSpecs()
         self._closed = False
         self._lock = threading.Lock()
@@ -110,9 +127,20 @@ class ClusterCoordinator:
             cluster_context=_ContextSource(strategy.cluster_context),
             max_value_age=strategy.max_value_age,
             max_batch=self.config.max_batch,
+            observer=self.telemetry,
         )
         for address in strategy.cluster.workers:
             self._pool.add_worker(address)
+        self._discovery: WorkerDiscovery | None = None
+        if strategy.cluster.worker_service is not None:
+            self._discovery = WorkerDiscovery(
+                strategy.cluster.worker_service, self._pool, resolver=resolver, policy=self.config.discovery,
+                static=frozenset(strategy.cluster.workers),
+            )
+            self._discovery.step()  # the workers running now join before the first schedule()
+            self._discovery.start()
+        if metrics_port is not None:
+            self.telemetry.serve(metrics_host, metrics_port)
         attach = getattr(strategy, "_attach_coordinator", None)
         if attach is not None:
             attach(self)
@@ -198,7 +226,13 @@ class ClusterCoordinator:
 
     @property
     def num_workers(self) -> int:
+        """Workers in the cluster now (listed ones, and those a worker service gave)."""
         return self._pool.num_workers()
+
+    @property
+    def metrics_port(self) -> int | None:
+        """The port of the metrics endpoint, None without one."""
+        return self.telemetry.port
 
     def shutdown(self) -> None:
         """Stops dispatching and waits for the dispatch thread; queued and running closures are
@@ -207,9 +241,12 @@ class ClusterCoordinator:
             if self._closed:
                 return
             self._closed = True
+        if self._discovery is not None and not self._discovery.stop(self.config.shutdown_timeout):
+            log.error("the discovery thread still runs after %ss", self.config.shutdown_timeout)
         cancelled = self._queue.close(CoordinatorClosedError("the ClusterCoordinator was shut down"))
         if not self._pool.stop(self.config.shutdown_timeout):
             log.error("the dispatch thread still runs after %ss", self.config.shutdown_timeout)
+        self.telemetry.close()
         log.info("coordinator shut down (%d queued closures cancelled)", cancelled)
 
     def __enter__(self) -> ClusterCoordinator:

@@ -55,6 +55,7 @@ from paramserve.coordinator.failures import (
     decide_on_closure_error,
     decide_on_rpc_failure,
 )
+from paramserve.coordinator.telemetry import NO_OBSERVER, CoordinatorObserver
 from paramserve.psserver.serving import AUTH_METADATA_KEY, channel_options
 from paramserve.wire.v1 import cluster_pb2, worker_pb2
 from paramserve.worker.core import ClosureFailure
@@ -255,8 +256,10 @@ class Dispatcher:
         policy: FailurePolicy,
         max_value_age: float = 0.0,
         sizer: BatchSizer | None = None,
+        observer: CoordinatorObserver = NO_OBSERVER,
     ):
         self.address = address
+        self._observer = observer
         self.index = index
         self._sizer = sizer or BatchSizer()
         self._queue = queue
@@ -270,6 +273,7 @@ class Dispatcher:
         self._held: frozenset[str] = frozenset()
         self._cluster_held = ""  # fingerprint of the cluster context the worker is known to hold
         self._incarnation: str | None = None
+        observer.worker_state(address, self._state.value)
 
     @property
     def state(self) -> WorkerState:
@@ -385,6 +389,7 @@ class Dispatcher:
             if decision.action is Action.RETRY_ELSEWHERE:
                 closure.attempt += 1
                 retry.append(closure)
+                self._observer.closure_retried(closure, failure.code)
                 continue
             assert decision.error_type is not None
             self._queue.fail(closure, decision.error_type(
@@ -450,6 +455,7 @@ class Dispatcher:
             return
         previous = self._state
         self._state = InvalidTransitionError.check(TRANSITIONS, previous, to, f"worker {self.address}")
+        self._observer.worker_state(self.address, to.value)
         log.info("worker %d (%s): %s -> %s (%s)", self.index, self.address, previous.name, to.name, reason)
 
 
@@ -486,8 +492,10 @@ class DispatchLoop:
         cluster_context: Callable[[], WireContext],
         max_value_age: float = 0.0,
         max_batch: int = 8,
+        observer: CoordinatorObserver = NO_OBSERVER,
     ):
         self._sizer = BatchSizer(max_batch)
+        self._observer = observer
         self._queue = queue
         self._specs = specs
         self._policy = policy
@@ -569,7 +577,7 @@ class DispatchLoop:
         dispatcher = Dispatcher(
             address, index, queue=self._queue, specs=self._specs, transport=self._transport_factory(address),
             cluster_context=self._cluster_context, num_workers=self.num_workers, policy=self._policy,
-            max_value_age=self._max_value_age, sizer=self._sizer,
+            max_value_age=self._max_value_age, sizer=self._sizer, observer=self._observer,
         )
         self._dispatchers[address] = dispatcher
         self._free.append(dispatcher)
@@ -582,6 +590,7 @@ class DispatchLoop:
         if dispatcher is None:
             raise KeyError(f"worker {address} is not part of the cluster")
         await self._retire(dispatcher, "removed from the cluster")
+        self._observer.worker_state(address, None)
         log.info("worker %d (%s) left", dispatcher.index, address)
         self._assign()
 

@@ -57,6 +57,10 @@ class ClosureMetrics:
         self.pushes = Counter(
             "paramserve_worker_pushes", "Shard pushes sent, by result.", ["result"], registry=registry
         )
+        for result in ("ok", "missing_resources", "parameter_server_error", "error"):  # series from the start
+            self.closures.labels(result)
+        for push in ("applied", "duplicate"):
+            self.pushes.labels(push)
 
     def on_closure(self, request: ClosureRequest, outcome: ClosureOutcome) -> None:
         self.closures.labels(_result_label(outcome)).inc()
