@@ -1,11 +1,12 @@
 """Checkpoints written by the coordinator, and plain torch ``state_dict`` export/import.
 
 The coordinator reads every shard (value, optimizer slots, version, idempotency
-window) from the servers over RPC and writes one checkpoint with
-psserver.checkpoint (atomic: a crash mid-save leaves the last good one). A
-restore lays the variables out for the *current* servers and partitioner and
-cuts each new shard from the saved rows, optimizer slots included, so a
-checkpoint from 2 servers restores onto 3.
+window) from the servers over RPC, with dispatch paused between closures (a
+consistent cut), and writes one checkpoint with psserver.checkpoint (atomic: a
+crash mid-save leaves the last good one). A restore lays the variables out for
+the *current* servers and partitioner, cuts each new shard from the saved rows,
+optimizer slots included (so a checkpoint from 2 servers restores onto 3), and
+replaces the servers' shards exactly (ReplaceShards), live or fresh.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import dataclasses
 import logging
 import os
 import pathlib
+import time
 from collections import defaultdict
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -21,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from paramserve.coordinator.telemetry import CheckpointRecord
 from paramserve.psserver import checkpoint
 from paramserve.psserver.atomic_files import atomic_torch_save
 from paramserve.psserver.errors import CheckpointError
@@ -54,14 +57,19 @@ class CheckpointManager:
     def save(self, step: int, extra: Mapping[str, Any] | None = None) -> pathlib.Path:
         """Writes every variable with its optimizer state; returns the checkpoint's path.
 
-        Shards are read one by one while training may go on: call
-        ``coordinator.join()`` first for a checkpoint of one consistent step.
+        A consistent cut: the coordinator's dispatch pauses while the servers' shards are
+        copied, once the closures running have finished, so every closure finished by then
+        has all of its pushes in the checkpoint and none is in it by halves (values,
+        optimizer slots, versions and idempotency windows agree across servers). Dispatch
+        resumes before the files are written.
         """
         self.strategy.materialize()
         mine = {name for name, variable in self.strategy.variables.items() if variable.checkpointed}
+        with self.strategy.quiesced():
+            exported = self.strategy.client.export()
         states = [  # this strategy's variables only (servers may hold other runs'), named without the run name
             dataclasses.replace(state, ref=ShardRef(self.strategy.checkpoint_key(state.ref.variable), state.ref.shard))
-            for server_states in self.strategy.client.export().values()
+            for server_states in exported.values()
             for state in server_states
             if state.ref.variable in mine
         ]
@@ -69,6 +77,7 @@ class CheckpointManager:
             self.directory, states, extra={STEP_KEY: int(step), **(extra or {})}, keep=self.max_to_keep
         )
         log.info("checkpoint of step %d written to %s (%d shards)", step, path, len(states))
+        self.strategy.last_checkpoint = CheckpointRecord(int(step), str(path), time.time())
         return path
 
     def restore_or_initialize(self) -> int | None:
@@ -81,7 +90,11 @@ class CheckpointManager:
         return self.restore(path)
 
     def restore(self, path: str | os.PathLike[str]) -> int:
-        """Restores ``path`` (a checkpoint, or a directory of them: its latest)."""
+        """Restores ``path`` (a checkpoint, or a directory of them: its latest), exactly: every
+        shard of every variable of the model becomes the checkpoint's (values, optimizer slots,
+        versions, idempotency windows), on live servers (training paused meanwhile; workers
+        then pull) or fresh ones, for any number of servers. Raises CheckpointError, before
+        anything changes, when the checkpoint does not match the model."""
         resolved = checkpoint.resolve(pathlib.Path(path))
         manifest = checkpoint.read_manifest(resolved)
         variables = self.strategy.variables
@@ -94,10 +107,21 @@ class CheckpointManager:
                 rows = shard.num_rows if layout.shape else 1
                 states[shard.server].append(
                     checkpoint.load_rows(resolved, keys[name], shard.row_start, rows, layout.ref(shard)))
-        self.strategy.materialize(dict(states), layouts)
+        with self.strategy.quiesced():
+            self.strategy.restore_states(dict(states), layouts)
+        self.strategy.materialize()  # variables the checkpoint does not hold (none, once checked)
         step = int(manifest.extra.get(STEP_KEY, 0))
         log.info("restored step %d from %s onto %d parameter servers", step, resolved, self.strategy.cluster.num_ps())
+        self.strategy.last_checkpoint = CheckpointRecord(step, str(resolved), _written_at(resolved))
         return step
+
+
+def _written_at(path: pathlib.Path) -> float:
+    """When the checkpoint at ``path`` was written (its directory's modification time, Unix)."""
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return time.time()
 
 
 def _check_compatible(manifest: checkpoint.Manifest, layouts: Mapping[str, Any], path: pathlib.Path) -> None:

@@ -256,9 +256,10 @@ class ClosureQueue:
             return error
 
     def wait_idle(self, timeout: float | None) -> bool:
-        """True once nothing is queued or in flight; False at the timeout."""
+        """True once nothing is queued or in flight, or a closure's error is pending (TF raises
+        it at once, without waiting for the closures still running); False at the timeout."""
         with self._cond:
-            return self._cond.wait_for(self._idle, timeout)
+            return self._cond.wait_for(lambda: self._idle() or self._error is not None, timeout)
 
     def idle(self) -> bool:
         with self._cond:

@@ -14,12 +14,14 @@ HTTP with ``metrics_port``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, Protocol
@@ -86,6 +88,21 @@ class CoordinatedStrategy(Protocol):
         """Where the variables live; called for every RunClosures call (may create variables first)."""
 
 
+
+def _stop_dispatch(queue: ClosureQueue, pool: DispatchLoop, timeout: float,
+                   discovery: WorkerDiscovery | None = None, telemetry: CoordinatorTelemetry | None = None) -> int:
+    """Stops discovery, closes the queue (cancelling what waits), stops the dispatch thread and
+    the metrics endpoint; returns how many queued closures were cancelled."""
+    if discovery is not None and not discovery.stop(timeout):
+        log.error("the discovery thread still runs after %ss", timeout)
+    cancelled = queue.close(CoordinatorClosedError("the ClusterCoordinator was shut down"))
+    if not pool.stop(timeout):
+        log.error("the dispatch thread still runs after %ss", timeout)
+    if telemetry is not None:
+        telemetry.close()
+    return cancelled
+
+
 class ClusterCoordinator:
     """Schedules functions to run on the workers of ``strategy.cluster``.
 
@@ -109,12 +126,14 @@ class ClusterCoordinator:
     ):
         self.strategy = strategy
         self.config = config or CoordinatorConfig()
+        # The telemetry's callbacks hold the queue and the strategy, never the coordinator (see
+        # the finalizer below).
         self.telemetry = CoordinatorTelemetry(
-            queue_depth=lambda: self._queue.num_queued,
-            in_flight=lambda: self._queue.num_in_flight,
+            queue_depth=lambda: queue.num_queued,
+            in_flight=lambda: queue.num_in_flight,
             checkpoint=lambda: getattr(strategy, "last_checkpoint", None),
         )
-        self._queue = ClosureQueue(self.config.max_queued, observer=self.telemetry)
+        self._queue = queue = ClosureQueue(self.config.max_queued, observer=self.telemetry)
         self._specs = ResourceSpecs()
         self._closed = False
         self._lock = threading.Lock()
@@ -129,14 +148,19 @@ class ClusterCoordinator:
             max_batch=self.config.max_batch,
             observer=self.telemetry,
         )
-        for address in strategy.cluster.workers:
-            self._pool.add_worker(address)
         self._discovery: WorkerDiscovery | None = None
         if strategy.cluster.worker_service is not None:
             self._discovery = WorkerDiscovery(
                 strategy.cluster.worker_service, self._pool, resolver=resolver, policy=self.config.discovery,
                 static=frozenset(strategy.cluster.workers),
             )
+        # Dropped without shutdown() (or alive at interpreter exit): the dispatch thread stops.
+        # The callback holds the queue and the loop, never the coordinator itself.
+        self._finalizer = weakref.finalize(self, _stop_dispatch, self._queue, self._pool, self.config.shutdown_timeout,
+                                           self._discovery, self.telemetry)
+        for address in strategy.cluster.workers:
+            self._pool.add_worker(address)
+        if self._discovery is not None:
             self._discovery.step()  # the workers running now join before the first schedule()
             self._discovery.start()
         if metrics_port is not None:
@@ -172,9 +196,11 @@ class ClusterCoordinator:
     def join(self, timeout: float | None = None) -> None:
         """Waits until every scheduled closure finished.
 
-        Raises the first error of a failed closure (after cancelling the queued
-        ones; the error is then forgotten, so training can go on), or
-        TimeoutError after ``timeout`` seconds. Logs progress every ``log_interval``.
+        Raises the first error of a failed closure as soon as it happens, as TensorFlow
+        does: the queued closures are cancelled then, and closures already running on
+        other workers finish in the background (their values stay readable). The error
+        is raised once and forgotten, so training can go on. Raises TimeoutError after
+        ``timeout`` seconds. Logs progress every ``log_interval``.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self._queue.wait_idle(self._wait_slice(deadline)):
@@ -234,6 +260,11 @@ class ClusterCoordinator:
         """The port of the metrics endpoint, None without one."""
         return self.telemetry.port
 
+    @property
+    def closed(self) -> bool:
+        """True after shutdown()."""
+        return self._closed
+
     def shutdown(self) -> None:
         """Stops dispatching and waits for the dispatch thread; queued and running closures are
         cancelled. Idempotent."""
@@ -241,13 +272,16 @@ class ClusterCoordinator:
             if self._closed:
                 return
             self._closed = True
-        if self._discovery is not None and not self._discovery.stop(self.config.shutdown_timeout):
-            log.error("the discovery thread still runs after %ss", self.config.shutdown_timeout)
-        cancelled = self._queue.close(CoordinatorClosedError("the ClusterCoordinator was shut down"))
-        if not self._pool.stop(self.config.shutdown_timeout):
-            log.error("the dispatch thread still runs after %ss", self.config.shutdown_timeout)
-        self.telemetry.close()
+        self._finalizer.detach()
+        cancelled = _stop_dispatch(self._queue, self._pool, self.config.shutdown_timeout,
+                                   self._discovery, self.telemetry)
         log.info("coordinator shut down (%d queued closures cancelled)", cancelled)
+
+    def paused(self, timeout: float | None = None) -> contextlib.AbstractContextManager[None]:
+        """Inside, no closure runs on any worker: dispatch pauses and entering waits for the
+        closures running to finish (see DispatchLoop.paused). For checkpoints and restores,
+        which then see every finished closure's pushes whole."""
+        return self._pool.paused(timeout)
 
     def __enter__(self) -> ClusterCoordinator:
         return self

@@ -33,10 +33,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import enum
 import logging
 import threading
-from collections.abc import Callable, Collection, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Collection, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -507,6 +508,9 @@ class DispatchLoop:
         self._dispatchers: dict[str, Dispatcher] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._free: collections.deque[Dispatcher] = collections.deque()
+        self._running: set[asyncio.Task[Any]] = set()  # calls carrying closures (not probes)
+        self._drained: asyncio.Event | None = None  # set while none runs; made on the loop
+        self._holds = 0
         self._stopped = False
         self._thread.start()
         queue.set_waker(self._wake)
@@ -545,6 +549,24 @@ class DispatchLoop:
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
+    @contextlib.contextmanager
+    def paused(self, timeout: float | None = None) -> Iterator[None]:
+        """No closure starts while inside, and entering waits until none is running: a point
+        between closures, where every closure that finished has all its pushes applied and
+        none is half done (checkpoints and restores are taken there). Closures queue up
+        meanwhile. Raises TimeoutError (and resumes) when closures still run after
+        ``timeout`` seconds. Nests; safe from any thread but the dispatch thread."""
+        self._call(self._hold())
+        try:
+            self._call(self._wait_drained(), timeout)
+        except BaseException:
+            self._call(self._release())
+            raise
+        try:
+            yield
+        finally:
+            self._call(self._release())
+
     def _wake(self) -> None:
         if not self._stopped and not self._loop.is_closed():
             try:
@@ -555,7 +577,12 @@ class DispatchLoop:
     def _call(self, coroutine: Coroutine[Any, Any, _T], timeout: float | None = None) -> _T:
         if threading.current_thread() is self._thread:
             raise RuntimeError("a DispatchLoop method was called from its own thread")
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise
 
     # ---------------------------------------------------------------- on the loop
 
@@ -608,9 +635,23 @@ class DispatchLoop:
         for dispatcher in list(self._dispatchers.values()):
             await self._retire(dispatcher, "the coordinator stops")
 
+    async def _hold(self) -> None:
+        self._holds += 1
+
+    async def _release(self) -> None:
+        self._holds -= 1
+        self._assign()
+
+    async def _wait_drained(self) -> None:
+        if self._drained is None:
+            self._drained = asyncio.Event()
+        if not self._running:
+            self._drained.set()
+        await self._drained.wait()
+
     def _assign(self) -> None:
-        """Gives free workers batches while closures are queued."""
-        while self._free and not self._stopped:
+        """Gives free workers batches while closures are queued (unless paused)."""
+        while self._free and not self._stopped and not self._holds:
             queued = self._queue.num_queued
             if queued == 0:
                 return
@@ -619,16 +660,23 @@ class DispatchLoop:
             if not batch:
                 self._free.appendleft(dispatcher)
                 return
-            self._start(dispatcher, dispatcher.run(batch))
+            self._start(dispatcher, dispatcher.run(batch), carries_closures=True)
 
-    def _start(self, dispatcher: Dispatcher, work: Coroutine[Any, Any, Any]) -> None:
+    def _start(self, dispatcher: Dispatcher, work: Coroutine[Any, Any, Any], *, carries_closures: bool = False) -> None:
         task = self._loop.create_task(work)
         self._tasks[dispatcher.address] = task
+        if carries_closures:
+            self._running.add(task)
+            if self._drained is not None:
+                self._drained.clear()
         task.add_done_callback(lambda done: self._finished(dispatcher, done))
 
     def _finished(self, dispatcher: Dispatcher, task: asyncio.Task[Any]) -> None:
         if self._tasks.get(dispatcher.address) is task:
             del self._tasks[dispatcher.address]
+        self._running.discard(task)
+        if not self._running and self._drained is not None:
+            self._drained.set()
         if task.cancelled() or self._stopped or dispatcher.address not in self._dispatchers:
             return
         if task.exception() is not None:

@@ -38,7 +38,19 @@ _HOMES = {
     "build_server": "server",
 }
 
-__all__ = sorted(_HOMES)
+__all__ = [
+    "ClientConfig",
+    "FixedShardsPartitioner",
+    "MaxSizePartitioner",
+    "MinSizePartitioner",
+    "OptimizerSpec",
+    "ParameterServer",
+    "ParameterServerClient",
+    "RowGradient",
+    "ServerConfig",
+    "VariableLayout",
+    "build_server",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -13,7 +13,10 @@ A save writes everything into ``root/.tmp-<uuid>/`` (each file fsynced),
 renames that directory to ``ckpt-<N>`` (the commit: a rename is atomic), and
 then replaces ``LATEST`` through a fsynced temporary file. A crash at any
 point leaves the previous checkpoint and ``LATEST`` intact; ``.tmp-*``
-directories are never taken for checkpoints.
+directories are never taken for checkpoints. Saves and sweeps of one root hold
+an exclusive lock on ``root/.lock`` (flock), so the next save or restore can
+delete what an interrupted save left (``.tmp-*``, ``.trash-*``) without
+touching a save in progress.
 
 Restores are by rows, not by saved shard: :func:`load_rows` assembles any row
 range of a variable from whichever saved shards overlap it, so a checkpoint
@@ -22,14 +25,16 @@ written by two servers restores onto three.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import json
 import logging
 import os
 import re
 import shutil
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,6 +66,7 @@ __all__ = [
     "Manifest",
     "save_checkpoint",
     "delete_checkpoints",
+    "sweep_leftovers",
     "latest_checkpoint",
     "resolve",
     "read_manifest",
@@ -266,6 +272,42 @@ def _prune(root: Path, keep: int, current: Path) -> None:
             logger.warning("could not prune checkpoint %s: %s", path, exc)
 
 
+LOCK = ".lock"
+_LEFTOVER_PREFIXES = (TEMPORARY_PREFIX, ".trash-")
+
+
+@contextlib.contextmanager
+def _exclusive(root: Path) -> Iterator[None]:
+    """Holds ``root/.lock`` exclusively: one saver or sweeper of ``root`` at a time (across processes)."""
+    with open(root / LOCK, "a+b") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+def _sweep_locked(root: Path) -> int:
+    removed = 0
+    for child in root.iterdir():
+        if child.name.startswith(_LEFTOVER_PREFIXES):
+            shutil.rmtree(child, ignore_errors=True) if child.is_dir() and not child.is_symlink() else child.unlink(missing_ok=True)
+            removed += 1
+    if removed:
+        logger.info("removed %d leftovers of interrupted checkpoint saves under %s", removed, root)
+    return removed
+
+
+def sweep_leftovers(root: Path) -> int:
+    """Deletes what interrupted saves left under ``root`` (staging directories, temporary files,
+    half-pruned checkpoints); returns how many entries. Saves in progress are waited for."""
+    root = Path(root)
+    if not root.is_dir():
+        return 0
+    with _exclusive(root):
+        return _sweep_locked(root)
+
+
 def save_checkpoint(
     root: Path,
     states: Sequence[ShardState],
@@ -291,20 +333,22 @@ def save_checkpoint(
     root = Path(root)
     try:
         root.mkdir(parents=True, exist_ok=True)
-        staged = root / f"{TEMPORARY_PREFIX}{uuid.uuid4().hex}"
-        staged.mkdir()
-        try:
-            _write_contents(staged, groups, extra_json)
-            if before_commit is not None:
-                before_commit()
-            final = _commit(root, staged)
-        except BaseException:
-            shutil.rmtree(staged, ignore_errors=True)
-            raise
-        _write_latest(root, final.name)
+        with _exclusive(root):
+            _sweep_locked(root)  # what an interrupted save left
+            staged = root / f"{TEMPORARY_PREFIX}{uuid.uuid4().hex}"
+            staged.mkdir()
+            try:
+                _write_contents(staged, groups, extra_json)
+                if before_commit is not None:
+                    before_commit()
+                final = _commit(root, staged)
+            except BaseException:
+                shutil.rmtree(staged, ignore_errors=True)
+                raise
+            _write_latest(root, final.name)
+            _prune(root, keep, final)
     except OSError as exc:
         raise CheckpointError(f"cannot write a checkpoint under {root}: {exc}") from exc
-    _prune(root, keep, final)
     return final
 
 
@@ -319,9 +363,10 @@ def delete_checkpoints(root: Path) -> None:
     if not root.is_dir():
         return
     for child in root.iterdir():
-        if _CHECKPOINT_NAME.match(child.name) or child.name.startswith((TEMPORARY_PREFIX, ".trash-")):
+        if _CHECKPOINT_NAME.match(child.name) or child.name.startswith(_LEFTOVER_PREFIXES):
             shutil.rmtree(child, ignore_errors=True) if child.is_dir() else child.unlink(missing_ok=True)
     (root / LATEST).unlink(missing_ok=True)
+    (root / LOCK).unlink(missing_ok=True)
     try:
         root.rmdir()
     except OSError:

@@ -233,16 +233,18 @@ class ParameterServerClient:
                            optimizer=optimizer, slots={}, version=0, applied_keys=[])
         return convert.shard_part(state)
 
-    def load_states(self, states_by_server: Mapping[int, Sequence[ShardState]]) -> None:
-        """Creates shards with their full state (value, slots, version, window): restores."""
+    def load_states(self, states_by_server: Mapping[int, Sequence[ShardState]], *, replace: bool = False) -> None:
+        """Creates shards with their full state (value, slots, version, window): restores.
+        ``replace``: the variables named are replaced whole and exactly on each server, live
+        or not (ReplaceShards); otherwise shards that exist are kept (CreateShards)."""
         parts = {server: [convert.shard_part(s) for s in states] for server, states in states_by_server.items()}
-        self._create_parts(parts, None)
+        self._create_parts(parts, None, replace=replace)
 
-    def _create_parts(self, parts_by_server: Mapping[int, list], variable: str | None) -> None:
+    def _create_parts(self, parts_by_server: Mapping[int, list], variable: str | None, *, replace: bool = False) -> None:
         self._fan_out(
             parts_by_server,
             lambda server, parts: self._stubs[server].create_shards(
-                lambda: encode_parts(iter(parts), self.config.chunk_bytes), self._call_options()
+                lambda: encode_parts(iter(parts), self.config.chunk_bytes), self._call_options(), replace=replace
             ),
             variable=variable,
         )
@@ -514,14 +516,17 @@ class _Stub:
         self._channel = channel
         self._prefix = prefix
         self._create = channel.stream_unary(prefix + "CreateShards", response_deserializer=ps_pb2.CreateShardsResponse.FromString)
+        self._replace = channel.stream_unary(prefix + "ReplaceShards", response_deserializer=ps_pb2.CreateShardsResponse.FromString)
         self._pull = channel.unary_stream(prefix + "Pull", request_serializer=ps_pb2.PullRequest.SerializeToString)
         self._push = channel.stream_unary(prefix + "Push", response_deserializer=ps_pb2.PushResponse.FromString)
         self._step = channel.unary_unary(prefix + "Step")
         self._export = channel.unary_stream(prefix + "ExportShards", request_serializer=ps_pb2.ExportShardsRequest.SerializeToString)
         self._unary: dict[str, grpc.UnaryUnaryMultiCallable] = {}
 
-    def create_shards(self, make_chunks: Callable[[], Iterator[bytes]], options: _CallOptions) -> ps_pb2.CreateShardsResponse:
-        return self._create(make_chunks(), timeout=options.timeout, metadata=options.metadata())
+    def create_shards(self, make_chunks: Callable[[], Iterator[bytes]], options: _CallOptions, *,
+                      replace: bool = False) -> ps_pb2.CreateShardsResponse:
+        call = self._replace if replace else self._create
+        return call(make_chunks(), timeout=options.timeout, metadata=options.metadata())
 
     def push(self, make_chunks: Callable[[], Iterator[bytes]], key: str, options: _CallOptions) -> ps_pb2.PushResponse:
         return self._push(make_chunks(), timeout=options.timeout, metadata=options.metadata((IDEMPOTENCY_METADATA_KEY, key)))

@@ -47,7 +47,7 @@ import json
 import math
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -228,8 +228,8 @@ def _validated_by_torch(spec: OptimizerSpec) -> None:
     # its message is the most precise one we can give.
     try:
         _build(spec, [torch.nn.Parameter(torch.zeros(1))])
-    except (ValueError, TypeError, RuntimeError) as exc:
-        raise InvalidRequestError(f"invalid arguments for optimizer {spec.name}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - torch raises IndexError for betas=(0.9,), ValueError for ranges...
+        raise InvalidRequestError(f"invalid arguments for optimizer {spec.name}: {type(exc).__name__}: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -254,8 +254,12 @@ def _slot_layout(
         optimizer = _build(spec, [probe])
         probe.grad = torch.zeros_like(probe)
         optimizer.step()
-    except (RuntimeError, TypeError, NotImplementedError) as exc:
+    except (RuntimeError, NotImplementedError) as exc:
         raise DtypeMismatchError(f"optimizer {spec.name} cannot update a {dtype} variable: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - torch checks some arguments only when it steps (betas' length)
+        raise InvalidRequestError(
+            f"invalid arguments for optimizer {spec.name}: a trial step failed with {type(exc).__name__}: {exc}"
+        ) from None
     state = optimizer.state[probe]
     return MappingProxyType(
         {
@@ -314,6 +318,7 @@ class ShardOptimizer:
         DtypeMismatchError or ShapeMismatchError for a bad spec, dtype or slots."""
         spec.validate()
         _check_floating(value)
+        _layout_for(spec, value)  # a trial step on a scratch tensor: settings torch checks only when stepping
         check_slots(spec, value, slots or {})
         self._spec = spec
         # Parameter shares value's storage: step() updates the shard itself.
@@ -404,6 +409,40 @@ class ShardOptimizer:
                 state[key].index_copy_(0, unique, slot)
             else:
                 state[key] = slot
+
+    def snapshot(self, rows: Tensor | None = None) -> Callable[[], None]:
+        """What a step may change, copied: returns the function that puts it back.
+
+        ``rows`` (a row-sparse step's local rows): only those rows of the value and of
+        row-shaped slots are copied, so undoing an embedding update costs O(rows), not
+        O(table). The state's key set is restored too (a first step creates the slots).
+        """
+        value = self._param.detach()
+        state = self._state()
+        if rows is None:
+            saved_value = value.clone()
+            saved_state = {k: v.clone() if isinstance(v, Tensor) else v for k, v in state.items()}
+
+            def undo() -> None:
+                value.copy_(saved_value)
+                self._optimizer.state[self._param] = saved_state
+
+            return undo
+        unique = torch.unique(rows)
+        saved_rows = value.index_select(0, unique)
+        row_slots = {k: v.index_select(0, unique) for k, v in state.items() if self._is_row_shaped(v)}
+        other = {k: v.clone() if isinstance(v, Tensor) else v for k, v in state.items() if k not in row_slots}
+
+        def undo_rows() -> None:
+            value.index_copy_(0, unique, saved_rows)
+            current = self._state()
+            restored = dict(other)
+            for key, saved in row_slots.items():
+                current[key].index_copy_(0, unique, saved)
+                restored[key] = current[key]
+            self._optimizer.state[self._param] = restored
+
+        return undo_rows
 
     def slots(self) -> dict[str, Tensor]:
         """Copies of the optimizer state tensors, by torch's state key ("exp_avg", "step", ...)."""

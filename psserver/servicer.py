@@ -56,6 +56,15 @@ class ParameterServerServicer:
         infos = self._store.create_shards(states)
         return ps_pb2.CreateShardsResponse(shards=[convert.info_to_proto(i) for i in infos]).SerializeToString()
 
+    @unary_boundary
+    def ReplaceShards(self, chunks: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
+        states = [
+            convert.shard_state_from_part(header.shard, payload)
+            for header, payload in read_parts(chunks, self._allocate_shard)
+        ]
+        infos = self._store.replace_shards(states)
+        return ps_pb2.CreateShardsResponse(shards=[convert.info_to_proto(i) for i in infos]).SerializeToString()
+
     def _allocate_shard(self, header: tensor_pb2.PartHeader) -> torch.Tensor:
         if header.WhichOneof("kind") != "shard":
             raise InvalidRequestError("CreateShards takes parts with ShardSpec headers")
@@ -238,7 +247,7 @@ class ParameterServerServicer:
             )
             for t in request.targets
         ]
-        infos = self._store.create_shards(states, replace=True)
+        infos = self._store.replace_shards(states)
         return ps_pb2.RestoreResponse(shards=[convert.info_to_proto(i) for i in infos]).SerializeToString()
 
     def _chunk_size(self, requested: int) -> int:
@@ -256,6 +265,7 @@ def generic_handler(servicer: ParameterServerServicer) -> grpc.GenericRpcHandler
     """Registers the servicer with raw-bytes (de)serialisers: it parses messages itself."""
     handlers = {
         "CreateShards": grpc.stream_unary_rpc_method_handler(servicer.CreateShards),
+        "ReplaceShards": grpc.stream_unary_rpc_method_handler(servicer.ReplaceShards),
         "Pull": grpc.unary_stream_rpc_method_handler(servicer.Pull),
         "Push": grpc.stream_unary_rpc_method_handler(servicer.Push),
         "Step": grpc.unary_unary_rpc_method_handler(servicer.Step),

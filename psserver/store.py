@@ -16,7 +16,6 @@ reported as not applied and changes nothing.
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -73,10 +72,8 @@ class ShardPush:
 
     ref: ShardRef
     values: Tensor
-    rows: Tensor | None
-    base_version: int
-
-
+    rows: Tensor | None = None
+    base_version: int = -1
 
 
 @dataclass(frozen=True)
@@ -330,6 +327,33 @@ def _check_variables_agree(shards: Sequence[_Shard]) -> None:
             )
 
 
+def _check_replaceable(variable: str, restored: Sequence[_Shard], live: Sequence[_Shard]) -> None:
+    """Raises unless ``restored`` may replace the ``live`` shards of ``variable`` on this server."""
+    if not live:
+        return
+    first, new = live[0], restored[0]
+    if first.variable_shape != new.variable_shape:
+        raise ShapeMismatchError(
+            f"the restore gives the variable shape {new.variable_shape}, this server holds it as "
+            f"{first.variable_shape}; delete the variable first to restore another shape",
+            variable=variable,
+        )
+    if first.value.dtype != new.value.dtype:
+        raise DtypeMismatchError(
+            f"the restore gives the variable dtype {new.value.dtype}, this server holds it as {first.value.dtype}; "
+            "delete the variable first to restore another dtype",
+            variable=variable,
+        )
+    left = sorted(s.ref.shard for s in live if s.ref not in {r.ref for r in restored})
+    if left:
+        raise InvalidRequestError(
+            f"the restore gives shards {sorted(s.ref.shard for s in restored)} of the variable but this server "
+            f"also holds shards {left}: restore all of a variable's shards on a server at once (its layout "
+            "must not change), or delete the variable first",
+            variable=variable,
+        )
+
+
 # ---------------------------------------------------------------------------
 # Validation of reads and pushes
 
@@ -407,31 +431,52 @@ class ShardStore:
 
     # -- creation and lookup ------------------------------------------------
 
-    def create_shards(self, states: Sequence[ShardState], *, replace: bool = False) -> list[ShardInfo]:
+    def create_shards(self, states: Sequence[ShardState]) -> list[ShardInfo]:
         """Creates shards from ``states`` (copied), all or none.
 
         A shard that exists already with the same variable shape, rows,
         shape, dtype and optimizer is left as it is (so a retried create is
-        safe) and its info returned; with ``replace`` (for a restore) it is
-        replaced. Raises VariableExistsError for a different existing shard,
-        and InvalidRequestError / ShapeMismatchError / DtypeMismatchError for
-        a bad state, before anything is created.
+        safe) and its info returned. Raises VariableExistsError for a
+        different existing shard, and InvalidRequestError / ShapeMismatchError
+        / DtypeMismatchError for a bad state, before anything is created.
         """
         built = [_build_shard(state, self._config.idempotency_capacity) for state in states]
         _check_variables_agree(built)
         with self._shards_lock:
-            kept = [self._keep_or_conflict(shard, replace) for shard in built]
+            kept = [self._keep_or_conflict(shard) for shard in built]
             for shard, existing in zip(built, kept):
                 if existing is None:
                     self._shards[shard.ref] = shard
-        if replace:
-            self._grouped.clear()  # groups hold the replaced shards' tensors
         return [(existing or shard).info() for shard, existing in zip(built, kept)]
 
-    def _keep_or_conflict(self, shard: _Shard, replace: bool) -> _Shard | None:
+    def replace_shards(self, states: Sequence[ShardState]) -> list[ShardInfo]:
+        """Makes the shards of ``states``' variables exactly ``states`` (a restore): values,
+        optimizer state, versions and idempotency windows. All or nothing.
+
+        A variable is replaced whole on this server, never mixed: every shard of it held
+        here must be among ``states`` (InvalidRequestError otherwise), and a variable that
+        exists keeps its shape and dtype (ShapeMismatchError / DtypeMismatchError naming
+        both; delete the variable to restore another shape). Everything is checked before
+        anything changes. Pushes must not run meanwhile: one holding a replaced shard
+        would apply to the discarded copy (the coordinator pauses dispatch to restore).
+        """
+        built = [_build_shard(state, self._config.idempotency_capacity) for state in states]
+        _check_variables_agree(built)
+        restored: dict[str, list[_Shard]] = {}
+        for shard in built:
+            restored.setdefault(shard.ref.variable, []).append(shard)
+        with self._shards_lock:
+            for variable, shards in restored.items():
+                _check_replaceable(variable, shards, [s for ref, s in self._shards.items() if ref.variable == variable])
+            for shard in built:
+                self._shards[shard.ref] = shard
+        self._grouped.clear()  # groups hold the replaced shards' tensors
+        return [shard.info() for shard in built]
+
+    def _keep_or_conflict(self, shard: _Shard) -> _Shard | None:
         """The existing shard to keep instead of ``shard``, or None to insert ``shard``."""
         for other in self._shards.values():
-            if other.ref.variable == shard.ref.variable and other.ref != shard.ref and not replace:
+            if other.ref.variable == shard.ref.variable and other.ref != shard.ref:
                 if (other.variable_shape, other.value.dtype) != (shard.variable_shape, shard.value.dtype):
                     raise VariableExistsError(
                         f"the variable exists with shape {other.variable_shape} and dtype {other.value.dtype}; "
@@ -439,7 +484,7 @@ class ShardStore:
                         variable=shard.ref.variable,
                     )
         existing = self._shards.get(shard.ref)
-        if existing is None or replace:
+        if existing is None:
             return None
         if existing.same_layout(shard):
             return existing
@@ -608,29 +653,39 @@ class ShardStore:
                     outcomes[shard.ref] = PushOutcome(shard.ref, False, shard.version, staleness)
                 else:
                     fresh.append((shard, push, staleness))
-            dense: dict[OptimizerSpec, list[tuple[_Shard, ShardPush]]] = {}
-            for shard, push, _ in fresh:
-                assert shard.optimizer is not None  # checked by _validate_push
-                if push.rows is None:
-                    dense.setdefault(shard.optimizer.spec, []).append((shard, push))
-                else:
-                    self._step(shard, functools.partial(shard.optimizer.apply_rows, push.rows, push.values))
-            for group in dense.values():
-                optimizers = [shard.optimizer for shard, _ in group if shard.optimizer is not None]
-                self._step(group[0][0], functools.partial(self._grouped.apply_dense, optimizers, [p.values for _, p in group]))
+            self._step_all([(shard, push) for shard, push, _ in fresh])
             for shard, _, staleness in fresh:
                 shard.version += 1
                 shard.window.record(key)
                 outcomes[shard.ref] = PushOutcome(shard.ref, True, shard.version, staleness)
         return [outcomes[shard.ref] for shard, _ in plan]
 
-    @staticmethod
-    def _step(shard: _Shard, apply: Callable[[], None]) -> None:
+    def _step_all(self, fresh: Sequence[tuple[_Shard, ShardPush]]) -> None:
+        """Steps every shard's optimizer, or none: a step failing after validation (out of
+        memory, a bug) puts back what the push's earlier steps changed, from copies taken
+        first (one copy of the pushed shards, or of the touched rows of a sparse push)."""
+        dense: dict[OptimizerSpec, list[tuple[ShardOptimizer, Tensor]]] = {}
+        sparse: list[tuple[ShardOptimizer, ShardPush]] = []
+        undo: list[Callable[[], None]] = []
+        for shard, push in fresh:
+            optimizer = shard.optimizer
+            assert optimizer is not None  # checked by _validate_push
+            undo.append(optimizer.snapshot(push.rows))
+            if push.rows is None:
+                dense.setdefault(optimizer.spec, []).append((optimizer, push.values))
+            else:
+                sparse.append((optimizer, push))
         try:
-            apply()
-        except Exception as exc:  # validated already: anything here is our bug
+            for optimizer, push in sparse:
+                optimizer.apply_rows(push.rows, push.values)  # type: ignore[arg-type]  # sparse: rows set
+            for group in dense.values():
+                self._grouped.apply_dense([o for o, _ in group], [g for _, g in group])
+        except Exception as exc:  # validated already: anything here is our bug or out of memory
+            for restore in reversed(undo):
+                restore()
             raise InternalError(
-                f"applying a push to shard {shard.ref} failed: {exc}", variable=shard.ref.variable
+                f"applying a push to {len(fresh)} shards failed and was undone: {type(exc).__name__}: {exc}",
+                variable=fresh[0][0].ref.variable,
             ) from exc
 
     # -- export and hyperparameters -------------------------------------------

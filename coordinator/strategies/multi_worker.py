@@ -400,6 +400,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         dist.init_process_group(backend, store=store, rank=resolver.rank, world_size=resolver.world_size,
                                 timeout=options.timeout())
         self._setup(options, resolver, backend, _world(), owns_group=True)
+        self._store: dist.Store | None = store
 
     @classmethod
     def from_process_group(
@@ -423,6 +424,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         resolver = ClusterResolver(rank, world_size, None, None, local_rank, source="existing process group")
         strategy = cls.__new__(cls)
         strategy._setup(communication_options or CommunicationOptions(), resolver, backend, group, owns_group=False)
+        strategy._store = None
         return strategy
 
     def _setup(
@@ -679,8 +681,9 @@ class MultiWorkerMirroredStrategy(Strategy):
             self._step_hook.remove()
             self._step_hook = None
         if self._owns_group and dist.is_initialized():
-            dist.destroy_process_group()
+            _leave_together(self._store, self._group, self._rank, self._world_size)
         self._owns_group = False
+        self._store = None
         self._release_models()
 
     def __repr__(self) -> str:
@@ -710,6 +713,25 @@ def _meeting_store(resolver: ClusterResolver, timeout: datetime.timedelta) -> di
     log.info("meeting %d processes at %s as rank %d", resolver.world_size, resolver.init_method(), resolver.rank)
     return dist.TCPStore(resolver.master_addr, resolver.master_port, resolver.world_size,
                          is_master=resolver.rank == 0, timeout=timeout)
+
+
+_LEFT_KEY = "paramserve/left/{rank}"
+
+
+def _leave_together(store: dist.Store | None, group: dist.ProcessGroup, rank: int, world_size: int) -> None:
+    """Destroys the process group in step with the others: a barrier first (no process tears
+    down gloo while a peer is still in a collective), and rank 0, whose process hosts the TCP
+    store, returns only once every process has destroyed its group. A store host that exits
+    first leaves a peer's gloo threads without their store, and the peer aborts
+    ("terminate called without an active exception")."""
+    if world_size > 1:
+        dist.barrier(group=group)
+    dist.destroy_process_group()
+    if store is None or world_size == 1:
+        return
+    store.set(_LEFT_KEY.format(rank=rank), "1")
+    if rank == 0:
+        store.wait([_LEFT_KEY.format(rank=r) for r in range(world_size)])
 
 
 def _own_gpu(local_rank: int, cuda_devices: int | None = None) -> int | None:

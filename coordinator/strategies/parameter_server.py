@@ -22,6 +22,7 @@ import logging
 import os
 import pathlib
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +37,7 @@ from paramserve.coordinator.strategies import _capture
 from paramserve.coordinator.strategies.base import DefaultStrategy, SingleReplicaStrategy, Strategy
 from paramserve.coordinator.strategies.step_runners import StepFn, StepRunner, add_statistics
 from paramserve.coordinator.strategies.training_state import TrainingCheckpoints
+from paramserve.coordinator.telemetry import CheckpointRecord
 from paramserve.psserver import checkpoint
 from paramserve.psserver.client import ClientConfig, ParameterServerClient, layouts_from_infos
 from paramserve.psserver.errors import VariableExistsError
@@ -145,7 +147,11 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         self._created: set[str] = set()  # variables that exist on the servers (for this strategy)
         self._pending_tables: list[ShardedEmbedding] = []
         self._context: ClusterContext | None = None
-        self._coordinator: Any = None
+        self._coordinator_ref: Callable[[], Any] = lambda: None  # weak: a dropped coordinator can be collected
+        self._generation = 0  # restores so far (ClusterContext.generation)
+        self.last_checkpoint: CheckpointRecord | None = None
+        """The newest checkpoint a CheckpointManager wrote or restored (the coordinator's
+        ``checkpoint_age_seconds`` metric reads it)."""
         self._access = CoordinatorAccess(self)
         self._hook_handles: list[torch.utils.hooks.RemovableHandle] = []
         self._linked_optimizers: list[torch.optim.Optimizer] = []
@@ -277,14 +283,27 @@ class ParameterServerStrategy(SingleReplicaStrategy):
 
     def distribute_datasets_from_function(self, dataset_fn: Any) -> Any:
         """A per-worker dataset: ``dataset_fn(ctx)`` runs on every worker (needs a ClusterCoordinator)."""
-        if self._coordinator is None:
+        coordinator = self.coordinator
+        if coordinator is None:
             raise RuntimeError("create a ClusterCoordinator(strategy) first: it runs the dataset function on the workers")
-        return self._coordinator.create_per_worker_dataset(dataset_fn)
+        return coordinator.create_per_worker_dataset(dataset_fn)
+
+    @property
+    def coordinator(self) -> Any:
+        """The live ClusterCoordinator of this strategy (the last one created), or None."""
+        coordinator = self._coordinator_ref()
+        return None if coordinator is None or coordinator.closed else coordinator
+
+    def quiesced(self, timeout: float | None = None) -> contextlib.AbstractContextManager[None]:
+        """Inside, no closure of this strategy runs: its coordinator's dispatch is paused and
+        drained (ClusterCoordinator.paused); without a coordinator nothing runs anyway."""
+        coordinator = self.coordinator
+        return coordinator.paused(timeout) if coordinator is not None else contextlib.nullcontext()
 
     def _attach_coordinator(self, coordinator: Any) -> None:
         """Called by a new ClusterCoordinator: a clash with variables the servers hold is refused
         here, on the caller's thread, rather than when a dispatcher first builds the context."""
-        self._coordinator = coordinator
+        self._coordinator_ref = weakref.ref(coordinator)
         with self._lock:
             pending = [name for name in self._variables if name not in self._created]
             try:
@@ -379,13 +398,23 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         """
         with self._lock:
             if states_by_server is not None and layouts is not None and not self._materialized:
-                self.client.load_states(states_by_server)
-                self.client.adopt_layouts(layouts)
-                self._created.update(layouts)
+                self.restore_states(states_by_server, layouts)
             new = [v for name, v in self._variables.items() if name not in self._created]
             if new:
                 self._create_all(new)
             self._materialized = True
+
+    def restore_states(self, states_by_server: Mapping[int, Sequence[ShardState]], layouts: Mapping[str, VariableLayout]) -> None:
+        """Makes the variables of ``layouts`` exactly ``states_by_server`` on the servers (values,
+        optimizer slots, versions, idempotency windows), live or fresh; other variables are left
+        alone. Workers then drop the values they hold (a new generation of the cluster context).
+        Closures must not run meanwhile: call it inside ``quiesced()``."""
+        with self._lock:
+            self.client.load_states(states_by_server, replace=True)
+            self.client.adopt_layouts(dict(layouts))
+            self._created.update(layouts)
+            self._generation += 1
+            self._context = None
 
     def _create_all(self, variables: list[Variable]) -> None:
         existing = self._existing_on_servers([v.name for v in variables])
@@ -455,7 +484,7 @@ class ParameterServerStrategy(SingleReplicaStrategy):
             if self._context is None:
                 layouts = self.client.layouts
                 self._context = ClusterContext(self.cluster.parameter_servers,
-                                               {name: layouts[name] for name in self._created})
+                                               {name: layouts[name] for name in self._created}, self._generation)
             return self._context
 
     def set_server_hyperparameters(self, values: Mapping[str, float], params: Iterable[Any] | None = None) -> None:
@@ -717,11 +746,7 @@ class ServerCheckpoints:
 
     def restore(self, path: pathlib.Path, model: nn.Module, optimizer: Any) -> dict[str, Any]:
         extra = dict(checkpoint.read_manifest(checkpoint.resolve(path)).extra)
-        if self._strategy.materialized:
-            log.warning("the variables exist already: resuming at epoch %s with their current values, "
-                        "not the checkpoint's (restore happens only before training starts)", extra.get("epoch"))
-        else:
-            self._manager.restore(path)
+        self._manager.restore(path)
         return extra
 
     def clear(self) -> None:

@@ -158,7 +158,7 @@ def test_interrupted_save_leaves_previous_checkpoint(tmp_path: Path) -> None:
     with pytest.raises(Crash):
         save_checkpoint(tmp_path, store.export(), extra={"step": 2}, before_commit=crash)
     assert (tmp_path / "LATEST").read_bytes() == latest_before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["LATEST", "ckpt-00000001"], "no garbage left"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "LATEST", "ckpt-00000001"], "no garbage left"
     assert read_manifest(tmp_path).extra == {"step": 1}
     assert resolve(tmp_path) == first
     assert torch.equal(_full_value(_restore(tmp_path, 2)), _full_value(_trained_store()))
@@ -195,7 +195,7 @@ def test_keep_prunes_old_checkpoints(tmp_path: Path) -> None:
     states = _trained_store().export()
     for step in range(4):
         last = save_checkpoint(tmp_path, states, extra={"step": step}, keep=2)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["LATEST", "ckpt-00000003", "ckpt-00000004"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "LATEST", "ckpt-00000003", "ckpt-00000004"]
     assert latest_checkpoint(tmp_path) == last and read_manifest(tmp_path).extra == {"step": 3}
 
 

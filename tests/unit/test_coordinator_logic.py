@@ -585,3 +585,92 @@ def test_one_thread_dispatches_to_a_hundred_workers_in_bounded_batches():
     finally:
         assert loop.stop(10)
     assert not loop.thread.is_alive()
+
+
+# ---------------------------------------------------------------- the coordinator's lifecycle and join()
+
+
+class _StubStrategy:
+    """What ClusterCoordinator needs of a strategy, for two workers that are test doubles."""
+
+    def __init__(self, workers=("w0:1", "w1:1")):
+        from paramserve.coordinator.cluster import ClusterSpec
+        from paramserve.psserver.types import ClusterContext
+
+        self.cluster = ClusterSpec(parameter_servers=("ps0:1",), workers=tuple(workers))
+        self.token = None
+        self.max_value_age = 0.0
+        self._context = ClusterContext(("ps0:1",))
+
+    def cluster_context(self):
+        return self._context
+
+
+class _ByFunctionName:
+    """A worker double that behaves by the closure's function name: "slow" waits for ``release``,
+    "bad" fails with a user error, anything else succeeds with its name."""
+
+    def __init__(self, release: threading.Event):
+        self._release = release
+
+    async def run_closures(self, request, timeout):
+        results = []
+        for closure in request.closures:
+            if closure.function_name == "slow":
+                await asyncio.get_running_loop().run_in_executor(None, self._release.wait, 60)
+            if closure.function_name == "bad":
+                failure = worker_pb2.ClosureFailure(type="builtins.ValueError", message="bad input", traceback="...")
+                results.append(worker_pb2.RunClosureResponse(error=failure, worker_incarnation="inc"))
+                break
+            results.append(_ok(closure.function_name, incarnation="inc"))
+        return worker_pb2.RunClosuresResponse(results=results)
+
+    async def is_serving(self, timeout):
+        return True
+
+    async def reset(self):
+        pass
+
+    async def close(self):
+        pass
+
+
+def slow():
+    return "slow"
+
+
+def bad():
+    return "bad"
+
+
+def test_join_raises_the_first_error_at_once_while_other_closures_still_run():
+    from paramserve.coordinator.cluster_coordinator import ClusterCoordinator
+
+    release = threading.Event()
+    with ClusterCoordinator(_StubStrategy(), transport_factory=lambda address: _ByFunctionName(release)) as coordinator:
+        running = coordinator.schedule(slow)
+        failing = coordinator.schedule(bad)
+        with pytest.raises(ClosureError, match="bad input"):
+            coordinator.join(timeout=30)  # would wait for "slow" forever if join waited for everything
+        assert not running.done() and failing.done()
+        release.set()
+        assert running.fetch(timeout=30) == "slow", "a closure running when the error came finishes normally"
+
+
+def test_a_dropped_coordinator_stops_its_dispatch_thread():
+    import gc
+
+    from paramserve.coordinator.cluster_coordinator import ClusterCoordinator
+
+    def dispatch_threads():
+        return [t for t in threading.enumerate() if t.name == THREAD_NAME]
+
+    before = len(dispatch_threads())
+    release = threading.Event()
+    release.set()
+    for _ in range(20):
+        coordinator = ClusterCoordinator(_StubStrategy(), transport_factory=lambda address: _ByFunctionName(release))
+        coordinator.schedule(slow).fetch(timeout=30)
+        del coordinator  # no shutdown()
+    gc.collect()
+    assert len(dispatch_threads()) == before, "weakref.finalize stopped each dropped coordinator's thread"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Callable
 
@@ -113,10 +114,49 @@ def test_create_with_other_variable_shape_fails() -> None:
         store.create_shards([other])
 
 
-def test_replace_overwrites_existing() -> None:
+def test_a_restore_replaces_values_slots_versions_and_windows_exactly() -> None:
+    store = _store(idempotency_capacity=8)
+    adam = OptimizerSpec("Adam", {"lr": 0.1})
+    donor = ShardStore(StoreConfig(idempotency_capacity=8))
+    donor.create_shards([_state(W0, optimizer=adam), _state(W1, row_start=4, optimizer=adam)])
+    donor.push([ShardPush(W0, torch.ones(4, 3)), ShardPush(W1, torch.ones(4, 3))], "k1")
+    saved = donor.export()
+    store.push([ShardPush(W0, torch.full((4, 3), 2.0))], "live-1")
+    store.push([ShardPush(W0, torch.full((4, 3), 3.0))], "live-2")
+
+    store.replace_shards(saved)
+
+    for expected, got in zip(saved, store.export()):
+        assert torch.equal(got.value, expected.value) and got.version == expected.version == 1
+        assert got.optimizer == adam and list(got.applied_keys) == list(expected.applied_keys) == ["k1"]
+        assert got.slots.keys() == expected.slots.keys()
+        assert all(torch.equal(got.slots[k], expected.slots[k]) for k in got.slots)
+    assert not store.push([ShardPush(W0, torch.ones(4, 3))], "k1")[0].applied, "the restored window holds k1"
+    assert store.push([ShardPush(W0, torch.ones(4, 3))], "live-1")[0].applied, "keys after the checkpoint are gone"
+
+
+@pytest.mark.parametrize("restored, error, words", [
+    ([ShardState(W0, (20, 3), 0, torch.zeros(4, 3), SGD), ShardState(W1, (20, 3), 4, torch.zeros(4, 3), SGD)],
+     ShapeMismatchError, "(20, 3)"),
+    ([ShardState(W0, (8, 3), 0, torch.zeros(4, 3, dtype=torch.float64), SGD),
+      ShardState(W1, (8, 3), 4, torch.zeros(4, 3, dtype=torch.float64), SGD)], DtypeMismatchError, "float64"),
+    ([_state(W0)], InvalidRequestError, "also holds shards [1]"),
+], ids=["shape", "dtype", "half_a_variable"])
+def test_a_restore_that_does_not_fit_the_live_variable_changes_nothing(restored, error, words) -> None:
     store = _store()
-    store.create_shards([_state(W0, rows=2, version=7)], replace=True)
-    assert store.info(W0).shape == (2, 3) and store.info(W0).version == 7
+    store.push([ShardPush(W0, torch.ones(4, 3))], "k")
+    before = _snapshot(store)
+    with pytest.raises(error, match=re.escape(words)):
+        store.replace_shards(restored)
+    _assert_unchanged(store, before)
+
+
+def test_an_optimizer_whose_step_would_fail_is_refused_at_creation() -> None:
+    store = ShardStore()
+    for kwargs in ({"betas": (0.9, 0.99, 0.5)}, {"betas": (0.9,)}):
+        with pytest.raises(InvalidRequestError, match="Adam"):
+            store.create_shards([_state(W0, optimizer=OptimizerSpec("Adam", kwargs))])
+    assert store.list_shards() == []
 
 
 @pytest.mark.parametrize(
@@ -456,3 +496,27 @@ def test_all_finite_fast_path_agrees_with_the_exact_scan():
     mixed[2], mixed[7] = float("inf"), float("-inf")  # their sum is NaN: still caught
     assert not all_finite(mixed)
     assert all_finite(torch.randn(7, 3).double())
+
+
+def test_a_push_whose_later_step_fails_leaves_no_part_applied() -> None:
+    store = ShardStore()
+    adam, embedding = OptimizerSpec("Adam", {"lr": 0.1}), ShardRef("table", 0)
+    store.create_shards([_state(W0), _state(W1, row_start=4), ShardState(ShardRef("b", 0), (3,), 0, torch.ones(3), adam),
+                         ShardState(embedding, (6, 2), 0, torch.zeros(6, 2), OptimizerSpec("Adagrad", {"lr": 0.1}))])
+    store.push([ShardPush(ShardRef("b", 0), torch.ones(3))], "warm")  # Adam state exists: it must come back too
+    before = _snapshot(store)
+    real, calls = store._grouped.apply_dense, []
+
+    def fail_on_the_second_group(optimizers, grads):
+        calls.append(len(optimizers))
+        real(optimizers, grads)  # applied, then the next group fails
+        if len(calls) == 2:
+            raise MemoryError("out of memory")
+
+    store._grouped.apply_dense = fail_on_the_second_group
+    pushes = [ShardPush(W0, torch.ones(4, 3)), ShardPush(W1, torch.ones(4, 3)), ShardPush(ShardRef("b", 0), torch.ones(3)),
+              ShardPush(embedding, torch.ones(2, 2), rows=torch.tensor([1, 4]))]
+    with pytest.raises(ParamServeError, match="undone"):
+        store.push(pushes, "k")
+    assert calls == [2, 1], "both dense groups ran (SGD over two shards, then Adam), after the sparse part"
+    _assert_unchanged(store, before)

@@ -40,6 +40,11 @@ class ParameterServerStub:
                 request_serializer=paramserve_dot_wire_dot_v1_dot_tensor__pb2.Chunk.SerializeToString,
                 response_deserializer=paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.CreateShardsResponse.FromString,
                 _registered_method=True)
+        self.ReplaceShards = channel.stream_unary(
+                '/paramserve.wire.v1.ParameterServer/ReplaceShards',
+                request_serializer=paramserve_dot_wire_dot_v1_dot_tensor__pb2.Chunk.SerializeToString,
+                response_deserializer=paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.CreateShardsResponse.FromString,
+                _registered_method=True)
         self.Pull = channel.unary_stream(
                 '/paramserve.wire.v1.ParameterServer/Pull',
                 request_serializer=paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.PullRequest.SerializeToString,
@@ -92,6 +97,15 @@ class ParameterServerServicer:
 
     def CreateShards(self, request_iterator, context):
         """Creates (or restores) shards. Stream of Chunk whose parts carry ShardSpec headers.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReplaceShards(self, request_iterator, context):
+        """Restores shards sent by the caller (ShardSpec headers with their full state):
+        each variable named is replaced whole on this server, exactly (values, optimizer
+        slots, versions, idempotency windows), after checks that change nothing on failure.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -173,6 +187,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     request_deserializer=paramserve_dot_wire_dot_v1_dot_tensor__pb2.Chunk.FromString,
                     response_serializer=paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.CreateShardsResponse.SerializeToString,
             ),
+            'ReplaceShards': grpc.stream_unary_rpc_method_handler(
+                    servicer.ReplaceShards,
+                    request_deserializer=paramserve_dot_wire_dot_v1_dot_tensor__pb2.Chunk.FromString,
+                    response_serializer=paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.CreateShardsResponse.SerializeToString,
+            ),
             'Pull': grpc.unary_stream_rpc_method_handler(
                     servicer.Pull,
                     request_deserializer=paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.PullRequest.FromString,
@@ -244,6 +263,33 @@ class ParameterServer:
             request_iterator,
             target,
             '/paramserve.wire.v1.ParameterServer/CreateShards',
+            paramserve_dot_wire_dot_v1_dot_tensor__pb2.Chunk.SerializeToString,
+            paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.CreateShardsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReplaceShards(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/paramserve.wire.v1.ParameterServer/ReplaceShards',
             paramserve_dot_wire_dot_v1_dot_tensor__pb2.Chunk.SerializeToString,
             paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.CreateShardsResponse.FromString,
             options,
