@@ -20,6 +20,7 @@ worker_membership_changes_total{change}        workers joined / left (discovery,
 checkpoint_age_seconds, checkpoint_step        the newest checkpoint written or restored (absent
                                                before the first)
 ps_recoveries_total{server, result}            parameter servers restored after a restart
+ps_recovery_seconds                            how long each recovery took (histogram)
 =============================================  ======================================================
 """
 
@@ -31,7 +32,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -98,9 +99,8 @@ NO_OBSERVER: CoordinatorObserver = _NoObserver()
 class CoordinatorTelemetry:
     """The coordinator's metrics on ``registry`` (a new one by default), fed as its observer.
 
-    ``queue_depth`` / ``in_flight`` and ``checkpoint`` are read at scrape time. The
-    ``ps_recoveries`` counter is incremented by parameter-server recovery (labels
-    ``server``, ``result``). ``serve(host, port)`` starts the HTTP endpoint; ``close()`` stops it.
+    ``queue_depth`` / ``in_flight`` and ``checkpoint`` are read at scrape time.
+    Parameter-server recovery reports through ``parameter_server_recovered``. ``serve(host, port)`` starts the HTTP endpoint; ``close()`` stops it.
     """
 
     def __init__(
@@ -127,6 +127,10 @@ class CoordinatorTelemetry:
         self.ps_recoveries = Counter(f"{PREFIX}ps_recoveries",
                                      "Parameter servers restored after a restart, by server and result.",
                                      ["server", "result"], registry=self.registry)
+        self.ps_recovery_seconds = Histogram(f"{PREFIX}ps_recovery_seconds",
+                                             "Seconds from noticing a restarted parameter server to its restore.",
+                                             buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
+                                             registry=self.registry)
         for outcome in ("succeeded", "failed", "cancelled"):  # every series from the start: rate() needs it
             self.finished.labels(outcome)
         for change in ("joined", "left"):
@@ -158,6 +162,14 @@ class CoordinatorTelemetry:
         change = self._workers.set(address, state)
         if change is not None:
             self.membership.labels(change).inc()
+
+    # ---------------------------------------------------------------- parameter-server recovery
+
+    def parameter_server_recovered(self, server: str, result: str, seconds: float) -> None:
+        """A recovery of the parameter server at ``server`` ended with ``result`` (e.g. "restored",
+        "failed") after ``seconds``: counts it and observes its duration."""
+        self.ps_recoveries.labels(server, result).inc()
+        self.ps_recovery_seconds.observe(seconds)
 
     # ---------------------------------------------------------------- the endpoint
 

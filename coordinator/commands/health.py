@@ -20,7 +20,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    return probe(args)
+    try:
+        return probe(args)
+    except ValueError as err:  # an address that is not host:port
+        parser.error(str(err))
+    return 2
 
 
 if __name__ == "__main__":
