@@ -126,8 +126,8 @@ class ParameterServerStrategy(SingleReplicaStrategy):
     ):
         env = os.environ if environ is None else environ
         self.cluster = cluster or ClusterSpec.from_env(environ=env)
-        if not self.cluster.workers:
-            raise ValueError("ParameterServerStrategy needs at least one worker in the cluster")
+        if not self.cluster.workers and self.cluster.worker_service is None:
+            raise ValueError("ParameterServerStrategy needs at least one worker (or a worker service) in the cluster")
         self.variable_partitioner = variable_partitioner
         self.token = token if token is not None else env.get(TOKEN_ENV) or None
         if not max_value_age >= 0:

@@ -58,3 +58,13 @@ def test_addresses(address: str, expected: tuple[str, int]) -> None:
     assert hp._split(address) == expected
     with pytest.raises(ValueError):
         hp._split("ps0")
+
+
+def test_the_psserver_package_names_its_exports_and_imports_them_when_first_used() -> None:
+    import paramserve.psserver as psserver
+    from paramserve.psserver.server import build_server
+
+    assert sorted(psserver.__all__) == sorted(psserver._HOMES)
+    assert psserver.build_server is build_server
+    with pytest.raises(AttributeError):
+        psserver.no_such_name  # noqa: B018
