@@ -154,7 +154,7 @@ class ClosureQueue:
             if self._closed is not None:
                 raise self._closed
             if self._error is not None:
-                self._cancel(closure, self._error)
+                closure.cancel(self._error)  # never queued (schedule raises the error): not counted
                 return
             if not ready:
                 raise TimeoutError(
