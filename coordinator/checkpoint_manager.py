@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import os
 import pathlib
+import time
 from collections import defaultdict
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from paramserve.coordinator.telemetry import CheckpointRecord
 from paramserve.psserver import checkpoint
 from paramserve.psserver.atomic_files import atomic_torch_save
 from paramserve.psserver.errors import CheckpointError
@@ -74,8 +76,8 @@ class CheckpointManager:
         path = checkpoint.save_checkpoint(
             self.directory, states, extra={STEP_KEY: int(step), **(extra or {})}, keep=self.max_to_keep
         )
-        self.strategy.last_checkpoint = path
         log.info("checkpoint of step %d written to %s (%d shards)", step, path, len(states))
+        self.strategy.last_checkpoint = CheckpointRecord(int(step), str(path), time.time())
         return path
 
     def restore_or_initialize(self) -> int | None:
@@ -109,10 +111,18 @@ class CheckpointManager:
         with self.strategy.quiesced():
             self.strategy.restore_states(dict(states), layouts)
         self.strategy.materialize()  # variables the checkpoint does not hold (none, once checked)
-        self.strategy.last_checkpoint = resolved
         step = int(manifest.extra.get(STEP_KEY, 0))
         log.info("restored step %d from %s onto %d parameter servers", step, resolved, self.strategy.cluster.num_ps())
+        self.strategy.last_checkpoint = CheckpointRecord(step, str(resolved), _written_at(resolved))
         return step
+
+
+def _written_at(path: pathlib.Path) -> float:
+    """When the checkpoint at ``path`` was written (its directory's modification time, Unix)."""
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return time.time()
 
 
 def _check_compatible(manifest: checkpoint.Manifest, layouts: Mapping[str, Any], path: pathlib.Path) -> None:

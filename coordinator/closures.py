@@ -28,6 +28,7 @@ from paramserve.coordinator.errors import (
     InvalidTransitionError,
 )
 from paramserve.coordinator.remote_value import RemoteValue
+from paramserve.coordinator.telemetry import NO_OBSERVER, CoordinatorObserver
 from paramserve.worker.resources import PerWorkerResource
 
 __all__ = ["Closure", "ClosureQueue", "ClosureState", "InFlight", "find_resource_ids"]
@@ -119,12 +120,14 @@ class ClosureQueue:
     Also holds the first error of a failed closure until the coordinator
     raises it (``take_error``); when that error is recorded, every queued
     closure is cancelled at once (TF cancels them when the error is raised).
+    ``observer`` hears of each closure queued and each that reached a final state.
     """
 
-    def __init__(self, max_queued: int):
+    def __init__(self, max_queued: int, observer: CoordinatorObserver = NO_OBSERVER):
         if max_queued < 1:
             raise ValueError(f"max_queued must be >= 1, got {max_queued}")
         self._max = max_queued
+        self._observer = observer
         self._cond = threading.Condition()
         self._queue: collections.deque[Closure] = collections.deque()
         self._in_flight: dict[str, tuple[Closure, str]] = {}
@@ -153,7 +156,7 @@ class ClosureQueue:
             if self._closed is not None:
                 raise self._closed
             if self._error is not None:
-                closure.cancel(self._error)
+                closure.cancel(self._error)  # never queued (schedule raises the error): not counted
                 return
             if not ready:
                 raise TimeoutError(
@@ -161,6 +164,7 @@ class ClosureQueue:
                     f"(the limit) and none finished within {timeout:g}s; are the workers alive?"
                 )
             self._queue.append(closure)
+            self._observer.closure_scheduled(closure)
             self._cond.notify_all()
         self._waker()
 
@@ -176,7 +180,7 @@ class ClosureQueue:
             reason = self._closed or self._error
             for closure in reversed(closures):
                 if reason is not None:
-                    closure.cancel(reason)
+                    self._cancel(closure, reason)
                 else:
                     self._queue.appendleft(closure)
             self._cond.notify_all()
@@ -203,6 +207,7 @@ class ClosureQueue:
             self._leave_flight(closure)
             closure.transition(ClosureState.SUCCEEDED)
             closure.remote_value.set_result(value)
+            self._observer.closure_finished(closure)
             self._cond.notify_all()
 
     def fail(self, closure: Closure, error: ClosureError, not_run: Sequence[Closure] = ()) -> bool:
@@ -214,9 +219,10 @@ class ClosureQueue:
             for sibling in not_run:
                 self._leave_flight(sibling)
                 sibling.transition(ClosureState.QUEUED)
-                sibling.cancel(error)
+                self._cancel(sibling, error)
             closure.transition(ClosureState.FAILED)
             closure.remote_value.set_error(error)
+            self._observer.closure_finished(closure)
             first = self._error is None
             if first:
                 self._error = error
@@ -300,8 +306,12 @@ class ClosureQueue:
     def _cancel_queued(self, reason: BaseException) -> int:
         count = len(self._queue)
         while self._queue:
-            self._queue.popleft().cancel(reason)
+            self._cancel(self._queue.popleft(), reason)
         return count
+
+    def _cancel(self, closure: Closure, reason: BaseException) -> None:
+        closure.cancel(reason)
+        self._observer.closure_finished(closure)
 
 
 # -------------------------------------------------------------------- resource references

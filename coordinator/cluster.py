@@ -2,14 +2,19 @@
 
 A ``ClusterSpec`` is resolved field by field, first match wins:
 
-1. explicit flags (``ps``, ``workers``, ``chief``),
+1. explicit flags (``ps``, ``workers``, ``chief``, ``worker_service``),
 2. ``PARAMSERVE_PS`` / ``PARAMSERVE_WORKERS`` (comma-separated ``host:port``),
+   ``PARAMSERVE_WORKER_SERVICE`` (one ``name:port``),
 3. ``TF_CONFIG`` (the JSON TensorFlow uses: ``{"cluster": {...}, "task": {...}}``; read by
    ``psserver.tf_config``, which the servers share).
 
+A worker service is a DNS name whose every address is a worker (a Compose service
+scaled with ``--scale``, a Kubernetes headless Service): the coordinator resolves it
+again and again and the workers it finds join and leave (``coordinator.discovery``).
+
 Every ``ClusterSpec`` that exists is valid: addresses parse, none repeats, there
-is at least one parameter server and one worker. Secrets (the auth token) are
-not part of it. Nothing here reads ``os.environ`` unless the caller leaves
+is at least one parameter server and one worker or a worker service. Secrets (the
+auth token) are not part of it. Nothing here reads ``os.environ`` unless the caller leaves
 ``environ`` unset.
 """
 
@@ -37,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 PS_ENV = "PARAMSERVE_PS"
 WORKERS_ENV = "PARAMSERVE_WORKERS"
+WORKER_SERVICE_ENV = "PARAMSERVE_WORKER_SERVICE"
 
 
 # --------------------------------------------------------------------------- specs
@@ -46,33 +52,41 @@ WORKERS_ENV = "PARAMSERVE_WORKERS"
 class ClusterSpec:
     """The addresses (``"host:port"``) of a parameter-server cluster; valid by construction.
 
-    Raises ``ClusterSpecError`` when there is no parameter server, no worker, an
-    address that does not parse, or the same address twice anywhere.
+    ``workers`` are the workers listed; ``worker_service`` (``"name:port"``), when set, is a
+    DNS name whose addresses are workers too, found while training runs
+    (``coordinator.discovery``). Raises ``ClusterSpecError`` when there is no parameter
+    server, no worker and no worker service, an address that does not parse, or the same
+    address twice anywhere.
     """
 
     parameter_servers: tuple[str, ...]
-    workers: tuple[str, ...]
+    workers: tuple[str, ...] = ()
     chief: str | None = None
+    worker_service: str | None = None
 
     def __post_init__(self) -> None:
         ps = _as_address_tuple(self.parameter_servers, "parameter_servers")
         workers = _as_address_tuple(self.workers, "workers")
         chief = self.chief.strip() if isinstance(self.chief, str) else self.chief
-        _check_cluster(ps, workers, chief)
+        service = _as_service(self.worker_service)
+        _check_cluster(ps, workers, chief, service)
         object.__setattr__(self, "parameter_servers", ps)
         object.__setattr__(self, "chief", chief)
         object.__setattr__(self, "workers", workers)
+        object.__setattr__(self, "worker_service", service)
 
     def num_ps(self) -> int:
         """How many parameter servers the cluster has."""
         return len(self.parameter_servers)
 
     def num_workers(self) -> int:
-        """How many workers the cluster has."""
+        """How many workers the cluster lists (those of a worker service come and go:
+        ``ClusterCoordinator.num_workers`` counts them)."""
         return len(self.workers)
 
     def as_tf_config_cluster(self) -> dict[str, list[str]]:
-        """The ``cluster`` part of a TF_CONFIG: ``{"ps": [...], "worker": [...], "chief": [...]}``."""
+        """The ``cluster`` part of a TF_CONFIG: ``{"ps": [...], "worker": [...], "chief": [...]}``
+        (TF_CONFIG has no worker service: only the listed workers)."""
         cluster = {"ps": list(self.parameter_servers), "worker": list(self.workers)}
         if self.chief is not None:
             cluster["chief"] = [self.chief]
@@ -97,8 +111,8 @@ class ClusterSpec:
         """Resolve each field from flags, then PARAMSERVE_PS / PARAMSERVE_WORKERS, then TF_CONFIG.
 
         ``argv_flags`` may hold ``ps`` and ``workers`` (a list of addresses or one
-        comma-separated string; None means not given) and ``chief``; other keys
-        are ignored, so ``vars(argparse_namespace)`` works. ``environ`` defaults
+        comma-separated string; None means not given), ``chief`` and ``worker_service``
+        (``PARAMSERVE_WORKER_SERVICE`` otherwise); other keys are ignored, so ``vars(argparse_namespace)`` works. ``environ`` defaults
         to ``os.environ``; an empty variable counts as unset. A TF_CONFIG that is
         set must be valid even when flags override parts of it. Raises
         ``ClusterSpecError``.
@@ -112,21 +126,23 @@ class ClusterSpec:
             flags.get("workers"), "flag workers", env.get(WORKERS_ENV), WORKERS_ENV, jobs, "worker"
         )
         chief = _resolve_chief(flags.get("chief"), jobs)
-        if ps is None and workers is None and jobs is None:
+        service = _resolve_service(flags.get("worker_service"), env.get(WORKER_SERVICE_ENV))
+        if ps is None and workers is None and jobs is None and service is None:
             raise ClusterSpecError(
                 "no cluster description: pass the ps and workers flags, set "
-                f"{PS_ENV} and {WORKERS_ENV} (comma-separated host:port), or set "
-                f"{TF_CONFIG_ENV}, e.g. {EXAMPLE_TF_CONFIG}"
+                f"{PS_ENV} and {WORKERS_ENV} (comma-separated host:port) or {WORKER_SERVICE_ENV} "
+                f"(a DNS name:port whose addresses are the workers), or set {TF_CONFIG_ENV}, e.g. {EXAMPLE_TF_CONFIG}"
             )
         spec = _build(
             ps or _Resolved((), f"flag ps, {PS_ENV} or TF_CONFIG cluster.ps"),
-            workers or _Resolved((), f"flag workers, {WORKERS_ENV} or TF_CONFIG cluster.worker"),
+            workers or _Resolved((), f"flag workers, {WORKERS_ENV}, {WORKER_SERVICE_ENV} or TF_CONFIG cluster.worker"),
             chief,
+            service,
         )
         logger.info(
-            "cluster: %d parameter servers from %s, %d workers from %s, chief %s",
+            "cluster: %d parameter servers from %s, %d workers from %s, worker service %s, chief %s",
             spec.num_ps(), ps.source if ps else "nowhere", spec.num_workers(),
-            workers.source if workers else "nowhere", spec.chief or "none",
+            workers.source if workers else "nowhere", spec.worker_service or "none", spec.chief or "none",
         )
         return spec
 
@@ -151,9 +167,10 @@ class _Resolved:
     source: str
 
 
-def _build(ps: _Resolved, workers: _Resolved, chief: _Resolved | None) -> ClusterSpec:
+def _build(ps: _Resolved, workers: _Resolved, chief: _Resolved | None,
+           service: _Resolved | None = None) -> ClusterSpec:
     # Addresses are checked here first so that an error names where the bad one came from.
-    for resolved in (ps, workers, chief):
+    for resolved in (ps, workers, chief, service):
         if resolved is not None:
             _check_addresses(resolved)
     if not ps.addresses:
@@ -161,13 +178,13 @@ def _build(ps: _Resolved, workers: _Resolved, chief: _Resolved | None) -> Cluste
             f"the cluster has no parameter servers (looked in {ps.source}): ParameterServerStrategy "
             "keeps variables on them; give at least one host:port"
         )
-    if not workers.addresses:
+    if not workers.addresses and service is None:
         raise ClusterSpecError(
             f"the cluster has no workers (looked in {workers.source}): ParameterServerStrategy runs "
-            "every step on a worker; give at least one host:port"
+            "every step on a worker; give at least one host:port, or a worker service name:port"
         )
     chief_address = chief.addresses[0] if chief is not None and chief.addresses else None
-    return ClusterSpec(ps.addresses, workers.addresses, chief_address)
+    return ClusterSpec(ps.addresses, workers.addresses, chief_address, service.addresses[0] if service else None)
 
 
 def _check_addresses(resolved: _Resolved) -> None:
@@ -188,6 +205,16 @@ def _resolve_addresses(
         return _Resolved(_split_commas(env_value, env_name), env_name)
     if jobs is not None and job in jobs:
         return _Resolved(jobs[job], f"TF_CONFIG cluster.{job}")
+    return None
+
+
+def _resolve_service(flag: Any, env_value: str | None) -> _Resolved | None:
+    if flag is not None:
+        if not isinstance(flag, str):
+            raise ClusterSpecError(f"flag worker_service is a {type(flag).__name__}: pass one \"name:port\" string")
+        return _Resolved((flag.strip(),), "flag worker_service")
+    if env_value is not None and env_value.strip():
+        return _Resolved((env_value.strip(),), WORKER_SERVICE_ENV)
     return None
 
 
@@ -240,16 +267,28 @@ def _as_address_tuple(value: Any, name: str) -> tuple[str, ...]:
     return tuple(v.strip() for v in value)
 
 
-def _check_cluster(ps: tuple[str, ...], workers: tuple[str, ...], chief: str | None) -> None:
+def _as_service(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ClusterSpecError(f"ClusterSpec.worker_service must be one \"name:port\" string or None, got {value!r}")
+    try:
+        parse_address(value.strip())
+    except ClusterSpecError as e:
+        raise ClusterSpecError(f"ClusterSpec.worker_service: {e}") from None
+    return value.strip()
+
+
+def _check_cluster(ps: tuple[str, ...], workers: tuple[str, ...], chief: str | None, service: str | None) -> None:
     if not ps:
         raise ClusterSpecError(
             "the cluster has no parameter servers: ParameterServerStrategy keeps variables on them; "
             "give at least one host:port"
         )
-    if not workers:
+    if not workers and service is None:
         raise ClusterSpecError(
             "the cluster has no workers: ParameterServerStrategy runs every step on a worker; "
-            "give at least one host:port"
+            "give at least one host:port, or a worker service name:port"
         )
     if chief is not None and not isinstance(chief, str):
         raise ClusterSpecError(f"ClusterSpec.chief must be a \"host:port\" string or None, got {chief!r}")

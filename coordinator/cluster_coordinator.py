@@ -7,7 +7,9 @@ one; an error of the user's code is raised by the next ``schedule``,
 ``join`` or ``done`` (and by that closure's ``fetch``), after the queued
 closures are cancelled. Threads: one, ``paramserve-dispatch``, running every
 worker's dispatcher on an event loop (``coordinator.dispatch``), however many
-workers there are.
+workers there are; with a worker service in the cluster, ``paramserve-discovery``
+resolving it (``coordinator.discovery``). Metrics: ``coordinator.telemetry``, served over
+HTTP with ``metrics_port``.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any, NoReturn, Protocol
 from paramserve.coordinator import nest
 from paramserve.coordinator.closures import Closure, ClosureQueue, find_resource_ids
 from paramserve.coordinator.cluster import ClusterSpec
+from paramserve.coordinator.discovery import DiscoveryPolicy, Resolver, WorkerDiscovery, resolve_dns
 from paramserve.coordinator.dispatch import (
     DispatchLoop,
     GrpcTransport,
@@ -38,6 +41,7 @@ from paramserve.coordinator.errors import CoordinatorClosedError
 from paramserve.coordinator.failures import FailurePolicy
 from paramserve.coordinator.ps_recovery import ParameterServerRecovery, RecoveryPolicy
 from paramserve.coordinator.remote_value import RemoteValue, fetch_structure
+from paramserve.coordinator.telemetry import CoordinatorTelemetry
 from paramserve.psserver import convert
 from paramserve.psserver.errors import ConfigurationError
 from paramserve.psserver.security import ClientTls, unauthenticated_workers
@@ -76,6 +80,8 @@ class CoordinatorConfig:
     to sign replies, no TLS to verify the worker): refused unless set."""
     recovery: RecoveryPolicy = field(default_factory=RecoveryPolicy)
     """How failed parameter servers are recovered (coordinator.ps_recovery)."""
+    discovery: DiscoveryPolicy = field(default_factory=DiscoveryPolicy)
+    """How often a worker service is resolved, and how long a worker missing from it stays."""
 
 
 def _check_workers_authenticate(workers: Sequence[str], *, token: str | None, tls: ClientTls | None,
@@ -116,14 +122,20 @@ def _recoverable(strategy: object) -> bool:
 
 
 def _stop_dispatch(queue: ClosureQueue, pool: DispatchLoop, timeout: float,
-                   recovery: ParameterServerRecovery | None = None) -> int:
-    """Stops recovering servers, closes the queue (cancelling what waits) and stops the dispatch
-    thread; returns how many queued closures were cancelled."""
+                   recovery: ParameterServerRecovery | None = None, discovery: WorkerDiscovery | None = None,
+                   telemetry: CoordinatorTelemetry | None = None) -> int:
+    """Stops recovering servers and discovering workers, closes the queue (cancelling what
+    waits), stops the dispatch thread and the metrics endpoint; returns how many queued
+    closures were cancelled."""
     if recovery is not None:
         recovery.stop(timeout)
+    if discovery is not None and not discovery.stop(timeout):
+        log.error("the discovery thread still runs after %ss", timeout)
     cancelled = queue.close(CoordinatorClosedError("the ClusterCoordinator was shut down"))
     if not pool.stop(timeout):
         log.error("the dispatch thread still runs after %ss", timeout)
+    if telemetry is not None:
+        telemetry.close()
     return cancelled
 
 
@@ -131,7 +143,10 @@ class ClusterCoordinator:
     """Schedules functions to run on the workers of ``strategy.cluster``.
 
     ``config`` tunes queue size, deadlines and the failure policy;
-    ``transport_factory`` (address -> WorkerTransport) replaces gRPC in tests.
+    ``transport_factory`` (address -> WorkerTransport) replaces gRPC in tests, and
+    ``resolver`` (``"name:port"`` -> addresses) the DNS lookup of ``strategy.cluster.worker_service``.
+    ``metrics_port`` serves ``telemetry`` (Prometheus) at ``http://metrics_host:port/metrics``
+    (0: a free port, then ``metrics_port`` says which).
     Starts the dispatch thread; call ``shutdown()`` (or use it as a context manager) to stop it.
     """
 
@@ -141,10 +156,20 @@ class ClusterCoordinator:
         config: CoordinatorConfig | None = None,
         *,
         transport_factory: Callable[[str], WorkerTransport] | None = None,
+        metrics_port: int | None = None,
+        metrics_host: str = "0.0.0.0",
+        resolver: Resolver = resolve_dns,
     ):
         self.strategy = strategy
         self.config = config or CoordinatorConfig()
-        self._queue = ClosureQueue(self.config.max_queued)
+        # The telemetry's callbacks hold the queue and the strategy, never the coordinator (see
+        # the finalizer below).
+        self.telemetry = CoordinatorTelemetry(
+            queue_depth=lambda: queue.num_queued,
+            in_flight=lambda: queue.num_in_flight,
+            checkpoint=lambda: getattr(strategy, "last_checkpoint", None),
+        )
+        self._queue = queue = ClosureQueue(self.config.max_queued, observer=self.telemetry)
         self._specs = ResourceSpecs()
         self._closed = False
         self._lock = threading.Lock()
@@ -164,15 +189,28 @@ class ClusterCoordinator:
             max_value_age=strategy.max_value_age,
             max_batch=self.config.max_batch,
             on_server_failure=self.recovery.report if self.recovery is not None else None,
+            observer=self.telemetry,
         )
         if self.recovery is not None:
+            self.recovery.observer = self.telemetry
             self.recovery.start(self._pool)
+        self._discovery: WorkerDiscovery | None = None
+        if strategy.cluster.worker_service is not None:
+            self._discovery = WorkerDiscovery(
+                strategy.cluster.worker_service, self._pool, resolver=resolver, policy=self.config.discovery,
+                static=frozenset(strategy.cluster.workers),
+            )
         # Dropped without shutdown() (or alive at interpreter exit): the dispatch thread stops.
-        # The callback holds the queue, the loop and the recovery, never the coordinator itself.
+        # The callback holds the queue, the loop, recovery and discovery, never the coordinator itself.
         self._finalizer = weakref.finalize(self, _stop_dispatch, self._queue, self._pool, self.config.shutdown_timeout,
-                                           self.recovery)
+                                           self.recovery, self._discovery, self.telemetry)
         for address in strategy.cluster.workers:
             self._pool.add_worker(address)
+        if self._discovery is not None:
+            self._discovery.step()  # the workers running now join before the first schedule()
+            self._discovery.start()
+        if metrics_port is not None:
+            self.telemetry.serve(metrics_host, metrics_port)
         attach = getattr(strategy, "_attach_coordinator", None)
         if attach is not None:
             attach(self)
@@ -263,7 +301,13 @@ class ClusterCoordinator:
 
     @property
     def num_workers(self) -> int:
+        """Workers in the cluster now (listed ones, and those a worker service gave)."""
         return self._pool.num_workers()
+
+    @property
+    def metrics_port(self) -> int | None:
+        """The port of the metrics endpoint, None without one."""
+        return self.telemetry.port
 
     @property
     def closed(self) -> bool:
@@ -278,7 +322,8 @@ class ClusterCoordinator:
                 return
             self._closed = True
         self._finalizer.detach()
-        cancelled = _stop_dispatch(self._queue, self._pool, self.config.shutdown_timeout, self.recovery)
+        cancelled = _stop_dispatch(self._queue, self._pool, self.config.shutdown_timeout, self.recovery,
+                                   self._discovery, self.telemetry)
         log.info("coordinator shut down (%d queued closures cancelled)", cancelled)
 
     def paused(self, timeout: float | None = None) -> contextlib.AbstractContextManager[None]:

@@ -56,6 +56,7 @@ from paramserve.coordinator.failures import (
     decide_on_closure_error,
     decide_on_rpc_failure,
 )
+from paramserve.coordinator.telemetry import NO_OBSERVER, CoordinatorObserver
 from paramserve.psserver.security import (
     REPLY_NONCE_METADATA_KEY,
     REPLY_SIGNATURE_METADATA_KEY,
@@ -291,9 +292,11 @@ class Dispatcher:
         max_value_age: float = 0.0,
         sizer: BatchSizer | None = None,
         server_failed: Callable[[str], None] | None = None,
+        observer: CoordinatorObserver = NO_OBSERVER,
     ):
         self.address = address
         self._server_failed = server_failed
+        self._observer = observer
         self.index = index
         self._sizer = sizer or BatchSizer()
         self._queue = queue
@@ -307,6 +310,7 @@ class Dispatcher:
         self._held: frozenset[str] = frozenset()
         self._cluster_held = ""  # fingerprint of the cluster context the worker is known to hold
         self._incarnation: str | None = None
+        observer.worker_state(address, self._state.value)
 
     @property
     def state(self) -> WorkerState:
@@ -428,6 +432,7 @@ class Dispatcher:
             if decision.action is Action.RETRY_ELSEWHERE:
                 closure.attempt += 1
                 retry.append(closure)
+                self._observer.closure_retried(closure, failure.code)
                 continue
             assert decision.error_type is not None
             self._queue.fail(closure, decision.error_type(
@@ -493,6 +498,7 @@ class Dispatcher:
             return
         previous = self._state
         self._state = InvalidTransitionError.check(TRANSITIONS, previous, to, f"worker {self.address}")
+        self._observer.worker_state(self.address, to.value)
         log.info("worker %d (%s): %s -> %s (%s)", self.index, self.address, previous.name, to.name, reason)
 
 
@@ -530,8 +536,10 @@ class DispatchLoop:
         max_value_age: float = 0.0,
         max_batch: int = 8,
         on_server_failure: Callable[[str], None] | None = None,
+        observer: CoordinatorObserver = NO_OBSERVER,
     ):
         self._sizer = BatchSizer(max_batch)
+        self._observer = observer
         self._on_server_failure = on_server_failure
         self._server_hold = False  # dispatch held since a closure saw a parameter server fail
         self._queue = queue
@@ -645,7 +653,7 @@ class DispatchLoop:
         dispatcher = Dispatcher(
             address, index, queue=self._queue, specs=self._specs, transport=self._transport_factory(address),
             cluster_context=self._cluster_context, num_workers=self.num_workers, policy=self._policy,
-            max_value_age=self._max_value_age, sizer=self._sizer,
+            max_value_age=self._max_value_age, sizer=self._sizer, observer=self._observer,
             server_failed=self._server_failed if self._on_server_failure is not None else None,
         )
         self._dispatchers[address] = dispatcher
@@ -659,6 +667,7 @@ class DispatchLoop:
         if dispatcher is None:
             raise KeyError(f"worker {address} is not part of the cluster")
         await self._retire(dispatcher, "removed from the cluster")
+        self._observer.worker_state(address, None)
         log.info("worker %d (%s) left", dispatcher.index, address)
         self._assign()
 

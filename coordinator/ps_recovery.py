@@ -40,6 +40,7 @@ from typing import Any, Protocol
 from paramserve.coordinator.closures import ClosureQueue
 from paramserve.coordinator.dispatch import DispatchLoop
 from paramserve.coordinator.errors import ParameterServerUnavailableError
+from paramserve.coordinator.telemetry import CheckpointRecord
 from paramserve.psserver import checkpoint
 from paramserve.psserver.client import ParameterServerClient
 from paramserve.psserver.types import ShardInfo, ShardRef, ShardState, VariableLayout
@@ -91,7 +92,7 @@ class RecoverableStrategy(Protocol):
     """What recovery needs of a ParameterServerStrategy."""
 
     client: ParameterServerClient
-    last_checkpoint: pathlib.Path | None
+    last_checkpoint: CheckpointRecord | None
 
     @property
     def materialized(self) -> bool: ...
@@ -218,6 +219,10 @@ class ParameterServerRecovery:
         with self._lock:
             self._suspects.add(server)
 
+    def _last_checkpoint(self) -> pathlib.Path | None:
+        record = self._strategy.last_checkpoint
+        return pathlib.Path(record.path) if record is not None else None
+
     def _recover(self, server: int) -> None:
         address = self._addresses[server]
         log.warning("recovering parameter server %s: training paused", address)
@@ -259,7 +264,7 @@ class ParameterServerRecovery:
                 self._restore(server, lost)
                 result = "restored"
                 log.warning("parameter server %s%s lost %d variables: restored from %s (%s)", address,
-                            " restarted and" if restarted else "", len(lost), self._strategy.last_checkpoint,
+                            " restarted and" if restarted else "", len(lost), self._last_checkpoint(),
                             self._policy.recovery_point.value)
             else:
                 log.warning("parameter server %s answers again and holds all its shards: nothing to restore", address)
@@ -327,7 +332,7 @@ class ParameterServerRecovery:
         needed = [name for name in lost if self._strategy.variables[name].checkpointed]
         if not needed:
             return None
-        path = self._strategy.last_checkpoint
+        path = self._last_checkpoint()
         if path is None or not path.exists():
             raise _Unrecoverable(
                 f"it restarted without {len(needed)} variables (e.g. {needed[0]!r}) and this program saved no "

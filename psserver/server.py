@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import pathlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from paramserve.psserver.errors import ParamServeError
 from paramserve.psserver.optimizer import warm_up
@@ -61,6 +64,8 @@ class PushMetrics:
         self.pushes = Counter(
             "paramserve_ps_pushes", "Gradient pushes per shard, by result.", ["result"], registry=registry
         )
+        for result in ("applied", "duplicate", "rejected"):  # every series from the start: rate() needs it
+            self.pushes.labels(result)
         self.staleness = Histogram(
             "paramserve_ps_push_staleness_versions",
             "Shard versions applied between a gradient's pull and its push.",
@@ -75,6 +80,25 @@ class PushMetrics:
 
     def on_rejected(self, error: ParamServeError) -> None:
         self.pushes.labels("rejected").inc()
+
+
+class ShardVersions(Collector):
+    """``paramserve_ps_shard_version{variable, shard}``: each shard's version (the pushes applied
+    to it; a checkpoint keeps it), read from the store when Prometheus scrapes. A version that
+    stops rising while training runs is a stuck shard; one that drops is a restore of an older
+    checkpoint, or a server that came back empty."""
+
+    def __init__(self, store: ShardStore):
+        self._store = store
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "paramserve_ps_shard_version", "A shard's version: the pushes applied to it (kept by checkpoints).",
+            labels=["variable", "shard"],
+        )
+        for info in self._store.list_shards():
+            family.add_metric([info.ref.variable, str(info.ref.shard)], info.version)
+        yield family
 
 
 @dataclass
@@ -103,6 +127,7 @@ def build_server(config: ServerConfig, registry: CollectorRegistry | None = None
         authenticated=bool(config.token),
     )
     servicer = ParameterServerServicer(store, config.chunk_bytes, limits)
+    registry.register(ShardVersions(store))
     service = GrpcService.for_config(
         config, handlers=[generic_handler(servicer)], service_names=[SERVICE_NAME], registry=registry, role="ps"
     )

@@ -50,6 +50,7 @@ from paramserve.psserver.errors import (
     MessageTooLargeError,
     ParamServeError,
 )
+from paramserve.psserver.metrics_http import MetricsEndpoint, register_build_info, serve_metrics
 from paramserve.psserver.security import (
     AUTH_METADATA_KEY,
     REPLY_NONCE_METADATA_KEY,
@@ -208,11 +209,13 @@ def parse(message_cls: type[_T], raw: bytes) -> _T:
 
 
 class RpcMetrics:
-    """Prometheus metrics of one server process, on a registry passed in."""
+    """Prometheus metrics of one server process, on a registry passed in (with the
+    process's ``paramserve_build_info``)."""
 
     def __init__(self, registry: CollectorRegistry, role: str):
         self.registry = registry
         self.role = role
+        register_build_info(registry, role)
         self.rpcs = Counter(
             "paramserve_rpcs", "RPCs handled, by method and status code.",
             ["role", "method", "code"], registry=registry,
@@ -511,7 +514,7 @@ class GrpcService:
         self.host = host
         self._metrics_port_requested = metrics_port
         self.metrics_port: int | None = None
-        self._metrics_http: Any = None
+        self._metrics_http: MetricsEndpoint | None = None
         self._stopped = False
 
     @classmethod
@@ -545,19 +548,14 @@ class GrpcService:
     def start(self) -> "GrpcService":
         self.server.start()
         if self._metrics_port_requested is not None:
-            from prometheus_client import start_http_server
-
             try:
-                http_server, _thread = start_http_server(
-                    self._metrics_port_requested, addr=self.host, registry=self.metrics.registry
-                )
+                self._metrics_http = serve_metrics(self.metrics.registry, self.host, self._metrics_port_requested)
             except OSError as err:
                 self.stop(grace=0)
                 raise ConfigurationError(
                     f"cannot serve metrics on {self.host}:{self._metrics_port_requested}: {err.strerror or err}; "
                     "choose another --metrics-port (0 picks a free one)") from None
-            self._metrics_http = http_server
-            self.metrics_port = int(http_server.server_port)
+            self.metrics_port = self._metrics_http.port
         self._set_health(self._health_pb2.HealthCheckResponse.SERVING)
         return self
 
@@ -569,8 +567,7 @@ class GrpcService:
         self.health.enter_graceful_shutdown()
         self.server.stop(grace).wait()
         if self._metrics_http is not None:
-            self._metrics_http.shutdown()
-            self._metrics_http.server_close()
+            self._metrics_http.stop()
         self._executor.shutdown(wait=True, cancel_futures=True)
 
     def wait(self, timeout: float | None = None) -> bool:

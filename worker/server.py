@@ -6,7 +6,7 @@ import pathlib
 from dataclasses import dataclass
 
 import torch
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from paramserve.psserver.client import ClientConfig, ParameterServerClient
 from paramserve.psserver.serving import DEFAULT_MAX_CONNECTIONS, GrpcService, RunningService, TlsConfig
@@ -51,7 +51,8 @@ class WorkerConfig:
 
 
 class ClosureMetrics:
-    """The core's ClosureObserver: closures by result, their duration, and push counts."""
+    """The core's ClosureObserver: closures by result, their duration, push counts, steps,
+    retried closures and the cluster's size as the coordinator last said it."""
 
     def __init__(self, registry: CollectorRegistry):
         self.closures = Counter(
@@ -64,9 +65,37 @@ class ClosureMetrics:
         self.pushes = Counter(
             "paramserve_worker_pushes", "Shard pushes sent, by result.", ["result"], registry=registry
         )
+        self.steps = Counter(
+            "paramserve_worker_steps", "Steps of closures that succeeded (rate(): this worker's steps/s).",
+            registry=registry,
+        )
+        self.retried = Counter(
+            "paramserve_worker_retried_closures",
+            "Closures received as a retry (attempt > 0: an RPC running them failed, often on another worker).",
+            registry=registry,
+        )
+        self.cluster_workers = Gauge(
+            "paramserve_worker_cluster_workers", "Workers in the cluster, as the last closure's coordinator said.",
+            registry=registry,
+        )
+        self.worker_index = Gauge(
+            "paramserve_worker_index", "This worker's index in the cluster, from the last closure (-1 before one).",
+            registry=registry,
+        )
+        self.worker_index.set(-1)
+        for result in ("ok", "missing_resources", "parameter_server_error", "error"):  # series from the start
+            self.closures.labels(result)
+        for push in ("applied", "duplicate"):
+            self.pushes.labels(push)
 
     def on_closure(self, request: ClosureRequest, outcome: ClosureOutcome) -> None:
         self.closures.labels(_result_label(outcome)).inc()
+        if outcome.error is None:
+            self.steps.inc(max(1, request.steps))
+        if request.attempt > 0:
+            self.retried.inc()
+        self.cluster_workers.set(request.num_workers)
+        self.worker_index.set(request.worker_index)
         self.seconds.observe(outcome.seconds)
         self.pushes.labels("applied").inc(outcome.pushes_applied)
         self.pushes.labels("duplicate").inc(outcome.pushes_duplicate)

@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> DemoSummary:
         optimizer = strategy.optimizer(torch.optim.Adam, lr=args.lr)
         manager = CheckpointManager(strategy, checkpoint_dir, max_to_keep=3)
         step = manager.restore_or_initialize() or 0
-        with ClusterCoordinator(strategy) as coordinator:
+        with ClusterCoordinator(strategy, metrics_port=args.metrics_port) as coordinator:
             batches = iter(coordinator.create_per_worker_dataset(_dataset_fn(args)))
             last = None
             with tqdm(total=args.steps, initial=min(step, args.steps), unit="step", disable=args.quiet, file=sys.stderr) as bar:
@@ -131,6 +131,7 @@ def run(args: argparse.Namespace) -> DemoSummary:
                         bar.set_postfix(loss=f"{float(last.fetch()):.3f}")
             coordinator.join()
             final_loss = float(last.fetch()) if last is not None else float("nan")
+            workers = coordinator.num_workers
         with torch.no_grad():
             accuracy = float((model(x_test).argmax(dim=1) == y_test).float().mean())
         exported = export_state_dict(strategy, checkpoint_dir / "model_state_dict.pt", model)
@@ -140,7 +141,7 @@ def run(args: argparse.Namespace) -> DemoSummary:
         steps=step,
         duration_s=round(time.perf_counter() - started, 2),
         checkpoint_dir=str(checkpoint_dir),
-        workers=spec.num_workers(),
+        workers=workers,
         parameter_servers=spec.num_ps(),
         final_loss=final_loss,
         state_dict=str(exported),
@@ -153,10 +154,11 @@ def _cluster(args: argparse.Namespace) -> Iterator[tuple[Any, str | None]]:
     from paramserve.coordinator.cluster import ClusterSpec
     from paramserve.coordinator.local_cluster import LocalCluster
     from paramserve.psserver.security import check_token
-    from paramserve.psserver.serving import TOKEN_ENV
+    from paramserve.psserver.serving import TOKEN_ENV, read_token_file
 
     if args.cluster_from_env:
-        yield ClusterSpec.from_env(), check_token(os.environ.get(TOKEN_ENV), TOKEN_ENV)
+        token = read_token_file(args.token_file) if args.token_file else check_token(os.environ.get(TOKEN_ENV), TOKEN_ENV)
+        yield ClusterSpec.from_env(), token
         return
     token = secrets.token_hex(16)
     with LocalCluster(num_ps=args.ps, num_workers=args.workers, token=token, extra_ps_args=_tls_args(args, "ps"),
@@ -191,7 +193,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--checkpoint-dir", help="where checkpoints go; an existing one is resumed (default: a new temp dir)")
     parser.add_argument("--checkpoint-every", type=int, default=400, help="steps between checkpoints (default: %(default)s)")
     parser.add_argument("--cluster-from-env", action="store_true",
-                        help="train on the cluster in PARAMSERVE_PS / PARAMSERVE_WORKERS / TF_CONFIG (token: PARAMSERVE_TOKEN) instead of starting one")
+                        help="train on the cluster in PARAMSERVE_PS / PARAMSERVE_WORKERS or PARAMSERVE_WORKER_SERVICE / TF_CONFIG "
+                             "(token: --token-file or PARAMSERVE_TOKEN) instead of starting one")
+    parser.add_argument("--token-file", type=pathlib.Path,
+                        help="with --cluster-from-env: file holding the cluster's shared token (a Compose or Kubernetes secret)")
+    parser.add_argument("--metrics-port", type=int,
+                        help="serve the coordinator's Prometheus metrics on this port (0: a free one; default: none)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the train/test split, the model's initial weights and the workers' shuffling: "
                              "the same seed trains the same way up to the asynchrony of the workers (default: %(default)s)")

@@ -1,8 +1,10 @@
 """``paramserve health ADDRESS``: exit 0 when the server at ADDRESS reports SERVING.
 
-For container health checks and scripts; uses the standard grpc.health.v1 service, over
-TLS when ``--tls-ca`` is given (with a client certificate for servers that require mutual
-TLS: ``--tls-cert`` and ``--tls-key``).
+For scripts; uses the standard grpc.health.v1 service, over TLS when ``--tls-ca`` is given
+(with a client certificate for servers that require mutual TLS: ``--tls-cert`` and
+``--tls-key``). Container health checks use ``paramserve-health``
+(``paramserve.psserver.health_probe``): the same question in plaintext, without loading
+torch.
 """
 
 from __future__ import annotations

@@ -37,6 +37,7 @@ from paramserve.coordinator.strategies import _capture
 from paramserve.coordinator.strategies.base import DefaultStrategy, SingleReplicaStrategy, Strategy
 from paramserve.coordinator.strategies.step_runners import StepFn, StepRunner, add_statistics
 from paramserve.coordinator.strategies.training_state import TrainingCheckpoints
+from paramserve.coordinator.telemetry import CheckpointRecord
 from paramserve.psserver import checkpoint
 from paramserve.psserver.client import ClientConfig, ParameterServerClient, layouts_from_infos
 from paramserve.psserver.errors import VariableExistsError
@@ -126,8 +127,8 @@ class ParameterServerStrategy(SingleReplicaStrategy):
     ):
         env = os.environ if environ is None else environ
         self.cluster = cluster or ClusterSpec.from_env(environ=env)
-        if not self.cluster.workers:
-            raise ValueError("ParameterServerStrategy needs at least one worker in the cluster")
+        if not self.cluster.workers and self.cluster.worker_service is None:
+            raise ValueError("ParameterServerStrategy needs at least one worker (or a worker service) in the cluster")
         self.variable_partitioner = variable_partitioner
         self.token = check_token(token, "token=") if token is not None else check_token(env.get(TOKEN_ENV), TOKEN_ENV)
         if not max_value_age >= 0:
@@ -151,9 +152,9 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         self._context: ClusterContext | None = None
         self._coordinator_ref: Callable[[], Any] = lambda: None  # weak: a dropped coordinator can be collected
         self._generation = 0  # restores so far (ClusterContext.generation)
-        self.last_checkpoint: pathlib.Path | None = None
-        """The checkpoint this program saved or restored last: a restarted parameter server is
-        restored from it (coordinator.ps_recovery)."""
+        self.last_checkpoint: CheckpointRecord | None = None
+        """The newest checkpoint a CheckpointManager wrote or restored: a restarted parameter
+        server is restored from it (coordinator.ps_recovery); ``checkpoint_age_seconds`` reads it."""
         self._access = CoordinatorAccess(self)
         self._hook_handles: list[torch.utils.hooks.RemovableHandle] = []
         self._linked_optimizers: list[torch.optim.Optimizer] = []
@@ -747,7 +748,7 @@ class ServerCheckpoints:
 
     def clear(self) -> None:
         last = self._strategy.last_checkpoint
-        if last is not None and last.parent == self.directory:
+        if last is not None and pathlib.Path(last.path).parent == self.directory:
             self._strategy.last_checkpoint = None
         checkpoint.delete_checkpoints(self.directory)
 

@@ -292,7 +292,7 @@ def test_flag_lists_may_hold_comma_separated_items() -> None:
     "flags, environ, problem, fix",
     [
         ({}, {}, "no cluster description", "set PARAMSERVE_PS and PARAMSERVE_WORKERS"),
-        ({}, {"PARAMSERVE_PS": "p:1"}, "no workers (looked in flag workers, PARAMSERVE_WORKERS or TF_CONFIG",
+        ({}, {"PARAMSERVE_PS": "p:1"}, "no workers (looked in flag workers, PARAMSERVE_WORKERS, PARAMSERVE_WORKER_SERVICE or TF_CONFIG",
          "give at least one host:port"),
         ({}, {"PARAMSERVE_WORKERS": "w:1"}, "no parameter servers (looked in flag ps, PARAMSERVE_PS",
          "give at least one host:port"),

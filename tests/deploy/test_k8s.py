@@ -1,0 +1,117 @@
+"""deploy/k8s: every manifest valid against Kubernetes 1.30's strict schemas, offline
+(kubernetes-validate carries them), and shaped as deploy/README.md says."""
+
+from __future__ import annotations
+
+import pathlib
+import shutil
+import subprocess
+from typing import Any
+
+import pytest
+import yaml
+
+from paramserve.coordinator.commands.cli import build_parser
+
+kubernetes_validate = pytest.importorskip(
+    "kubernetes_validate", reason="kubernetes-validate is not installed: pip install -e '.[test]' brings it")
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+K8S = ROOT / "deploy" / "k8s"
+VERSION = "1.30.0"
+TOKEN_DIR = "/var/run/secrets/paramserve"
+
+
+def manifests() -> list[dict[str, Any]]:
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    return [doc for name in kustomization["resources"] for doc in yaml.safe_load_all((K8S / name).read_text()) if doc]
+
+
+def by_kind(kind: str, name: str) -> dict[str, Any]:
+    [found] = [d for d in manifests() if d["kind"] == kind and d["metadata"]["name"] == name]
+    return found
+
+
+def containers() -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
+    """(workload name, pod spec, container) of every workload."""
+    return [(d["metadata"]["name"], d["spec"]["template"]["spec"], c)
+            for d in manifests() if d["kind"] in ("StatefulSet", "Deployment", "Job")
+            for c in d["spec"]["template"]["spec"]["containers"]]
+
+
+def test_every_file_is_listed_and_every_manifest_is_valid_strictly() -> None:
+    listed = set(yaml.safe_load((K8S / "kustomization.yaml").read_text())["resources"])
+    assert listed == {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
+    for doc in manifests():
+        kubernetes_validate.validate(doc, VERSION, strict=True)  # raises ValidationError
+
+
+def test_the_validator_refuses_unknown_fields_and_kinds() -> None:
+    ps = by_kind("StatefulSet", "ps")
+    ps["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["initialDelay"] = 5
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(ps, VERSION, strict=True)
+    with pytest.raises(kubernetes_validate.ValidationError, match="Statefulset"):
+        kubernetes_validate.validate({**by_kind("StatefulSet", "ps"), "kind": "Statefulset"}, VERSION, strict=True)
+    with pytest.raises(kubernetes_validate.SchemaNotFoundError):
+        kubernetes_validate.validate({**by_kind("StatefulSet", "ps"), "kind": "NoSuchKind"}, VERSION, strict=True)
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (its kustomize) is not installed")
+def test_the_kustomize_base_renders_every_manifest_and_the_token_secret(tmp_path: pathlib.Path) -> None:
+    base = tmp_path / "k8s"
+    shutil.copytree(K8S, base)
+    (base / "paramserve_token.txt").write_text("0123456789abcdef\n")  # what the README has you write
+    rendered = subprocess.run(["kubectl", "kustomize", str(base)], capture_output=True, text=True, timeout=60, check=True)
+    docs = [d for d in yaml.safe_load_all(rendered.stdout) if d]
+    assert sorted((d["kind"], d["metadata"]["name"]) for d in docs) == sorted(
+        [(d["kind"], d["metadata"]["name"]) for d in manifests()] + [("Secret", "paramserve-token")])
+    [secret] = [d for d in docs if d["kind"] == "Secret"]
+    assert set(secret["data"]) == {"token"}
+    for doc in docs:
+        assert doc["metadata"]["labels"]["app.kubernetes.io/part-of"] == "paramserve"
+        kubernetes_validate.validate(doc, VERSION, strict=True)
+
+
+def test_parameter_servers_are_a_statefulset_behind_a_headless_service_named_in_the_cluster_spec() -> None:
+    ps, service = by_kind("StatefulSet", "ps"), by_kind("Service", "ps")
+    assert ps["spec"]["serviceName"] == "ps" and service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["selector"] == ps["spec"]["template"]["metadata"]["labels"]
+    env = {e["name"]: e["value"] for e in by_kind("Job", "coordinator")["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["PARAMSERVE_PS"] == ",".join(f"ps-{i}.ps:5000" for i in range(ps["spec"]["replicas"]))
+    assert env["PARAMSERVE_WORKER_SERVICE"] == "worker:6000"
+
+
+def test_workers_scale_and_are_found_through_their_headless_service() -> None:
+    worker, service = by_kind("Deployment", "worker"), by_kind("Service", "worker")
+    assert service["spec"]["clusterIP"] == "None"
+    assert not service["spec"].get("publishNotReadyAddresses")  # only ready workers get closures
+    assert service["spec"]["selector"] == worker["spec"]["template"]["metadata"]["labels"]
+
+
+def test_the_coordinator_is_a_job_with_the_checkpoint_claim_and_the_token_is_a_generated_secret() -> None:
+    job = by_kind("Job", "coordinator")
+    pod = job["spec"]["template"]["spec"]
+    claims = [v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if "persistentVolumeClaim" in v]
+    assert claims == [by_kind("PersistentVolumeClaim", "checkpoints")["metadata"]["name"]]
+    assert pod["securityContext"]["fsGroup"] == 10001  # the image's user can write the volume
+    [generator] = yaml.safe_load((K8S / "kustomization.yaml").read_text())["secretGenerator"]
+    assert (generator["name"], generator["files"]) == ("paramserve-token", ["token=paramserve_token.txt"])
+    assert generator["options"]["disableNameSuffixHash"] is True  # the manifests name it
+    assert "deploy/k8s/paramserve_token.txt" in (ROOT / ".gitignore").read_text()
+
+
+def test_every_container_is_non_root_has_requests_native_grpc_probes_and_the_token_file() -> None:
+    parser = build_parser()
+    for name, pod, container in containers():
+        assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] == 10001, name
+        assert container["securityContext"]["allowPrivilegeEscalation"] is False, name
+        assert {"cpu", "memory"} <= set(container["resources"]["requests"]), name
+        args = parser.parse_args(container["args"])
+        assert str(args.token_file) == f"{TOKEN_DIR}/token" and args.metrics_port == 9100, name
+        token_volumes = [v["name"] for v in pod["volumes"] if v.get("secret", {}).get("secretName") == "paramserve-token"]
+        assert [m["mountPath"] for m in container["volumeMounts"] if m["name"] in token_volumes] == [TOKEN_DIR]
+        if name != "coordinator":
+            port = args.port
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                assert container[probe]["grpc"] == {"port": port}, f"{name} {probe}"
