@@ -40,7 +40,7 @@ def accuracy(model) -> float:
         return float((model(x_test).argmax(dim=1) == y_test).float().mean())
 
 
-def train(cluster, tmp_path, *, kill_ps: int | None, recovery: RecoveryPolicy | None = None):
+def train(cluster, tmp_path, *, kill_ps: int | None, recovery: RecoveryPolicy | None = None, steps: int = STEPS):
     """STEPS steps in chunks, a checkpoint after each; in chunk KILL_IN_CHUNK parameter server
     ``kill_ps`` is SIGKILLed and restarted empty at its address. Returns the accuracy, the shards
     with their versions and windows, and the coordinator's recoveries."""
@@ -49,7 +49,7 @@ def train(cluster, tmp_path, *, kill_ps: int | None, recovery: RecoveryPolicy | 
     config = CoordinatorConfig(recovery=recovery or RecoveryPolicy())
     with ClusterCoordinator(strategy, config) as coordinator:
         batches = iter(coordinator.create_per_worker_dataset(worker_batches))
-        for chunk in range(STEPS // CHECKPOINT_EVERY):
+        for chunk in range(steps // CHECKPOINT_EVERY):
             values = [coordinator.schedule(train_step, args=(batches, model, optimizer))
                       for _ in range(CHECKPOINT_EVERY)]
             if chunk == KILL_IN_CHUNK and kill_ps is not None:
@@ -73,6 +73,7 @@ def assert_no_push_applied_twice(shards):
             f"{len(state.applied_keys)} distinct pushes"
 
 
+@pytest.mark.timeout(600)  # two trainings of 900 steps
 def test_a_killed_parameter_server_is_restored_and_training_ends_as_well_as_a_clean_run(start_cluster, tmp_path):
     clean_accuracy, clean_shards, _ = train(start_cluster(2, 2, extra_worker_args=WORKER_ARGS), tmp_path / "clean",
                                             kill_ps=None)
@@ -92,14 +93,16 @@ def test_a_killed_parameter_server_is_restored_and_training_ends_as_well_as_a_cl
     assert {s.version for s in clean_shards.values()} == {STEPS}
 
 
+@pytest.mark.timeout(300)
 def test_recovery_to_the_checkpoint_everywhere_keeps_the_servers_consistent(start_cluster, tmp_path):
     cluster = start_cluster(2, 2, extra_worker_args=WORKER_ARGS)
-    _, shards, recoveries = train(cluster, tmp_path, kill_ps=1,
+    _, shards, recoveries = train(cluster, tmp_path, kill_ps=1, steps=(KILL_IN_CHUNK + 1) * CHECKPOINT_EVERY,
                                   recovery=RecoveryPolicy(recovery_point=RecoveryPoint.ALL))
     assert [r.result for r in recoveries] == ["restored"]
     assert_no_push_applied_twice(shards)
     versions = {s.version for s in shards.values()}
-    assert len(versions) == 1 and versions.pop() < STEPS, "every server went back to the same checkpoint"
+    assert len(versions) == 1 and versions.pop() < (KILL_IN_CHUNK + 1) * CHECKPOINT_EVERY, \
+        "every server went back to the same checkpoint"
 
 
 def test_without_recovery_a_dead_parameter_server_is_a_typed_error_at_once(start_cluster):
