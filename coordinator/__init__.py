@@ -15,6 +15,7 @@ from paramserve.coordinator.errors import (
     ParameterServerUnavailableError,
 )
 from paramserve.coordinator.local_cluster import LocalCluster
+from paramserve.coordinator.ps_recovery import RecoveryPoint, RecoveryPolicy
 from paramserve.coordinator.remote_value import RemoteValue, RemoteValueState
 from paramserve.coordinator.sidecar_evaluator import SidecarEvaluator
 from paramserve.coordinator.strategies import (
@@ -54,6 +55,8 @@ __all__ = [
     "OutOfRangeError",
     "ParameterServerStrategy",
     "ParameterServerUnavailableError",
+    "RecoveryPoint",
+    "RecoveryPolicy",
     "ReduceOp",
     "RemoteValue",
     "RemoteValueState",

@@ -96,6 +96,7 @@ class CheckpointManager:
         then pull) or fresh ones, for any number of servers. Raises CheckpointError, before
         anything changes, when the checkpoint does not match the model."""
         resolved = checkpoint.resolve(pathlib.Path(path))
+        checkpoint.sweep_leftovers(resolved.parent)  # what interrupted saves left beside it
         manifest = checkpoint.read_manifest(resolved)
         variables = self.strategy.variables
         layouts = {name: layout for name, layout in self.strategy.plan_layouts().items() if variables[name].checkpointed}

@@ -61,7 +61,8 @@ class Closure:
     """One scheduled call of a function on some worker.
 
     ``attempt`` counts RunClosure calls that failed at the RPC level (it is
-    sent to the worker); ``resends`` counts replies that asked for resources.
+    sent to the worker); ``resends`` counts replies that asked for resources;
+    ``server_waits`` counts failures of a parameter server it waited out.
     Only the dispatcher running a closure changes them.
     """
 
@@ -72,6 +73,7 @@ class Closure:
     closure_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     attempt: int = 0
     resends: int = 0
+    server_waits: int = 0
     state: ClosureState = ClosureState.QUEUED
     remote_value: RemoteValue[Any] = field(init=False)
 
@@ -237,6 +239,18 @@ class ClosureQueue:
         """Cancels every queued closure (RemoteValues CANCELLED); returns how many."""
         with self._cond:
             count = self._cancel_queued(reason)
+            self._cond.notify_all()
+            return count
+
+    def abort(self, error: ClosureError) -> int:
+        """Makes ``error`` pending (unless one is) and cancels every queued closure with it: a
+        failure of no one closure (a parameter server that never came back). Returns how many
+        were cancelled."""
+        with self._cond:
+            if self._error is None:
+                self._error = error
+            count = self._cancel_queued(error)
+            log.error("cancelled %d queued closures: %s", count, _first_line(error))
             self._cond.notify_all()
             return count
 

@@ -22,7 +22,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, Protocol
 
@@ -39,9 +39,12 @@ from paramserve.coordinator.dispatch import (
 )
 from paramserve.coordinator.errors import CoordinatorClosedError
 from paramserve.coordinator.failures import FailurePolicy
+from paramserve.coordinator.ps_recovery import ParameterServerRecovery, RecoveryPolicy
 from paramserve.coordinator.remote_value import RemoteValue, fetch_structure
 from paramserve.coordinator.telemetry import CoordinatorTelemetry
 from paramserve.psserver import convert
+from paramserve.psserver.errors import ConfigurationError
+from paramserve.psserver.security import ClientTls, unauthenticated_workers
 from paramserve.psserver.types import ClusterContext
 from paramserve.worker.resources import PerWorkerResource, WorkerContext
 from paramserve.worker.variables import dumps_closure
@@ -72,8 +75,29 @@ class CoordinatorConfig:
     max_batch: int = 8
     """Queued closures one RunClosures call may carry to a worker (each keeps its own id,
     retries and RemoteValue; batching saves round trips when closures queue up)."""
+    insecure: bool = False
+    """Accept pickled results from workers beyond loopback that nothing authenticates (no token
+    to sign replies, no TLS to verify the worker): refused unless set."""
+    recovery: RecoveryPolicy = field(default_factory=RecoveryPolicy)
+    """How failed parameter servers are recovered (coordinator.ps_recovery)."""
     discovery: DiscoveryPolicy = field(default_factory=DiscoveryPolicy)
     """How often a worker service is resolved, and how long a worker missing from it stays."""
+
+
+def _check_workers_authenticate(workers: Sequence[str], *, token: str | None, tls: ClientTls | None,
+                                insecure: bool) -> None:
+    """Raises ConfigurationError when a worker's replies, which the coordinator unpickles,
+    would come from a process nothing authenticates (unless ``insecure``)."""
+    exposed = unauthenticated_workers(workers, token=token, tls=tls)
+    if exposed and not insecure:
+        raise ConfigurationError(
+            f"workers {', '.join(exposed)} are beyond this machine, and with neither a token nor TLS nothing "
+            "shows that a reply comes from them (the coordinator unpickles replies): set the cluster's token "
+            "(PARAMSERVE_TOKEN or token=), or TLS (ClientConfig(tls_root_certificates=...)), or "
+            "CoordinatorConfig(insecure=True) to accept the risk"
+        )
+    if exposed:
+        log.warning("WARNING: accepting unauthenticated pickled replies from %s (insecure=True)", ", ".join(exposed))
 
 
 class CoordinatedStrategy(Protocol):
@@ -81,6 +105,8 @@ class CoordinatedStrategy(Protocol):
 
     cluster: ClusterSpec
     token: str | None
+    tls: ClientTls | None
+    """How to reach workers over TLS (None: plaintext)."""
     max_value_age: float
     """How old (seconds) the values a worker's last push returned may be to start its next closure."""
 
@@ -89,10 +115,20 @@ class CoordinatedStrategy(Protocol):
 
 
 
+def _recoverable(strategy: object) -> bool:
+    """Whether ``strategy`` holds variables on parameter servers that recovery can restore
+    (a ParameterServerStrategy; not the doubles tests pass)."""
+    return all(hasattr(strategy, name) for name in ("client", "restore_states", "last_checkpoint"))
+
+
 def _stop_dispatch(queue: ClosureQueue, pool: DispatchLoop, timeout: float,
-                   discovery: WorkerDiscovery | None = None, telemetry: CoordinatorTelemetry | None = None) -> int:
-    """Stops discovery, closes the queue (cancelling what waits), stops the dispatch thread and
-    the metrics endpoint; returns how many queued closures were cancelled."""
+                   recovery: ParameterServerRecovery | None = None, discovery: WorkerDiscovery | None = None,
+                   telemetry: CoordinatorTelemetry | None = None) -> int:
+    """Stops recovering servers and discovering workers, closes the queue (cancelling what
+    waits), stops the dispatch thread and the metrics endpoint; returns how many queued
+    closures were cancelled."""
+    if recovery is not None:
+        recovery.stop(timeout)
     if discovery is not None and not discovery.stop(timeout):
         log.error("the discovery thread still runs after %ss", timeout)
     cancelled = queue.close(CoordinatorClosedError("the ClusterCoordinator was shut down"))
@@ -137,17 +173,27 @@ class ClusterCoordinator:
         self._specs = ResourceSpecs()
         self._closed = False
         self._lock = threading.Lock()
-        token, max_bytes = strategy.token, self.config.max_message_bytes
+        self._context = _ContextSource(strategy.cluster_context)
+        token, tls, max_bytes = strategy.token, strategy.tls, self.config.max_message_bytes
+        _check_workers_authenticate(strategy.cluster.workers, token=token, tls=tls, insecure=self.config.insecure)
+        self.recovery: ParameterServerRecovery | None = None
+        """Recovers failed parameter servers (None: recovery is off, or the strategy has none)."""
+        if self.config.recovery.enabled and _recoverable(strategy):
+            self.recovery = ParameterServerRecovery(strategy, queue=self._queue, policy=self.config.recovery)  # type: ignore[arg-type]
         self._pool = DispatchLoop(
             queue=self._queue,
             specs=self._specs,
             policy=self.config.policy,
-            transport_factory=transport_factory or (lambda address: GrpcTransport(address, token, max_bytes)),
-            cluster_context=_ContextSource(strategy.cluster_context),
+            transport_factory=transport_factory or (lambda address: GrpcTransport(address, token, max_bytes, tls)),
+            cluster_context=self._context,
             max_value_age=strategy.max_value_age,
             max_batch=self.config.max_batch,
+            on_server_failure=self.recovery.report if self.recovery is not None else None,
             observer=self.telemetry,
         )
+        if self.recovery is not None:
+            self.recovery.observer = self.telemetry
+            self.recovery.start(self._pool)
         self._discovery: WorkerDiscovery | None = None
         if strategy.cluster.worker_service is not None:
             self._discovery = WorkerDiscovery(
@@ -155,9 +201,9 @@ class ClusterCoordinator:
                 static=frozenset(strategy.cluster.workers),
             )
         # Dropped without shutdown() (or alive at interpreter exit): the dispatch thread stops.
-        # The callback holds the queue and the loop, never the coordinator itself.
+        # The callback holds the queue, the loop, recovery and discovery, never the coordinator itself.
         self._finalizer = weakref.finalize(self, _stop_dispatch, self._queue, self._pool, self.config.shutdown_timeout,
-                                           self._discovery, self.telemetry)
+                                           self.recovery, self._discovery, self.telemetry)
         for address in strategy.cluster.workers:
             self._pool.add_worker(address)
         if self._discovery is not None:
@@ -184,11 +230,14 @@ class ClusterCoordinator:
         Raises TypeError when ``fn`` is not callable or something cannot be
         sent to a worker, ValueError for a bad ``steps`` or an unknown per-worker
         resource, the pending ClosureError of an earlier closure (TF semantics),
-        TimeoutError when the queue stays full, CoordinatorClosedError after shutdown().
+        TimeoutError when the queue stays full, CoordinatorClosedError after shutdown(),
+        and at the first schedule the errors of creating the variables on the servers
+        (VariableExistsError when they hold them from an earlier run).
         """
         closure = self._closure(fn, tuple(args), dict(kwargs or {}), steps)
         self._check_open()
         self._raise_pending_error()
+        self._context()  # the variables exist (created now, on this thread, if new) or this raises
         self._queue.put(closure, self.config.schedule_timeout)
         self._raise_pending_error()
         return closure.remote_value
@@ -273,7 +322,7 @@ class ClusterCoordinator:
                 return
             self._closed = True
         self._finalizer.detach()
-        cancelled = _stop_dispatch(self._queue, self._pool, self.config.shutdown_timeout,
+        cancelled = _stop_dispatch(self._queue, self._pool, self.config.shutdown_timeout, self.recovery,
                                    self._discovery, self.telemetry)
         log.info("coordinator shut down (%d queued closures cancelled)", cancelled)
 

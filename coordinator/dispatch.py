@@ -57,7 +57,17 @@ from paramserve.coordinator.failures import (
     decide_on_rpc_failure,
 )
 from paramserve.coordinator.telemetry import NO_OBSERVER, CoordinatorObserver
-from paramserve.psserver.serving import AUTH_METADATA_KEY, channel_options
+from paramserve.psserver.security import (
+    REPLY_NONCE_METADATA_KEY,
+    REPLY_SIGNATURE_METADATA_KEY,
+    ClientTls,
+    bearer_metadata,
+    new_reply_nonce,
+    open_aio_channel,
+    reply_is_signed,
+    reply_key,
+)
+from paramserve.psserver.serving import channel_options
 from paramserve.wire.v1 import cluster_pb2, worker_pb2
 from paramserve.worker.core import ClosureFailure
 from paramserve.worker.messages import failure_from_proto
@@ -133,32 +143,56 @@ class WorkerTransport(Protocol):
 
 
 class GrpcTransport:
-    """WorkerTransport over grpc.aio, with ``authorization: Bearer <token>`` when a token is set.
-    Create it on the dispatch loop (aio channels belong to the loop that made them)."""
+    """WorkerTransport over grpc.aio. Create it on the dispatch loop (aio channels belong to
+    the loop that made them).
 
-    def __init__(self, address: str, token: str | None, max_message_bytes: int):
+    With a token, a call presents the credential derived from it (never the token) and a
+    fresh nonce, and the worker's reply is accepted only when its signature (HMAC under a key
+    derived from the token, over the method, the nonce and the reply's bytes) holds: the
+    coordinator unpickles results only from a holder of the token. With ``tls`` the channel
+    is TLS (the worker's certificate is verified; a client certificate is presented when
+    ``tls`` has one) and health probes go over TLS too.
+    """
+
+    def __init__(self, address: str, token: str | None, max_message_bytes: int, tls: ClientTls | None = None):
         self.address = address
-        self._metadata = ((AUTH_METADATA_KEY, f"Bearer {token}"),) if token else ()
+        self._token = token
+        self._reply_key = reply_key(token) if token else None
+        self._tls = tls
         self._options = channel_options(max_message_bytes)
         self._channel: grpc.aio.Channel | None = None
         self._call: Any = None
 
     async def run_closures(self, request: worker_pb2.RunClosuresRequest, timeout: float) -> worker_pb2.RunClosuresResponse:
         if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(self.address, options=self._options)
+            self._channel = open_aio_channel(self.address, self._tls, self._options)
             self._call = self._channel.unary_unary(
                 RUN_CLOSURES_METHOD,
                 request_serializer=worker_pb2.RunClosuresRequest.SerializeToString,
-                response_deserializer=worker_pb2.RunClosuresResponse.FromString,
+                response_deserializer=None,  # raw bytes: the signature covers them
             )
+        nonce = new_reply_nonce()
+        metadata = [(REPLY_NONCE_METADATA_KEY, nonce)]
+        if self._token:
+            metadata.append(bearer_metadata(self._token))
         try:
-            return await self._call(request, timeout=timeout, metadata=self._metadata)
+            call = self._call(request, timeout=timeout, metadata=metadata)
+            raw = await call
+            trailers = dict(await call.trailing_metadata() or ())
         except grpc.aio.AioRpcError as err:
             raise RpcFailure(err.code().name, err.details() or "") from None
+        if self._reply_key is not None and not reply_is_signed(
+            self._reply_key, RUN_CLOSURES_METHOD, nonce, raw, trailers.get(REPLY_SIGNATURE_METADATA_KEY)
+        ):
+            # Not unpickled: whatever answered does not hold the cluster's token.
+            raise RpcFailure("UNAUTHENTICATED", f"the reply from {self.address} is not signed with the cluster's "
+                             "token; refusing it (is something else listening at that address, or does the worker "
+                             "have another token?)")
+        return worker_pb2.RunClosuresResponse.FromString(raw)
 
     async def is_serving(self, timeout: float) -> bool:
         # A fresh channel per probe: no reconnect backoff inherited from the dead connection.
-        async with grpc.aio.insecure_channel(self.address, options=self._options) as channel:
+        async with open_aio_channel(self.address, self._tls, self._options) as channel:
             try:
                 reply = await health_pb2_grpc.HealthStub(channel).Check(
                     health_pb2.HealthCheckRequest(service=WORKER_SERVICE), timeout=timeout
@@ -257,10 +291,12 @@ class Dispatcher:
         policy: FailurePolicy,
         max_value_age: float = 0.0,
         sizer: BatchSizer | None = None,
+        server_failed: Callable[[str], None] | None = None,
         observer: CoordinatorObserver = NO_OBSERVER,
         probe_first: bool = False,
     ):
         self.address = address
+        self._server_failed = server_failed
         self._observer = observer
         self.index = index
         self._sizer = sizer or BatchSizer()
@@ -352,9 +388,15 @@ class Dispatcher:
                 continue
             remote = failure_from_proto(result.error)
             decision = decide_on_closure_error(
-                remote, resends=closure.resends, known_resources=self._specs.ids(), policy=self._policy
+                remote, resends=closure.resends, known_resources=self._specs.ids(), policy=self._policy,
+                server_waits=closure.server_waits, servers_recover=self._server_failed is not None,
             )
             self._log_decision(closure, decision)
+            if decision.action is Action.AWAIT_SERVER and self._server_failed is not None:
+                closure.server_waits += 1
+                self._queue.put_back(pending[position:])
+                self._server_failed(remote.parameter_server)
+                return [], frozenset()
             if decision.action is Action.RESEND:
                 closure.resends += 1
                 if remote.needs_cluster:
@@ -496,10 +538,13 @@ class DispatchLoop:
         cluster_context: Callable[[], WireContext],
         max_value_age: float = 0.0,
         max_batch: int = 8,
+        on_server_failure: Callable[[str], None] | None = None,
         observer: CoordinatorObserver = NO_OBSERVER,
     ):
         self._sizer = BatchSizer(max_batch)
         self._observer = observer
+        self._on_server_failure = on_server_failure
+        self._server_hold = False  # dispatch held since a closure saw a parameter server fail
         self._queue = queue
         self._specs = specs
         self._policy = policy
@@ -552,6 +597,10 @@ class DispatchLoop:
             self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout)
         return not self._thread.is_alive()
+
+    def release_server_hold(self) -> None:
+        """Ends the hold a parameter server's failure put on dispatch (the recovery is over)."""
+        self._call(self._release_server_hold())
 
     @contextlib.contextmanager
     def paused(self, timeout: float | None = None) -> Iterator[None]:
@@ -608,7 +657,9 @@ class DispatchLoop:
         dispatcher = Dispatcher(
             address, index, queue=self._queue, specs=self._specs, transport=self._transport_factory(address),
             cluster_context=self._cluster_context, num_workers=self.num_workers, policy=self._policy,
-            max_value_age=self._max_value_age, sizer=self._sizer, observer=self._observer, probe_first=probe_first,
+            max_value_age=self._max_value_age, sizer=self._sizer, observer=self._observer,
+            server_failed=self._server_failed if self._on_server_failure is not None else None,
+            probe_first=probe_first,
         )
         self._dispatchers[address] = dispatcher
         log.info("worker %d (%s) joined%s", index, address, " (probed first)" if probe_first else "")
@@ -644,6 +695,21 @@ class DispatchLoop:
 
     async def _hold(self) -> None:
         self._holds += 1
+
+    def _server_failed(self, server: str) -> None:
+        """A closure saw parameter server ``server`` fail (on the loop): no batch starts until
+        its recovery releases the hold, so closures put back do not spend their waits on a
+        server that is still down."""
+        if not self._server_hold:
+            self._server_hold = True
+            self._holds += 1
+        assert self._on_server_failure is not None
+        self._on_server_failure(server)
+
+    async def _release_server_hold(self) -> None:
+        if self._server_hold:
+            self._server_hold = False
+            await self._release()
 
     async def _release(self) -> None:
         self._holds -= 1

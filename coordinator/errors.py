@@ -132,9 +132,10 @@ class OutOfRangeError(ClosureError):
 
 
 class ParameterServerUnavailableError(ClosureError):
-    """A parameter server the closure used could not be reached. Not retried by the
-    coordinator (as in TF): restore the servers (e.g. from a checkpoint) and reschedule.
-    ``server`` is its address as the worker reported it."""
+    """A parameter server the closure used failed and was not recovered: it did not come back
+    within the recovery policy's ``replacement_timeout``, it lost variables no checkpoint
+    holds, recovery is off (``RecoveryPolicy(enabled=False)``: then the first failure raises,
+    as in TF), or it kept failing (``FailurePolicy.max_server_waits``). ``server`` is its address."""
 
     def __init__(self, *, server: str = "", **fields: object):
         super().__init__(**fields)  # type: ignore[arg-type]

@@ -37,6 +37,9 @@ class Action(enum.Enum):
     RESEND = "resend"
     """Run the closure again on the same worker with what it lacks: per-worker resources' specs
     or the cluster context (it restarted). Not an attempt."""
+    AWAIT_SERVER = "await_server"
+    """A parameter server failed, not the worker or the closure: put the closure back (not an
+    attempt) and have the server recovered (coordinator.ps_recovery) before it runs again."""
     RAISE = "raise"
     """The closure failed: its RemoteValue is ABORTED with ``error_type``."""
 
@@ -66,10 +69,13 @@ class FailurePolicy:
     """Deadline of one health check of a DOWN worker."""
     probe_deadline: float | None = None
     """Give a DOWN worker up (STOPPED) after this long; None: wait for it forever, as TF does."""
+    max_server_waits: int = 5
+    """Times one closure may fail because of a parameter server and wait for its recovery
+    before it fails with ParameterServerUnavailableError."""
 
     def __post_init__(self) -> None:
-        if self.max_attempts < 1 or self.max_resource_resends < 0:
-            raise ValueError("max_attempts must be >= 1 and max_resource_resends >= 0")
+        if self.max_attempts < 1 or self.max_resource_resends < 0 or self.max_server_waits < 0:
+            raise ValueError("max_attempts must be >= 1, max_resource_resends and max_server_waits >= 0")
         positive = (self.closure_timeout, self.probe_initial_backoff, self.probe_max_backoff, self.probe_timeout)
         if min(positive) <= 0 or self.probe_jitter < 0:
             raise ValueError("timeouts and backoffs must be positive, jitter >= 0")
@@ -132,11 +138,14 @@ def decide_on_closure_error(
     resends: int,
     known_resources: Collection[str],
     policy: FailurePolicy,
+    server_waits: int = 0,
+    servers_recover: bool = False,
 ) -> Decision:
     """What to do when a worker ran the closure and replied with an error.
 
-    ``resends`` counts earlier RESEND of this closure;
-    ``known_resources`` are the resource ids the coordinator can send.
+    ``resends`` counts earlier RESEND of this closure and ``server_waits`` its earlier
+    AWAIT_SERVER; ``known_resources`` are the resource ids the coordinator can send;
+    ``servers_recover``: failed parameter servers are recovered (else such a failure raises).
     """
     missing = list(error.missing_resources)
     if missing:
@@ -147,6 +156,18 @@ def decide_on_closure_error(
                             ClosureError)
         return Decision(Action.RESEND, "the worker does not hold the cluster context (it restarted?): resending it")
     if error.parameter_server:
+        if servers_recover and server_waits < policy.max_server_waits:
+            return Decision(
+                Action.AWAIT_SERVER,
+                f"parameter server {error.parameter_server} failed (wait {server_waits + 1} of "
+                f"{policy.max_server_waits}): the closure runs again once it is recovered",
+            )
+        if servers_recover:
+            return Decision(
+                Action.RAISE,
+                f"parameter server {error.parameter_server} still fails after {server_waits} recoveries",
+                ParameterServerUnavailableError,
+            )
         return Decision(
             Action.RAISE,
             f"parameter server {error.parameter_server} is unavailable; closures are not retried for it",

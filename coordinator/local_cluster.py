@@ -36,6 +36,7 @@ from typing import Any, Mapping, Sequence
 
 from paramserve.coordinator.cluster import ClusterSpec
 from paramserve.psserver.cpus import PROCESSES_ENV
+from paramserve.psserver.errors import ConfigurationError
 
 __all__ = ["ClusterState", "LaunchError", "LocalCluster", "PortReport", "ProcessInfo", "parse_port_report"]
 
@@ -48,6 +49,7 @@ _TAIL_LINES = 40
 _TAIL_BYTES = 64 * 1024
 _POLL_SECONDS = 0.02
 _KILL_WAIT_SECONDS = 10.0
+_SUPERVISE_SECONDS = 0.25
 _PORT_FILE_CONTRACT = '{"port": int, "metrics_port": int | null, "pid": int}'
 
 
@@ -122,7 +124,10 @@ class LocalCluster:
     unless ``start()`` failed (pass ``run_dir`` to keep the logs). Children
     inherit ``os.environ`` updated with ``env`` and ``PYTHONUNBUFFERED=1``.
     ``ps_module`` / ``worker_module`` name what ``python -m`` runs; ``extra_*_args``
-    follow the launcher's own flags. Raises ``ValueError`` on a bad configuration.
+    follow the launcher's own flags. With ``supervise``, a thread restarts any child
+    that exits while the cluster runs, on its port (as Compose's or Kubernetes' restart
+    policy would; ``paramserve launch`` supervises). Raises ``ValueError`` on a bad
+    configuration.
     """
 
     def __init__(
@@ -138,6 +143,7 @@ class LocalCluster:
         startup_timeout: float = 60.0,
         ps_module: str = "paramserve.psserver",
         worker_module: str = "paramserve.worker",
+        supervise: bool = False,
     ) -> None:
         _check_config(num_ps, num_workers, token, startup_timeout)
         self._num = {PS: num_ps, WORKER: num_workers}
@@ -156,6 +162,11 @@ class LocalCluster:
         self._token_file: Path | None = None
         self._child_env: dict[str, str] = {}
         self._spec: ClusterSpec | None = None
+        self._supervise = supervise
+        self._stopping = threading.Event()
+        self._supervisor: threading.Thread | None = None
+        self.restarts = 0
+        """Children the supervisor restarted."""
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -185,6 +196,10 @@ class LocalCluster:
                 raise
             self._transition(ClusterState.RUNNING)
             logger.info("local cluster running: %s", self._spec)
+            if self._supervise:
+                self._supervisor = threading.Thread(target=self._supervise_children, name="paramserve-supervisor",
+                                                    daemon=True)
+                self._supervisor.start()
             return self._spec
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -193,6 +208,9 @@ class LocalCluster:
         Safe to call any number of times, from any state; the token file is
         deleted, and the run directory too when the cluster made it.
         """
+        self._stopping.set()
+        if self._supervisor is not None and self._supervisor is not threading.current_thread():
+            self._supervisor.join(timeout)
         with self._lock:
             if self._state is ClusterState.STOPPED:
                 return
@@ -285,6 +303,24 @@ class LocalCluster:
                 _kill_and_reap(new.proc)
                 raise
             logger.info("restarted %s on port %d", new.name, new.port)
+
+    # ------------------------------------------------------------------ supervision
+
+    def _supervise_children(self) -> None:
+        """Restarts children that exited (polling: a child's exit has no event to wait on)."""
+        while not self._stopping.wait(_SUPERVISE_SECONDS):
+            with self._lock:
+                if self._stopping.is_set() or self._state is not ClusterState.RUNNING:
+                    return
+                exited = [c for c in self._all_children() if c.proc.poll() is not None]
+                for child in exited:
+                    logger.warning("%s exited with %s: restarting it on port %d", child.name,
+                                   child.proc.returncode, child.port)
+                    try:
+                        self._restart(child.role, child.index)
+                        self.restarts += 1
+                    except Exception:  # noqa: BLE001 - try again at the next poll
+                        logger.exception("could not restart %s", child.name)
 
     # ------------------------------------------------------------------ internals
 
@@ -441,14 +477,14 @@ def _is_port(value: object) -> bool:
 
 def _check_config(num_ps: int, num_workers: int, token: str | None, startup_timeout: float) -> None:
     if not _is_int(num_ps) or num_ps < 1:
-        raise ValueError(f"num_ps={num_ps!r}: a cluster needs at least one parameter server; pass an integer >= 1")
+        raise ConfigurationError(f"num_ps={num_ps!r}: a cluster needs at least one parameter server; pass an integer >= 1")
     if not _is_int(num_workers) or num_workers < 0:
         # 0 workers is a parameter-server-only cluster (benchmarks, tools); training needs >= 1.
-        raise ValueError(f"num_workers={num_workers!r}: pass an integer >= 0")
+        raise ConfigurationError(f"num_workers={num_workers!r}: pass an integer >= 0")
     if token is not None and (not isinstance(token, str) or not token):
-        raise ValueError("token must be a non-empty string, or None to run without authentication")
+        raise ConfigurationError("token must be a non-empty string, or None to run without authentication")
     if not startup_timeout > 0:
-        raise ValueError(f"startup_timeout={startup_timeout!r}: pass a positive number of seconds")
+        raise ConfigurationError(f"startup_timeout={startup_timeout!r}: pass a positive number of seconds")
 
 
 def _write_secret(path: Path, secret: str) -> Path:

@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import argparse
 import os
+import pathlib
 import sys
 
+from paramserve.psserver.security import writable_directory
 from paramserve.psserver.server import ServerConfig, build_server
+from paramserve.psserver.servicer import DEFAULT_MAX_PULL_BYTES, DEFAULT_MAX_PUSH_BYTES
 from paramserve.psserver.serving import (
     add_server_arguments,
     configure_logging,
+    positive_int,
     resolve_address,
     resolve_tls,
     resolve_token,
     resolve_torch_threads,
+    run_reporting_errors,
     serve_until_signal,
 )
 from paramserve.psserver.store import StoreConfig
@@ -24,22 +29,32 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser = parser or argparse.ArgumentParser(prog="paramserve ps", description=__doc__)
     add_server_arguments(parser)
     data = parser.add_argument_group("data plane")
-    data.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES, help="largest data chunk this server sends (default: %(default)s)")
-    data.add_argument("--max-push-bytes", type=int, default=16 << 30, help="largest gradient part accepted in one push (default: %(default)s)")
-    data.add_argument("--idempotency-capacity", type=int, default=65536, help="push keys remembered per shard for exactly-once updates (default: %(default)s)")
+    data.add_argument("--chunk-bytes", type=positive_int, default=DEFAULT_CHUNK_BYTES, help="largest data chunk this server sends (default: %(default)s)")
+    data.add_argument("--max-push-bytes", type=positive_int, default=DEFAULT_MAX_PUSH_BYTES,
+                      help="largest gradient part one push may declare; checked, with the shard's shape and dtype, "
+                           "before its bytes are received (default: %(default)s)")
+    data.add_argument("--max-pull-bytes", type=positive_int, default=DEFAULT_MAX_PULL_BYTES,
+                      help="most tensor bytes one read request may ask for (default: %(default)s)")
+    data.add_argument("--max-shard-bytes", type=positive_int,
+                      help="largest shard (value and optimizer slots) a variable may be created with (default: half "
+                           "this machine's memory)")
+    data.add_argument("--idempotency-capacity", type=positive_int, default=65536, help="push keys remembered per shard for exactly-once updates (default: %(default)s)")
     data.add_argument("--allow-nonfinite", action="store_true", help="apply gradients holding NaN/Inf instead of rejecting them")
     data.add_argument("--max-staleness", type=int, help="reject pushes computed more than this many versions ago (default: no bound)")
+    data.add_argument("--checkpoint-root", type=pathlib.Path,
+                      help="Save and Restore act only under this directory (relative paths are taken from it). "
+                           "Default: anywhere this user may write when a token is set; a server without a token "
+                           "refuses Save and Restore unless it has a root")
     return parser
 
 
-
-
-
-
 def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ServerConfig:
-    if args.chunk_bytes <= 0 or args.chunk_bytes > args.max_message_bytes - (1 << 20):
-        parser.error("--chunk-bytes must be positive and at least 1 MiB below --max-message-bytes")
+    """The server's configuration; raises ConfigurationError (or exits through ``parser``)
+    for a setting it cannot start with, before anything starts."""
+    if args.chunk_bytes > args.max_message_bytes - (1 << 20):
+        parser.error("--chunk-bytes must be at least 1 MiB below --max-message-bytes")
     host, port = resolve_address(args, parser, "ps", os.environ)
+    token = resolve_token(args, os.environ)
     return ServerConfig(
         host=host,
         port=port,
@@ -48,9 +63,14 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         chunk_bytes=args.chunk_bytes,
         max_message_bytes=args.max_message_bytes,
         max_push_bytes=args.max_push_bytes,
-        token=resolve_token(args, os.environ),
+        max_pull_bytes=args.max_pull_bytes,
+        max_shard_bytes=args.max_shard_bytes,
+        checkpoint_root=writable_directory(args.checkpoint_root, "--checkpoint-root") if args.checkpoint_root else None,
+        token=token,
         torch_threads=resolve_torch_threads(args, parser),
         tls=resolve_tls(args, parser),
+        insecure=args.insecure,
+        max_connections=args.max_connections,
         store=StoreConfig(
             idempotency_capacity=args.idempotency_capacity,
             allow_nonfinite=args.allow_nonfinite,
@@ -59,13 +79,9 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
     )
 
 
-
-
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    return run(parser.parse_args(argv), parser)
+    return run_reporting_errors(run, parser.parse_args(argv), parser)
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

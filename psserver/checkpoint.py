@@ -304,8 +304,12 @@ def sweep_leftovers(root: Path) -> int:
     root = Path(root)
     if not root.is_dir():
         return 0
-    with _exclusive(root):
-        return _sweep_locked(root)
+    try:
+        with _exclusive(root):
+            return _sweep_locked(root)
+    except OSError as exc:  # e.g. a read-only mount: restoring from it still works
+        logger.info("did not sweep %s: %s", root, exc)
+        return 0
 
 
 def save_checkpoint(
@@ -440,6 +444,9 @@ def read_manifest(path: Path) -> Manifest:
         return Manifest(path, FORMAT_VERSION, entries, dict(raw.get("extra") or {}))
     except CheckpointError:
         raise
+    except RecursionError:  # a hostile manifest nested too deeply for the JSON reader
+        raise CheckpointError(f"{path / MANIFEST} nests too deeply to be a manifest; it is not a paramserve "
+                              "checkpoint") from None
     except (OSError, ValueError, KeyError, TypeError, AttributeError, ParamServeError) as exc:
         raise CheckpointError(f"{path / MANIFEST} is unreadable or malformed: {exc!r}") from None
 

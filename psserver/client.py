@@ -31,6 +31,7 @@ from paramserve.psserver.errors import (
     ERROR_TYPES,
     ERROR_VARIABLE_METADATA_KEY,
     AuthenticationError,
+    ConfigurationError,
     DeadlineExceededError,
     DtypeMismatchError,
     IndexOutOfRangeError,
@@ -38,6 +39,7 @@ from paramserve.psserver.errors import (
     InvalidRequestError,
     MessageTooLargeError,
     ParamServeError,
+    PermissionDeniedError,
     ServerUnavailableError,
     ShapeMismatchError,
     VariableNotFoundError,
@@ -49,8 +51,9 @@ from paramserve.psserver.partition import (
     place_shards,
     split_rows,
 )
+from paramserve.psserver.security import ClientTls, bearer_metadata, open_channel
 from paramserve.psserver.servicer import IDEMPOTENCY_METADATA_KEY, SERVICE_NAME
-from paramserve.psserver.serving import AUTH_METADATA_KEY, channel_options
+from paramserve.psserver.serving import channel_options, metadata_text
 from paramserve.psserver.streams import (
     DEFAULT_CHUNK_BYTES,
     byte_buffer,
@@ -93,13 +96,21 @@ _CODE_ERRORS: dict[grpc.StatusCode, type[ParamServeError]] = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: MessageTooLargeError,
     grpc.StatusCode.INVALID_ARGUMENT: InvalidRequestError,
     grpc.StatusCode.NOT_FOUND: VariableNotFoundError,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,
 }
 
 
 @dataclass(frozen=True)
 class ClientConfig:
     token: str | None = None
+    """The cluster's shared token; calls present a credential derived from it, never the token."""
     tls_root_certificates: pathlib.Path | None = None
+    """PEM CA bundle to verify servers that serve TLS; None: plaintext."""
+    tls_cert_chain: pathlib.Path | None = None
+    tls_private_key: pathlib.Path | None = None
+    """The client certificate and key presented to servers that require mutual TLS (both or neither)."""
+    tls_server_name: str | None = None
+    """Check the servers' certificates for this name instead of each address's host."""
     call_timeout: float = 30.0
     """Deadline of one attempt of one RPC, in seconds."""
     retry_deadline: float = 60.0
@@ -110,6 +121,16 @@ class ClientConfig:
     """A server's share of a call whose payload (both ways) is at most this travels as one
     unary Step message each way; larger ones stream in chunks. None: ``chunk_bytes``."""
     max_parallel_calls: int = 16
+
+    def client_tls(self) -> ClientTls | None:
+        """The TLS these settings describe (None: plaintext). Raises ConfigurationError for a
+        client certificate without its key, or TLS client files without a CA bundle."""
+        if self.tls_root_certificates is None:
+            if self.tls_cert_chain is not None or self.tls_private_key is not None:
+                raise ConfigurationError("a TLS client certificate needs the CA bundle that verifies the servers "
+                                         "too (tls_root_certificates, e.g. --ps-tls-ca)")
+            return None
+        return ClientTls(self.tls_root_certificates, self.tls_cert_chain, self.tls_private_key, self.tls_server_name)
 
 
 
@@ -365,6 +386,20 @@ class ParameterServerClient:
             lambda server, _: [convert.info_from_proto(i) for i in self._stubs[server].list_shards(self._call_options()).shards],
         )
 
+    def probe(self, server: int, timeout: float, *, shards: bool = False) -> tuple[str, list[ShardInfo]] | None:
+        """One call of server ``server`` within ``timeout`` seconds, no retries: its store's
+        incarnation (and with ``shards`` the shards it holds), or None when it does not answer.
+        A health check that also tells a restarted server: it answers with a new incarnation."""
+        options = _CallOptions(self.config.token, timeout, timeout)
+        request = ps_pb2.ListShardsRequest(incarnation_only=not shards)
+        try:
+            reply = self._stubs[server].unary("ListShards", request, ps_pb2.ListShardsResponse, options)
+        except grpc.RpcError as err:
+            if err.code() in RETRYABLE_CODES:
+                return None
+            raise typed_error(err, self.addresses[server], None) from None
+        return reply.incarnation, [convert.info_from_proto(i) for i in reply.shards]
+
     def save(self, directory: str, keep: int = 0) -> dict[int, str]:
         """Each server saves its shards under ``directory/ps-<i>`` on its own filesystem."""
         return self._fan_out(
@@ -423,11 +458,7 @@ class ParameterServerClient:
     # ------------------------------------------------------------------ plumbing
 
     def _open_channel(self, address: str) -> grpc.Channel:
-        options = channel_options(self.config.max_message_bytes)
-        if self.config.tls_root_certificates is not None:
-            credentials = grpc.ssl_channel_credentials(self.config.tls_root_certificates.read_bytes())
-            return grpc.secure_channel(address, credentials, options=options)
-        return grpc.insecure_channel(address, options=options)
+        return open_channel(address, self.config.client_tls(), channel_options(self.config.max_message_bytes))
 
     def _call_options(self) -> "_CallOptions":
         return _CallOptions(self.config.token, self.config.call_timeout, self.config.retry_deadline)
@@ -496,7 +527,7 @@ class _CallOptions:
     def metadata(self, *extra: tuple[str, str]) -> list[tuple[str, str]]:
         metadata = list(extra)
         if self.token:
-            metadata.append((AUTH_METADATA_KEY, f"Bearer {self.token}"))
+            metadata.append(bearer_metadata(self.token))
         return metadata
 
 
@@ -754,4 +785,5 @@ def typed_error(err: grpc.RpcError, server: str, variable: str | None) -> ParamS
     details = err.details() or code.name
     if cls is ServerUnavailableError:
         details = f"parameter server unreachable ({code.name}: {details}); check that it runs and the address is right"
-    return cls(details, variable=trailers.get(ERROR_VARIABLE_METADATA_KEY) or variable, server=server)
+    escaped = trailers.get(ERROR_VARIABLE_METADATA_KEY)
+    return cls(details, variable=metadata_text(str(escaped)) if escaped else variable, server=server)

@@ -4,6 +4,10 @@ The core raises these; the servicer maps each to one gRPC status code at a
 single boundary and names the class in the ``paramserve-error`` trailing
 metadata; the client raises the same class again. No code anywhere classifies
 a failure by its message text.
+
+``ConfigurationError`` is the one error here that never crosses the wire: a
+setting a process cannot start with (the ``paramserve`` command prints its
+message as one line and exits with status 2).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ class StatusCode(enum.Enum):
     FAILED_PRECONDITION = "FAILED_PRECONDITION"
     RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
     UNAUTHENTICATED = "UNAUTHENTICATED"
+    PERMISSION_DENIED = "PERMISSION_DENIED"
     UNAVAILABLE = "UNAVAILABLE"
     DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
     DATA_LOSS = "DATA_LOSS"
@@ -104,6 +109,13 @@ class AuthenticationError(ParamServeError):
     code = StatusCode.UNAUTHENTICATED
 
 
+class PermissionDeniedError(ParamServeError):
+    """An authenticated request for something this server does not allow, e.g. a checkpoint
+    path outside its ``--checkpoint-root``."""
+
+    code = StatusCode.PERMISSION_DENIED
+
+
 class ServerUnavailableError(ParamServeError):
     """A parameter server could not be reached within the call's deadline and retries."""
 
@@ -133,6 +145,7 @@ ERROR_TYPES: dict[str, type[ParamServeError]] = {
         CheckpointError,
         MessageTooLargeError,
         AuthenticationError,
+        PermissionDeniedError,
         ServerUnavailableError,
         DeadlineExceededError,
         InternalError,
@@ -142,3 +155,8 @@ ERROR_TYPES: dict[str, type[ParamServeError]] = {
 
 ERROR_METADATA_KEY = "paramserve-error"
 ERROR_VARIABLE_METADATA_KEY = "paramserve-error-variable"
+
+
+class ConfigurationError(ValueError):
+    """A flag, file or environment variable a process cannot start with; the message names
+    the setting and the fix. Raised before anything starts (never sent over the wire)."""

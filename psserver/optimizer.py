@@ -62,7 +62,7 @@ from paramserve.psserver.errors import (
     ShapeMismatchError,
 )
 
-__all__ = ["OPTIMIZER_NAMES", "GroupedSteps", "OptimizerSpec", "ShardOptimizer"]
+__all__ = ["OPTIMIZER_NAMES", "GroupedSteps", "OptimizerSpec", "ShardOptimizer", "warm_up"]
 
 OPTIMIZER_NAMES: tuple[str, ...] = (
     "SGD",
@@ -226,9 +226,14 @@ def _build(spec: OptimizerSpec, params: list[torch.nn.Parameter]) -> torch.optim
 def _validated_by_torch(spec: OptimizerSpec) -> None:
     # torch checks ranges (lr >= 0, 0 <= beta < 1, nesterov needs momentum, ...);
     # its message is the most precise one we can give.
+    # One step on a probe as well: some arguments (betas=[0.9]) fail only when torch uses them,
+    # with whatever error that gives (IndexError, OverflowError, ...).
+    probe = torch.nn.Parameter(torch.zeros(2))
     try:
-        _build(spec, [torch.nn.Parameter(torch.zeros(1))])
-    except Exception as exc:  # noqa: BLE001 - torch raises IndexError for betas=(0.9,), ValueError for ranges...
+        optimizer = _build(spec, [probe])
+        probe.grad = torch.ones(2)
+        optimizer.step()
+    except Exception as exc:  # noqa: BLE001 - any failure of torch on these arguments means they are invalid
         raise InvalidRequestError(f"invalid arguments for optimizer {spec.name}: {type(exc).__name__}: {exc}") from None
 
 
@@ -551,3 +556,13 @@ class GroupedSteps:
             while len(self._groups) > self._capacity:
                 self._groups.popitem(last=False)
         return group
+
+
+def warm_up() -> None:
+    """Runs one torch.optim step on a scratch tensor. torch imports much of itself lazily at
+    the first optimizer step of a process (about 2 s of CPU on a 2-core machine): paid here, at
+    start-up, before the server reports healthy, it does not land on the first push or on the
+    restore of a restarted server (the coordinator's recovery time)."""
+    scratch = torch.nn.Parameter(torch.zeros(1))
+    scratch.grad = torch.zeros(1)
+    torch.optim.SGD([scratch], lr=0.0).step()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pathlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -11,12 +12,16 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from paramserve.psserver.errors import ParamServeError
+from paramserve.psserver.optimizer import warm_up
 from paramserve.psserver.servicer import (
+    DEFAULT_MAX_PULL_BYTES,
+    DEFAULT_MAX_PUSH_BYTES,
     SERVICE_NAME,
     ParameterServerServicer,
+    ServicerLimits,
     generic_handler,
 )
-from paramserve.psserver.serving import GrpcService, RunningService, TlsConfig
+from paramserve.psserver.serving import DEFAULT_MAX_CONNECTIONS, GrpcService, RunningService, TlsConfig
 from paramserve.psserver.store import ShardStore, StoreConfig
 from paramserve.psserver.streams import DEFAULT_CHUNK_BYTES
 from paramserve.psserver.types import PushOutcome
@@ -34,9 +39,19 @@ class ServerConfig:
     # Largest single message accepted; bulk data is chunked well below it.
     max_message_bytes: int = 64 << 20
     # Largest gradient part accepted in one push (across its chunks).
-    max_push_bytes: int = 16 << 30
+    max_push_bytes: int = DEFAULT_MAX_PUSH_BYTES
+    max_pull_bytes: int = DEFAULT_MAX_PULL_BYTES
+    """Most tensor bytes one read request may ask for."""
+    max_shard_bytes: int | None = None
+    """Largest shard CreateShards may declare; None: half this machine's memory."""
+    checkpoint_root: pathlib.Path | None = None
+    """Save and Restore stay under it; None: anywhere with a token, nowhere without."""
     token: str | None = None
     tls: TlsConfig | None = None
+    insecure: bool = False
+    """Listen beyond loopback without authentication (``--insecure``); refused otherwise."""
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    """Connections accepted at once (``--max-connections``); bounds what header floods can hold."""
     store: StoreConfig = field(default_factory=StoreConfig)
     torch_threads: int | None = None
     """torch.set_num_threads for this process; None leaves it (servers started in a test)."""
@@ -100,10 +115,19 @@ def build_server(config: ServerConfig, registry: CollectorRegistry | None = None
     """Creates and starts a parameter server. Tests pass port=0 and read ``.port``."""
     if config.torch_threads is not None:
         torch.set_num_threads(config.torch_threads)
+    warm_up()
     registry = registry or CollectorRegistry()
     store = ShardStore(config.store, observer=PushMetrics(registry))
+    limits = ServicerLimits(
+        max_push_bytes=config.max_push_bytes,
+        max_pull_bytes=config.max_pull_bytes,
+        max_shard_bytes=config.max_shard_bytes,
+        max_reply_bytes=config.max_message_bytes,
+        checkpoint_root=config.checkpoint_root,
+        authenticated=bool(config.token),
+    )
+    servicer = ParameterServerServicer(store, config.chunk_bytes, limits)
     registry.register(ShardVersions(store))
-    servicer = ParameterServerServicer(store, config.chunk_bytes, config.max_push_bytes)
     service = GrpcService.for_config(
         config, handlers=[generic_handler(servicer)], service_names=[SERVICE_NAME], registry=registry, role="ps"
     )

@@ -7,15 +7,18 @@ moves through psserver.streams. Every error leaves through the boundary in rpc.
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 
 import grpc
 import numpy as np
 import torch
 
 from paramserve.psserver import checkpoint, convert
-from paramserve.psserver.errors import InvalidRequestError, VariableNotFoundError
+from paramserve.psserver.errors import InvalidRequestError, MessageTooLargeError, VariableNotFoundError
+from paramserve.psserver.security import checkpoint_root, confined_path
 from paramserve.psserver.serving import parse, stream_boundary, unary_boundary
 from paramserve.psserver.store import Pulled, ShardPush, ShardStore
 from paramserve.psserver.streams import (
@@ -23,12 +26,14 @@ from paramserve.psserver.streams import (
     decode_step_request,
     encode_parts,
     encode_step_reply,
+    meta_nbytes,
     meta_of,
     push_part_bytes,
     read_parts,
     tensor_from_bytes,
     tensor_payload,
 )
+from paramserve.psserver.tensors import dtype_from_name
 from paramserve.psserver.types import ShardRef
 from paramserve.wire.v1 import parameter_server_pb2 as ps_pb2
 from paramserve.wire.v1 import tensor_pb2
@@ -37,13 +42,56 @@ SERVICE_NAME = "paramserve.wire.v1.ParameterServer"
 IDEMPOTENCY_METADATA_KEY = "paramserve-idempotency-key"
 
 
-class ParameterServerServicer:
-    """Serves one ShardStore. ``chunk_bytes`` bounds each outgoing chunk's data."""
+DEFAULT_MAX_PUSH_BYTES = 1 << 30
+"""``--max-push-bytes``: the largest gradient part one push may declare (1 GiB)."""
+DEFAULT_MAX_PULL_BYTES = 1 << 30
+"""``--max-pull-bytes``: the most tensor bytes one read request may ask for (1 GiB)."""
+MAX_JSON_CHARS = 64 << 10
+"""The longest ``values_json`` SetHyperparameters takes."""
 
-    def __init__(self, store: ShardStore, chunk_bytes: int, max_push_bytes: int):
+
+@dataclass(frozen=True)
+class ServicerLimits:
+    """What one request may ask of a parameter server; every limit is checked before anything
+    is allocated for the request. Defaults are the ``paramserve ps`` flags' defaults."""
+
+    max_push_bytes: int = DEFAULT_MAX_PUSH_BYTES
+    max_pull_bytes: int = DEFAULT_MAX_PULL_BYTES
+    max_shard_bytes: int | None = None
+    """Largest shard (value and optimizer slots) CreateShards may declare; None: half this
+    machine's memory (a shard larger than the memory would fail as it is filled)."""
+    max_reply_bytes: int = 64 << 20
+    """Largest unary reply (a Step's reads): the server's send limit."""
+    checkpoint_root: pathlib.Path | None = None
+    """Save and Restore stay under it (psserver.security.confined_path)."""
+    authenticated: bool = True
+    """Whether callers must present the token: a server without one and without a
+    checkpoint root refuses Save and Restore."""
+
+    def shard_limit(self) -> int:
+        return self.max_shard_bytes if self.max_shard_bytes is not None else half_the_memory()
+
+
+def half_the_memory() -> int:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - not Linux
+        return 1 << 34
+
+
+class ParameterServerServicer:
+    """Serves one ShardStore. ``chunk_bytes`` bounds each outgoing chunk's data; ``limits``
+    what one request may ask (an int: ``max_push_bytes``, the other limits at their defaults)."""
+
+    def __init__(self, store: ShardStore, chunk_bytes: int, limits: ServicerLimits | int | None = None):
         self._store = store
         self._chunk_bytes = chunk_bytes
-        self._max_push_bytes = max_push_bytes
+        if limits is None or isinstance(limits, int):
+            limits = ServicerLimits() if limits is None else ServicerLimits(max_push_bytes=limits)
+        self._limits = limits
+        self._max_push_bytes = limits.max_push_bytes
+        self._shard_limit = limits.shard_limit()
+        self._root = checkpoint_root(limits.checkpoint_root) if limits.checkpoint_root is not None else None
 
     # -- creation
 
@@ -68,6 +116,14 @@ class ParameterServerServicer:
     def _allocate_shard(self, header: tensor_pb2.PartHeader) -> torch.Tensor:
         if header.WhichOneof("kind") != "shard":
             raise InvalidRequestError("CreateShards takes parts with ShardSpec headers")
+        spec = header.shard
+        size = meta_nbytes(spec.shard_meta) + sum(meta_nbytes(slot.meta) for slot in spec.slots)
+        if size > self._shard_limit:
+            raise MessageTooLargeError(
+                f"shard {spec.ref.shard} would hold {size} bytes (value and slots); this server's limit is "
+                f"{self._shard_limit} (--max-shard-bytes): use more shards (a partitioner) or raise the limit",
+                variable=spec.ref.variable,
+            )
         expected = convert.shard_payload_bytes(header.shard)
         if header.payload_bytes != expected:
             raise InvalidRequestError(
@@ -82,15 +138,29 @@ class ParameterServerServicer:
     def Pull(self, raw: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
         request = parse(ps_pb2.PullRequest, raw)
         chunk_bytes = self._chunk_size(request.chunk_bytes)
-        for index, item in enumerate(request.items):
-            yield from self._pulled_chunks(index, item, chunk_bytes)
+        reads = [(convert.ref_from_proto(item.ref), _wire_rows(item.row_indices) if item.sparse else None)
+                 for item in request.items]
+        self._check_read_bytes(reads, self._limits.max_pull_bytes, "--max-pull-bytes")
+        for index, (item, (_, rows)) in enumerate(zip(request.items, reads)):
+            yield from self._pulled_chunks(index, item, rows, chunk_bytes)
 
-    def _pulled_chunks(self, index: int, item: ps_pb2.PullItem, chunk_bytes: int) -> list[bytes]:
+    def _check_read_bytes(self, reads: Sequence[tuple[ShardRef, torch.Tensor | None]], limit: int, flag: str) -> None:
+        """Refuses, before reading anything, a request whose reply would pass ``limit`` bytes."""
+        self._store.check_reads(reads)
+        total = sum(self._store.rows_nbytes(ref, None if rows is None else rows.numel()) for ref, rows in reads)
+        if total > limit:
+            raise MessageTooLargeError(
+                f"the reads of this request add up to {total} bytes; this server sends at most {limit} per "
+                f"request ({flag}): read fewer shards or rows per request"
+            )
+
+    def _pulled_chunks(self, index: int, item: ps_pb2.PullItem, rows: torch.Tensor | None,
+                       chunk_bytes: int) -> list[bytes]:
         """One item's chunks. A whole shard is cut into chunks under its lock: the
         chunks are the consistent snapshot, with no clone in between."""
         ref = convert.ref_from_proto(item.ref)
-        if item.sparse:
-            pulled = self._read_rows(item)
+        if rows is not None:
+            pulled = self._store.pull_rows(ref, rows)
             return _pulled_part_chunks(index, pulled.value, pulled.version, chunk_bytes)
         return self._store.read(ref, lambda value, version: _pulled_part_chunks(index, value, version, chunk_bytes))
 
@@ -105,9 +175,11 @@ class ParameterServerServicer:
 
     @unary_boundary
     def ListShards(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
-        parse(ps_pb2.ListShardsRequest, raw)
-        infos = self._store.list_shards()
-        return ps_pb2.ListShardsResponse(shards=[convert.info_to_proto(i) for i in infos]).SerializeToString()
+        request = parse(ps_pb2.ListShardsRequest, raw)
+        infos = [] if request.incarnation_only else self._store.list_shards()
+        return ps_pb2.ListShardsResponse(
+            shards=[convert.info_to_proto(i) for i in infos], incarnation=self._store.incarnation
+        ).SerializeToString()
 
     # -- updates
 
@@ -119,8 +191,10 @@ class ParameterServerServicer:
     @unary_boundary
     def Step(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
         plan, payload = decode_step_request(raw)
-        reads = [(convert.ref_from_proto(i.ref), convert.rows_from_bytes(i.row_indices) if i.sparse else None) for i in plan.pull]
-        self._store.check_reads(reads)  # a bad read fails the request before the push changes anything
+        reads = [(convert.ref_from_proto(i.ref), _wire_rows(i.row_indices) if i.sparse else None) for i in plan.pull]
+        # A bad or oversized read fails the request before the push changes anything.
+        self._check_read_bytes(reads, min(self._limits.max_pull_bytes, self._limits.max_reply_bytes - (1 << 20)),
+                               "the largest message it sends, --max-message-bytes")
         pushed = self._apply(self._packed_pushes(plan.push, payload), plan.idempotency_key) if plan.push else []
         if not plan.push and len(payload):
             raise InvalidRequestError(f"the payload holds {len(payload)} bytes but the plan pushes nothing")
@@ -142,6 +216,8 @@ class ParameterServerServicer:
         """The pushes of a Step: each part's bytes are its slice of the one payload, copied once
         into one buffer (so tensors are aligned and outlive the request)."""
         sizes = [self._checked_push_bytes(part) for part in parts]
+        for part in parts:
+            self._check_against_shard(part)
         if sum(sizes) != len(payload):
             raise InvalidRequestError(
                 f"the payload holds {len(payload)} bytes but the plan's push parts describe {sum(sizes)}"
@@ -169,13 +245,13 @@ class ParameterServerServicer:
             for o in self._store.push(pushes, key)
         ]
 
-    def _read_rows(self, item: ps_pb2.PullItem) -> Pulled:
-        return self._store.pull_rows(convert.ref_from_proto(item.ref), convert.rows_from_bytes(item.row_indices))
-
     def _allocate_push(self, header: tensor_pb2.PartHeader) -> torch.Tensor:
+        """Room for one pushed part, once its header fits the shard it names: a part that cannot
+        apply is refused before its bytes are received."""
         if header.WhichOneof("kind") != "push":
             raise InvalidRequestError("Push takes parts with PushPart headers")
         expected = self._checked_push_bytes(header.push)
+        self._check_against_shard(header.push)
         if header.payload_bytes != expected:
             raise InvalidRequestError(
                 f"push part declares {header.payload_bytes} payload bytes, its header describes {expected}",
@@ -189,12 +265,18 @@ class ParameterServerServicer:
             raise InvalidRequestError("num_indices must be 0 for a dense push and >= 0 for a sparse one")
         expected = push_part_bytes(push)
         if expected > self._max_push_bytes:
-            raise InvalidRequestError(
-                f"push part of {expected} bytes exceeds this server's limit of {self._max_push_bytes}; "
-                "split the gradient or raise --max-push-bytes",
+            raise MessageTooLargeError(
+                f"push part of {expected} bytes exceeds this server's limit of {self._max_push_bytes} "
+                "(--max-push-bytes): split the variable into more shards or raise the limit",
                 variable=push.ref.variable,
             )
         return expected
+
+    def _check_against_shard(self, push: tensor_pb2.PushPart) -> None:
+        self._store.check_push_header(
+            convert.ref_from_proto(push.ref), dtype_from_name(push.values.dtype), tuple(push.values.shape),
+            int(push.num_indices) if push.sparse else None,
+        )
 
     def _push_from_part(self, push: tensor_pb2.PushPart, payload: torch.Tensor) -> ShardPush:
         ref = convert.ref_from_proto(push.ref)
@@ -209,12 +291,7 @@ class ParameterServerServicer:
     @unary_boundary
     def SetHyperparameters(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
         request = parse(ps_pb2.SetHyperparametersRequest, raw)
-        try:
-            values = json.loads(request.values_json)
-        except json.JSONDecodeError as err:
-            raise InvalidRequestError(f"values_json is not JSON: {err}") from None
-        if not isinstance(values, dict):
-            raise InvalidRequestError('values_json must be a JSON object such as {"lr": 0.01}')
+        values = _hyperparameters(request.values_json)
         updated = self._store.set_hyperparameters(request.variable or None, values)
         return ps_pb2.SetHyperparametersResponse(shards_updated=updated).SerializeToString()
 
@@ -233,14 +310,16 @@ class ParameterServerServicer:
         request = parse(ps_pb2.SaveRequest, raw)
         if not request.directory:
             raise InvalidRequestError("Save needs a directory")
+        directory = confined_path(self._root, request.directory, authenticated=self._limits.authenticated)
         states = self._store.export(None)
-        path = checkpoint.save_checkpoint(pathlib.Path(request.directory), states, keep=request.keep)
+        path = checkpoint.save_checkpoint(directory, states, keep=request.keep)
         return ps_pb2.SaveResponse(path=str(path), shards=len(states)).SerializeToString()
 
     @unary_boundary
     def Restore(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
         request = parse(ps_pb2.RestoreRequest, raw)
-        path = checkpoint.resolve(pathlib.Path(request.path))
+        path = checkpoint.resolve(confined_path(self._root, request.path, authenticated=self._limits.authenticated))
+        checkpoint.sweep_leftovers(path.parent)  # what interrupted saves left beside it
         states = [
             checkpoint.load_rows(
                 path, t.ref.variable, int(t.row_start), int(t.num_rows), convert.ref_from_proto(t.ref)
@@ -254,6 +333,52 @@ class ParameterServerServicer:
         if requested < 0:
             raise InvalidRequestError(f"chunk_bytes must not be negative, got {requested}")
         return min(requested, self._chunk_bytes) if requested else self._chunk_bytes
+
+
+def _wire_rows(raw: bytes) -> torch.Tensor:
+    """Row indices from a request; each row once (a request repeating one row could ask for
+    any amount of data; paramserve's client sends them de-duplicated)."""
+    rows = convert.rows_from_bytes(raw)
+    if rows.numel() > 1 and torch.unique(rows).numel() != rows.numel():
+        raise InvalidRequestError("a read names some rows more than once; de-duplicate the row indices "
+                                  "(torch.unique(rows, return_inverse=True) restores their order afterwards)")
+    return rows
+
+
+def _hyperparameters(text: str) -> dict[str, float | int | bool | list[float | int]]:
+    """The ``values_json`` of SetHyperparameters: a flat JSON object whose values are numbers,
+    booleans or lists of numbers (e.g. ``betas``); raises InvalidRequestError naming what is not."""
+    if len(text) > MAX_JSON_CHARS:
+        raise InvalidRequestError(f"values_json has {len(text)} characters; the limit is {MAX_JSON_CHARS}")
+    try:
+        values = json.loads(text)
+    except RecursionError:
+        raise InvalidRequestError("values_json nests too deeply; send a flat object such as {\"lr\": 0.01}") from None
+    except ValueError as err:  # JSONDecodeError, and integers beyond Python's digit limit
+        raise InvalidRequestError(f"values_json is not a JSON object of numbers: {err}") from None
+    if not isinstance(values, dict):
+        raise InvalidRequestError('values_json must be a JSON object such as {"lr": 0.01}')
+    for name, value in values.items():
+        items = value if isinstance(value, list) else [value]
+        if not all(_is_number(item) for item in items) or (isinstance(value, list) and len(value) > 16):
+            raise InvalidRequestError(
+                f"hyperparameter {name!r} must be a number, a boolean or a short list of numbers, "
+                f"got {_preview(value)}"
+            )
+    return values
+
+
+def _is_number(value: object) -> bool:
+    if isinstance(value, bool):
+        return True
+    if isinstance(value, int):
+        return abs(value) < 1 << 63
+    return isinstance(value, float) and value == value and abs(value) != float("inf")
+
+
+def _preview(value: object) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _pulled_part_chunks(index: int, value: torch.Tensor, version: int, chunk_bytes: int) -> list[bytes]:

@@ -4,13 +4,17 @@ Both kinds of server are a plain-Python core behind a thin servicer; everything
 around the servicer is here, once:
 
 - the error boundary: core errors -> one status code each, named in trailing
-  metadata; anything else -> INTERNAL (never UNKNOWN);
-- interceptors: a shared-token check and per-RPC Prometheus metrics;
-- channel and server options (no SO_REUSEPORT, message limits), TLS, the
-  port file that tells a launcher which port a server bound;
-- ``GrpcService``: a started server with health checking and metrics;
+  metadata (escaped to printable ASCII, bounded in size); anything else ->
+  INTERNAL (never UNKNOWN);
+- interceptors: the token check (before a request's body is read), reply
+  signatures, and per-RPC Prometheus metrics (the rules are psserver.security's);
+- channel and server options (no SO_REUSEPORT, message, connection and HTTP/2
+  limits), the port file that tells a launcher which port a server bound;
+- ``GrpcService``: a started server with health checking and metrics, which
+  refuses to listen beyond loopback unauthenticated;
 - the command line both ``paramserve ps`` and ``paramserve worker`` take
-  (network, security, logging flags) and the serve-until-signal loop.
+  (network, security, limits, logging flags), its checked flag types, the
+  one-line report of a bad configuration, and the serve-until-signal loop.
 """
 
 from __future__ import annotations
@@ -23,12 +27,14 @@ import logging
 import os
 import pathlib
 import signal
+import socket
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
+from urllib.parse import quote, unquote
 
 import grpc
 import torch
@@ -39,35 +45,108 @@ from paramserve.psserver.atomic_files import atomic_write
 from paramserve.psserver.errors import (
     ERROR_METADATA_KEY,
     ERROR_VARIABLE_METADATA_KEY,
+    ConfigurationError,
     InvalidRequestError,
+    MessageTooLargeError,
     ParamServeError,
 )
 from paramserve.psserver.metrics_http import MetricsEndpoint, register_build_info, serve_metrics
+from paramserve.psserver.security import (
+    AUTH_METADATA_KEY,
+    REPLY_NONCE_METADATA_KEY,
+    REPLY_SIGNATURE_METADATA_KEY,
+    TlsConfig,
+    bearer_metadata,
+    check_exposure,
+    check_token,
+    is_reply_nonce,
+    reply_key,
+    reply_signature,
+)
 from paramserve.psserver.tf_config import ClusterSpecError, task_address
 
 log = logging.getLogger(__name__)
 
-AUTH_METADATA_KEY = "authorization"
 HEALTH_SERVICE_PREFIX = "/grpc.health.v1.Health/"
 _T = TypeVar("_T")
 
 
 # ---------------------------------------------------------------- error boundary
 
+MAX_ERROR_METADATA_CHARS = 3072
+"""Longest escaped value of the ``paramserve-error-variable`` trailer (a name of the longest
+allowed size, 1 KiB, fits escaped), and of an error's details as gRPC percent-encodes them:
+together they stay under the 8 KiB of metadata a gRPC client accepts by default."""
+# Printable ASCII but the space and '%' (the escape character): what a metadata value may hold.
+_METADATA_SAFE = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) != "%")
+_ELLIPSIS = "%E2%80%A6"
 
-def abort_with(context: grpc.ServicerContext, err: ParamServeError) -> None:
+
+def metadata_value(text: str, limit: int = MAX_ERROR_METADATA_CHARS) -> str:
+    """``text`` percent-escaped to what a metadata value may hold (gRPC fails the whole call with
+    INTERNAL for anything else), cut to ``limit`` characters (ending in an escaped "...")."""
+    escaped = quote(text.encode("utf-8", "backslashreplace"), safe=_METADATA_SAFE)
+    if len(escaped) <= limit:
+        return escaped
+    cut = escaped[: limit - len(_ELLIPSIS)]
+    tail = cut.rfind("%", len(cut) - 2)
+    return (cut[:tail] if tail >= 0 else cut) + _ELLIPSIS
+
+
+def metadata_text(value: str) -> str:
+    """The text ``metadata_value`` escaped."""
+    return unquote(value)
+
+
+def _encoded_chars(text: str) -> int:
+    # gRPC percent-encodes an error's details: bytes outside printable ASCII, and '%', take 3.
+    return sum(1 if 0x20 <= byte <= 0x7E and byte != 0x25 else 3 for byte in text.encode("utf-8", "backslashreplace"))
+
+
+def _prefix_within(text: str, budget: int) -> str:
+    used = 0
+    for index, char in enumerate(text):
+        used += _encoded_chars(char)
+        if used > budget:
+            return text[:index]
+    return text
+
+
+def bounded_details(message: str, limit: int = MAX_ERROR_METADATA_CHARS) -> str:
+    """``message`` with its middle cut out when gRPC's encoding of it would pass ``limit``
+    characters (a longer status message makes a client fail the call with "Stream removed")."""
+    if _encoded_chars(message) <= limit:
+        return message
+    half = (limit - 48) // 2
+    head = _prefix_within(message, half)
+    tail = _prefix_within(message[::-1], half)[::-1]
+    return f"{head} [... {len(message) - len(head) - len(tail)} characters cut ...] {tail}"
+
+
+def abort_with(context: grpc.ServicerContext, err: ParamServeError) -> NoReturn:
     """Ends the RPC with err's status code; the client re-raises the same class."""
     trailers = [(ERROR_METADATA_KEY, type(err).__name__)]
     if err.variable:
-        trailers.append((ERROR_VARIABLE_METADATA_KEY, err.variable))
+        trailers.append((ERROR_VARIABLE_METADATA_KEY, metadata_value(err.variable)))
     context.set_trailing_metadata(tuple(trailers))
-    context.abort(getattr(grpc.StatusCode, err.code.value), err.message)
+    context.abort(getattr(grpc.StatusCode, err.code.value), bounded_details(err.message))
+    raise AssertionError("unreachable: context.abort raises")
 
 
 def _abort_internal(context: grpc.ServicerContext, method: str, exc: BaseException) -> None:
     log.exception("internal error in %s", method)
     context.set_trailing_metadata(((ERROR_METADATA_KEY, "InternalError"),))
-    context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}: {exc}")
+    context.abort(grpc.StatusCode.INTERNAL, bounded_details(f"internal error in {method}: {type(exc).__name__}: {exc}"))
+
+
+def _as_paramserve_error(exc: Exception) -> ParamServeError | None:
+    """The client-caused problems that reach the boundary as Python's own errors."""
+    if isinstance(exc, MemoryError):
+        return MessageTooLargeError("the server ran out of memory for this request; send smaller requests, "
+                                    "or give the server more memory")
+    if isinstance(exc, RecursionError):
+        return InvalidRequestError("the request nests too deeply to be read; flatten it")
+    return None
 
 
 def unary_boundary(method: Callable[..., _T]) -> Callable[..., _T]:
@@ -82,6 +161,9 @@ def unary_boundary(method: Callable[..., _T]) -> Callable[..., _T]:
         except Exception as exc:  # noqa: BLE001 - the one place that turns surprises into INTERNAL
             if _is_abort(exc, context):
                 raise
+            known = _as_paramserve_error(exc)
+            if known is not None:
+                abort_with(context, known)
             _abort_internal(context, method.__name__, exc)
         raise AssertionError("unreachable: context.abort raises")
 
@@ -100,6 +182,9 @@ def stream_boundary(method: Callable[..., Iterator[_T]]) -> Callable[..., Iterat
         except Exception as exc:  # noqa: BLE001
             if _is_abort(exc, context):
                 raise
+            known = _as_paramserve_error(exc)
+            if known is not None:
+                abort_with(context, known)
             _abort_internal(context, method.__name__, exc)
 
     return wrapper
@@ -173,33 +258,66 @@ def _rebuild_handler(handler: grpc.RpcMethodHandler, wrap: Callable[[Callable, b
 
 
 class AuthInterceptor(grpc.ServerInterceptor):
-    """Rejects calls without ``authorization: Bearer <token>`` (health checks are exempt,
-    so orchestrators can probe without the secret)."""
+    """Rejects calls that do not present the credential derived from the cluster's token
+    (security.bearer_metadata; health checks are exempt, so orchestrators can probe without
+    the secret). A refused call ends before its request is read: an unauthenticated caller
+    cannot make the server buffer a large message."""
 
     def __init__(self, token: str):
-        self._expected = f"Bearer {token}".encode()
+        self._expected = bearer_metadata(token)[1].encode()
 
     def intercept_service(self, continuation, handler_call_details):  # type: ignore[no-untyped-def]
         handler = continuation(handler_call_details)
         if handler is None or handler_call_details.method.startswith(HEALTH_SERVICE_PREFIX):
             return handler
-        presented = dict(handler_call_details.invocation_metadata or ()).get(AUTH_METADATA_KEY, "")
-        if hmac.compare_digest(str(presented).encode(), self._expected):
+        presented = str(dict(handler_call_details.invocation_metadata or ()).get(AUTH_METADATA_KEY, ""))
+        if hmac.compare_digest(presented.encode(), self._expected):
             return handler
-        reason = "no token" if not presented else "a wrong token"
+        reason = "no credential" if not presented else "a wrong credential"
         message = (
-            f"call to {handler_call_details.method} carried {reason}: pass the cluster's shared "
-            "token (paramserve --token-file, or PARAMSERVE_TOKEN) as 'authorization: Bearer <token>'"
+            f"call to {handler_call_details.method} carried {reason}: give the caller the cluster's shared "
+            "token (paramserve --token-file, PARAMSERVE_TOKEN, or ClientConfig(token=...)); paramserve "
+            "clients present a credential derived from it"
         )
+        # A request-streaming handler that never reads: gRPC does not buffer the request first.
+        return grpc.stream_stream_rpc_method_handler(functools.partial(_deny, message))
 
-        def deny(behaviour: Callable, req: bool, resp: bool) -> Callable:
-            def aborting(request: Any, context: grpc.ServicerContext) -> Any:
-                context.set_trailing_metadata(((ERROR_METADATA_KEY, "AuthenticationError"),))
-                context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
-            return aborting
+def _deny(message: str, requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+    context.set_trailing_metadata(((ERROR_METADATA_KEY, "AuthenticationError"),))
+    context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+    yield from ()  # a generator: the handler of a streaming response
 
-        return _rebuild_handler(handler, deny)
+
+class ReplySigningInterceptor(grpc.ServerInterceptor):
+    """Signs the reply of a unary call that sends a nonce (security.REPLY_NONCE_METADATA_KEY):
+    HMAC-SHA256 under a key derived from the token, over the method, the nonce and the reply's
+    bytes, in the ``paramserve-reply-signature`` trailer. A caller that checks it knows the
+    reply comes from a holder of the token (the coordinator unpickles no other worker reply)."""
+
+    def __init__(self, token: str):
+        self._key = reply_key(token)
+
+    def intercept_service(self, continuation, handler_call_details):  # type: ignore[no-untyped-def]
+        handler = continuation(handler_call_details)
+        if handler is None or handler.response_streaming:
+            return handler
+        nonce = str(dict(handler_call_details.invocation_metadata or ()).get(REPLY_NONCE_METADATA_KEY, ""))
+        if not is_reply_nonce(nonce):
+            return handler  # nobody asked (or asked wrongly): an unsigned reply, which a checking caller refuses
+        key, method = self._key, handler_call_details.method
+
+        def sign(behaviour: Callable, req: bool, resp: bool) -> Callable:
+            def signed(request: Any, context: grpc.ServicerContext) -> Any:
+                response = behaviour(request, context)
+                if isinstance(response, (bytes, bytearray)):
+                    signature = reply_signature(key, method, nonce, bytes(response))
+                    context.set_trailing_metadata(((REPLY_SIGNATURE_METADATA_KEY, signature),))
+                return response
+
+            return signed
+
+        return _rebuild_handler(handler, sign)
 
 
 class MetricsInterceptor(grpc.ServerInterceptor):
@@ -285,12 +403,24 @@ TCP_READ_OPTIONS: list[tuple[str, Any]] = [
 ]
 
 
-def server_options(max_message_bytes: int) -> list[tuple[str, Any]]:
+DEFAULT_MAX_CONNECTIONS = 1024
+SETTINGS_TIMEOUT_MS = 10_000
+MAX_CONNECTION_IDLE_MS = 300_000
+
+
+def server_options(max_message_bytes: int, max_connections: int = DEFAULT_MAX_CONNECTIONS) -> list[tuple[str, Any]]:
     return [
         # gRPC sets SO_REUSEPORT by default: two servers could then share a port silently.
         ("grpc.so_reuseport", 0),
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
+        # gRPC applies its metadata size limits only once a peer acknowledges the server's HTTP/2
+        # SETTINGS; until then one connection may hold up to 16 MiB of request headers. Peers that
+        # never acknowledge are dropped after this long, idle connections after five minutes, and
+        # connections are capped: together they bound what header floods can hold (ARCHITECTURE.md).
+        ("grpc.http2.settings_timeout", SETTINGS_TIMEOUT_MS),
+        ("grpc.max_connection_idle_ms", MAX_CONNECTION_IDLE_MS),
+        ("grpc.max_allowed_incoming_connections", max_connections),
         *TCP_READ_OPTIONS,
     ]
 
@@ -303,25 +433,13 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
         ("grpc.keepalive_time_ms", 30_000),
         ("grpc.keepalive_timeout_ms", 10_000),
         ("grpc.enable_retries", 0),  # retries are tenacity's job, in one place
+        # A restarted peer is reached within about a second: gRPC's default reconnect backoff
+        # grows to two minutes, which left workers unaware of a restarted server for ~57 s.
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1000),
         *TCP_READ_OPTIONS,
     ]
-
-
-@dataclass(frozen=True)
-class TlsConfig:
-    """PEM files for TLS; with client_ca set, clients must present certificates too."""
-
-    cert_file: pathlib.Path
-    key_file: pathlib.Path
-    client_ca_file: pathlib.Path | None = None
-
-    def server_credentials(self) -> grpc.ServerCredentials:
-        ca = self.client_ca_file.read_bytes() if self.client_ca_file else None
-        return grpc.ssl_server_credentials(
-            [(self.key_file.read_bytes(), self.cert_file.read_bytes())],
-            root_certificates=ca,
-            require_client_auth=ca is not None,
-        )
 
 
 def write_port_file(path: pathlib.Path, port: int, metrics_port: int | None) -> None:
@@ -330,10 +448,16 @@ def write_port_file(path: pathlib.Path, port: int, metrics_port: int | None) -> 
     atomic_write(path, lambda handle: handle.write(payload))
 
 
-def read_token_file(path: pathlib.Path) -> str:
-    token = path.read_text().strip()
-    if not token:
-        raise ValueError(f"token file {path} is empty; write the cluster's shared token into it")
+def read_token_file(path: pathlib.Path, flag: str = "--token-file") -> str:
+    """The token in ``path``; raises ConfigurationError when it cannot be read or is empty."""
+    try:
+        text = path.read_text().strip()
+    except (OSError, UnicodeDecodeError) as err:
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+        raise ConfigurationError(f"{flag} {path}: cannot read it ({reason}); give a file holding the cluster's "
+                                 "shared token") from None
+    token = check_token(text, f"{flag} {path}")
+    assert token is not None
     return token
 
 
@@ -361,32 +485,32 @@ class GrpcService:
         tls: TlsConfig | None = None,
         metrics_port: int | None = None,
         thread_name: str = "paramserve-rpc",
+        insecure: bool = False,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
     ):
         from concurrent import futures
 
         from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+        warning = check_exposure(host, authenticated=bool(token) or bool(tls and tls.client_ca_file),
+                                 insecure=insecure)
+        if warning:
+            log.warning("WARNING: %s", warning)
         self._health_pb2 = health_pb2
         self.metrics = metrics
         self.service_names = ["", *service_names]
         interceptors: list[grpc.ServerInterceptor] = [MetricsInterceptor(metrics)]
         if token:
-            interceptors.append(AuthInterceptor(token))
+            interceptors += [AuthInterceptor(token), ReplySigningInterceptor(token)]
         self._executor = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=thread_name)
         self.server = grpc.server(
-            self._executor, interceptors=interceptors, options=server_options(max_message_bytes)
+            self._executor, interceptors=interceptors, options=server_options(max_message_bytes, max_connections)
         )
         self.health = health.HealthServicer(experimental_non_blocking=True)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.server.add_generic_rpc_handlers(tuple(handlers))
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        address = f"{_bracket(host)}:{port}"
-        if tls is None:
-            self.port = self.server.add_insecure_port(address)
-        else:
-            self.port = self.server.add_secure_port(address, tls.server_credentials())
-        if self.port == 0:
-            raise OSError(f"could not bind {address}: the port is taken or the host is not local")
+        self.port = _bind(self.server, f"{_bracket(host)}:{port}", tls)
         self.host = host
         self._metrics_port_requested = metrics_port
         self.metrics_port: int | None = None
@@ -417,12 +541,20 @@ class GrpcService:
             tls=config.tls,
             metrics_port=config.metrics_port,
             thread_name=f"paramserve-{role}",
+            insecure=config.insecure,
+            max_connections=config.max_connections,
         )
 
     def start(self) -> "GrpcService":
         self.server.start()
         if self._metrics_port_requested is not None:
-            self._metrics_http = serve_metrics(self.metrics.registry, self.host, self._metrics_port_requested)
+            try:
+                self._metrics_http = serve_metrics(self.metrics.registry, self.host, self._metrics_port_requested)
+            except OSError as err:
+                self.stop(grace=0)
+                raise ConfigurationError(
+                    f"cannot serve metrics on {self.host}:{self._metrics_port_requested}: {err.strerror or err}; "
+                    "choose another --metrics-port (0 picks a free one)") from None
             self.metrics_port = self._metrics_http.port
         self._set_health(self._health_pb2.HealthCheckResponse.SERVING)
         return self
@@ -468,6 +600,41 @@ class RunningService:
         self.service.stop(grace)
 
 
+def _bind(server: grpc.Server, address: str, tls: TlsConfig | None) -> int:
+    """Adds the listening port; raises ConfigurationError when it cannot be bound."""
+    why = (f"cannot listen on {address}: the port is in use, or the host is not an address of this machine; "
+           "choose another --port (0 picks a free one) or --host")
+    if _port_is_taken(address):
+        raise ConfigurationError(why)  # before gRPC tries, which logs its own lines about it
+    try:
+        port = server.add_insecure_port(address) if tls is None else server.add_secure_port(
+            address, tls.server_credentials())
+    except RuntimeError:  # grpc raises RuntimeError("Failed to bind ...") for a busy port
+        raise ConfigurationError(why) from None
+    if port == 0:
+        raise ConfigurationError(why)
+    return port
+
+
+def _port_is_taken(address: str) -> bool:
+    """Whether something listens on ``address``'s fixed port already (port 0: never)."""
+    host, _, port = address.rpartition(":")
+    if port == "0":
+        return False
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
+    except (OSError, ValueError):
+        return False  # let gRPC report it
+    for family, kind, proto, _, sockaddr in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds
+            try:
+                probe.bind(sockaddr)
+            except OSError:
+                return True
+    return False
+
+
 def _bracket(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
@@ -479,26 +646,65 @@ DEFAULT_HOST = "127.0.0.1"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
+def port_number(text: str) -> int:
+    """An argparse type: a TCP port, 0 (a free one) to 65535."""
+    value = _integer(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port: give 1 to 65535, or 0 for a free one")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    value = _integer(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not allowed: give 1 or more")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (value > 0 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"{text} is not allowed: give a number above 0")
+    return value
+
+
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+
+
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags every paramserve server takes (parameter server and worker alike)."""
     net = parser.add_argument_group("network")
     net.add_argument("--host", help=f"address to listen on (default: the host of TF_CONFIG's task, else {DEFAULT_HOST}; "
-                                    "0.0.0.0 for all)")
-    net.add_argument("--port", type=int, help="gRPC port; 0 picks a free one (default: the port of TF_CONFIG's task, "
-                                              "else 0)")
+                                    "0.0.0.0 for all, which needs a token or client certificates, or --insecure)")
+    net.add_argument("--port", type=port_number, help="gRPC port, 1-65535; 0 picks a free one (default: the port of "
+                                                      "TF_CONFIG's task, else 0)")
     net.add_argument("--port-file", type=pathlib.Path, help="once serving, atomically write {port, metrics_port, pid} as JSON here")
-    net.add_argument("--metrics-port", type=int, help="serve Prometheus metrics over HTTP on this port (0: a free one; default: off)")
-    net.add_argument("--max-workers", type=int, default=16, help="RPC handler threads (default: %(default)s)")
-    net.add_argument("--max-message-bytes", type=int, default=64 << 20, help="largest gRPC message accepted (default: %(default)s); bulk data is chunked below it")
+    net.add_argument("--metrics-port", type=port_number, help="serve Prometheus metrics over HTTP on this port (0: a free one; default: off)")
+    net.add_argument("--max-workers", type=positive_int, default=16, help="RPC handler threads (default: %(default)s)")
+    net.add_argument("--max-message-bytes", type=positive_int, default=64 << 20, help="largest gRPC message accepted (default: %(default)s); bulk data is chunked below it")
+    net.add_argument("--max-connections", type=positive_int, default=DEFAULT_MAX_CONNECTIONS,
+                     help="connections accepted at once (default: %(default)s); bounds what HTTP/2 header floods can hold")
     net.add_argument("--grace-seconds", type=float, default=5.0, help="on SIGTERM, time running RPCs get to finish (default: %(default)s)")
     parser.add_argument("--torch-threads", type=int,
                         help="torch intra-op threads (default: this process's share of the CPUs it may use: usable "
                              "CPUs // PARAMSERVE_PROCESSES_PER_HOST, which local clusters set; see psserver/cpus.py)")
     sec = parser.add_argument_group("security")
-    sec.add_argument("--token-file", type=pathlib.Path, help=f"file holding the cluster's shared token; calls without it get UNAUTHENTICATED (or set {TOKEN_ENV})")
+    sec.add_argument("--token-file", type=pathlib.Path, help=f"file holding the cluster's shared token; calls without it get UNAUTHENTICATED (or set {TOKEN_ENV}; an empty one is an error)")
     sec.add_argument("--tls-cert", type=pathlib.Path, help="PEM certificate chain: serve TLS (needs --tls-key)")
     sec.add_argument("--tls-key", type=pathlib.Path, help="PEM private key for --tls-cert")
     sec.add_argument("--tls-client-ca", type=pathlib.Path, help="PEM CA bundle: require client certificates signed by it (mutual TLS)")
+    sec.add_argument("--insecure", action="store_true",
+                     help="allow listening beyond loopback with neither a token nor client certificates (anyone who "
+                          "can reach the port can call it; a worker runs any code it is sent). Logs a warning")
     parser.add_argument("--log-level", default="INFO", choices=LOG_LEVELS,
                         help=f"how much to log: {', '.join(LOG_LEVELS)} (default: %(default)s)")
 
@@ -514,15 +720,20 @@ def resolve_address(args: argparse.Namespace, parser: argparse.ArgumentParser, r
         parser.error(str(err))
     host = args.host if args.host is not None else task[0] if task else DEFAULT_HOST
     port = args.port if args.port is not None else task[1] if task else 0
+    if not 0 <= port <= 65535:
+        parser.error(f"TF_CONFIG's {role} task has port {port}: give 1 to 65535")
     if task:
         log.info("listening on %s:%d, as TF_CONFIG's %s task", host, port, role)
     return host, port
 
 
-def resolve_token(args: argparse.Namespace, environ: dict[str, str] | os._Environ[str]) -> str | None:
+def resolve_token(args: argparse.Namespace, environ: Mapping[str, str]) -> str | None:
+    """--token-file, else PARAMSERVE_TOKEN, else None (no authentication). Raises
+    ConfigurationError for a file that cannot be read and for an empty token: an empty
+    PARAMSERVE_TOKEN is a mistake, not a request to run without authentication."""
     if args.token_file:
         return read_token_file(args.token_file)
-    return environ.get(TOKEN_ENV) or None
+    return check_token(environ.get(TOKEN_ENV), TOKEN_ENV)
 
 
 def resolve_torch_threads(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -541,6 +752,19 @@ def resolve_tls(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Tl
     if not (args.tls_cert and args.tls_key):
         parser.error("TLS needs both --tls-cert and --tls-key")
     return TlsConfig(args.tls_cert, args.tls_key, args.tls_client_ca)
+
+
+def run_reporting_errors(runner: Callable[[argparse.Namespace, argparse.ArgumentParser], int],
+                         args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``runner(args, parser)``; a ConfigurationError (a setting the command cannot start with)
+    ends it with one line on stderr and exit status 2, with the traceback only under ``--debug``."""
+    try:
+        return runner(args, parser)
+    except ConfigurationError as err:
+        if getattr(args, "debug", False):
+            traceback.print_exc()
+        print(f"{parser.prog}: error: {err}", file=sys.stderr)
+        return 2
 
 
 def serve_until_signal(server: RunningService, port_file: pathlib.Path | None, grace: float, name: str) -> None:

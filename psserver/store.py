@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
+import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -424,6 +425,9 @@ class ShardStore:
         self._shards: dict[ShardRef, _Shard] = {}
         self._shards_lock = threading.Lock()
         self._grouped = GroupedSteps()
+        self.incarnation = uuid.uuid4().hex
+        """Names this store: a server process that restarts holds a new, empty one, and the
+        coordinator tells a restart (state lost) from a pause by this changing."""
 
     @property
     def config(self) -> StoreConfig:
@@ -571,6 +575,33 @@ class ShardStore:
             _check_rows(rows, shard)
         with shard.lock:
             return Pulled(shard.value.index_select(0, rows), shard.version)
+
+    def check_push_header(self, ref: ShardRef, dtype: torch.dtype, shape: Sequence[int], num_indices: int | None) -> None:
+        """Raises what ``push`` would for a gradient of this dtype and shape (``num_indices`` rows
+        of a row-sparse push; None: dense), reading nothing: a server checks a push against its
+        shard this way before it receives, or allocates room for, the push's bytes."""
+        shard = self._get(ref)
+        with _about(ref.variable):
+            if shard.optimizer is None:
+                raise InvalidRequestError(f"variable {ref.variable} has no optimizer; create it with one")
+            if dtype != shard.value.dtype:
+                raise DtypeMismatchError(f"gradient dtype {dtype} does not match the shard's {shard.value.dtype}")
+            if num_indices is None:
+                expected = tuple(shard.value.shape)
+            else:
+                if shard.value.dim() == 0:
+                    raise ShapeMismatchError("a 0-d variable has no rows; push it whole")
+                expected = (num_indices, *shard.value.shape[1:])
+            if tuple(shape) != expected:
+                raise ShapeMismatchError(f"gradient shape {tuple(shape)} does not match the expected {expected}")
+
+    def rows_nbytes(self, ref: ShardRef, rows: int | None) -> int:
+        """Bytes a read of ``rows`` rows of the shard (None: all of it) returns; raises
+        VariableNotFoundError for an unknown shard."""
+        value = self._get(ref).value
+        if rows is None:
+            return value.numel() * value.element_size()
+        return rows * (value[0].numel() if value.dim() else 1) * value.element_size()
 
     # -- updates --------------------------------------------------------------
 

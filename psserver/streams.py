@@ -262,7 +262,16 @@ def meta_of(tensor: torch.Tensor) -> tensor_pb2.TensorMeta:
     return tensor_pb2.TensorMeta(dtype=dtype_name(tensor.dtype), shape=list(tensor.shape))
 
 
+MAX_DIMS = 64
+"""The most dimensions a tensor on the wire may have (torch's own limit)."""
+
+
 def meta_nbytes(meta: tensor_pb2.TensorMeta) -> int:
+    """Bytes of the tensor ``meta`` describes; raises InvalidRequestError for a shape that is not one."""
+    if len(meta.shape) > MAX_DIMS:
+        raise InvalidRequestError(f"a tensor shape has {len(meta.shape)} dimensions; at most {MAX_DIMS} are allowed")
+    if any(dim < 0 for dim in meta.shape):
+        raise InvalidRequestError(f"negative dimension in shape {tuple(meta.shape)}")
     return nbytes_of(meta.shape, dtype_from_name(meta.dtype))
 
 

@@ -19,6 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from paramserve.psserver.errors import ConfigurationError
+
 __all__ = [
     "ClusterSpecError",
     "ROLES",
@@ -40,7 +42,7 @@ _BRACKETED = re.compile(r"\[([^\]]*)\](?::(.*))?")
 EXAMPLE_TF_CONFIG = '{"cluster": {"ps": ["10.0.0.1:2222"], "worker": ["10.0.0.2:2222"]}}'
 
 
-class ClusterSpecError(ValueError):
+class ClusterSpecError(ConfigurationError):
     """A cluster description that cannot be used; the message names the problem and the fix."""
 
 

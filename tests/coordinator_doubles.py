@@ -26,6 +26,7 @@ class FakeStrategy:
     def __init__(self, cluster: LocalCluster, token: str | None):
         self.cluster = cluster.spec
         self.token = token
+        self.tls = None
         self.max_value_age = 0.0
         self.attached: list[ClusterCoordinator] = []
 

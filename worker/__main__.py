@@ -14,11 +14,13 @@ from paramserve.psserver.devices import worker_device
 from paramserve.psserver.serving import (
     add_server_arguments,
     configure_logging,
+    positive_float,
     read_token_file,
     resolve_address,
     resolve_tls,
     resolve_token,
     resolve_torch_threads,
+    run_reporting_errors,
     serve_until_signal,
 )
 from paramserve.worker.server import WorkerConfig, build_worker
@@ -32,7 +34,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                       help="token presented to parameter servers (default: the worker's own token)")
     work.add_argument("--ps-tls-ca", type=pathlib.Path,
                       help="PEM CA bundle to verify parameter servers that serve TLS (default: plaintext)")
-    work.add_argument("--ps-retry-deadline", type=float, default=60.0,
+    work.add_argument("--ps-tls-cert", type=pathlib.Path,
+                      help="PEM client certificate chain presented to parameter servers that require mutual TLS "
+                           "(default: --tls-cert, when --ps-tls-ca is given)")
+    work.add_argument("--ps-tls-key", type=pathlib.Path, help="PEM private key of --ps-tls-cert (default: --tls-key)")
+    work.add_argument("--ps-retry-deadline", type=positive_float, default=60.0,
                       help="seconds a closure keeps retrying an unreachable parameter server (default: %(default)s)")
     work.add_argument("--device",
                       help="where closures compute: 'cpu' or 'cuda:N'. Default, where CUDA is available: GPU "
@@ -42,8 +48,6 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 
 def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> WorkerConfig:
-    if args.ps_retry_deadline <= 0:
-        parser.error("--ps-retry-deadline must be positive")
     host, port = resolve_address(args, parser, "worker", os.environ)
     return WorkerConfig(
         host=host,
@@ -55,6 +59,10 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         ps_token=read_token_file(args.ps_token_file) if args.ps_token_file else None,
         tls=resolve_tls(args, parser),
         ps_root_certificates=args.ps_tls_ca,
+        ps_cert_chain=(args.ps_tls_cert or args.tls_cert) if args.ps_tls_ca else None,
+        ps_private_key=(args.ps_tls_key or args.tls_key) if args.ps_tls_ca else None,
+        insecure=args.insecure,
+        max_connections=args.max_connections,
         ps_retry_deadline=args.ps_retry_deadline,
         torch_threads=resolve_torch_threads(args, parser),
         device=resolve_device(args, parser),
@@ -71,7 +79,7 @@ def resolve_device(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    return run(parser.parse_args(argv), parser)
+    return run_reporting_errors(run, parser.parse_args(argv), parser)
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

@@ -34,6 +34,7 @@ from paramserve.psserver.errors import (
     InvalidRequestError,
     ServerUnavailableError,
     ShapeMismatchError,
+    VariableNotFoundError,
 )
 from paramserve.psserver.tensors import DTYPE_NAMES, as_byte_view, dtype_from_name, tensor_from_buffer
 from paramserve.psserver.types import ClusterContext, PullResult, PushSummary, RowGradient, ShardRef, VariableLayout
@@ -100,7 +101,8 @@ class ClosureFailure:
     missing_resources: tuple[str, ...] = ()
     """Not a failure of the closure: resend these resources and retry."""
     parameter_server: str = ""
-    """Set when a parameter server, not the user's code, failed (it is unreachable)."""
+    """Set when a parameter server, not the user's code, failed: it is unreachable, or it lacks a
+    variable the cluster context places on it (it restarted and lost its state)."""
     needs_cluster: bool = False
     """Not a failure of the closure: the worker does not hold the cluster context the request
     names (it restarted); resend the request with it."""
@@ -644,6 +646,9 @@ def closure_failure(exc: BaseException) -> ClosureFailure:
     if missing is not None:
         return ClosureFailure(type=_qualified_name(missing), message=str(missing), missing_resources=missing.resource_ids)
     server_error = _in_chain(exc, (ServerUnavailableError, DeadlineExceededError))
+    if server_error is None:
+        lost = _in_chain(exc, VariableNotFoundError)  # every variable asked for is in the cluster context
+        server_error = lost if lost is not None and lost.server else None
     return ClosureFailure(
         type=_qualified_name(exc),
         message=str(exc),

@@ -9,7 +9,7 @@ import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from paramserve.psserver.client import ClientConfig, ParameterServerClient
-from paramserve.psserver.serving import GrpcService, RunningService, TlsConfig
+from paramserve.psserver.serving import DEFAULT_MAX_CONNECTIONS, GrpcService, RunningService, TlsConfig
 from paramserve.worker.core import ClientFactory, ClosureOutcome, ClosureRequest, WorkerCore
 from paramserve.worker.servicer import SERVICE_NAME, WorkerServicer, generic_handler
 
@@ -28,8 +28,15 @@ class WorkerConfig:
     ps_token: str | None = None
     """What the worker presents to parameter servers; None: the same as ``token``, "": none."""
     tls: TlsConfig | None = None
+    insecure: bool = False
+    """Listen beyond loopback without authentication (``--insecure``); refused otherwise."""
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    """Connections accepted at once (``--max-connections``); bounds what header floods can hold."""
     ps_root_certificates: pathlib.Path | None = None
     """PEM roots to verify parameter servers that serve TLS; None: plaintext."""
+    ps_cert_chain: pathlib.Path | None = None
+    ps_private_key: pathlib.Path | None = None
+    """The client certificate and key presented to parameter servers that require mutual TLS."""
     ps_call_timeout: float = 30.0
     ps_retry_deadline: float = 60.0
     torch_threads: int | None = None
@@ -122,6 +129,8 @@ def parameter_server_clients(config: WorkerConfig) -> ClientFactory:
     client_config = ClientConfig(
         token=config.effective_ps_token,
         tls_root_certificates=config.ps_root_certificates,
+        tls_cert_chain=config.ps_cert_chain,
+        tls_private_key=config.ps_private_key,
         call_timeout=config.ps_call_timeout,
         retry_deadline=config.ps_retry_deadline,
         max_message_bytes=config.max_message_bytes,

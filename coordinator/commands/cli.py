@@ -1,4 +1,9 @@
-"""The ``paramserve`` command: one entry point, a subcommand per role."""
+"""The ``paramserve`` command: one entry point, a subcommand per role.
+
+A configuration the command cannot start with (a bad flag, an unreadable token file,
+a malformed TF_CONFIG, a busy port) ends with one line naming the problem and the fix,
+and exit status 2; ``--debug`` shows the traceback as well.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +11,14 @@ import argparse
 import importlib
 import sys
 from collections.abc import Callable
-from typing import NamedTuple
+from importlib import metadata
+from typing import NamedTuple, NoReturn
+
+from paramserve.psserver.serving import run_reporting_errors
 
 Runner = Callable[[argparse.Namespace, argparse.ArgumentParser], int]
+USAGE_ERROR = 2
+"""Exit status of a bad flag or configuration (argparse's own)."""
 
 
 class Subcommand(NamedTuple):
@@ -31,11 +41,27 @@ SUBCOMMANDS = (
 )
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """Reports a bad flag in one line (``paramserve ps: error: ... (see --help)``), exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(USAGE_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def version() -> str:
+    try:
+        return metadata.version("paramserve")
+    except metadata.PackageNotFoundError:  # pragma: no cover - run from a source tree without an install
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="paramserve",
         description="Parameter-server training for PyTorch: run a role of a cluster.",
     )
+    parser.add_argument("--version", action="version", version=f"paramserve {version()}")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of a failed start, not only its message")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for command in SUBCOMMANDS:
         module = importlib.import_module(command.module)
@@ -49,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     runner: Runner = args.runner
-    return runner(args, args.subparser)
+    return run_reporting_errors(runner, args, args.subparser)
 
 
 if __name__ == "__main__":

@@ -96,14 +96,19 @@ def run(args: argparse.Namespace) -> DemoSummary:
     from paramserve.coordinator.checkpoint_manager import CheckpointManager, export_state_dict
     from paramserve.coordinator.cluster_coordinator import ClusterCoordinator
     from paramserve.coordinator.strategies.parameter_server import ParameterServerStrategy
+    from paramserve.psserver.client import ClientConfig
     from paramserve.psserver.partition import MinSizePartitioner
+    from paramserve.psserver.security import writable_directory
 
     started = time.perf_counter()
-    checkpoint_dir = pathlib.Path(args.checkpoint_dir or tempfile.mkdtemp(prefix="paramserve-demo-"))
+    checkpoint_dir = writable_directory(pathlib.Path(args.checkpoint_dir), "--checkpoint-dir") if args.checkpoint_dir \
+        else pathlib.Path(tempfile.mkdtemp(prefix="paramserve-demo-"))
     _, _, x_test, y_test = digits_split(args.seed)
     with _cluster(args) as (spec, token):
         strategy = ParameterServerStrategy(
-            spec, variable_partitioner=MinSizePartitioner(min_shard_bytes=16 << 10, max_shards=spec.num_ps()), token=token
+            spec, variable_partitioner=MinSizePartitioner(min_shard_bytes=16 << 10, max_shards=spec.num_ps()), token=token,
+            client_config=ClientConfig(tls_root_certificates=args.tls_ca, tls_cert_chain=args.tls_cert,
+                                       tls_private_key=args.tls_key),
         )
         torch.manual_seed(args.seed)
         with strategy.scope():
@@ -148,15 +153,26 @@ def _cluster(args: argparse.Namespace) -> Iterator[tuple[Any, str | None]]:
     """The cluster to train on: described by the environment, or started here."""
     from paramserve.coordinator.cluster import ClusterSpec
     from paramserve.coordinator.local_cluster import LocalCluster
+    from paramserve.psserver.security import check_token
     from paramserve.psserver.serving import TOKEN_ENV, read_token_file
 
     if args.cluster_from_env:
-        token = read_token_file(args.token_file) if args.token_file else os.environ.get(TOKEN_ENV) or None
+        token = read_token_file(args.token_file) if args.token_file else check_token(os.environ.get(TOKEN_ENV), TOKEN_ENV)
         yield ClusterSpec.from_env(), token
         return
     token = secrets.token_hex(16)
-    with LocalCluster(num_ps=args.ps, num_workers=args.workers, token=token) as cluster:
+    with LocalCluster(num_ps=args.ps, num_workers=args.workers, token=token, extra_ps_args=_tls_args(args, "ps"),
+                      extra_worker_args=_tls_args(args, "worker")) as cluster:
         yield cluster.spec, token
+
+
+def _tls_args(args: argparse.Namespace, role: str) -> list[str]:
+    """The servers' TLS flags: every server presents --tls-cert and requires client certificates
+    signed by --tls-ca (mutual TLS); a worker presents the same certificate to the servers."""
+    if args.tls_ca is None:
+        return []
+    served = ["--tls-cert", str(args.tls_cert), "--tls-key", str(args.tls_key), "--tls-client-ca", str(args.tls_ca)]
+    return served + (["--ps-tls-ca", str(args.tls_ca)] if role == "worker" else [])
 
 
 def _dataset_fn(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -186,6 +202,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the train/test split, the model's initial weights and the workers' shuffling: "
                              "the same seed trains the same way up to the asynchrony of the workers (default: %(default)s)")
+    parser.add_argument("--tls-ca", type=pathlib.Path,
+                        help="mutual TLS between every process: the CA bundle that signed --tls-cert (needs both)")
+    parser.add_argument("--tls-cert", type=pathlib.Path,
+                        help="PEM certificate every process presents (valid for 127.0.0.1, as a server and a client)")
+    parser.add_argument("--tls-key", type=pathlib.Path, help="PEM private key of --tls-cert")
     parser.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
@@ -197,6 +218,10 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                         ("--ps", args.ps), ("--workers", args.workers), ("--checkpoint-every", args.checkpoint_every)):
         if value < 1:
             parser.error(f"{name} must be at least 1")
+    if len({args.tls_ca is None, args.tls_cert is None, args.tls_key is None}) > 1:
+        parser.error("mutual TLS needs --tls-ca, --tls-cert and --tls-key together")
+    if args.tls_ca is not None and args.cluster_from_env:
+        parser.error("--tls-* start a cluster with TLS; with --cluster-from-env the cluster's own settings apply")
     summary = run(args)
     print(f"test accuracy {summary.test_accuracy:.4f} after {summary.steps} steps in {summary.duration_s:.1f}s "
           f"({summary.workers} workers, {summary.parameter_servers} parameter servers); checkpoints in {summary.checkpoint_dir}")

@@ -3,7 +3,9 @@
 Starts parameter servers and workers on 127.0.0.1, runs the command with
 PARAMSERVE_PS, PARAMSERVE_WORKERS and PARAMSERVE_TOKEN set (so that
 ``ClusterSpec.from_env()`` and ``ParameterServerStrategy()`` find them), and
-stops the cluster when the command ends. Exits with the command's status.
+stops the cluster when the command ends. A server or worker that dies meanwhile
+is restarted on its port (the coordinator then restores a parameter server from
+its latest checkpoint). Exits with the command's status.
 """
 
 from __future__ import annotations
@@ -31,8 +33,10 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("give the command to run after --, e.g. paramserve launch -- python train.py")
+    if args.ps < 1 or args.workers < 1:
+        parser.error("--ps and --workers must be at least 1")
     token = None if args.no_token else secrets.token_hex(16)
-    with LocalCluster(num_ps=args.ps, num_workers=args.workers, token=token) as cluster:
+    with LocalCluster(num_ps=args.ps, num_workers=args.workers, token=token, supervise=True) as cluster:
         env = {
             **os.environ,
             "PARAMSERVE_PS": ",".join(cluster.spec.parameter_servers),

@@ -43,6 +43,7 @@ from paramserve.psserver.client import ClientConfig, ParameterServerClient, layo
 from paramserve.psserver.errors import VariableExistsError
 from paramserve.psserver.optimizer import OptimizerSpec
 from paramserve.psserver.partition import Partitioner
+from paramserve.psserver.security import check_token
 from paramserve.psserver.serving import TOKEN_ENV
 from paramserve.psserver.types import ClusterContext, ShardState, VariableLayout
 from paramserve.wire.v1 import tensor_pb2
@@ -129,7 +130,7 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         if not self.cluster.workers and self.cluster.worker_service is None:
             raise ValueError("ParameterServerStrategy needs at least one worker (or a worker service) in the cluster")
         self.variable_partitioner = variable_partitioner
-        self.token = token if token is not None else env.get(TOKEN_ENV) or None
+        self.token = check_token(token, "token=") if token is not None else check_token(env.get(TOKEN_ENV), TOKEN_ENV)
         if not max_value_age >= 0:
             raise ValueError(f"max_value_age must be >= 0 seconds, got {max_value_age!r}")
         self.max_value_age = float(max_value_age)
@@ -139,6 +140,8 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         config = client_config or ClientConfig()
         if self.token and not config.token:
             config = ClientConfig(**{**config.__dict__, "token": self.token})
+        self.tls = config.client_tls()
+        """How the coordinator reaches workers too: the parameter servers' TLS settings (ClientConfig)."""
         self.client = ParameterServerClient(self.cluster.parameter_servers, config)
         self._lock = threading.RLock()
         self._variables: dict[str, Variable] = {}
@@ -150,8 +153,8 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         self._coordinator_ref: Callable[[], Any] = lambda: None  # weak: a dropped coordinator can be collected
         self._generation = 0  # restores so far (ClusterContext.generation)
         self.last_checkpoint: CheckpointRecord | None = None
-        """The newest checkpoint a CheckpointManager wrote or restored (the coordinator's
-        ``checkpoint_age_seconds`` metric reads it)."""
+        """The newest checkpoint a CheckpointManager wrote or restored: a restarted parameter
+        server is restored from it (coordinator.ps_recovery); ``checkpoint_age_seconds`` reads it."""
         self._access = CoordinatorAccess(self)
         self._hook_handles: list[torch.utils.hooks.RemovableHandle] = []
         self._linked_optimizers: list[torch.optim.Optimizer] = []
@@ -301,17 +304,10 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         return coordinator.paused(timeout) if coordinator is not None else contextlib.nullcontext()
 
     def _attach_coordinator(self, coordinator: Any) -> None:
-        """Called by a new ClusterCoordinator: a clash with variables the servers hold is refused
-        here, on the caller's thread, rather than when a dispatcher first builds the context."""
+        """Called by a new ClusterCoordinator. Variables are created (or a clash with those the
+        servers hold refused) at its first ``schedule``, on the caller's thread, so that a
+        restarted program may restore its checkpoint onto the live servers in between."""
         self._coordinator_ref = weakref.ref(coordinator)
-        with self._lock:
-            pending = [name for name in self._variables if name not in self._created]
-            try:
-                if pending:
-                    self._existing_on_servers(pending)
-            except VariableExistsError:
-                coordinator.shutdown()
-                raise
 
     def __reduce__(self) -> tuple[Any, tuple[()]]:
         # A step that calls strategy.run() is sent to workers with the strategy in it:
@@ -435,7 +431,8 @@ class ParameterServerStrategy(SingleReplicaStrategy):
             raise VariableExistsError(
                 f"{len(layouts)} variables of this model exist on the parameter servers already, e.g. "
                 f"{sorted(layouts)[:3]} (from an earlier run?): pass ParameterServerStrategy(run_name=...) a new "
-                "name to keep this run's variables apart, or reuse_variables=True to train on from their values",
+                "name to keep this run's variables apart, reuse_variables=True to train on from their values, or (a "
+                "restarted program) restore its checkpoint first (CheckpointManager.restore_or_initialize)",
                 variable=sorted(layouts)[0],
             )
         for name, layout in layouts.items():
@@ -750,6 +747,9 @@ class ServerCheckpoints:
         return extra
 
     def clear(self) -> None:
+        last = self._strategy.last_checkpoint
+        if last is not None and pathlib.Path(last.path).parent == self.directory:
+            self._strategy.last_checkpoint = None
         checkpoint.delete_checkpoints(self.directory)
 
 

@@ -254,6 +254,18 @@ def test_kill_and_restart_ps_on_the_same_port(make_cluster: Callable[..., LocalC
         connect(address)
 
 
+def test_a_supervised_cluster_restarts_a_killed_server_on_its_port(make_cluster: Callable[..., LocalCluster]) -> None:
+    with make_cluster(num_ps=2, num_workers=1, supervise=True) as cluster:
+        address = cluster.spec.parameter_servers[1]
+        old_pid = cluster.processes[1].pid
+        os.kill(old_pid, signal.SIGKILL)  # from outside, as a crash would
+        deadline = time.monotonic() + 30
+        while cluster.restarts == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)  # polling: the supervisor's restart has no event to wait on
+        assert cluster.restarts == 1 and cluster.processes[1].pid != old_pid
+        connect(address)
+
+
 def test_restart_of_a_live_worker_replaces_it(make_cluster: Callable[..., LocalCluster]) -> None:
     with make_cluster(num_ps=1, num_workers=1) as cluster:
         old_pid = cluster.processes[1].pid

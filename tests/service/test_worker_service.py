@@ -13,6 +13,7 @@ from torch import nn
 
 from paramserve.psserver.optimizer import OptimizerSpec
 from paramserve.psserver.partition import FixedShardsPartitioner
+from paramserve.psserver.security import bearer_metadata
 from paramserve.psserver.types import ClusterContext
 from paramserve.wire.v1 import cluster_pb2, worker_pb2, worker_pb2_grpc
 from paramserve.worker.core import ClosureRequest
@@ -177,7 +178,7 @@ def test_token_is_required_when_set(start_worker, stub_for):
         stub.RunClosure(run_request(answer), timeout=30)
     with pytest.raises(grpc.RpcError) as wrong:
         stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=30, metadata=[("authorization", "Bearer nope")])
-    response = stub.RunClosure(run_request(answer), timeout=30, metadata=[("authorization", f"Bearer {TOKEN}")])
+    response = stub.RunClosure(run_request(answer), timeout=30, metadata=[bearer_metadata(TOKEN)])
 
     assert missing.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert wrong.value.code() == grpc.StatusCode.UNAUTHENTICATED

@@ -115,6 +115,40 @@ def test_parameter_server_failures_raise_a_typed_error_naming_the_server():
     assert "10.0.0.1:2222" in str(built)
 
 
+def test_with_recovery_a_parameter_server_failure_waits_for_it_a_bounded_number_of_times():
+    error = ErrorData(type="paramserve.psserver.errors.VariableNotFoundError", parameter_server="10.0.0.1:2222")
+    waits = [decide_on_closure_error(error, resends=0, known_resources=(), policy=POLICY, server_waits=n,
+                                     servers_recover=True) for n in range(POLICY.max_server_waits + 1)]
+    assert [d.action for d in waits[:-1]] == [Action.AWAIT_SERVER] * POLICY.max_server_waits
+    assert "10.0.0.1:2222" in waits[0].reason
+    assert waits[-1].action is Action.RAISE and waits[-1].error_type is ParameterServerUnavailableError
+
+
+def test_a_dispatcher_puts_closures_back_and_reports_the_server_when_recovery_is_on():
+    queue = ClosureQueue(16)
+    for name in ("first", "second"):
+        queue.put(Closure(name, b""), timeout=1)
+    batch = queue.take("w:1", 2)
+    reported: list[str] = []
+    failure = worker_pb2.ClosureFailure(type="paramserve.psserver.errors.ServerUnavailableError", message="gone",
+                                        parameter_server="10.0.0.1:2222")
+
+    class Failing:
+        async def run_closures(self, request, timeout):
+            return worker_pb2.RunClosuresResponse(
+                results=[worker_pb2.RunClosureResponse(error=failure, worker_incarnation="inc")])
+
+    dispatcher = Dispatcher("w:1", 0, queue=queue, specs=ResourceSpecs(), transport=Failing(),
+                            cluster_context=lambda: CONTEXT,
+                            num_workers=lambda: 1, policy=POLICY, server_failed=reported.append)
+    asyncio.run(dispatcher.run(batch))
+
+    assert reported == ["10.0.0.1:2222"]
+    assert queue.num_queued == 2 and queue.num_in_flight == 0 and queue.take_error() is None
+    assert [c.function_name for c in queue.take("w:1", 2)] == ["first", "second"], "back at the front, in order"
+    assert [c.server_waits for c in batch] == [1, 0]
+
+
 def test_stop_iteration_is_out_of_range_and_user_errors_are_closure_errors():
     stop = decide_on_closure_error(ErrorData(type="builtins.StopIteration"), resends=0, known_resources=(), policy=POLICY)
     assert stop.error_type is OutOfRangeError and issubclass(OutOfRangeError, ClosureError)
@@ -615,7 +649,8 @@ class _StubStrategy:
         from paramserve.psserver.types import ClusterContext
 
         self.cluster = ClusterSpec(parameter_servers=("ps0:1",), workers=tuple(workers))
-        self.token = None
+        self.token = "a-token"  # the doubles' addresses are not loopback: replies must be signed
+        self.tls = None
         self.max_value_age = 0.0
         self._context = ClusterContext(("ps0:1",))
 

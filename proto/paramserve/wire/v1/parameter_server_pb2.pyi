@@ -104,8 +104,10 @@ class DeleteVariableResponse(_message.Message):
     def __init__(self, shards_deleted: _Optional[int] = ...) -> None: ...
 
 class ListShardsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("incarnation_only",)
+    INCARNATION_ONLY_FIELD_NUMBER: _ClassVar[int]
+    incarnation_only: bool
+    def __init__(self, incarnation_only: _Optional[bool] = ...) -> None: ...
 
 class ShardInfo(_message.Message):
     __slots__ = ("ref", "variable_shape", "row_start", "shard_meta", "optimizer", "version")
@@ -124,10 +126,12 @@ class ShardInfo(_message.Message):
     def __init__(self, ref: _Optional[_Union[_tensor_pb2.ShardRef, _Mapping]] = ..., variable_shape: _Optional[_Iterable[int]] = ..., row_start: _Optional[int] = ..., shard_meta: _Optional[_Union[_tensor_pb2.TensorMeta, _Mapping]] = ..., optimizer: _Optional[_Union[_tensor_pb2.OptimizerSpec, _Mapping]] = ..., version: _Optional[int] = ...) -> None: ...
 
 class ListShardsResponse(_message.Message):
-    __slots__ = ("shards",)
+    __slots__ = ("shards", "incarnation")
     SHARDS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     shards: _containers.RepeatedCompositeFieldContainer[ShardInfo]
-    def __init__(self, shards: _Optional[_Iterable[_Union[ShardInfo, _Mapping]]] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, shards: _Optional[_Iterable[_Union[ShardInfo, _Mapping]]] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class SaveRequest(_message.Message):
     __slots__ = ("directory", "keep")
