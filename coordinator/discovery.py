@@ -4,7 +4,8 @@ A Compose service scaled with ``docker compose up --scale worker=8`` and a Kuber
 headless Service both answer one name with every worker's address (Kubernetes: every
 *ready* pod's). ``WorkerDiscovery`` resolves that name every ``interval`` seconds on its
 own thread (``paramserve-discovery``) and changes the coordinator's membership: an address
-that appears joins at once and gets closures; one that has been missing for
+that appears joins at once and gets closures as soon as its health check says it serves;
+one that has been missing for
 ``removal_grace`` seconds leaves, and the closures it was running go back to the queue
 (their ids stay the same, so the parameter servers apply none of their pushes twice).
 The grace keeps a worker that restarts in place, or a DNS answer that flaps, from
@@ -125,7 +126,7 @@ def plan_membership(
 class Membership(Protocol):
     """Where workers join and leave (the coordinator's DispatchLoop)."""
 
-    def add_worker(self, address: str) -> object: ...
+    def add_worker(self, address: str, *, probe_first: bool = False) -> object: ...
 
     def remove_worker(self, address: str, timeout: float | None = None) -> None: ...
 
@@ -184,7 +185,9 @@ class WorkerDiscovery:
                 pass
         for address in plan.add:
             try:
-                self._membership.add_worker(address)
+                # probed first: a name may resolve before its worker serves (Docker's DNS lists a
+                # container while it starts); a call to it then would cost closures an attempt.
+                self._membership.add_worker(address, probe_first=True)
             except ValueError:  # added by someone else meanwhile: not ours to remove later
                 continue
             self._members.add(address)

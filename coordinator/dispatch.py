@@ -293,6 +293,7 @@ class Dispatcher:
         sizer: BatchSizer | None = None,
         server_failed: Callable[[str], None] | None = None,
         observer: CoordinatorObserver = NO_OBSERVER,
+        probe_first: bool = False,
     ):
         self.address = address
         self._server_failed = server_failed
@@ -306,7 +307,9 @@ class Dispatcher:
         self._num_workers = num_workers
         self._policy = policy
         self._max_value_age = max_value_age
-        self._state = WorkerState.UP
+        # probe_first: a worker found by name may not serve yet (a container still starting); it
+        # starts DOWN, so the health probe, not a closure's attempt, finds out when it serves.
+        self._state = WorkerState.DOWN if probe_first else WorkerState.UP
         self._held: frozenset[str] = frozenset()
         self._cluster_held = ""  # fingerprint of the cluster context the worker is known to hold
         self._incarnation: str | None = None
@@ -562,9 +565,10 @@ class DispatchLoop:
 
     # ---------------------------------------------------------------- from any thread
 
-    def add_worker(self, address: str) -> Dispatcher:
-        """Starts dispatching to ``address`` with the smallest free worker index."""
-        return self._call(self._add(address))
+    def add_worker(self, address: str, *, probe_first: bool = False) -> Dispatcher:
+        """Starts dispatching to ``address`` with the smallest free worker index; with
+        ``probe_first``, once its health check says it serves."""
+        return self._call(self._add(address, probe_first))
 
     def remove_worker(self, address: str, timeout: float | None = None) -> None:
         """Stops dispatching to ``address``; the closures it was running go back to the queue."""
@@ -643,7 +647,7 @@ class DispatchLoop:
             self._loop.run_until_complete(self._loop.shutdown_asyncgens())
             self._loop.close()
 
-    async def _add(self, address: str) -> Dispatcher:
+    async def _add(self, address: str, probe_first: bool = False) -> Dispatcher:
         if self._stopped:
             raise RuntimeError("the coordinator is shut down; it cannot add workers")
         if address in self._dispatchers:
@@ -655,11 +659,15 @@ class DispatchLoop:
             cluster_context=self._cluster_context, num_workers=self.num_workers, policy=self._policy,
             max_value_age=self._max_value_age, sizer=self._sizer, observer=self._observer,
             server_failed=self._server_failed if self._on_server_failure is not None else None,
+            probe_first=probe_first,
         )
         self._dispatchers[address] = dispatcher
-        self._free.append(dispatcher)
-        log.info("worker %d (%s) joined", index, address)
-        self._assign()
+        log.info("worker %d (%s) joined%s", index, address, " (probed first)" if probe_first else "")
+        if dispatcher.state is WorkerState.DOWN:
+            self._start(dispatcher, self._probe(dispatcher))
+        else:
+            self._free.append(dispatcher)
+            self._assign()
         return dispatcher
 
     async def _remove(self, address: str) -> None:

@@ -621,6 +621,23 @@ def test_one_thread_dispatches_to_a_hundred_workers_in_bounded_batches():
     assert not loop.thread.is_alive()
 
 
+def test_a_worker_added_with_probe_first_gets_closures_only_once_it_serves():
+    queue = ClosureQueue(10)
+    fast = FailurePolicy(max_attempts=3, probe_initial_backoff=0.01, probe_max_backoff=0.02, probe_jitter=0.0)
+    transport = FakeTransport([[_ok("a")]], serving=[False, False, True])
+    loop = DispatchLoop(queue=queue, specs=ResourceSpecs(), policy=fast, transport_factory=lambda address: transport,
+                        cluster_context=lambda: CONTEXT)
+    try:
+        [closure] = _queued(queue, _closure("a"))
+        dispatcher = loop.add_worker("w:0", probe_first=True)
+        assert closure.remote_value.fetch(10) == "a"
+        assert dispatcher.state is WorkerState.UP and transport.serving == [True]  # probed until it served
+        [request] = transport.requests
+        assert request.closures[0].attempt == 0, "a worker still starting costs no closure an attempt"
+    finally:
+        assert loop.stop(10)
+
+
 # ---------------------------------------------------------------- the coordinator's lifecycle and join()
 
 

@@ -47,7 +47,8 @@ class FakeMembership:
     def __init__(self) -> None:
         self.workers: set[str] = set()
 
-    def add_worker(self, address: str) -> object:
+    def add_worker(self, address: str, *, probe_first: bool = False) -> object:
+        assert probe_first, "discovered workers are probed before their first closure"
         if address in self.workers:
             raise ValueError(address)
         self.workers.add(address)
