@@ -168,10 +168,6 @@ class ParameterServerRecovery:
             self._thread.join(timeout)
 
     @property
-    def thread(self) -> threading.Thread:
-        return self._thread
-
-    @property
     def loop(self) -> DispatchLoop:
         assert self._loop is not None, "start() first"
         return self._loop

@@ -4,11 +4,12 @@ in at and wait behind, so a test knows a closure is running without sleeping."""
 
 from __future__ import annotations
 
+import itertools
 import socket
 import struct
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import cloudpickle
 
@@ -100,3 +101,20 @@ def check_in(gate_address: tuple[str, int], worker_index: int) -> None:
     with socket.create_connection(gate_address, timeout=120) as conn:
         conn.sendall(struct.pack("!i", worker_index))
         conn.recv(1)
+
+
+Item = tuple[int, str, int]
+"""(worker index, worker incarnation, position in that worker's stream)."""
+
+
+def tagged_items(ctx) -> Iterator[Item]:  # type: ignore[no-untyped-def]
+    """A per-worker dataset whose items say which worker process made them, and in what order."""
+    return ((ctx.worker_index, ctx.incarnation, i) for i in itertools.count())
+
+
+def item_at_gate(iterator: Iterator[Item], gate_address: tuple[str, int]) -> Item:
+    """Takes the next item, then checks in at the Gate (so the test knows which worker runs)."""
+    item = next(iterator)
+    check_in(gate_address, item[0])
+    return item
+

@@ -8,14 +8,13 @@ closure runs again on a worker still there, and every closure completes once.
 
 from __future__ import annotations
 
-import itertools
 import sys
 import threading
 from collections.abc import Iterator
 
 import cloudpickle
 import pytest
-from coordinator_doubles import FakeStrategy, Gate, check_in
+from coordinator_doubles import FakeStrategy, Gate, item_at_gate, tagged_items
 
 from paramserve.coordinator.cluster import ClusterSpec
 from paramserve.coordinator.cluster_coordinator import ClusterCoordinator, CoordinatorConfig
@@ -29,19 +28,6 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 TOKEN = "elastic-secret"
 DEADLINE = 60.0
 SERVICE = "worker.test:6000"
-
-Item = tuple[int, str, int]  # (worker index, worker incarnation, position in that worker's stream)
-
-
-def tagged_items(ctx) -> Iterator[Item]:
-    return ((ctx.worker_index, ctx.incarnation, i) for i in itertools.count())
-
-
-def item_at_gate(iterator: Iterator[Item], gate_address: tuple[str, int]) -> Item:
-    item = next(iterator)
-    check_in(gate_address, item[0])
-    return item
-
 
 class Dns:
     """What the worker service's name resolves to now."""

@@ -7,14 +7,13 @@ is used again, and its per-worker dataset is created again (a new incarnation).
 
 from __future__ import annotations
 
-import itertools
 import sys
 import threading
 from collections.abc import Iterator
 
 import cloudpickle
 import pytest
-from coordinator_doubles import FakeStrategy, Gate, check_in
+from coordinator_doubles import FakeStrategy, Gate, Item, item_at_gate, tagged_items
 
 from paramserve.coordinator.cluster_coordinator import ClusterCoordinator, CoordinatorConfig
 from paramserve.coordinator.failures import FailurePolicy
@@ -29,19 +28,6 @@ FAST_PROBES = FailurePolicy(probe_initial_backoff=0.05, probe_max_backoff=0.5, p
 
 
 # ---------------------------------------------------------------- run on workers
-
-Item = tuple[int, str, int]  # (worker index, worker incarnation, position in that worker's stream)
-
-
-def tagged_items(ctx) -> Iterator[Item]:
-    return ((ctx.worker_index, ctx.incarnation, i) for i in itertools.count())
-
-
-def item_at_gate(iterator: Iterator[Item], gate_address: tuple[str, int]) -> Item:
-    item = next(iterator)
-    check_in(gate_address, item[0])
-    return item
-
 
 def next_item(iterator: Iterator[Item]) -> Item:
     return next(iterator)

@@ -133,7 +133,7 @@ def test_a_dispatcher_puts_closures_back_and_reports_the_server_when_recovery_is
     failure = worker_pb2.ClosureFailure(type="paramserve.psserver.errors.ServerUnavailableError", message="gone",
                                         parameter_server="10.0.0.1:2222")
 
-    class Failing:
+    class Failing(_HealthyTransport):
         async def run_closures(self, request, timeout):
             return worker_pb2.RunClosuresResponse(
                 results=[worker_pb2.RunClosureResponse(error=failure, worker_incarnation="inc")])
@@ -376,6 +376,19 @@ class FakeTransport:
         self.closed = True
 
 
+class _HealthyTransport:
+    """The rest of a WorkerTransport for doubles that only script run_closures: always serving."""
+
+    async def is_serving(self, timeout):
+        return True
+
+    async def reset(self):
+        pass
+
+    async def close(self):
+        pass
+
+
 def _ok(value, incarnation="inc-1", held=()):
     return worker_pb2.RunClosureResponse(result=cloudpickle.dumps(value), worker_incarnation=incarnation, resources_held=list(held))
 
@@ -574,7 +587,7 @@ def test_batches_form_only_from_short_closures_under_a_backlog():
 
 
 
-class AnsweringTransport:
+class AnsweringTransport(_HealthyTransport):
     """A worker that answers every closure with its own id, after yielding to the loop."""
 
     def __init__(self, address: str):
@@ -584,15 +597,6 @@ class AnsweringTransport:
         self.batches.append(len(request.closures))
         await asyncio.sleep(0)
         return worker_pb2.RunClosuresResponse(results=[_ok(r.closure_id) for r in request.closures])
-
-    async def is_serving(self, timeout):
-        return True
-
-    async def reset(self):
-        pass
-
-    async def close(self):
-        pass
 
 
 def test_one_thread_dispatches_to_a_hundred_workers_in_bounded_batches():
@@ -658,7 +662,7 @@ class _StubStrategy:
         return self._context
 
 
-class _ByFunctionName:
+class _ByFunctionName(_HealthyTransport):
     """A worker double that behaves by the closure's function name: "slow" waits for ``release``,
     "bad" fails with a user error, anything else succeeds with its name."""
 
@@ -676,15 +680,6 @@ class _ByFunctionName:
                 break
             results.append(_ok(closure.function_name, incarnation="inc"))
         return worker_pb2.RunClosuresResponse(results=results)
-
-    async def is_serving(self, timeout):
-        return True
-
-    async def reset(self):
-        pass
-
-    async def close(self):
-        pass
 
 
 def slow():
