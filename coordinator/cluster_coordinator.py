@@ -31,6 +31,7 @@ from paramserve.coordinator.closures import Closure, ClosureQueue, find_resource
 from paramserve.coordinator.cluster import ClusterSpec
 from paramserve.coordinator.discovery import DiscoveryPolicy, Resolver, WorkerDiscovery, resolve_dns
 from paramserve.coordinator.dispatch import (
+    BATCH_SECONDS,
     DispatchLoop,
     GrpcTransport,
     ResourceSpecs,
@@ -75,6 +76,9 @@ class CoordinatorConfig:
     max_batch: int = 8
     """Queued closures one RunClosures call may carry to a worker (each keeps its own id,
     retries and RemoteValue; batching saves round trips when closures queue up)."""
+    batch_seconds: float = BATCH_SECONDS
+    """A batch lasts about this long at the closures' recent duration (dispatch.BatchSizer):
+    short closures travel several to a call, long ones one by one."""
     insecure: bool = False
     """Accept pickled results from workers beyond loopback that nothing authenticates (no token
     to sign replies, no TLS to verify the worker): refused unless set."""
@@ -188,6 +192,7 @@ class ClusterCoordinator:
             cluster_context=self._context,
             max_value_age=strategy.max_value_age,
             max_batch=self.config.max_batch,
+            batch_seconds=self.config.batch_seconds,
             on_server_failure=self.recovery.report if self.recovery is not None else None,
             observer=self.telemetry,
         )

@@ -241,6 +241,10 @@ class ResourceSpecs:
 # ---------------------------------------------------------------- one worker
 
 
+BATCH_SECONDS = 0.05
+"""How long a batch of closures lasts on a worker by default (CoordinatorConfig.batch_seconds)."""
+
+
 class BatchSizer:
     """How many queued closures one RunClosures call carries.
 
@@ -253,7 +257,9 @@ class BatchSizer:
     until a duration is known.
     """
 
-    def __init__(self, max_batch: int = 8, target_seconds: float = 0.01, smoothing: float = 0.2):
+    def __init__(self, max_batch: int = 8, target_seconds: float = BATCH_SECONDS, smoothing: float = 0.2):
+        if target_seconds <= 0:
+            raise ValueError(f"target_seconds must be > 0, got {target_seconds}")
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.max_batch = max_batch
@@ -538,10 +544,11 @@ class DispatchLoop:
         cluster_context: Callable[[], WireContext],
         max_value_age: float = 0.0,
         max_batch: int = 8,
+        batch_seconds: float = BATCH_SECONDS,
         on_server_failure: Callable[[str], None] | None = None,
         observer: CoordinatorObserver = NO_OBSERVER,
     ):
-        self._sizer = BatchSizer(max_batch)
+        self._sizer = BatchSizer(max_batch, batch_seconds)
         self._observer = observer
         self._on_server_failure = on_server_failure
         self._server_hold = False  # dispatch held since a closure saw a parameter server fail

@@ -13,6 +13,7 @@ from paramserve.psserver.servicer import DEFAULT_MAX_PULL_BYTES, DEFAULT_MAX_PUS
 from paramserve.psserver.serving import (
     add_server_arguments,
     configure_logging,
+    port_number,
     positive_int,
     resolve_address,
     resolve_tls,
@@ -29,6 +30,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser = parser or argparse.ArgumentParser(prog="paramserve ps", description=__doc__)
     add_server_arguments(parser)
     data = parser.add_argument_group("data plane")
+    data.add_argument("--data-port", type=port_number, default=0,
+                      help="TCP port of the step data plane, which carries training steps without gRPC's per-call "
+                           "cost (clients find it through the gRPC port; default: a free one). Open it in firewalls "
+                           "beside the gRPC port, or fix it here to do so")
+    data.add_argument("--no-data-plane", action="store_true",
+                      help="serve training steps over gRPC only (slower; for networks that pass nothing but gRPC)")
     data.add_argument("--chunk-bytes", type=positive_int, default=DEFAULT_CHUNK_BYTES, help="largest data chunk this server sends (default: %(default)s)")
     data.add_argument("--max-push-bytes", type=positive_int, default=DEFAULT_MAX_PUSH_BYTES,
                       help="largest gradient part one push may declare; checked, with the shard's shape and dtype, "
@@ -71,6 +78,7 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         tls=resolve_tls(args, parser),
         insecure=args.insecure,
         max_connections=args.max_connections,
+        data_port=None if args.no_data_plane else args.data_port,
         store=StoreConfig(
             idempotency_capacity=args.idempotency_capacity,
             allow_nonfinite=args.allow_nonfinite,

@@ -24,8 +24,10 @@ import grpc
 import numpy as np
 import tenacity
 import torch
+from google.protobuf.message import DecodeError
 
 from paramserve.psserver import convert
+from paramserve.psserver.dataplane import DataPlaneConnection, DataPlaneLinks, TransportError
 from paramserve.psserver.errors import (
     ERROR_METADATA_KEY,
     ERROR_TYPES,
@@ -59,13 +61,14 @@ from paramserve.psserver.streams import (
     byte_buffer,
     decode_step_reply,
     encode_parts,
-    encode_step_request,
     meta_nbytes,
     meta_of,
+    pack_pieces,
     read_parts,
     tensor_from_bytes,
     tensor_payload,
 )
+from paramserve.psserver.tensors import writable_byte_view
 from paramserve.psserver.types import (
     PullResult,
     PushOutcome,
@@ -121,6 +124,9 @@ class ClientConfig:
     """A server's share of a call whose payload (both ways) is at most this travels as one
     unary Step message each way; larger ones stream in chunks. None: ``chunk_bytes``."""
     max_parallel_calls: int = 16
+    data_plane: bool = True
+    """Send training steps over the servers' data planes where they have one
+    (psserver/dataplane.py); False: always the Step RPC."""
 
     def client_tls(self) -> ClientTls | None:
         """The TLS these settings describe (None: plaintext). Raises ConfigurationError for a
@@ -160,6 +166,10 @@ class ParameterServerClient:
         self._lock = threading.Lock()
         self._layouts: dict[str, VariableLayout] = {}
         self._next_server = 0
+        self._links = DataPlaneLinks(
+            [_host_of(a) for a in self.addresses], self._data_plane_info, token=self.config.token,
+            tls=self.config.client_tls(), timeout=self.config.call_timeout,
+        ) if self.config.data_plane else None
 
     # ------------------------------------------------------------------ layout
 
@@ -346,30 +356,113 @@ class ParameterServerClient:
                 exchange.read(shard.server, item, rows)
 
     def _run(self, exchange: _Exchange, key: str | None, variable: str | None) -> tuple[list[PushOutcome], dict[ShardRef, int]]:
-        """Runs each server's share of ``exchange`` (all servers in parallel)."""
+        """Runs each server's share of ``exchange``. Shares that fit one message go to the
+        servers' data planes first, all sent before any reply is read; the rest, and any share
+        whose connection broke, run on the thread pool with retries."""
         limit = self.config.chunk_bytes if self.config.max_unary_bytes is None else self.config.max_unary_bytes
+        key = key or ""
 
-        def call(server: int, work: _ServerWork) -> tuple[list[ps_pb2.PushResult], dict[ShardRef, int]]:
-            stub = self._stubs[server]
+        def call(server: int, work: _ServerWork) -> _StepResult:
             if work.nbytes() <= limit:
-                return stub.step(work, key or "", self._call_options())
+                return self._step_once(server, work, key)
             pushed: list[ps_pb2.PushResult] = []
+            stub = self._stubs[server]
             if work.parts:
                 chunk_bytes = self.config.chunk_bytes
                 headed = [(tensor_pb2.PartHeader(push=part), pieces) for part, pieces in work.parts]
-                pushed = list(stub.push(lambda: encode_parts(iter(headed), chunk_bytes), key or "",
+                pushed = list(stub.push(lambda: encode_parts(iter(headed), chunk_bytes), key,
                                         self._call_options()).results)
             versions = stub.pull(work.pull_request(self.config.chunk_bytes), work.destinations, self._call_options()) \
                 if work.items else {}
             return pushed, versions
 
+        done, errors = self._overlapped_steps(
+            {server: work for server, work in exchange.by_server.items() if work.nbytes() <= limit}, key, variable)
+        rest = {server: work for server, work in exchange.by_server.items() if server not in done}
+        try:
+            done.update(self._fan_out(rest, call, variable=variable))
+        except ParamServeError as err:
+            errors.append(err)
+        if errors:
+            raise errors[0]
         outcomes: list[PushOutcome] = []
         versions: dict[ShardRef, int] = {}
-        for pushed, read in self._fan_out(exchange.by_server, call, variable=variable).values():
+        for result in done.values():
+            if result is None:
+                continue
+            pushed, read = result
             outcomes += [PushOutcome(convert.ref_from_proto(r.ref), r.applied, int(r.version), int(r.staleness))
                          for r in pushed]
             versions.update(read)
         return outcomes, versions
+
+    def _overlapped_steps(self, works: Mapping[int, _ServerWork], key: str,
+                          variable: str | None) -> tuple[dict[int, _StepResult | None], list[ParamServeError]]:
+        """One attempt of each step on the data planes, in the calling thread: every request is
+        sent before any reply is read, so the servers work at once. Returns the results by
+        server (None for a typed error, which is in the list) and leaves out servers whose
+        data plane is unknown, absent or broken: those go the way with retries."""
+        done: dict[int, _StepResult | None] = {}
+        errors: list[ParamServeError] = []
+        if self._links is None or not works:
+            return done, errors
+        sent: list[tuple[int, _ServerWork, DataPlaneConnection]] = []
+        for server, work in works.items():
+            try:
+                connection = self._links.acquire(server)
+                if connection is None:
+                    continue
+            except (TransportError, grpc.RpcError, ParamServeError):
+                continue  # the retrying way asks again, and says what is wrong
+            try:
+                connection.send_step(*_step_frame(work, key))
+            except TransportError:
+                self._links.forget(server, connection)
+                continue
+            sent.append((server, work, connection))
+        for server, work, connection in sent:
+            try:
+                done[server] = _receive_step(connection, work)
+            except TransportError:
+                self._links.forget(server, connection)
+                continue
+            except ParamServeError as err:
+                self._links.release(server, connection)
+                err.server = err.server or self.addresses[server]
+                err.variable = err.variable or variable
+                errors.append(err)
+                done[server] = None
+                continue
+            self._links.release(server, connection)
+        return done, errors
+
+    def _step_once(self, server: int, work: _ServerWork, key: str) -> _StepResult:
+        """One attempt of one server's step: on its data plane when it has one, else the Step RPC."""
+        links = self._links
+        connection = links.acquire(server) if links is not None else None
+        if links is None or connection is None:
+            return self._stubs[server].step(work, key, self._call_options())
+        try:
+            connection.send_step(*_step_frame(work, key))
+            result = _receive_step(connection, work)
+        except TransportError:
+            links.forget(server, connection)
+            raise
+        except ParamServeError:
+            links.release(server, connection)
+            raise
+        links.release(server, connection)
+        return result
+
+    def _data_plane_info(self, server: int) -> ps_pb2.DataPlaneInfo | None:
+        """What ``server`` says of its data plane; None for a server without the RPC."""
+        try:
+            return self._stubs[server].unary("GetDataPlane", ps_pb2.GetDataPlaneRequest(), ps_pb2.DataPlaneInfo,
+                                             self._call_options())
+        except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.UNIMPLEMENTED:
+                return None
+            raise
 
     # ------------------------------------------------------------------ state
 
@@ -445,6 +538,8 @@ class ParameterServerClient:
             self._layouts.pop(name, None)
 
     def close(self) -> None:
+        if self._links is not None:
+            self._links.close()
         self._pool.shutdown(wait=True, cancel_futures=True)
         for channel in self._channels:
             channel.close()
@@ -472,6 +567,10 @@ class ParameterServerClient:
                 return _with_retries(lambda: call(server, item), self.config.retry_deadline, self.addresses[server])
             except grpc.RpcError as err:
                 raise typed_error(err, self.addresses[server], variable) from None
+            except TransportError as err:
+                raise ServerUnavailableError(
+                    f"parameter server unreachable (data plane: {err}); check that it runs and the address is right",
+                    server=self.addresses[server], variable=variable) from None
             except ParamServeError as err:
                 err.server = err.server or self.addresses[server]
                 err.variable = err.variable or variable
@@ -567,11 +666,9 @@ class _Stub:
         stream = self._pull(request, timeout=options.timeout, metadata=options.metadata())
         return _receive_pulled(stream, list(request.items), destinations)
 
-    def step(self, work: _ServerWork, key: str, options: _CallOptions) -> tuple[list[ps_pb2.PushResult], dict[ShardRef, int]]:
-        plan = ps_pb2.StepPlan(idempotency_key=key, push=[part for part, _ in work.parts], pull=work.items)
-        request = encode_step_request(plan, [piece for _, pieces in work.parts for piece in pieces])
-        outcome, payload = decode_step_reply(self._step(request, timeout=options.timeout, metadata=options.metadata()))
-        return list(outcome.pushed), _receive_packed(outcome.pulled, payload, work.items, work.destinations)
+    def step(self, work: _ServerWork, key: str, options: _CallOptions) -> _StepResult:
+        request = b"".join(_step_pieces(work, key))
+        return _step_result(self._step(request, timeout=options.timeout, metadata=options.metadata()), work)
 
     def export(self, chunk_bytes: int, options: _CallOptions) -> list[ShardState]:
         request = ps_pb2.ExportShardsRequest(chunk_bytes=chunk_bytes)
@@ -598,6 +695,82 @@ class _Stub:
 
 _Destination = Union[torch.Tensor, "_RowScatter"]
 _Part = tuple[tensor_pb2.PushPart, list[memoryview]]
+_StepResult = tuple[list[ps_pb2.PushResult], dict[ShardRef, int]]
+"""One server's step: its push results, and the version each shard read was at."""
+
+
+def _step_frame(work: "_ServerWork", key: str) -> tuple[bytes, list[memoryview]]:
+    """``work`` as a StepPlan's bytes and the pushed parts' bytes (not copied), in plan order."""
+    plan = ps_pb2.StepPlan(idempotency_key=key, push=[part for part, _ in work.parts], pull=work.items)
+    return plan.SerializeToString(), [piece for _, pieces in work.parts for piece in pieces]
+
+
+def _step_pieces(work: "_ServerWork", key: str) -> list[bytes | memoryview]:
+    """A packed StepRequest for ``work`` (the Step RPC's message), as pieces."""
+    plan, payload = _step_frame(work, key)
+    return pack_pieces(plan, payload)
+
+
+def _step_result(reply: bytes | memoryview, work: "_ServerWork") -> _StepResult:
+    """Decodes a packed StepReply into ``work``'s destinations."""
+    outcome, payload = decode_step_reply(reply)
+    return list(outcome.pushed), _receive_packed(outcome.pulled, payload, work.items, work.destinations)
+
+
+def _receive_step(connection: DataPlaneConnection, work: "_ServerWork") -> _StepResult:
+    """Reads a data-plane reply for ``work``: each pulled part's bytes go straight into its
+    destination when that is a contiguous tensor (no copy after the socket's), else through a
+    buffer. Raises InvalidRequestError for a reply that does not match the reads asked for."""
+    result: list[_StepResult] = []
+
+    def place(header: memoryview, payload_bytes: int) -> tuple[list[memoryview], Callable[[], None]]:
+        try:
+            outcome = ps_pb2.StepOutcome.FromString(bytes(header))
+        except DecodeError as err:
+            raise InvalidRequestError(f"the server's StepOutcome does not parse: {err}") from None
+        views: list[memoryview] = []
+        later: list[tuple[_Destination, torch.Tensor, tensor_pb2.TensorMeta]] = []
+        versions: dict[ShardRef, int] = {}
+        total = 0
+        for part in outcome.pulled:
+            if not 0 <= part.item < len(work.destinations):
+                raise InvalidRequestError(f"the server answered for item {part.item} of {len(work.destinations)}")
+            destination = work.destinations[part.item]
+            size = meta_nbytes(part.meta)
+            if size != _destination_bytes(destination):
+                raise InvalidRequestError(f"the server sent {size} bytes for a read of {_destination_bytes(destination)}")
+            total += size
+            versions[convert.ref_from_proto(work.items[part.item].ref)] = int(part.version)
+            if not size:
+                continue
+            if isinstance(destination, torch.Tensor) and destination.is_contiguous():
+                views.append(writable_byte_view(destination))
+            else:
+                buffer = byte_buffer(size)
+                views.append(writable_byte_view(buffer))
+                later.append((destination, buffer, part.meta))
+        if total != payload_bytes:
+            raise InvalidRequestError(f"the server's reply holds {payload_bytes} bytes, its parts describe {total}")
+
+        def finish() -> None:
+            for destination, buffer, meta in later:
+                value = tensor_from_bytes(buffer, meta)
+                if isinstance(destination, _RowScatter):
+                    destination.target[destination.positions] = value
+                else:
+                    destination.copy_(value.reshape(destination.shape))
+            result.append((list(outcome.pushed), versions))
+
+        return views, finish
+
+    connection.receive_reply(place)
+    return result[0]
+
+
+def _host_of(address: str) -> str:
+    """The host of ``host:port`` (``[v6]:port`` too): where a server's data plane is reached."""
+    host = address.rpartition(":")[0] or address
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
 
 
 @dataclass
@@ -768,7 +941,7 @@ def _with_retries(fn: Callable[[], _T], deadline: float, address: str) -> _T:
 
 
 def _is_retryable(exc: BaseException) -> bool:
-    return isinstance(exc, grpc.RpcError) and exc.code() in RETRYABLE_CODES
+    return isinstance(exc, TransportError) or (isinstance(exc, grpc.RpcError) and exc.code() in RETRYABLE_CODES)
 
 
 def _describe(exc: BaseException | None) -> str:

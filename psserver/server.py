@@ -11,7 +11,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from paramserve.psserver.errors import ParamServeError
+from paramserve.psserver.dataplane import DataPlaneServer
+from paramserve.psserver.errors import ConfigurationError, ParamServeError
 from paramserve.psserver.optimizer import warm_up
 from paramserve.psserver.servicer import (
     DEFAULT_MAX_PULL_BYTES,
@@ -21,10 +22,18 @@ from paramserve.psserver.servicer import (
     ServicerLimits,
     generic_handler,
 )
-from paramserve.psserver.serving import DEFAULT_MAX_CONNECTIONS, GrpcService, RunningService, TlsConfig
+from paramserve.psserver.serving import (
+    DEFAULT_MAX_CONNECTIONS,
+    GrpcService,
+    RpcMetrics,
+    RunningService,
+    TlsConfig,
+    boundary_error,
+)
 from paramserve.psserver.store import ShardStore, StoreConfig
 from paramserve.psserver.streams import DEFAULT_CHUNK_BYTES
 from paramserve.psserver.types import PushOutcome
+from paramserve.wire.v1 import parameter_server_pb2 as ps_pb2
 
 
 @dataclass(frozen=True)
@@ -55,6 +64,9 @@ class ServerConfig:
     store: StoreConfig = field(default_factory=StoreConfig)
     torch_threads: int | None = None
     """torch.set_num_threads for this process; None leaves it (servers started in a test)."""
+    data_port: int | None = 0
+    """The step data plane's TCP port (psserver/dataplane.py; ``--data-port``): 0 picks a free
+    one, which clients learn with GetDataPlane; None serves steps over gRPC only."""
 
 
 class PushMetrics:
@@ -64,8 +76,10 @@ class PushMetrics:
         self.pushes = Counter(
             "paramserve_ps_pushes", "Gradient pushes per shard, by result.", ["result"], registry=registry
         )
-        for result in ("applied", "duplicate", "rejected"):  # every series from the start: rate() needs it
-            self.pushes.labels(result)
+        # Every series from the start (rate() needs it), each looked up once: a labels() lookup
+        # per shard per step is a measurable part of a small step.
+        self._applied, self._duplicate, self._rejected = (
+            self.pushes.labels(result) for result in ("applied", "duplicate", "rejected"))
         self.staleness = Histogram(
             "paramserve_ps_push_staleness_versions",
             "Shard versions applied between a gradient's pull and its push.",
@@ -74,12 +88,14 @@ class PushMetrics:
         )
 
     def on_push(self, outcome: PushOutcome) -> None:
-        self.pushes.labels("applied" if outcome.applied else "duplicate").inc()
         if outcome.applied:
+            self._applied.inc()
             self.staleness.observe(outcome.staleness)
+        else:
+            self._duplicate.inc()
 
     def on_rejected(self, error: ParamServeError) -> None:
-        self.pushes.labels("rejected").inc()
+        self._rejected.inc()
 
 
 class ShardVersions(Collector):
@@ -109,6 +125,17 @@ class ParameterServer(RunningService):
     store: ShardStore
     service: GrpcService
     registry: CollectorRegistry
+    data_plane: DataPlaneServer | None = None
+
+    @property
+    def data_port(self) -> int | None:
+        """The data plane's port; None without one."""
+        return self.data_plane.port if self.data_plane is not None else None
+
+    def stop(self, grace: float | None = 5.0) -> None:
+        if self.data_plane is not None:
+            self.data_plane.stop()
+        self.service.stop(grace)
 
 
 def build_server(config: ServerConfig, registry: CollectorRegistry | None = None) -> ParameterServer:
@@ -131,4 +158,31 @@ def build_server(config: ServerConfig, registry: CollectorRegistry | None = None
     service = GrpcService.for_config(
         config, handlers=[generic_handler(servicer)], service_names=[SERVICE_NAME], registry=registry, role="ps"
     )
-    return ParameterServer(config, store, service.start(), registry)
+    data_plane = None if config.data_port is None else start_data_plane(config, servicer, service.metrics)
+    try:
+        return ParameterServer(config, store, service.start(), registry, data_plane)
+    except BaseException:
+        if data_plane is not None:
+            data_plane.stop()
+        raise
+
+
+def start_data_plane(config: ServerConfig, servicer: ParameterServerServicer, metrics: RpcMetrics) -> DataPlaneServer:
+    """The step data plane beside the gRPC server: same host, token, TLS and message limit.
+    Raises ConfigurationError when its port cannot be bound."""
+    assert config.data_port is not None
+    try:
+        data_plane = DataPlaneServer(
+            servicer.step_frames, lambda exc: boundary_error("Step", exc),
+            host=config.host, port=config.data_port, max_body_bytes=config.max_message_bytes,
+            max_connections=config.max_connections, token=config.token, tls=config.tls,
+            on_step=lambda code, seconds, received, sent: metrics.record_call(
+                "DataPlaneStep", code, seconds, received, sent),
+        )
+    except OSError as err:
+        raise ConfigurationError(
+            f"cannot serve the data plane on {config.host}:{config.data_port}: {err.strerror or err}; choose "
+            "another --data-port (0 picks a free one)") from None
+    servicer.data_plane = ps_pb2.DataPlaneInfo(port=data_plane.port, max_frame_bytes=config.max_message_bytes,
+                                               local_socket=data_plane.local_socket)
+    return data_plane.start()

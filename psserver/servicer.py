@@ -9,12 +9,14 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 import numpy as np
 import torch
+from google.protobuf.message import DecodeError
 
 from paramserve.psserver import checkpoint, convert
 from paramserve.psserver.errors import InvalidRequestError, MessageTooLargeError, VariableNotFoundError
@@ -33,10 +35,12 @@ from paramserve.psserver.streams import (
     tensor_from_bytes,
     tensor_payload,
 )
-from paramserve.psserver.tensors import dtype_from_name
+from paramserve.psserver.tensors import dtype_from_name, writable_byte_view
 from paramserve.psserver.types import ShardRef
 from paramserve.wire.v1 import parameter_server_pb2 as ps_pb2
 from paramserve.wire.v1 import tensor_pb2
+
+_Reply = TypeVar("_Reply")
 
 SERVICE_NAME = "paramserve.wire.v1.ParameterServer"
 IDEMPOTENCY_METADATA_KEY = "paramserve-idempotency-key"
@@ -92,6 +96,8 @@ class ParameterServerServicer:
         self._max_push_bytes = limits.max_push_bytes
         self._shard_limit = limits.shard_limit()
         self._root = checkpoint_root(limits.checkpoint_root) if limits.checkpoint_root is not None else None
+        self.data_plane = ps_pb2.DataPlaneInfo()
+        """What GetDataPlane answers: set by whoever starts the data plane (port 0: none)."""
 
     # -- creation
 
@@ -190,45 +196,97 @@ class ParameterServerServicer:
 
     @unary_boundary
     def Step(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
+        return self.step_exchange(raw)
+
+    def step_exchange(self, raw: bytes | memoryview) -> bytes:
+        """A Step RPC's exchange: a packed StepRequest's bytes -> the packed StepReply's."""
         plan, payload = decode_step_request(raw)
+        pushes = self._packed_pushes(plan.push, payload) if plan.push else []
+        return self._step(plan, pushes, len(payload), encode_step_reply)
+
+    def step_frames(self, plan_bytes: memoryview, payload: torch.Tensor,
+                    reply_buffer: Callable[[int], torch.Tensor]) -> tuple[bytes, memoryview]:
+        """A data-plane step (psserver/dataplane.py): the StepPlan's bytes and the pushed bytes
+        (a uint8 tensor the pushes read in place) -> the StepOutcome's bytes and the pulled
+        bytes, copied under the shards' locks into ``reply_buffer(n)``."""
+        try:
+            plan = ps_pb2.StepPlan.FromString(bytes(plan_bytes))
+        except DecodeError as err:
+            raise InvalidRequestError(f"malformed StepPlan ({len(plan_bytes)} bytes): {err}") from None
+        pushes = self._pushes_in(plan.push, payload) if plan.push else []
+
+        def reply(outcome: ps_pb2.StepOutcome, values: list[memoryview]) -> tuple[bytes, memoryview]:
+            buffer = reply_buffer(sum(len(v) for v in values))
+            target = buffer.numpy()
+            offset = 0
+            for value in values:
+                target[offset : offset + len(value)] = np.frombuffer(value, dtype=np.uint8)
+                offset += len(value)
+            return outcome.SerializeToString(), writable_byte_view(buffer)
+
+        return self._step(plan, pushes, payload.numel(), reply)
+
+    def _step(self, plan: ps_pb2.StepPlan, pushes: list[ShardPush], payload_bytes: int,
+              reply: Callable[[ps_pb2.StepOutcome, list[memoryview]], _Reply]) -> _Reply:
+        """Validates the reads, applies ``pushes`` (exactly once per key), then builds the reply
+        with ``reply(outcome, values)`` under the read shards' locks: one consistent read."""
         reads = [(convert.ref_from_proto(i.ref), _wire_rows(i.row_indices) if i.sparse else None) for i in plan.pull]
         # A bad or oversized read fails the request before the push changes anything.
         self._check_read_bytes(reads, min(self._limits.max_pull_bytes, self._limits.max_reply_bytes - (1 << 20)),
                                "the largest message it sends, --max-message-bytes")
-        pushed = self._apply(self._packed_pushes(plan.push, payload), plan.idempotency_key) if plan.push else []
-        if not plan.push and len(payload):
-            raise InvalidRequestError(f"the payload holds {len(payload)} bytes but the plan pushes nothing")
+        if not plan.push and payload_bytes:
+            raise InvalidRequestError(f"the payload holds {payload_bytes} bytes but the plan pushes nothing")
+        pushed = self._apply(pushes, plan.idempotency_key) if plan.push else []
         dense = [ref for ref, rows in reads if rows is None]
         rows = {i: self._store.pull_rows(ref, r) for i, (ref, r) in enumerate(reads) if r is not None}
 
-        def reply(live: dict[ShardRef, Pulled]) -> bytes:  # under the dense shards' locks: one consistent read
+        def locked(live: dict[ShardRef, Pulled]) -> _Reply:
             outcome = ps_pb2.StepOutcome(pushed=pushed)
             values = []
             for index, (ref, _) in enumerate(reads):
                 pulled = rows[index] if index in rows else live[ref]
                 outcome.pulled.append(tensor_pb2.PulledPart(item=index, meta=meta_of(pulled.value), version=pulled.version))
                 values.append(tensor_payload(pulled.value))
-            return encode_step_reply(outcome, values)
+            return reply(outcome, values)
 
-        return self._store.read_many(dense, reply)
+        return self._store.read_many(dense, locked)
+
+    @unary_boundary
+    def GetDataPlane(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
+        parse(ps_pb2.GetDataPlaneRequest, raw)
+        return self.data_plane.SerializeToString()
 
     def _packed_pushes(self, parts: Sequence[tensor_pb2.PushPart], payload: memoryview) -> list[ShardPush]:
-        """The pushes of a Step: each part's bytes are its slice of the one payload, copied once
-        into one buffer (so tensors are aligned and outlive the request)."""
-        sizes = [self._checked_push_bytes(part) for part in parts]
+        """The pushes of a Step RPC: each part's bytes are its slice of the one payload, copied
+        once into one buffer (so tensors are aligned and outlive the request), once every part
+        fits its shard."""
+        sizes = self._check_parts(parts, len(payload))
         for part in parts:
             self._check_against_shard(part)
-        if sum(sizes) != len(payload):
-            raise InvalidRequestError(
-                f"the payload holds {len(payload)} bytes but the plan's push parts describe {sum(sizes)}"
-            )
         buffer = byte_buffer(len(payload))
         buffer.numpy()[:] = np.frombuffer(payload, dtype=np.uint8)
+        return self._slice_pushes(parts, sizes, buffer)
+
+    def _pushes_in(self, parts: Sequence[tensor_pb2.PushPart], buffer: torch.Tensor) -> list[ShardPush]:
+        """The pushes whose bytes lie back to back in ``buffer`` (uint8, already received within
+        the frame limit), read in place; the store checks each against its shard before any applies."""
+        return self._slice_pushes(parts, self._check_parts(parts, buffer.numel()), buffer)
+
+    def _slice_pushes(self, parts: Sequence[tensor_pb2.PushPart], sizes: list[int], buffer: torch.Tensor) -> list[ShardPush]:
         pushes, offset = [], 0
         for part, size in zip(parts, sizes):
             pushes.append(self._push_from_part(part, buffer[offset : offset + size]))
             offset += size
         return pushes
+
+    def _check_parts(self, parts: Sequence[tensor_pb2.PushPart], payload_bytes: int) -> list[int]:
+        """Each part's size, once together they fill the payload."""
+        sizes = [self._checked_push_bytes(part) for part in parts]
+        if sum(sizes) != payload_bytes:
+            raise InvalidRequestError(
+                f"the payload holds {payload_bytes} bytes but the plan's push parts describe {sum(sizes)}"
+            )
+        return sizes
 
     def _push(self, chunks: Iterable[bytes | memoryview], key: str) -> list[ps_pb2.PushResult]:
         pushes = [self._push_from_part(h.push, payload) for h, payload in read_parts(chunks, self._allocate_push)]
@@ -400,5 +458,6 @@ def generic_handler(servicer: ParameterServerServicer) -> grpc.GenericRpcHandler
         "Save": grpc.unary_unary_rpc_method_handler(servicer.Save),
         "Restore": grpc.unary_unary_rpc_method_handler(servicer.Restore),
         "SetHyperparameters": grpc.unary_unary_rpc_method_handler(servicer.SetHyperparameters),
+        "GetDataPlane": grpc.unary_unary_rpc_method_handler(servicer.GetDataPlane),
     }
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)

@@ -46,6 +46,7 @@ from paramserve.psserver.errors import (
     ERROR_METADATA_KEY,
     ERROR_VARIABLE_METADATA_KEY,
     ConfigurationError,
+    InternalError,
     InvalidRequestError,
     MessageTooLargeError,
     ParamServeError,
@@ -149,6 +150,16 @@ def _as_paramserve_error(exc: Exception) -> ParamServeError | None:
     return None
 
 
+def boundary_error(method: str, exc: Exception) -> ParamServeError:
+    """The typed error a surprise in ``method`` becomes at a boundary other than gRPC's (the data
+    plane): a known client-caused problem, else InternalError (logged with its traceback)."""
+    known = _as_paramserve_error(exc)
+    if known is not None:
+        return known
+    log.error("internal error in %s", method, exc_info=exc)
+    return InternalError(bounded_details(f"internal error in {method}: {type(exc).__name__}: {exc}"))
+
+
 def unary_boundary(method: Callable[..., _T]) -> Callable[..., _T]:
     """Wraps a servicer method that returns one response."""
 
@@ -233,8 +244,17 @@ class RpcMetrics:
         )
 
     def record(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
-        self.rpcs.labels(self.role, method, code.name).inc()
+        self.record_call(method, code.name, seconds)
+
+    def record_call(self, method: str, code: str, seconds: float, received: int = 0, sent: int = 0) -> None:
+        """One call by its status code's name (the data plane's steps count here as method
+        ``DataPlaneStep``, with their frame bytes)."""
+        self.rpcs.labels(self.role, method, code).inc()
         self.latency.labels(self.role, method).observe(seconds)
+        if received:
+            self.received.labels(self.role, method).inc(received)
+        if sent:
+            self.sent.labels(self.role, method).inc(sent)
 
 
 # ---------------------------------------------------------------- interceptors

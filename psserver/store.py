@@ -397,6 +397,21 @@ def _check_push_values(push: ShardPush, shard: _Shard, allow_nonfinite: bool) ->
         raise NonFiniteGradientError(f"gradient for shard {shard.ref.shard} holds NaN or Inf")
 
 
+@contextlib.contextmanager
+def _all_locked(shards: Sequence[_Shard]) -> Iterator[None]:
+    """Holds every shard's lock, taken in the order given (callers sort), released in reverse.
+    (An ExitStack costs several times more per lock, on every step.)"""
+    taken: list[threading.Lock] = []
+    try:
+        for shard in shards:
+            shard.lock.acquire()
+            taken.append(shard.lock)
+        yield
+    finally:
+        for lock in reversed(taken):
+            lock.release()
+
+
 def all_finite(values: Tensor) -> bool:
     """True when no element is NaN or Inf.
 
@@ -559,9 +574,7 @@ class ShardStore:
         them, serialised without an intermediate clone. The reader must copy what it keeps and
         must not modify the tensors. Raises VariableNotFoundError before locking anything."""
         shards = [self._get(ref) for ref in sorted(set(refs))]
-        with contextlib.ExitStack() as stack:
-            for shard in shards:
-                stack.enter_context(shard.lock)
+        with _all_locked(shards):
             return reader({shard.ref: Pulled(shard.value, shard.version) for shard in shards})
 
     def pull_rows(self, ref: ShardRef, rows: Tensor) -> Pulled:
@@ -674,9 +687,7 @@ class ShardStore:
         multi-shard lock here is): shards that saw ``key`` change nothing; dense gradients of one
         optimizer spec are applied as one torch.optim step (psserver.optimizer.GroupedSteps)."""
         outcomes: dict[ShardRef, PushOutcome] = {}
-        with contextlib.ExitStack() as stack:
-            for shard, _ in sorted(plan, key=lambda entry: entry[0].ref):
-                stack.enter_context(shard.lock)
+        with _all_locked([shard for shard, _ in sorted(plan, key=lambda entry: entry[0].ref)]):
             fresh = []
             for shard, push in plan:
                 staleness = _staleness(shard.version, push.base_version)
@@ -742,10 +753,7 @@ class ShardStore:
         if variable and any(shard.optimizer is None for shard in shards):
             raise InvalidRequestError("the variable has no optimizer", variable=variable)
         targets = [shard for shard in shards if shard.optimizer is not None]
-        with contextlib.ExitStack() as stack:
-            # Sorted order: no other code holds two shard locks, so this cannot deadlock.
-            for shard in targets:
-                stack.enter_context(shard.lock)
+        with _all_locked(targets):  # sorted: no other code holds two shard locks, so no deadlock
             for shard in targets:
                 with _about(shard.ref.variable):
                     shard.optimizer.with_hyperparameters(values)  # type: ignore[union-attr]

@@ -196,11 +196,16 @@ def read_parts(chunks: Iterable[bytes | memoryview], allocate: Allocator) -> Ite
 def pack(plan: bytes, payload: Sequence[bytes | memoryview]) -> bytes:
     """A message of ``plan`` (a serialised message) as field 1 and ``payload``'s pieces,
     joined, as bytes field 2."""
+    return b"".join(pack_pieces(plan, payload))
+
+
+def pack_pieces(plan: bytes, payload: Sequence[bytes | memoryview]) -> list[bytes | memoryview]:
+    """``pack``'s bytes as pieces, not joined: a socket writes them without a copy."""
     size = sum(len(p) for p in payload)
-    return b"".join([bytes((_HEADER_TAG,)), _varint(len(plan)), plan, bytes((_DATA_TAG,)), _varint(size), *payload])
+    return [bytes((_HEADER_TAG,)) + _varint(len(plan)) + plan + bytes((_DATA_TAG,)) + _varint(size), *payload]
 
 
-def unpack(raw: bytes) -> tuple[memoryview, memoryview]:
+def unpack(raw: bytes | memoryview) -> tuple[memoryview, memoryview]:
     """(plan bytes, payload) of a packed message. Raises ValueError when ``raw`` is not the
     two fields in that layout (callers then let protobuf parse it)."""
     view = memoryview(raw)
@@ -223,7 +228,7 @@ def encode_step_request(plan: ps_pb2.StepPlan, payload: Sequence[memoryview]) ->
     return pack(plan.SerializeToString(), payload)
 
 
-def decode_step_request(raw: bytes) -> tuple[ps_pb2.StepPlan, memoryview]:
+def decode_step_request(raw: bytes | memoryview) -> tuple[ps_pb2.StepPlan, memoryview]:
     """(plan, payload) of a StepRequest. Raises InvalidRequestError for garbage."""
     try:
         plan, payload = unpack(raw)
@@ -231,7 +236,7 @@ def decode_step_request(raw: bytes) -> tuple[ps_pb2.StepPlan, memoryview]:
     except (ValueError, IndexError, DecodeError):
         pass
     try:
-        message = ps_pb2.StepRequest.FromString(raw)
+        message = ps_pb2.StepRequest.FromString(bytes(raw))
     except DecodeError as err:
         raise InvalidRequestError(f"malformed StepRequest ({len(raw)} bytes): {err}") from None
     return message.plan, memoryview(message.payload)
@@ -242,14 +247,14 @@ def encode_step_reply(outcome: ps_pb2.StepOutcome, payload: Sequence[memoryview]
     return pack(outcome.SerializeToString(), payload)
 
 
-def decode_step_reply(raw: bytes) -> tuple[ps_pb2.StepOutcome, memoryview]:
+def decode_step_reply(raw: bytes | memoryview) -> tuple[ps_pb2.StepOutcome, memoryview]:
     """(outcome, payload) of a StepReply."""
     try:
         outcome, payload = unpack(raw)
         return ps_pb2.StepOutcome.FromString(outcome.tobytes()), payload
     except (ValueError, IndexError, DecodeError):
         pass
-    message = ps_pb2.StepReply.FromString(raw)
+    message = ps_pb2.StepReply.FromString(bytes(raw))
     return message.outcome, memoryview(message.payload)
 
 

@@ -69,6 +69,15 @@ def as_byte_view(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]  # ndarray is a buffer
 
 
+def writable_byte_view(tensor: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's memory (where a socket receives into)."""
+    if not tensor.is_contiguous() or tensor.device.type != "cpu":
+        raise ValueError("writable_byte_view needs a contiguous CPU tensor")
+    if tensor.numel() == 0:
+        return memoryview(bytearray())
+    return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
+
+
 def tensor_from_buffer(buffer: bytearray | memoryview, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
     """A tensor over ``buffer`` (no copy; the tensor keeps the buffer alive).
 

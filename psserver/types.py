@@ -14,6 +14,7 @@ import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -34,9 +35,9 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True, order=True)
-class ShardRef:
-    """Shard ``shard`` of variable ``variable``."""
+class ShardRef(NamedTuple):
+    """Shard ``shard`` of variable ``variable``. A named tuple, not a dataclass: refs key the
+    store's dicts and every step hashes dozens of them, which a tuple does in C."""
 
     variable: str
     shard: int

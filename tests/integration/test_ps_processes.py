@@ -71,7 +71,7 @@ def test_partitioned_variable_served_by_two_processes(two_servers):
     assert changed == [1, 999]
     torch.testing.assert_close(after["bias"], torch.full((16,), -0.01))
     metrics = urllib.request.urlopen(f"http://127.0.0.1:{infos[0]['metrics_port']}/metrics", timeout=10).read().decode()
-    assert 'paramserve_rpcs_total{code="OK",method="Step",role="ps"}' in metrics  # small: one message each way
+    assert 'paramserve_rpcs_total{code="OK",method="DataPlaneStep",role="ps"}' in metrics  # small: one frame each way
     assert "paramserve_rpc_duration_seconds_bucket" in metrics
     assert "paramserve_received_bytes_total" in metrics
 

@@ -1,5 +1,6 @@
-"""Service tests run every client call both ways the client can travel: one unary Step
-message per server (payloads under ClientConfig.max_unary_bytes), and chunked streams."""
+"""Service tests run every client call each way the client can travel: a step frame per server
+on the servers' data planes (the default, for payloads under ClientConfig.max_unary_bytes), one
+unary Step RPC per server (the data plane turned off), and chunked streams."""
 
 from __future__ import annotations
 
@@ -8,7 +9,11 @@ from typing import Any
 
 import pytest
 
-TRANSPORTS = {"unary": None, "streams": 0}  # max_unary_bytes: the client's default, or never unary
+TRANSPORTS: dict[str, dict[str, object]] = {
+    "dataplane": {},
+    "unary": {"data_plane": False},
+    "streams": {"max_unary_bytes": 0},  # never one message: Push and Pull streams
+}
 
 
 @pytest.fixture(params=sorted(TRANSPORTS))
@@ -19,8 +24,6 @@ def transport(request: Any) -> str:
 @pytest.fixture
 def make_client(make_client: Callable[..., Any], transport: str) -> Callable[..., Any]:
     def make(addresses: list[str], **overrides: object) -> Any:
-        if TRANSPORTS[transport] is not None:
-            overrides.setdefault("max_unary_bytes", TRANSPORTS[transport])
-        return make_client(addresses, **overrides)
+        return make_client(addresses, **{**TRANSPORTS[transport], **overrides})
 
     return make

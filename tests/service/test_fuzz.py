@@ -100,3 +100,54 @@ def test_streamed_requests_never_fail_internally(target, method, body):
         iter(body), timeout=10, metadata=[(IDEMPOTENCY_METADATA_KEY, "fuzz")]))
     assert code not in FORBIDDEN
     protected(client, value)
+
+
+step_plans = st.one_of(
+    st.binary(max_size=128),
+    st.builds(lambda parts, items: ps_pb2.StepPlan(idempotency_key="fuzz", push=parts, pull=items).SerializeToString(),
+              st.lists(push_parts, max_size=3),
+              st.lists(st.builds(ps_pb2.PullItem, ref=refs, sparse=st.booleans(), row_indices=st.binary(max_size=64)),
+                       max_size=3)),
+)
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+@given(plan=step_plans, payload=st.binary(max_size=256))
+def test_data_plane_steps_never_fail_internally(target, plan, payload):
+    """The step data plane answers any plan and payload with a reply or a typed error (never
+    InternalError), on a connection that stays usable, and leaves the protected variable alone."""
+    import socket
+
+    from paramserve.psserver.dataplane import MAGIC, PREFIX, FrameKind
+
+    channel, client, value = target
+    info = ps_pb2.DataPlaneInfo.FromString(channel.unary_unary(f"/{SERVICE_NAME}/GetDataPlane")(b"", timeout=10))
+    with socket.create_connection(("127.0.0.1", info.port), timeout=10) as sock:
+        sock.sendall(PREFIX.pack(MAGIC, FrameKind.HELLO, 0, 0))
+        assert _frame(sock)[0] == FrameKind.WELCOME
+        answers = []
+        for _ in range(2):  # the same connection answers again after whatever the first frame did
+            sock.sendall(PREFIX.pack(MAGIC, FrameKind.STEP, len(plan), len(payload)) + plan + payload)
+            answers.append(_frame(sock))
+    for kind, header in answers:
+        assert kind in (FrameKind.REPLY, FrameKind.ERROR)
+        if kind == FrameKind.ERROR:
+            assert ps_pb2.DataPlaneError.FromString(header).error_type not in ("InternalError", "ParamServeError")
+    protected(client, value)
+
+
+def _frame(sock) -> tuple[int, bytes]:
+    from paramserve.psserver.dataplane import PREFIX
+
+    def exactly(size: int) -> bytes:
+        data = b""
+        while len(data) < size:
+            chunk = sock.recv(size - len(data))
+            assert chunk, "the data plane closed the connection"
+            data += chunk
+        return data
+
+    _, kind, header_bytes, payload_bytes = PREFIX.unpack(exactly(PREFIX.size))
+    header = exactly(header_bytes)
+    exactly(payload_bytes)
+    return kind, header

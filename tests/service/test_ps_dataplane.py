@@ -167,7 +167,11 @@ def test_push_and_pull_returns_the_values_its_push_produced(start_ps, make_clien
     assert summary.applied == 2
     assert pulled.versions == {ShardRef("w", 0): 1, ShardRef("w", 1): 1, ShardRef("b", 0): 0}
     # One round trip per server when the payload fits one message; a push then a pull stream otherwise.
-    expected = {"Step": 2, "Push": 0, "Pull": 0} if transport == "unary" else {"Step": 0, "Push": 2, "Pull": 2}
+    expected = {
+        "dataplane": {"DataPlaneStep": 2, "Step": 0, "Push": 0, "Pull": 0},
+        "unary": {"DataPlaneStep": 0, "Step": 2, "Push": 0, "Pull": 0},
+        "streams": {"DataPlaneStep": 0, "Step": 0, "Push": 2, "Pull": 2},
+    }[transport]
     assert {method: rpcs(servers, method) for method in expected} == expected
     again, _ = client.push_and_pull({"w": gradient}, ["w"], key="step-1")
     assert again.duplicates == 2, "the same key is applied once"

@@ -219,7 +219,7 @@ def test_malformed_requests_get_invalid_argument_and_the_server_stays_up(start_w
 
 
 def test_stop_leaves_no_worker_threads(start_ps, make_client):
-    client = make_client([start_ps().address, start_ps().address])  # two servers: the client fans out on threads
+    client = make_client([start_ps().address, start_ps().address])  # two servers: the client fans out
     client.create_variable("w", torch.ones(3), optimizer=SGD, partitioner=FixedShardsPartitioner(2))
     weight = nn.Parameter(torch.zeros(3))
     mark_variable(weight, "w")
@@ -230,12 +230,18 @@ def test_stop_leaves_no_worker_threads(start_ps, make_client):
         stub = WorkerStubOfOne(channel)
         assert stub.RunClosure(run_request(descend, weight, ServerOptimizer(["w"], "SGD", {}), cluster=cluster), timeout=30).HasField("result")
     started = {t.name for t in set(threading.enumerate()) - before}
-    assert any(name.startswith("paramserve-client") for name in started), started
+    # The worker's client overlaps its servers' steps on their data planes in its own thread; the
+    # servers serve its connections on theirs.
+    serving = [t for t in set(threading.enumerate()) - before if t.name.startswith("paramserve-dataplane")]
+    assert len(serving) == 2, started
 
     worker.stop(grace=0)
 
+    for thread in set(threading.enumerate()) - before:  # a server's connection thread ends once it reads EOF
+        if thread.name.startswith("paramserve-dataplane"):
+            thread.join(timeout=10)
     left = [t.name for t in set(threading.enumerate()) - before if t.is_alive()]
-    assert not [n for n in left if n.startswith(("paramserve-worker", "paramserve-client"))], left
+    assert not [n for n in left if n.startswith(("paramserve-worker", "paramserve-client", "paramserve-dataplane"))], left
 
 
 def test_a_batch_runs_in_order_and_stops_at_the_first_failure(start_worker, stub_for):

@@ -133,6 +133,30 @@ class ListShardsResponse(_message.Message):
     incarnation: str
     def __init__(self, shards: _Optional[_Iterable[_Union[ShardInfo, _Mapping]]] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
+class GetDataPlaneRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DataPlaneInfo(_message.Message):
+    __slots__ = ("port", "max_frame_bytes", "local_socket")
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    MAX_FRAME_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    port: int
+    max_frame_bytes: int
+    local_socket: str
+    def __init__(self, port: _Optional[int] = ..., max_frame_bytes: _Optional[int] = ..., local_socket: _Optional[str] = ...) -> None: ...
+
+class DataPlaneError(_message.Message):
+    __slots__ = ("error_type", "message", "variable")
+    ERROR_TYPE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    VARIABLE_FIELD_NUMBER: _ClassVar[int]
+    error_type: str
+    message: str
+    variable: str
+    def __init__(self, error_type: _Optional[str] = ..., message: _Optional[str] = ..., variable: _Optional[str] = ...) -> None: ...
+
 class SaveRequest(_message.Message):
     __slots__ = ("directory", "keep")
     DIRECTORY_FIELD_NUMBER: _ClassVar[int]

@@ -90,6 +90,11 @@ class ParameterServerStub:
                 request_serializer=paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.SetHyperparametersRequest.SerializeToString,
                 response_deserializer=paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.SetHyperparametersResponse.FromString,
                 _registered_method=True)
+        self.GetDataPlane = channel.unary_unary(
+                '/paramserve.wire.v1.ParameterServer/GetDataPlane',
+                request_serializer=paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.GetDataPlaneRequest.SerializeToString,
+                response_deserializer=paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.DataPlaneInfo.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -179,6 +184,15 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetDataPlane(self, request, context):
+        """Where this server's step data plane listens (psserver/dataplane.py): a TCP port that
+        carries the same StepRequest/StepReply bytes as Step over one long-lived connection per
+        client, without gRPC's per-call machinery. Port 0: this server has none; use Step.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -236,6 +250,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.SetHyperparameters,
                     request_deserializer=paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.SetHyperparametersRequest.FromString,
                     response_serializer=paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.SetHyperparametersResponse.SerializeToString,
+            ),
+            'GetDataPlane': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetDataPlane,
+                    request_deserializer=paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.GetDataPlaneRequest.FromString,
+                    response_serializer=paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.DataPlaneInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -535,6 +554,33 @@ class ParameterServer:
             '/paramserve.wire.v1.ParameterServer/SetHyperparameters',
             paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.SetHyperparametersRequest.SerializeToString,
             paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.SetHyperparametersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetDataPlane(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/paramserve.wire.v1.ParameterServer/GetDataPlane',
+            paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.GetDataPlaneRequest.SerializeToString,
+            paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.DataPlaneInfo.FromString,
             options,
             channel_credentials,
             insecure,
