@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import pathlib
 import threading
 import uuid
@@ -68,7 +69,7 @@ from paramserve.psserver.streams import (
     tensor_from_bytes,
     tensor_payload,
 )
-from paramserve.psserver.tensors import writable_byte_view
+from paramserve.psserver.tensors import as_byte_view, dtype_name, writable_byte_view
 from paramserve.psserver.types import (
     PullResult,
     PushOutcome,
@@ -166,6 +167,7 @@ class ParameterServerClient:
         self._lock = threading.Lock()
         self._layouts: dict[str, VariableLayout] = {}
         self._next_server = 0
+        self._wire: dict[str, _LayoutWire] = {}
         self._links = DataPlaneLinks(
             [_host_of(a) for a in self.addresses], self._data_plane_info, token=self.config.token,
             tls=self.config.client_tls(), timeout=self.config.call_timeout,
@@ -340,7 +342,7 @@ class ParameterServerClient:
         ``out``: where to read them, as for ``pull``."""
         exchange = _Exchange()
         for name, gradient in gradients.items():
-            for server, part in _push_parts(self.layout(name), gradient, base_versions or {}):
+            for server, part in _push_parts(self._wire_of(self.layout(name)), gradient, base_versions or {}):
                 exchange.push(server, part)
         self._add_reads(exchange, names, out)
         variable = next(iter(gradients)) if len(gradients) == 1 else None
@@ -350,10 +352,17 @@ class ParameterServerClient:
     def _add_reads(self, exchange: _Exchange, names: Sequence[str], out: Mapping[str, torch.Tensor] | None) -> None:
         for layout in (self.layout(n) for n in names):
             output = exchange.outputs[layout.name] = _read_destination(layout, (out or {}).get(layout.name))
-            for shard in layout.shards:
-                item = ps_pb2.PullItem(ref=convert.ref_to_proto(layout.ref(shard)))
+            whole = writable_byte_view(output)  # contiguous: each shard's bytes are a range of it
+            for shard, wire in zip(layout.shards, self._wire_of(layout).shards):
                 rows = output[shard.row_start : shard.row_start + shard.num_rows] if layout.shape else output
-                exchange.read(shard.server, item, rows)
+                exchange.read(shard.server, wire.item, rows, wire.ref, whole[wire.start : wire.end])
+
+    def _wire_of(self, layout: VariableLayout) -> "_LayoutWire":
+        """The wire messages of ``layout``'s shards, made once per layout: a step builds none."""
+        wire = self._wire.get(layout.name)
+        if wire is None or wire.layout is not layout:
+            wire = self._wire[layout.name] = _LayoutWire.of(layout)
+        return wire
 
     def _run(self, exchange: _Exchange, key: str | None, variable: str | None) -> tuple[list[PushOutcome], dict[ShardRef, int]]:
         """Runs each server's share of ``exchange``. Shares that fit one message go to the
@@ -735,15 +744,18 @@ def _receive_step(connection: DataPlaneConnection, work: "_ServerWork") -> _Step
         for part in outcome.pulled:
             if not 0 <= part.item < len(work.destinations):
                 raise InvalidRequestError(f"the server answered for item {part.item} of {len(work.destinations)}")
-            destination = work.destinations[part.item]
+            destination, view, ref = work.destinations[part.item], work.views[part.item], work.refs[part.item]
             size = meta_nbytes(part.meta)
-            if size != _destination_bytes(destination):
-                raise InvalidRequestError(f"the server sent {size} bytes for a read of {_destination_bytes(destination)}")
+            expected = len(view) if view is not None else _destination_bytes(destination)
+            if size != expected:
+                raise InvalidRequestError(f"the server sent {size} bytes for a read of {expected}")
             total += size
-            versions[convert.ref_from_proto(work.items[part.item].ref)] = int(part.version)
+            versions[ref if ref is not None else convert.ref_from_proto(work.items[part.item].ref)] = int(part.version)
             if not size:
                 continue
-            if isinstance(destination, torch.Tensor) and destination.is_contiguous():
+            if view is not None:
+                views.append(view)
+            elif isinstance(destination, torch.Tensor) and destination.is_contiguous():
                 views.append(writable_byte_view(destination))
             else:
                 buffer = byte_buffer(size)
@@ -780,11 +792,16 @@ class _ServerWork:
     parts: list[_Part] = field(default_factory=list)
     items: list[ps_pb2.PullItem] = field(default_factory=list)
     destinations: list[_Destination] = field(default_factory=list)
+    refs: list[ShardRef | None] = field(default_factory=list)
+    """Each read's shard, when the caller knows it (else parsed from its item)."""
+    views: list[memoryview | None] = field(default_factory=list)
+    """Each read's bytes in its destination, when it is a contiguous range there (the data
+    plane receives straight into it)."""
 
     def nbytes(self) -> int:
         """Payload bytes both ways (what decides between one unary message and streams)."""
         pushed = sum(len(piece) for _, pieces in self.parts for piece in pieces)
-        return pushed + sum(_destination_bytes(d) for d in self.destinations)
+        return pushed + sum(len(v) if v is not None else _destination_bytes(d) for v, d in zip(self.views, self.destinations))
 
     def pull_request(self, chunk_bytes: int) -> ps_pb2.PullRequest:
         return ps_pb2.PullRequest(items=self.items, chunk_bytes=chunk_bytes)
@@ -800,10 +817,48 @@ class _Exchange:
     def push(self, server: int, part: _Part) -> None:
         self.by_server[server].parts.append(part)
 
-    def read(self, server: int, item: ps_pb2.PullItem, destination: _Destination) -> None:
+    def read(self, server: int, item: ps_pb2.PullItem, destination: _Destination, ref: ShardRef | None = None,
+             view: memoryview | None = None) -> None:
         work = self.by_server[server]
         work.items.append(item)
         work.destinations.append(destination)
+        work.refs.append(ref)
+        work.views.append(view)
+
+
+@dataclass(frozen=True)
+class _ShardWire:
+    ref: ShardRef
+    ref_proto: tensor_pb2.ShardRef
+    item: ps_pb2.PullItem
+    meta: tensor_pb2.TensorMeta
+    """The shard's value as it travels (the layout's dtype)."""
+    start: int
+    end: int
+    """Its bytes within the whole variable's (row-major: shards are row ranges)."""
+
+
+@dataclass(frozen=True)
+class _LayoutWire:
+    """A layout's per-shard wire messages, built once (a step reuses them)."""
+
+    layout: VariableLayout
+    shards: tuple[_ShardWire, ...]
+
+    @staticmethod
+    def of(layout: VariableLayout) -> "_LayoutWire":
+        element = torch.empty((), dtype=layout.dtype).element_size()
+        row_bytes = element * math.prod(layout.shape[1:]) if layout.shape else element
+        shards = []
+        for shard in layout.shards:
+            ref = layout.ref(shard)
+            ref_proto = convert.ref_to_proto(ref)
+            shape = layout.shard_shape(shard)
+            start = shard.row_start * row_bytes if layout.shape else 0
+            end = start + (shard.num_rows * row_bytes if layout.shape else element)
+            shards.append(_ShardWire(ref, ref_proto, ps_pb2.PullItem(ref=ref_proto),
+                                     tensor_pb2.TensorMeta(dtype=dtype_name(layout.dtype), shape=list(shape)), start, end))
+        return _LayoutWire(layout, tuple(shards))
 
 
 def _destination_bytes(destination: _Destination) -> int:
@@ -876,7 +931,8 @@ def _receive_packed(pulled: Sequence[tensor_pb2.PulledPart], payload: memoryview
     return versions
 
 
-def _push_parts(layout: VariableLayout, gradient: torch.Tensor | RowGradient, base_versions: Mapping[ShardRef, int]) -> Iterator[tuple[int, tuple]]:
+def _push_parts(wire: _LayoutWire, gradient: torch.Tensor | RowGradient, base_versions: Mapping[ShardRef, int]) -> Iterator[tuple[int, tuple]]:
+    layout = wire.layout
     if isinstance(gradient, RowGradient):
         indices = gradient.indices.reshape(-1).to(torch.int64)
         values = gradient.values.reshape(indices.numel(), *layout.shape[1:]).detach().cpu()
@@ -894,6 +950,13 @@ def _push_parts(layout: VariableLayout, gradient: torch.Tensor | RowGradient, ba
     gradient = gradient.detach().cpu()
     if tuple(gradient.shape) != layout.shape:
         raise ShapeMismatchError(f"gradient has shape {tuple(gradient.shape)}, the variable {layout.shape}", variable=layout.name)
+    if gradient.dtype == layout.dtype and gradient.is_contiguous():  # the common case: byte ranges of one view
+        whole = as_byte_view(gradient)
+        for shard, shard_wire in zip(layout.shards, wire.shards):
+            part = tensor_pb2.PushPart(ref=shard_wire.ref_proto, values=shard_wire.meta,
+                                       base_version=base_versions.get(shard_wire.ref, -1))
+            yield shard.server, (part, [whole[shard_wire.start : shard_wire.end]])
+        return
     for shard in layout.shards:
         piece = gradient[shard.row_start : shard.row_start + shard.num_rows] if layout.shape else gradient
         ref = layout.ref(shard)
