@@ -73,7 +73,7 @@ class CoordinatorConfig:
     """join() logs what it waits for this often."""
     max_message_bytes: int = 64 << 20
     shutdown_timeout: float = 10.0
-    max_batch: int = 8
+    max_batch: int = 16
     """Queued closures one RunClosures call may carry to a worker (each keeps its own id,
     retries and RemoteValue; batching saves round trips when closures queue up)."""
     batch_seconds: float = BATCH_SECONDS
