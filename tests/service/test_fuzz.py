@@ -119,35 +119,20 @@ def test_data_plane_steps_never_fail_internally(target, plan, payload):
     import socket
 
     from paramserve.psserver.dataplane import MAGIC, PREFIX, FrameKind
+    from tests.service.test_dataplane_transport import read_frame
 
     channel, client, value = target
     info = ps_pb2.DataPlaneInfo.FromString(channel.unary_unary(f"/{SERVICE_NAME}/GetDataPlane")(b"", timeout=10))
     with socket.create_connection(("127.0.0.1", info.port), timeout=10) as sock:
         sock.sendall(PREFIX.pack(MAGIC, FrameKind.HELLO, 0, 0))
-        assert _frame(sock)[0] == FrameKind.WELCOME
+        assert read_frame(sock)[0] == FrameKind.WELCOME
         answers = []
         for _ in range(2):  # the same connection answers again after whatever the first frame did
             sock.sendall(PREFIX.pack(MAGIC, FrameKind.STEP, len(plan), len(payload)) + plan + payload)
-            answers.append(_frame(sock))
+            answers.append(read_frame(sock)[:2])
     for kind, header in answers:
         assert kind in (FrameKind.REPLY, FrameKind.ERROR)
         if kind == FrameKind.ERROR:
             assert ps_pb2.DataPlaneError.FromString(header).error_type not in ("InternalError", "ParamServeError")
     protected(client, value)
 
-
-def _frame(sock) -> tuple[int, bytes]:
-    from paramserve.psserver.dataplane import PREFIX
-
-    def exactly(size: int) -> bytes:
-        data = b""
-        while len(data) < size:
-            chunk = sock.recv(size - len(data))
-            assert chunk, "the data plane closed the connection"
-            data += chunk
-        return data
-
-    _, kind, header_bytes, payload_bytes = PREFIX.unpack(exactly(PREFIX.size))
-    header = exactly(header_bytes)
-    exactly(payload_bytes)
-    return kind, header

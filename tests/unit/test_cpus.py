@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from paramserve.psserver import cpus
+from paramserve.psserver.cpus import usable_cpus
 
 
 @pytest.mark.parametrize(
@@ -46,3 +48,30 @@ def test_a_cgroup_quota_caps_the_usable_cpus(tmp_path, cpu_max, expected):
     affinity = len(os.sched_getaffinity(0))
     assert cpus.usable_cpus(path) == (affinity if expected is None else min(affinity, expected))
     assert cpus.usable_cpus(tmp_path / "absent") == affinity
+
+
+@pytest.mark.skipif(usable_cpus() < 2, reason="needs 2 CPUs: with one, the share is torch's default")
+def test_a_program_driving_a_local_cluster_takes_its_share_of_threads_and_gives_it_back(monkeypatch):
+    from paramserve.coordinator.local_cluster import _SharedThreads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    default = usable_cpus()
+    torch.set_num_threads(default)
+    try:
+        taken = _SharedThreads.take(processes=2 * default)  # more processes than CPUs: one thread each
+        assert taken is not None and torch.get_num_threads() == 1
+        taken.give_back()
+        assert torch.get_num_threads() == default
+
+        chosen = _SharedThreads.take(processes=2 * default)
+        assert chosen is not None
+        torch.set_num_threads(2)  # the program chose meanwhile: its choice stays
+        chosen.give_back()
+        assert torch.get_num_threads() == 2
+
+        torch.set_num_threads(default)
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")
+        assert _SharedThreads.take(processes=2 * default) is None, "a program that chose keeps its threads"
+        assert torch.get_num_threads() == default
+    finally:
+        torch.set_num_threads(default)
