@@ -472,3 +472,45 @@ def test_result_tensors_arrive_as_detached_values(core, servers):
         assert tensor.dtype == expected[name].dtype and tensor.shape == expected[name].shape
         assert tensor.grad_fn is None and not tensor.requires_grad
     values["transposed"].add_(1)  # an independent, writable tensor
+
+
+class _Doubling(nn.Module):
+    """A module with state of its own beside its layer, and a forward hook."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(3, 2)
+        self.scale = 2.0
+        self.calls: list[int] = []
+        self.register_forward_hook(_count_calls)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scale * self.layer(x)
+
+
+def _count_calls(module: nn.Module, args: object, output: object) -> None:
+    module.calls.append(1)  # type: ignore[union-attr]
+
+
+class _OwnState(nn.Linear):
+    def __getstate__(self) -> dict[str, object]:
+        return {**super().__getstate__(), "marker": "own"}
+
+
+def test_modules_travel_without_the_empty_hook_dicts_and_arrive_whole():
+    module = _Doubling()
+    module.eval()
+    plain_size = len(cloudpickle.dumps(module))
+
+    sent = dumps_closure(module)
+    arrived = cloudpickle.loads(sent)
+
+    assert len(sent) < plain_size, "the empty hook dicts stay home"
+    for (name, before), (_, after) in zip(module.named_modules(), arrived.named_modules()):
+        assert set(after.__dict__) == set(before.__dict__), name  # nn.Module.__setstate__ refills them
+        assert after.training is False
+    x = torch.randn(4, 3)
+    assert torch.equal(arrived(x), module(x))
+    assert arrived.calls == [1], "the forward hook (a non-empty dict) travelled"
+    own = cloudpickle.loads(dumps_closure(_OwnState(2, 2)))
+    assert own.marker == "own", "a module with its own pickling keeps it"
