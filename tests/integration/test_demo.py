@@ -34,7 +34,9 @@ def wait_gone(text: str, deadline: float) -> list[int]:
 
 def demo(tmp_path, *args):
     env = {**os.environ, "TMPDIR": str(tmp_path)}  # the launcher's run directory goes here
-    return subprocess.Popen([sys.executable, "-m", "paramserve.coordinator.commands.cli", "demo", "--quiet", *args],
+    # -X faulthandler: a demo that hangs dumps every thread's stack on SIGABRT (see below).
+    return subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", "paramserve.coordinator.commands.cli", "demo",
+                             "--quiet", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
@@ -60,6 +62,7 @@ def test_demo_trains_reports_json_and_stops_every_process(tmp_path):
     assert list((tmp_path / "logs" / "validation").glob("events.out.tfevents.*"))
 
 
+@pytest.mark.timeout(300)  # the start-up (120 s) and the stop (120 s) deadlines below, on a loaded machine
 def test_ctrl_c_stops_every_process_the_demo_started(tmp_path):
     process = demo(tmp_path, "--steps", "100000")
     deadline = time.monotonic() + 120
@@ -67,6 +70,15 @@ def test_ctrl_c_stops_every_process_the_demo_started(tmp_path):
         time.sleep(0.1)  # waiting for the cluster's four servers to exist
     assert len(processes_mentioning(str(tmp_path))) >= 4, "the demo never started its cluster"
     process.send_signal(signal.SIGINT)
-    process.communicate(timeout=120)
-    assert process.returncode != 0
+    try:
+        _, err = process.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGABRT)  # faulthandler writes where every thread is
+        try:
+            _, err = process.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            _, err = process.communicate()
+        pytest.fail(f"the demo did not stop within 120 s of Ctrl-C; its stderr:\n{err[-6000:]}")
+    assert process.returncode != 0, err
     assert wait_gone(str(tmp_path), time.monotonic() + 30) == []
