@@ -122,8 +122,9 @@ class ClientConfig:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     max_message_bytes: int = 64 << 20
     max_unary_bytes: int | None = None
-    """A server's share of a call whose payload (both ways) is at most this travels as one
-    unary Step message each way; larger ones stream in chunks. None: ``chunk_bytes``."""
+    """Over gRPC (a server without a data plane, or a share over its frame limit): a server's
+    share of a call whose payload (both ways) is at most this travels as one unary Step
+    message each way; larger ones stream in chunks. None: ``chunk_bytes``."""
     max_parallel_calls: int = 16
     data_plane: bool = True
     """Send training steps over the servers' data planes where they have one
@@ -365,15 +366,19 @@ class ParameterServerClient:
         return wire
 
     def _run(self, exchange: _Exchange, key: str | None, variable: str | None) -> tuple[list[PushOutcome], dict[ShardRef, int]]:
-        """Runs each server's share of ``exchange``. Shares that fit one message go to the
-        servers' data planes first, all sent before any reply is read; the rest, and any share
-        whose connection broke, run on the thread pool with retries."""
+        """Runs each server's share of ``exchange``. Shares go to the servers' data planes
+        first (up to their frame limit), all sent before any reply is read; the rest, and any
+        share whose connection broke, run on the thread pool with retries: on the data plane
+        again, else one Step RPC for shares under ``max_unary_bytes``, else streams."""
         limit = self.config.chunk_bytes if self.config.max_unary_bytes is None else self.config.max_unary_bytes
         key = key or ""
 
         def call(server: int, work: _ServerWork) -> _StepResult:
+            on_data_plane = self._data_plane_step(server, work, key)
+            if on_data_plane is not None:
+                return on_data_plane
             if work.nbytes() <= limit:
-                return self._step_once(server, work, key)
+                return self._stubs[server].step(work, key, self._call_options())
             pushed: list[ps_pb2.PushResult] = []
             stub = self._stubs[server]
             if work.parts:
@@ -385,8 +390,7 @@ class ParameterServerClient:
                 if work.items else {}
             return pushed, versions
 
-        done, errors = self._overlapped_steps(
-            {server: work for server, work in exchange.by_server.items() if work.nbytes() <= limit}, key, variable)
+        done, errors = self._overlapped_steps(exchange.by_server, key, variable)
         rest = {server: work for server, work in exchange.by_server.items() if server not in done}
         try:
             done.update(self._fan_out(rest, call, variable=variable))
@@ -423,6 +427,9 @@ class ParameterServerClient:
                     continue
             except (TransportError, grpc.RpcError, ParamServeError):
                 continue  # the retrying way asks again, and says what is wrong
+            if not connection.fits(work.nbytes()):
+                self._links.release(server, connection)
+                continue
             try:
                 connection.send_step(*_step_frame(work, key))
             except TransportError:
@@ -445,12 +452,16 @@ class ParameterServerClient:
             self._links.release(server, connection)
         return done, errors
 
-    def _step_once(self, server: int, work: _ServerWork, key: str) -> _StepResult:
-        """One attempt of one server's step: on its data plane when it has one, else the Step RPC."""
+    def _data_plane_step(self, server: int, work: _ServerWork, key: str) -> _StepResult | None:
+        """One attempt of one server's step on its data plane; None when it has none, or when
+        the step is over its frame limit."""
         links = self._links
         connection = links.acquire(server) if links is not None else None
         if links is None or connection is None:
-            return self._stubs[server].step(work, key, self._call_options())
+            return None
+        if not connection.fits(work.nbytes()):
+            links.release(server, connection)
+            return None
         try:
             connection.send_step(*_step_frame(work, key))
             result = _receive_step(connection, work)

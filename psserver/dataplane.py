@@ -66,6 +66,8 @@ log = logging.getLogger(__name__)
 MAGIC = b"PSD1"
 PREFIX = struct.Struct("!4sB3xIQ")
 """magic, kind, 3 bytes reserved, header length, payload length (network order)."""
+FRAME_HEADER_ROOM = 1 << 20
+"""Room a client leaves under the server's frame limit for a step's header (its plan)."""
 MAX_HELLO_BYTES = 512
 """A HELLO header is a credential: anything longer is not one (read before authentication)."""
 HANDSHAKE_TIMEOUT = 10.0
@@ -473,6 +475,11 @@ class DataPlaneConnection:
         if prefix.kind is FrameKind.ERROR:
             self.close()
             _raise_error_frame(header)
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether a step moving ``nbytes`` of tensors (both ways) is within the server's frame
+        limit, with room for its header."""
+        return nbytes <= self._max_body - FRAME_HEADER_ROOM
 
     def send_step(self, plan: bytes, payload: Sequence[bytes | memoryview]) -> None:
         """Sends one step: StepPlan bytes and the pushed parts' bytes, in plan order."""

@@ -12,7 +12,7 @@ import pytest
 TRANSPORTS: dict[str, dict[str, object]] = {
     "dataplane": {},
     "unary": {"data_plane": False},
-    "streams": {"max_unary_bytes": 0},  # never one message: Push and Pull streams
+    "streams": {"max_unary_bytes": 0, "data_plane": False},  # never one message: Push and Pull streams
 }
 
 
