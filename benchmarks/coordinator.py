@@ -34,7 +34,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import _common
 import cloudpickle
@@ -209,6 +209,8 @@ def closure_pickling_us(count: int) -> tuple[float, float]:
 class TrainRun:
     steps_per_s: float
     cpu_ms_per_step: float
+    cpu_ms_by_process: dict[str, float] = field(default_factory=dict)
+    """CPU-ms per step of each process (paramserve's side: benchmarks/step_cpu.py prints it)."""
 
 
 def paramserve_steps(sizes: tuple[int, ...], steps: int, warmup: int, device: str | None = None,
@@ -228,18 +230,20 @@ def paramserve_steps(sizes: tuple[int, ...], steps: int, warmup: int, device: st
                 for _ in range(warmup):
                     coordinator.schedule(train_step, args=(batch, model, optimizer))
                 coordinator.join()
-                pids = [os.getpid(), *(p.pid for p in cluster.processes)]
-                cpu = sum(process_cpu_seconds(pid) for pid in pids)
+                names = ["coordinator", "ps0", "ps1", "worker0", "worker1"]
+                pids = dict(zip(names, [os.getpid(), *(p.pid for p in cluster.processes)]))
+                before = {name: process_cpu_seconds(pid) for name, pid in pids.items()}
                 start = time.perf_counter()
                 for _ in range(max(1, steps // steps_per_closure)):
                     coordinator.schedule(train_step, args=(batch, model, optimizer), steps=steps_per_closure)
                 coordinator.join()
                 seconds = time.perf_counter() - start
-                cpu = sum(process_cpu_seconds(pid) for pid in pids) - cpu
+                spent = {name: process_cpu_seconds(pid) - before[name] for name, pid in pids.items()}
         finally:
             strategy.close()
     steps = max(1, steps // steps_per_closure) * steps_per_closure
-    return TrainRun(steps / seconds, 1000 * cpu / steps)
+    return TrainRun(steps / seconds, 1000 * sum(spent.values()) / steps,
+                    {name: 1000 * cpu / steps for name, cpu in spent.items()})
 
 
 def versus_rpc(name: str, sizes: tuple[int, ...], steps: int, warmup: int, rounds: int, steps_per_closure: int = 1) -> Result:

@@ -34,10 +34,17 @@ def wait_gone(text: str, deadline: float) -> list[int]:
 
 def demo(tmp_path, *args):
     env = {**os.environ, "TMPDIR": str(tmp_path)}  # the launcher's run directory goes here
-    # -X faulthandler: a demo that hangs dumps every thread's stack on SIGABRT (see below).
-    return subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", "paramserve.coordinator.commands.cli", "demo",
-                             "--quiet", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    # A child inherits an ignored SIGINT (a shell's background job ignores it, and Python then
+    # installs no KeyboardInterrupt) but not a handler: with one here, the demo starts with
+    # SIGINT's default, so the Ctrl-C test means the same wherever the tests run.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        # -X faulthandler: a demo that hangs dumps every thread's stack on SIGABRT (see below).
+        return subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", "paramserve.coordinator.commands.cli",
+                                 "demo", "--quiet", *args],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def test_demo_trains_reports_json_and_stops_every_process(tmp_path):
