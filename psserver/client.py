@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from typing import TypeVar, Union
 
 import grpc
-import numpy as np
 import tenacity
 import torch
 from google.protobuf.message import DecodeError
@@ -62,9 +61,9 @@ from paramserve.psserver.streams import (
     byte_buffer,
     decode_step_reply,
     encode_parts,
+    encode_step_request,
     meta_nbytes,
     meta_of,
-    pack_pieces,
     read_parts,
     tensor_from_bytes,
     tensor_payload,
@@ -687,7 +686,7 @@ class _Stub:
         return _receive_pulled(stream, list(request.items), destinations)
 
     def step(self, work: _ServerWork, key: str, options: _CallOptions) -> _StepResult:
-        request = b"".join(_step_pieces(work, key))
+        request = encode_step_request(_step_plan(work, key), _pushed_bytes(work))
         return _step_result(self._step(request, timeout=options.timeout, metadata=options.metadata()), work)
 
     def export(self, chunk_bytes: int, options: _CallOptions) -> list[ShardState]:
@@ -719,75 +718,93 @@ _StepResult = tuple[list[ps_pb2.PushResult], dict[ShardRef, int]]
 """One server's step: its push results, and the version each shard read was at."""
 
 
+def _step_plan(work: "_ServerWork", key: str) -> ps_pb2.StepPlan:
+    return ps_pb2.StepPlan(idempotency_key=key, push=[part for part, _ in work.parts], pull=work.items)
+
+
+def _pushed_bytes(work: "_ServerWork") -> list[memoryview]:
+    """The pushed parts' bytes (not copied), in plan order."""
+    return [piece for _, pieces in work.parts for piece in pieces]
+
+
 def _step_frame(work: "_ServerWork", key: str) -> tuple[bytes, list[memoryview]]:
-    """``work`` as a StepPlan's bytes and the pushed parts' bytes (not copied), in plan order."""
-    plan = ps_pb2.StepPlan(idempotency_key=key, push=[part for part, _ in work.parts], pull=work.items)
-    return plan.SerializeToString(), [piece for _, pieces in work.parts for piece in pieces]
-
-
-def _step_pieces(work: "_ServerWork", key: str) -> list[bytes | memoryview]:
-    """A packed StepRequest for ``work`` (the Step RPC's message), as pieces."""
-    plan, payload = _step_frame(work, key)
-    return pack_pieces(plan, payload)
+    """``work`` as a data-plane step: the StepPlan's bytes and the pushed bytes."""
+    return _step_plan(work, key).SerializeToString(), _pushed_bytes(work)
 
 
 def _step_result(reply: bytes | memoryview, work: "_ServerWork") -> _StepResult:
-    """Decodes a packed StepReply into ``work``'s destinations."""
+    """Decodes a Step RPC's packed StepReply into ``work``'s destinations."""
     outcome, payload = decode_step_reply(reply)
-    return list(outcome.pushed), _receive_packed(outcome.pulled, payload, work.items, work.destinations)
+    views, finish = _placement(work, outcome, len(payload))
+    offset = 0
+    for view in views:
+        view[:] = payload[offset : offset + len(view)]
+        offset += len(view)
+    return finish()
 
 
 def _receive_step(connection: DataPlaneConnection, work: "_ServerWork") -> _StepResult:
-    """Reads a data-plane reply for ``work``: each pulled part's bytes go straight into its
-    destination when that is a contiguous tensor (no copy after the socket's), else through a
-    buffer. Raises InvalidRequestError for a reply that does not match the reads asked for."""
-    result: list[_StepResult] = []
+    """Reads a data-plane reply for ``work``, its pulled bytes straight into their places
+    (``_placement``). Raises InvalidRequestError for a reply that does not match the reads."""
+    finished: list[Callable[[], _StepResult]] = []
 
-    def place(header: memoryview, payload_bytes: int) -> tuple[list[memoryview], Callable[[], None]]:
+    def place(header: memoryview, payload_bytes: int) -> list[memoryview]:
         try:
             outcome = ps_pb2.StepOutcome.FromString(bytes(header))
         except DecodeError as err:
             raise InvalidRequestError(f"the server's StepOutcome does not parse: {err}") from None
-        views: list[memoryview] = []
-        later: list[tuple[_Destination, torch.Tensor, tensor_pb2.TensorMeta]] = []
-        versions: dict[ShardRef, int] = {}
-        total = 0
-        for part in outcome.pulled:
-            if not 0 <= part.item < len(work.destinations):
-                raise InvalidRequestError(f"the server answered for item {part.item} of {len(work.destinations)}")
-            destination, view, ref = work.destinations[part.item], work.views[part.item], work.refs[part.item]
-            size = meta_nbytes(part.meta)
-            expected = len(view) if view is not None else _destination_bytes(destination)
-            if size != expected:
-                raise InvalidRequestError(f"the server sent {size} bytes for a read of {expected}")
-            total += size
-            versions[ref if ref is not None else convert.ref_from_proto(work.items[part.item].ref)] = int(part.version)
-            if not size:
-                continue
-            if view is not None:
-                views.append(view)
-            elif isinstance(destination, torch.Tensor) and destination.is_contiguous():
-                views.append(writable_byte_view(destination))
-            else:
-                buffer = byte_buffer(size)
-                views.append(writable_byte_view(buffer))
-                later.append((destination, buffer, part.meta))
-        if total != payload_bytes:
-            raise InvalidRequestError(f"the server's reply holds {payload_bytes} bytes, its parts describe {total}")
-
-        def finish() -> None:
-            for destination, buffer, meta in later:
-                value = tensor_from_bytes(buffer, meta)
-                if isinstance(destination, _RowScatter):
-                    destination.target[destination.positions] = value
-                else:
-                    destination.copy_(value.reshape(destination.shape))
-            result.append((list(outcome.pushed), versions))
-
-        return views, finish
+        views, finish = _placement(work, outcome, payload_bytes)
+        finished.append(finish)
+        return views
 
     connection.receive_reply(place)
-    return result[0]
+    return finished[0]()
+
+
+def _placement(work: "_ServerWork", outcome: ps_pb2.StepOutcome,
+               payload_bytes: int) -> tuple[list[memoryview], Callable[[], _StepResult]]:
+    """Where a step reply's pulled bytes go, in order (adding up to ``payload_bytes``), and
+    what finishes the step once they are there. A read whose destination is a contiguous range
+    (``work.views``) or tensor takes its bytes in place, with no copy after the one out of the
+    message; others go through a buffer, then into their destination. Raises
+    InvalidRequestError for a reply that does not match the reads asked for."""
+    views: list[memoryview] = []
+    later: list[tuple[_Destination, torch.Tensor, tensor_pb2.TensorMeta]] = []
+    versions: dict[ShardRef, int] = {}
+    total = 0
+    for part in outcome.pulled:
+        if not 0 <= part.item < len(work.destinations):
+            raise InvalidRequestError(f"the server answered for item {part.item} of {len(work.destinations)}")
+        destination, view, ref = work.destinations[part.item], work.views[part.item], work.refs[part.item]
+        size = meta_nbytes(part.meta)
+        expected = len(view) if view is not None else _destination_bytes(destination)
+        if size != expected:
+            raise InvalidRequestError(f"the server sent {size} bytes for a read of {expected}")
+        total += size
+        versions[ref if ref is not None else convert.ref_from_proto(work.items[part.item].ref)] = int(part.version)
+        if not size:
+            continue
+        if view is not None:
+            views.append(view)
+        elif isinstance(destination, torch.Tensor) and destination.is_contiguous():
+            views.append(writable_byte_view(destination))
+        else:
+            buffer = byte_buffer(size)
+            views.append(writable_byte_view(buffer))
+            later.append((destination, buffer, part.meta))
+    if total != payload_bytes:
+        raise InvalidRequestError(f"the server's reply holds {payload_bytes} bytes, its parts describe {total}")
+
+    def finish() -> _StepResult:
+        for destination, buffer, meta in later:
+            value = tensor_from_bytes(buffer, meta)
+            if isinstance(destination, _RowScatter):
+                destination.target[destination.positions] = value
+            else:
+                destination.copy_(value.reshape(destination.shape))
+        return list(outcome.pushed), versions
+
+    return views, finish
 
 
 def _host_of(address: str) -> str:
@@ -904,41 +921,6 @@ def _receive_pulled(chunks: Iterable[bytes | memoryview], items: Sequence[ps_pb2
             destination.target[destination.positions] = tensor_from_bytes(payload, part.meta)
         elif payload.data_ptr() != destination.data_ptr() or not destination.numel():
             destination.copy_(tensor_from_bytes(payload, part.meta).reshape(destination.shape))
-    return versions
-
-
-def _receive_packed(pulled: Sequence[tensor_pb2.PulledPart], payload: memoryview, items: Sequence[ps_pb2.PullItem],
-                    destinations: Sequence[_Destination]) -> dict[ShardRef, int]:
-    """Fills ``destinations`` from a StepReply's parts (their bytes back to back in ``payload``);
-    returns the version each shard was read at. Whole-shard reads are copied straight into
-    their destination."""
-    versions: dict[ShardRef, int] = {}
-    offset = 0
-    for part in pulled:
-        if not 0 <= part.item < len(destinations):
-            raise InvalidRequestError(f"the server answered for item {part.item} of {len(destinations)}")
-        destination = destinations[part.item]
-        size = meta_nbytes(part.meta)
-        expected = _destination_bytes(destination)
-        if size != expected or offset + size > len(payload):
-            raise InvalidRequestError(f"the server sent {size} bytes for a read of {expected}")
-        data = np.frombuffer(payload[offset : offset + size], dtype=np.uint8)
-        offset += size
-        versions[convert.ref_from_proto(items[part.item].ref)] = int(part.version)
-        if not size:
-            continue
-        if isinstance(destination, torch.Tensor) and destination.is_contiguous():
-            destination.reshape(-1).view(torch.uint8).numpy()[:] = data
-            continue
-        buffer = byte_buffer(size)
-        buffer.numpy()[:] = data
-        value = tensor_from_bytes(buffer, part.meta)
-        if isinstance(destination, _RowScatter):
-            destination.target[destination.positions] = value
-        else:
-            destination.copy_(value.reshape(destination.shape))
-    if offset != len(payload):
-        raise InvalidRequestError(f"the server's reply holds {len(payload) - offset} bytes no part describes")
     return versions
 
 

@@ -434,9 +434,9 @@ def _family(host: str) -> socket.AddressFamily:
 # ---------------------------------------------------------------- client
 
 
-ReplyPlacement = Callable[[memoryview, int], tuple[Sequence[memoryview], Callable[[], None]]]
-"""(StepOutcome bytes, payload length) -> (where the payload's bytes go, in order, adding up to
-its length; what to do once they are there). Raises to refuse a reply that does not fit."""
+ReplyPlacement = Callable[[memoryview, int], Sequence[memoryview]]
+"""(StepOutcome bytes, payload length) -> where the payload's bytes go, in order, adding up to
+its length. Raises to refuse a reply that does not fit."""
 
 
 class DataPlaneConnection:
@@ -500,15 +500,13 @@ class DataPlaneConnection:
                 raise TransportError("the server sent an ERROR frame with a payload")
             _raise_error_frame(header)
         try:
-            views, finish = place(header, prefix.payload_bytes)
-            self._reader.read_into(views)
+            self._reader.read_into(place(header, prefix.payload_bytes))
         except OSError as err:
             self.close()
             raise TransportError(f"reading the server's reply failed: {err}") from None
         except BaseException:
             self.close()
             raise
-        finish()
 
     def close(self) -> None:
         if not self.closed:

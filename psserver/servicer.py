@@ -36,7 +36,7 @@ from paramserve.psserver.streams import (
     tensor_payload,
 )
 from paramserve.psserver.tensors import dtype_from_name, writable_byte_view
-from paramserve.psserver.types import ShardRef
+from paramserve.psserver.types import ShardInfo, ShardRef, ShardState
 from paramserve.wire.v1 import parameter_server_pb2 as ps_pb2
 from paramserve.wire.v1 import tensor_pb2
 
@@ -103,21 +103,17 @@ class ParameterServerServicer:
 
     @unary_boundary
     def CreateShards(self, chunks: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
-        states = [
-            convert.shard_state_from_part(header.shard, payload)
-            for header, payload in read_parts(chunks, self._allocate_shard)
-        ]
-        infos = self._store.create_shards(states)
-        return ps_pb2.CreateShardsResponse(shards=[convert.info_to_proto(i) for i in infos]).SerializeToString()
+        return _shards_response(self._store.create_shards(self._received_shards(chunks)))
 
     @unary_boundary
     def ReplaceShards(self, chunks: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
-        states = [
+        return _shards_response(self._store.replace_shards(self._received_shards(chunks)))
+
+    def _received_shards(self, chunks: Iterator[bytes]) -> list[ShardState]:
+        return [
             convert.shard_state_from_part(header.shard, payload)
             for header, payload in read_parts(chunks, self._allocate_shard)
         ]
-        infos = self._store.replace_shards(states)
-        return ps_pb2.CreateShardsResponse(shards=[convert.info_to_proto(i) for i in infos]).SerializeToString()
 
     def _allocate_shard(self, header: tensor_pb2.PartHeader) -> torch.Tensor:
         if header.WhichOneof("kind") != "shard":
@@ -442,6 +438,10 @@ def _preview(value: object) -> str:
 def _pulled_part_chunks(index: int, value: torch.Tensor, version: int, chunk_bytes: int) -> list[bytes]:
     part = tensor_pb2.PulledPart(item=index, meta=meta_of(value), version=version)
     return list(encode_parts([(tensor_pb2.PartHeader(pulled=part), [tensor_payload(value)])], chunk_bytes))
+
+
+def _shards_response(infos: Sequence[ShardInfo]) -> bytes:
+    return ps_pb2.CreateShardsResponse(shards=[convert.info_to_proto(i) for i in infos]).SerializeToString()
 
 
 def generic_handler(servicer: ParameterServerServicer) -> grpc.GenericRpcHandler:

@@ -196,13 +196,8 @@ def read_parts(chunks: Iterable[bytes | memoryview], allocate: Allocator) -> Ite
 def pack(plan: bytes, payload: Sequence[bytes | memoryview]) -> bytes:
     """A message of ``plan`` (a serialised message) as field 1 and ``payload``'s pieces,
     joined, as bytes field 2."""
-    return b"".join(pack_pieces(plan, payload))
-
-
-def pack_pieces(plan: bytes, payload: Sequence[bytes | memoryview]) -> list[bytes | memoryview]:
-    """``pack``'s bytes as pieces, not joined: a socket writes them without a copy."""
     size = sum(len(p) for p in payload)
-    return [bytes((_HEADER_TAG,)) + _varint(len(plan)) + plan + bytes((_DATA_TAG,)) + _varint(size), *payload]
+    return b"".join([bytes((_HEADER_TAG,)), _varint(len(plan)), plan, bytes((_DATA_TAG,)), _varint(size), *payload])
 
 
 def unpack(raw: bytes | memoryview) -> tuple[memoryview, memoryview]:
