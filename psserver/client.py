@@ -19,7 +19,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
-from typing import TypeVar, Union
+from typing import TypeVar, Union, cast
 
 import grpc
 import tenacity
@@ -53,6 +53,7 @@ from paramserve.psserver.partition import (
     place_shards,
     split_rows,
 )
+from paramserve.psserver.programs import ProgramNumbers
 from paramserve.psserver.security import ClientTls, bearer_metadata, open_channel
 from paramserve.psserver.servicer import IDEMPOTENCY_METADATA_KEY, SERVICE_NAME
 from paramserve.psserver.serving import channel_options, metadata_text
@@ -355,7 +356,7 @@ class ParameterServerClient:
             whole = writable_byte_view(output)  # contiguous: each shard's bytes are a range of it
             for shard, wire in zip(layout.shards, self._wire_of(layout).shards):
                 rows = output[shard.row_start : shard.row_start + shard.num_rows] if layout.shape else output
-                exchange.read(shard.server, wire.item, rows, wire.ref, whole[wire.start : wire.end])
+                exchange.read(shard.server, wire.item, rows, wire.ref, whole[wire.start : wire.end], wire)
 
     def _wire_of(self, layout: VariableLayout) -> "_LayoutWire":
         """The wire messages of ``layout``'s shards, made once per layout: a step builds none."""
@@ -378,13 +379,13 @@ class ParameterServerClient:
                 return on_data_plane
             if work.nbytes() <= limit:
                 return self._stubs[server].step(work, key, self._call_options())
-            pushed: list[ps_pb2.PushResult] = []
+            pushed: list[PushOutcome] = []
             stub = self._stubs[server]
             if work.parts:
                 chunk_bytes = self.config.chunk_bytes
-                headed = [(tensor_pb2.PartHeader(push=part), pieces) for part, pieces in work.parts]
-                pushed = list(stub.push(lambda: encode_parts(iter(headed), chunk_bytes), key,
-                                        self._call_options()).results)
+                headed = [(tensor_pb2.PartHeader(push=part.message()), part.pieces) for part in work.parts]
+                pushed = _outcomes(stub.push(lambda: encode_parts(iter(headed), chunk_bytes), key,
+                                             self._call_options()).results)
             versions = stub.pull(work.pull_request(self.config.chunk_bytes), work.destinations, self._call_options()) \
                 if work.items else {}
             return pushed, versions
@@ -403,8 +404,7 @@ class ParameterServerClient:
             if result is None:
                 continue
             pushed, read = result
-            outcomes += [PushOutcome(convert.ref_from_proto(r.ref), r.applied, int(r.version), int(r.staleness))
-                         for r in pushed]
+            outcomes += pushed
             versions.update(read)
         return outcomes, versions
 
@@ -430,7 +430,7 @@ class ParameterServerClient:
                 self._links.release(server, connection)
                 continue
             try:
-                connection.send_step(*_step_frame(work, key))
+                connection.send_step(*_step_frame(work, key, connection.programs))
             except TransportError:
                 self._links.forget(server, connection)
                 continue
@@ -462,7 +462,7 @@ class ParameterServerClient:
             links.release(server, connection)
             return None
         try:
-            connection.send_step(*_step_frame(work, key))
+            connection.send_step(*_step_frame(work, key, connection.programs))
             result = _receive_step(connection, work)
         except TransportError:
             links.forget(server, connection)
@@ -713,23 +713,58 @@ class _Stub:
 
 
 _Destination = Union[torch.Tensor, "_RowScatter"]
-_Part = tuple[tensor_pb2.PushPart, list[memoryview]]
-_StepResult = tuple[list[ps_pb2.PushResult], dict[ShardRef, int]]
+_StepResult = tuple[list[PushOutcome], dict[ShardRef, int]]
 """One server's step: its push results, and the version each shard read was at."""
 
 
+@dataclass(slots=True, eq=False)
+class _Part:
+    """One push part: its bytes, and either its shard's wire messages (a dense push of a whole
+    shard, which a step program names) or its own message (a sparse or converted push)."""
+
+    pieces: list[memoryview]
+    base_version: int
+    wire: "_ShardWire | None" = None
+    built: tensor_pb2.PushPart | None = None
+
+    def message(self) -> tensor_pb2.PushPart:
+        if self.built is None:
+            assert self.wire is not None
+            self.built = tensor_pb2.PushPart(ref=self.wire.ref_proto, values=self.wire.meta, base_version=self.base_version)
+        return self.built
+
+
+def _outcomes(results: Iterable[ps_pb2.PushResult]) -> list[PushOutcome]:
+    return [PushOutcome(convert.ref_from_proto(r.ref), r.applied, int(r.version), int(r.staleness)) for r in results]
+
+
 def _step_plan(work: "_ServerWork", key: str) -> ps_pb2.StepPlan:
-    return ps_pb2.StepPlan(idempotency_key=key, push=[part for part, _ in work.parts], pull=work.items)
+    return ps_pb2.StepPlan(idempotency_key=key, push=[part.message() for part in work.parts], pull=work.items)
 
 
 def _pushed_bytes(work: "_ServerWork") -> list[memoryview]:
     """The pushed parts' bytes (not copied), in plan order."""
-    return [piece for _, pieces in work.parts for piece in pieces]
+    return [piece for part in work.parts for piece in part.pieces]
 
 
-def _step_frame(work: "_ServerWork", key: str) -> tuple[bytes, list[memoryview]]:
-    """``work`` as a data-plane step: the StepPlan's bytes and the pushed bytes."""
-    return _step_plan(work, key).SerializeToString(), _pushed_bytes(work)
+def _step_frame(work: "_ServerWork", key: str, programs: ProgramNumbers) -> tuple[bytes, list[memoryview]]:
+    """``work`` as a data-plane step: the StepPlan's bytes and the pushed bytes. A step of whole
+    dense shards is a step program of the connection (psserver/programs.py): defined the first
+    time, then run by number (``work.program`` records which, for reading the reply)."""
+    signature = work.signature()
+    if signature is None:
+        work.program = None
+        return _step_plan(work, key).SerializeToString(), _pushed_bytes(work)
+    number, defined = programs.number(signature)
+    work.program = (programs, signature, number)
+    if defined:
+        bases = [part.base_version for part in work.parts]
+        plan = ps_pb2.StepPlan(run_program=number, idempotency_key=key,
+                               base_versions=bases if any(base >= 0 for base in bases) else ())
+    else:
+        plan = _step_plan(work, key)
+        plan.define_program = number
+    return plan.SerializeToString(), _pushed_bytes(work)
 
 
 def _step_result(reply: bytes | memoryview, work: "_ServerWork") -> _StepResult:
@@ -753,12 +788,39 @@ def _receive_step(connection: DataPlaneConnection, work: "_ServerWork") -> _Step
             outcome = ps_pb2.StepOutcome.FromString(bytes(header))
         except DecodeError as err:
             raise InvalidRequestError(f"the server's StepOutcome does not parse: {err}") from None
-        views, finish = _placement(work, outcome, payload_bytes)
+        views, finish = _placement(work, outcome, payload_bytes) if work.program is None else \
+            _program_placement(work, outcome, payload_bytes)
         finished.append(finish)
         return views
 
     connection.receive_reply(place)
     return finished[0]()
+
+
+def _program_placement(work: "_ServerWork", outcome: ps_pb2.StepOutcome,
+                       payload_bytes: int) -> tuple[list[memoryview], Callable[[], _StepResult]]:
+    """``_placement`` for a step program's reply (``ProgramOutcome``: the results in the
+    program's order). Marks the program defined on the connection once the server answered."""
+    assert work.program is not None
+    programs, signature, number = work.program
+    result = outcome.program
+    parts, reads = len(work.parts), len(work.items)
+    if not outcome.HasField("program") or (len(result.applied), len(result.versions), len(result.staleness),
+                                            len(result.pulled_versions)) != (parts, parts, parts, reads):
+        raise InvalidRequestError(f"the server's reply does not answer step program {number} "
+                                  f"({parts} pushes, {reads} reads)")
+    views = cast(list[memoryview], work.views)
+    expected = sum(len(view) for view in views)
+    if payload_bytes != expected:
+        raise InvalidRequestError(f"the server's reply holds {payload_bytes} bytes, step program {number} reads {expected}")
+    programs.defined(signature, number)
+
+    def finish() -> _StepResult:
+        pushed = [PushOutcome(cast(_ShardWire, part.wire).ref, applied, version, staleness)
+                  for part, applied, version, staleness in zip(work.parts, result.applied, result.versions, result.staleness)]
+        return pushed, dict(zip(cast(list[ShardRef], work.refs), result.pulled_versions))
+
+    return [view for view in views if len(view)], finish
 
 
 def _placement(work: "_ServerWork", outcome: ps_pb2.StepOutcome,
@@ -802,7 +864,7 @@ def _placement(work: "_ServerWork", outcome: ps_pb2.StepOutcome,
                 destination.target[destination.positions] = value
             else:
                 destination.copy_(value.reshape(destination.shape))
-        return list(outcome.pushed), versions
+        return _outcomes(outcome.pushed), versions
 
     return views, finish
 
@@ -819,6 +881,10 @@ class _ServerWork:
 
     parts: list[_Part] = field(default_factory=list)
     items: list[ps_pb2.PullItem] = field(default_factory=list)
+    read_wires: list["_ShardWire | None"] = field(default_factory=list)
+    """Each read's shard wire when it reads a whole shard (a step program can name it)."""
+    program: tuple[ProgramNumbers, tuple[object, ...], int] | None = None
+    """The step program the last data-plane frame of this work named: (table, signature, number)."""
     destinations: list[_Destination] = field(default_factory=list)
     refs: list[ShardRef | None] = field(default_factory=list)
     """Each read's shard, when the caller knows it (else parsed from its item)."""
@@ -828,8 +894,24 @@ class _ServerWork:
 
     def nbytes(self) -> int:
         """Payload bytes both ways (what decides between one unary message and streams)."""
-        pushed = sum(len(piece) for _, pieces in self.parts for piece in pieces)
+        pushed = sum(len(piece) for part in self.parts for piece in part.pieces)
         return pushed + sum(len(v) if v is not None else _destination_bytes(d) for v, d in zip(self.views, self.destinations))
+
+    def signature(self) -> tuple[object, ...] | None:
+        """What identifies this work as a step program: its push parts' and reads' shard wires
+        (cached per layout, compared by identity), or None when a part or a read is not of a
+        whole dense shard with a place to land."""
+        wires: list[object] = []
+        for part in self.parts:
+            if part.wire is None:
+                return None
+            wires.append(part.wire)
+        wires.append(None)  # pushes | reads
+        for wire, view in zip(self.read_wires, self.views):
+            if wire is None or view is None:
+                return None
+            wires.append(wire)
+        return tuple(wires)
 
     def pull_request(self, chunk_bytes: int) -> ps_pb2.PullRequest:
         return ps_pb2.PullRequest(items=self.items, chunk_bytes=chunk_bytes)
@@ -846,15 +928,16 @@ class _Exchange:
         self.by_server[server].parts.append(part)
 
     def read(self, server: int, item: ps_pb2.PullItem, destination: _Destination, ref: ShardRef | None = None,
-             view: memoryview | None = None) -> None:
+             view: memoryview | None = None, wire: "_ShardWire | None" = None) -> None:
         work = self.by_server[server]
+        work.read_wires.append(wire)
         work.items.append(item)
         work.destinations.append(destination)
         work.refs.append(ref)
         work.views.append(view)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _ShardWire:
     ref: ShardRef
     ref_proto: tensor_pb2.ShardRef
@@ -924,7 +1007,8 @@ def _receive_pulled(chunks: Iterable[bytes | memoryview], items: Sequence[ps_pb2
     return versions
 
 
-def _push_parts(wire: _LayoutWire, gradient: torch.Tensor | RowGradient, base_versions: Mapping[ShardRef, int]) -> Iterator[tuple[int, tuple]]:
+def _push_parts(wire: _LayoutWire, gradient: torch.Tensor | RowGradient,
+                base_versions: Mapping[ShardRef, int]) -> Iterator[tuple[int, _Part]]:
     layout = wire.layout
     if isinstance(gradient, RowGradient):
         indices = gradient.indices.reshape(-1).to(torch.int64)
@@ -936,9 +1020,10 @@ def _push_parts(wire: _LayoutWire, gradient: torch.Tensor | RowGradient, base_ve
             local = (indices[positions] - shard.row_start).contiguous()
             rows_values = values[positions].contiguous()
             ref = layout.ref(shard)
+            base = base_versions.get(ref, -1)
             part = tensor_pb2.PushPart(ref=convert.ref_to_proto(ref), values=meta_of(rows_values), sparse=True,
-                                       num_indices=local.numel(), base_version=base_versions.get(ref, -1))
-            yield shard.server, (part, [tensor_payload(local), tensor_payload(rows_values)])
+                                       num_indices=local.numel(), base_version=base)
+            yield shard.server, _Part([tensor_payload(local), tensor_payload(rows_values)], base, built=part)
         return
     gradient = gradient.detach().cpu()
     if tuple(gradient.shape) != layout.shape:
@@ -946,15 +1031,15 @@ def _push_parts(wire: _LayoutWire, gradient: torch.Tensor | RowGradient, base_ve
     if gradient.dtype == layout.dtype and gradient.is_contiguous():  # the common case: byte ranges of one view
         whole = as_byte_view(gradient)
         for shard, shard_wire in zip(layout.shards, wire.shards):
-            part = tensor_pb2.PushPart(ref=shard_wire.ref_proto, values=shard_wire.meta,
-                                       base_version=base_versions.get(shard_wire.ref, -1))
-            yield shard.server, (part, [whole[shard_wire.start : shard_wire.end]])
+            base = base_versions.get(shard_wire.ref, -1) if base_versions else -1
+            yield shard.server, _Part([whole[shard_wire.start : shard_wire.end]], base, wire=shard_wire)
         return
     for shard in layout.shards:
         piece = gradient[shard.row_start : shard.row_start + shard.num_rows] if layout.shape else gradient
         ref = layout.ref(shard)
-        part = tensor_pb2.PushPart(ref=convert.ref_to_proto(ref), values=meta_of(piece), base_version=base_versions.get(ref, -1))
-        yield shard.server, (part, [tensor_payload(piece)])
+        base = base_versions.get(ref, -1)
+        part = tensor_pb2.PushPart(ref=convert.ref_to_proto(ref), values=meta_of(piece), base_version=base)
+        yield shard.server, _Part([tensor_payload(piece)], base, built=part)
 
 
 def _group_rows(layout: VariableLayout, indices: torch.Tensor) -> Iterator[tuple[ShardPlacement, torch.Tensor]]:

@@ -48,6 +48,7 @@ from paramserve.psserver.errors import (
     MessageTooLargeError,
     ParamServeError,
 )
+from paramserve.psserver.programs import ProgramNumbers, StepPrograms
 from paramserve.psserver.security import ClientTls, TlsConfig, bearer_metadata
 from paramserve.psserver.streams import byte_buffer
 from paramserve.psserver.tensors import writable_byte_view
@@ -214,9 +215,10 @@ def _raise_error_frame(header: memoryview) -> NoReturn:
 # ---------------------------------------------------------------- server
 
 
-StepExchange = Callable[[memoryview, torch.Tensor, Callable[[int], torch.Tensor]], tuple[bytes, memoryview]]
-"""(StepPlan bytes, the pushed bytes as a uint8 tensor, a reply-buffer allocator) -> (StepOutcome
-bytes, the pulled bytes): ParameterServerServicer.step_frames. Raises ParamServeError."""
+StepExchange = Callable[[memoryview, torch.Tensor, Callable[[int], torch.Tensor], StepPrograms], tuple[bytes, memoryview]]
+"""(StepPlan bytes, the pushed bytes as a uint8 tensor, a reply-buffer allocator, the connection's
+step programs) -> (StepOutcome bytes, the pulled bytes): ParameterServerServicer.step_frames.
+Raises ParamServeError."""
 ErrorFor = Callable[[Exception], ParamServeError]
 """The typed error an unexpected exception stands for (the gRPC boundary's rule)."""
 
@@ -310,9 +312,10 @@ class DataPlaneServer:
                 return
             sock.settimeout(None)
             replies = _ReusedBuffer()
+            programs = StepPrograms()
             while True:
                 prefix, plan = reader.read_head(self._max_body, self._max_body, lambda kind: kind is FrameKind.STEP)
-                self._step(sock, plan, reader.read_payload(prefix.payload_bytes), replies)
+                self._step(sock, plan, reader.read_payload(prefix.payload_bytes), replies, programs)
         except MessageTooLargeError as err:
             _try_send_error(sock, err)  # the frame was not read: the stream cannot go on
         except (OSError, TransportError):
@@ -345,10 +348,11 @@ class DataPlaneServer:
         ))
         return False
 
-    def _step(self, sock: socket.socket, plan: memoryview, payload: torch.Tensor, replies: "_ReusedBuffer") -> None:
+    def _step(self, sock: socket.socket, plan: memoryview, payload: torch.Tensor, replies: "_ReusedBuffer",
+              programs: StepPrograms) -> None:
         start = time.perf_counter()
         try:
-            outcome, values = self._exchange(plan, payload, replies.get)
+            outcome, values = self._exchange(plan, payload, replies.get, programs)
         except Exception as exc:  # noqa: BLE001 - a typed error, as at the gRPC boundary
             error = exc if isinstance(exc, ParamServeError) else self._error_for(exc)
             self._finish(error, start, len(plan) + payload.numel(), 0)
@@ -449,6 +453,8 @@ class DataPlaneConnection:
                  max_body_bytes: int, local_socket: str = ""):
         self._max_body = max_body_bytes
         self.closed = False
+        self.programs = ProgramNumbers()
+        """This connection's step programs, on the client's side (psserver/programs.py)."""
         sock = _connect_local(local_socket, timeout) if local_socket and tls is None else None
         self.local = sock is not None
         """Whether this connection is on the server's abstract Unix socket (same host)."""

@@ -20,6 +20,7 @@ from google.protobuf.message import DecodeError
 
 from paramserve.psserver import checkpoint, convert
 from paramserve.psserver.errors import InvalidRequestError, MessageTooLargeError, VariableNotFoundError
+from paramserve.psserver.programs import PushSlot, StepProgram, StepPrograms, base_versions
 from paramserve.psserver.security import checkpoint_root, confined_path
 from paramserve.psserver.serving import parse, stream_boundary, unary_boundary
 from paramserve.psserver.store import Pulled, ShardPush, ShardStore
@@ -200,15 +201,20 @@ class ParameterServerServicer:
         pushes = self._packed_pushes(plan.push, payload) if plan.push else []
         return self._step(plan, pushes, len(payload), encode_step_reply)
 
-    def step_frames(self, plan_bytes: memoryview, payload: torch.Tensor,
-                    reply_buffer: Callable[[int], torch.Tensor]) -> tuple[bytes, memoryview]:
+    def step_frames(self, plan_bytes: memoryview, payload: torch.Tensor, reply_buffer: Callable[[int], torch.Tensor],
+                    programs: StepPrograms | None = None) -> tuple[bytes, memoryview]:
         """A data-plane step (psserver/dataplane.py): the StepPlan's bytes and the pushed bytes
         (a uint8 tensor the pushes read in place) -> the StepOutcome's bytes and the pulled
-        bytes, copied under the shards' locks into ``reply_buffer(n)``."""
+        bytes, copied under the shards' locks into ``reply_buffer(n)``. ``programs``: the
+        connection's step programs (psserver/programs.py)."""
         try:
             plan = ps_pb2.StepPlan.FromString(bytes(plan_bytes))
         except DecodeError as err:
             raise InvalidRequestError(f"malformed StepPlan ({len(plan_bytes)} bytes): {err}") from None
+        if plan.define_program or plan.run_program:
+            if programs is None:
+                raise InvalidRequestError("step programs run on the data plane only: send the StepPlan whole")
+            return self._program_step(plan, payload, reply_buffer, programs)
         pushes = self._pushes_in(plan.push, payload) if plan.push else []
 
         def reply(outcome: ps_pb2.StepOutcome, values: list[memoryview]) -> tuple[bytes, memoryview]:
@@ -226,6 +232,11 @@ class ParameterServerServicer:
               reply: Callable[[ps_pb2.StepOutcome, list[memoryview]], _Reply]) -> _Reply:
         """Validates the reads, applies ``pushes`` (exactly once per key), then builds the reply
         with ``reply(outcome, values)`` under the read shards' locks: one consistent read."""
+        if plan.define_program or plan.run_program or plan.base_versions:
+            raise InvalidRequestError(
+                "step programs (define_program, run_program, base_versions) run on the data plane only: "
+                "send the StepPlan whole, each part's base version in its PushPart"
+            )
         reads = [(convert.ref_from_proto(i.ref), _wire_rows(i.row_indices) if i.sparse else None) for i in plan.pull]
         # A bad or oversized read fails the request before the push changes anything.
         self._check_read_bytes(reads, min(self._limits.max_pull_bytes, self._limits.max_reply_bytes - (1 << 20)),
@@ -246,6 +257,63 @@ class ParameterServerServicer:
             return reply(outcome, values)
 
         return self._store.read_many(dense, locked)
+
+    def _program_step(self, plan: ps_pb2.StepPlan, payload: torch.Tensor, reply_buffer: Callable[[int], torch.Tensor],
+                      programs: StepPrograms) -> tuple[bytes, memoryview]:
+        """Defines program ``plan.define_program`` from ``plan`` and runs it, or runs program
+        ``plan.run_program`` (checked again first if the store's shards changed since)."""
+        if plan.define_program:
+            if plan.run_program or plan.base_versions:
+                raise InvalidRequestError("a plan defines a step program (its parts carry their base versions) "
+                                          "or runs one, not both")
+            program = programs.define(plan.define_program, self._compile(plan, payload.numel()))
+            bases: Sequence[int] = [int(part.base_version) for part in plan.push]
+        else:
+            if plan.push or plan.pull:
+                raise InvalidRequestError("run_program sends only its key, base versions and bytes: the parts and "
+                                          "reads were defined with define_program")
+            program = programs.get(plan.run_program)
+            if program.prepared.generation != self._store.generation:
+                program = programs.define(plan.run_program, self._compile(program.plan, program.push_bytes))
+            bases = base_versions(plan, program)
+        if payload.numel() != program.push_bytes:
+            raise InvalidRequestError(f"the payload holds {payload.numel()} bytes but the step program pushes "
+                                      f"{program.push_bytes}")
+        pushed = []
+        if program.pushes:
+            values, flat = program.values_in(payload)
+            pushed = self._store.push_prepared(program.prepared, values, bases, plan.idempotency_key, flat=flat)
+
+        def locked(pulled: list[Pulled]) -> tuple[bytes, memoryview]:
+            buffer = reply_buffer(program.pull_bytes)
+            if pulled:
+                torch._foreach_copy_(program.reply_views(buffer), [p.value for p in pulled])
+            outcome = ps_pb2.StepOutcome(program=ps_pb2.ProgramOutcome(
+                applied=[o.applied for o in pushed], versions=[o.version for o in pushed],
+                staleness=[o.staleness for o in pushed], pulled_versions=[p.version for p in pulled]))
+            return outcome.SerializeToString(), writable_byte_view(buffer)
+
+        return self._store.read_prepared(program.prepared, locked)
+
+    def _compile(self, plan: ps_pb2.StepPlan, payload_bytes: int) -> StepProgram:
+        """``plan`` checked as a step program: dense pushes and whole-shard reads, every check a
+        plain step makes that does not depend on the step's bytes."""
+        if any(part.sparse for part in plan.push) or any(item.sparse for item in plan.pull):
+            raise InvalidRequestError("a step program pushes and reads whole shards only: send a step with "
+                                      "sparse rows as a plain StepPlan")
+        sizes = self._check_parts(plan.push, payload_bytes)
+        reads = [convert.ref_from_proto(item.ref) for item in plan.pull]
+        self._check_read_bytes([(ref, None) for ref in reads],
+                               min(self._limits.max_pull_bytes, self._limits.max_reply_bytes - (1 << 20)),
+                               "the largest message it sends, --max-message-bytes")
+        slots, offset = [], 0
+        for part, size in zip(plan.push, sizes):
+            slots.append(PushSlot(offset, size, dtype_from_name(part.values.dtype), tuple(int(d) for d in part.values.shape)))
+            offset += size
+        prepared = self._store.prepare_step([(convert.ref_from_proto(part.ref), slot.dtype, slot.shape)
+                                             for part, slot in zip(plan.push, slots)], reads)
+        kept = ps_pb2.StepPlan(push=plan.push, pull=plan.pull)
+        return StepProgram(kept, prepared, tuple(slots))
 
     @unary_boundary
     def GetDataPlane(self, raw: bytes, context: grpc.ServicerContext) -> bytes:

@@ -48,6 +48,7 @@ _R = TypeVar("_R")
 __all__ = [
     "ShardPush",
     "Pulled",
+    "PreparedStep",
     "StoreConfig",
     "PushObserver",
     "ShardStore",
@@ -75,6 +76,21 @@ class ShardPush:
     values: Tensor
     rows: Tensor | None = None
     base_version: int = -1
+
+
+@dataclass(frozen=True, eq=False)
+class PreparedStep:
+    """A recurring step's shards, resolved and checked once (``ShardStore.prepare_step``): its
+    dense pushes and its whole-shard reads, in the step's order and in lock order. Valid while
+    the store's ``generation`` is the one it was prepared at."""
+
+    generation: int
+    pushes: tuple["_Shard", ...]
+    push_lock_order: tuple["_Shard", ...]
+    reads: tuple["_Shard", ...]
+    read_lock_order: tuple["_Shard", ...]
+    read_layout: tuple[tuple[torch.dtype, tuple[int, ...], int], ...]
+    """Each read's dtype, shape and bytes, in the step's order."""
 
 
 @dataclass(frozen=True)
@@ -440,6 +456,9 @@ class ShardStore:
         self._shards: dict[ShardRef, _Shard] = {}
         self._shards_lock = threading.Lock()
         self._grouped = GroupedSteps()
+        self.generation = 0
+        """Changes whenever shards are created, replaced or deleted: a PreparedStep of another
+        generation may hold shards that are gone (prepare it again)."""
         self.incarnation = uuid.uuid4().hex
         """Names this store: a server process that restarts holds a new, empty one, and the
         coordinator tells a restart (state lost) from a pause by this changing."""
@@ -466,6 +485,7 @@ class ShardStore:
             for shard, existing in zip(built, kept):
                 if existing is None:
                     self._shards[shard.ref] = shard
+                    self.generation += 1
         return [(existing or shard).info() for shard, existing in zip(built, kept)]
 
     def replace_shards(self, states: Sequence[ShardState]) -> list[ShardInfo]:
@@ -489,6 +509,7 @@ class ShardStore:
                 _check_replaceable(variable, shards, [s for ref, s in self._shards.items() if ref.variable == variable])
             for shard in built:
                 self._shards[shard.ref] = shard
+            self.generation += 1
         self._grouped.clear()  # groups hold the replaced shards' tensors
         return [shard.info() for shard in built]
 
@@ -533,6 +554,7 @@ class ShardStore:
             refs = [ref for ref in self._shards if ref.variable == variable]
             for ref in refs:
                 del self._shards[ref]
+            self.generation += 1
         self._grouped.clear()  # groups hold the deleted shards' tensors
         return len(refs)
 
@@ -639,11 +661,70 @@ class ShardStore:
                 self._observer.on_push(outcome)
         return outcomes
 
-    def _validate_pushes(self, pushes: Sequence[ShardPush], key: str) -> list[tuple[_Shard, ShardPush]]:
+    def prepare_step(self, pushes: Sequence[tuple[ShardRef, torch.dtype, tuple[int, ...]]],
+                     reads: Sequence[ShardRef]) -> PreparedStep:
+        """Resolves a recurring step's shards and checks its dense pushes (ref, dtype, shape) once,
+        raising what ``check_push_header`` and ``read_many`` would: each later ``push_prepared`` /
+        ``read_prepared`` of it skips the lookups and the checks that cannot change between steps.
+        The per-step checks (finite values, staleness, the key) stay."""
+        generation = self.generation
+        seen: set[ShardRef] = set()
+        for ref, dtype, shape in pushes:
+            if ref in seen:
+                raise InvalidRequestError(f"shard {ref} appears twice in one push; sum the gradients", variable=ref.variable)
+            seen.add(ref)
+            self.check_push_header(ref, dtype, shape, None)
+        push_shards = tuple(self._get(ref) for ref, _, _ in pushes)
+        read_shards = tuple(self._get(ref) for ref in reads)
+        return PreparedStep(
+            generation, push_shards, tuple(sorted(push_shards, key=lambda shard: shard.ref)),
+            read_shards, tuple(sorted(set(read_shards), key=lambda shard: shard.ref)),
+            tuple((s.value.dtype, tuple(s.value.shape), s.value.numel() * s.value.element_size()) for s in read_shards),
+        )
+
+    def push_prepared(self, step: PreparedStep, values: Sequence[Tensor], base_versions: Sequence[int], key: str,
+                      *, flat: Tensor | None = None) -> list[PushOutcome]:
+        """``push`` of ``values`` (one per ``step.pushes``, of the checked dtype and shape) with
+        their base versions (negative: unknown). ``flat``: the same values back to back as one
+        tensor of their dtype, when they are, so that one scan checks them all for NaN and Inf."""
+        try:
+            self._check_key(key)
+            plan = [(shard, ShardPush(shard.ref, value, None, base))
+                    for shard, value, base in zip(step.pushes, values, base_versions)]
+            if not self._config.allow_nonfinite and not (flat is not None and all_finite(flat)):
+                for shard, push in plan:
+                    if not all_finite(push.values):
+                        raise NonFiniteGradientError(f"gradient for shard {shard.ref.shard} holds NaN or Inf",
+                                                     variable=shard.ref.variable)
+            if self._config.max_staleness is not None:
+                for shard, push in plan:
+                    with _about(shard.ref.variable):
+                        self._check_staleness(shard, push, key)
+        except ParamServeError as error:
+            if self._observer is not None:
+                self._observer.on_rejected(error)
+            raise
+        outcomes = self._apply_all(plan, key, step.push_lock_order)
+        if self._observer is not None:
+            for outcome in outcomes:
+                self._observer.on_push(outcome)
+        return outcomes
+
+    def read_prepared(self, step: PreparedStep, reader: Callable[[list[Pulled]], _R]) -> _R:
+        """``read_many`` of ``step.reads``: ``reader`` gets each live shard's value and version, in
+        the step's order, under all their locks (the same rules as ``read_many``)."""
+        with _all_locked(step.read_lock_order):
+            return reader([Pulled(shard.value, shard.version) for shard in step.reads])
+
+    @staticmethod
+    def _check_key(key: str) -> None:
         if not isinstance(key, str) or not key:
             raise InvalidRequestError(
                 "a push needs a non-empty idempotency key, so that a retry is never applied twice"
             )
+
+    def _validate_pushes(self, pushes: Sequence[ShardPush], key: str) -> list[tuple[_Shard, ShardPush]]:
+        self._check_key(key)
         plan: list[tuple[_Shard, ShardPush]] = []
         seen: set[ShardRef] = set()
         for push in pushes:
@@ -682,12 +763,16 @@ class ShardStore:
                 f"(max_staleness={bound}); pull the variable again and recompute"
             )
 
-    def _apply_all(self, plan: Sequence[tuple[_Shard, ShardPush]], key: str) -> list[PushOutcome]:
+    def _apply_all(self, plan: Sequence[tuple[_Shard, ShardPush]], key: str,
+                   lock_order: Sequence[_Shard] | None = None) -> list[PushOutcome]:
         """Applies a validated push under all its shards' locks (taken in sorted order, as every
-        multi-shard lock here is): shards that saw ``key`` change nothing; dense gradients of one
-        optimizer spec are applied as one torch.optim step (psserver.optimizer.GroupedSteps)."""
+        multi-shard lock here is; ``lock_order`` when the caller has it): shards that saw ``key``
+        change nothing; dense gradients of one optimizer spec are applied as one torch.optim
+        step (psserver.optimizer.GroupedSteps)."""
         outcomes: dict[ShardRef, PushOutcome] = {}
-        with _all_locked([shard for shard, _ in sorted(plan, key=lambda entry: entry[0].ref)]):
+        if lock_order is None:
+            lock_order = [shard for shard, _ in sorted(plan, key=lambda entry: entry[0].ref)]
+        with _all_locked(lock_order):
             fresh = []
             for shard, push in plan:
                 staleness = _staleness(shard.version, push.base_version)

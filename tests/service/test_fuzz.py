@@ -102,20 +102,28 @@ def test_streamed_requests_never_fail_internally(target, method, body):
     protected(client, value)
 
 
+program_numbers = st.one_of(st.just(0), st.integers(0, 66), st.integers(-(1 << 31), (1 << 32) - 1).map(lambda n: n % (1 << 32)))
 step_plans = st.one_of(
     st.binary(max_size=128),
-    st.builds(lambda parts, items: ps_pb2.StepPlan(idempotency_key="fuzz", push=parts, pull=items).SerializeToString(),
+    st.builds(lambda parts, items, define, run, bases: ps_pb2.StepPlan(
+        idempotency_key="fuzz", push=parts, pull=items, define_program=define, run_program=run,
+        base_versions=bases).SerializeToString(),
               st.lists(push_parts, max_size=3),
               st.lists(st.builds(ps_pb2.PullItem, ref=refs, sparse=st.booleans(), row_indices=st.binary(max_size=64)),
-                       max_size=3)),
+                       max_size=3),
+              program_numbers, st.one_of(st.just(0), program_numbers), st.lists(ints, max_size=4)),
 )
+program_runs = st.builds(lambda number, key, bases: ps_pb2.StepPlan(
+    idempotency_key=key, run_program=number, base_versions=bases).SerializeToString(),
+    st.integers(0, 66), st.sampled_from(["", "fuzz", "fuzz-2"]), st.lists(ints, max_size=4))
 
 
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
-@given(plan=step_plans, payload=st.binary(max_size=256))
-def test_data_plane_steps_never_fail_internally(target, plan, payload):
+@given(plan=step_plans, then=st.one_of(st.none(), program_runs), payload=st.binary(max_size=256))
+def test_data_plane_steps_never_fail_internally(target, plan, then, payload):
     """The step data plane answers any plan and payload with a reply or a typed error (never
-    InternalError), on a connection that stays usable, and leaves the protected variable alone."""
+    InternalError), on a connection that stays usable, and leaves the protected variable alone;
+    likewise a step program run after whatever the first frame defined."""
     import socket
 
     from paramserve.psserver.dataplane import MAGIC, PREFIX, FrameKind
@@ -127,8 +135,8 @@ def test_data_plane_steps_never_fail_internally(target, plan, payload):
         sock.sendall(PREFIX.pack(MAGIC, FrameKind.HELLO, 0, 0))
         assert read_frame(sock)[0] == FrameKind.WELCOME
         answers = []
-        for _ in range(2):  # the same connection answers again after whatever the first frame did
-            sock.sendall(PREFIX.pack(MAGIC, FrameKind.STEP, len(plan), len(payload)) + plan + payload)
+        for frame in (plan, then if then is not None else plan):  # the same connection answers again
+            sock.sendall(PREFIX.pack(MAGIC, FrameKind.STEP, len(frame), len(payload)) + frame + payload)
             answers.append(read_frame(sock)[:2])
     for kind, header in answers:
         assert kind in (FrameKind.REPLY, FrameKind.ERROR)

@@ -58,14 +58,20 @@ class StepRequest(_message.Message):
     def __init__(self, plan: _Optional[_Union[StepPlan, _Mapping]] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("idempotency_key", "push", "pull")
+    __slots__ = ("idempotency_key", "push", "pull", "define_program", "run_program", "base_versions")
     IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
     PUSH_FIELD_NUMBER: _ClassVar[int]
     PULL_FIELD_NUMBER: _ClassVar[int]
+    DEFINE_PROGRAM_FIELD_NUMBER: _ClassVar[int]
+    RUN_PROGRAM_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     idempotency_key: str
     push: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.PushPart]
     pull: _containers.RepeatedCompositeFieldContainer[PullItem]
-    def __init__(self, idempotency_key: _Optional[str] = ..., push: _Optional[_Iterable[_Union[_tensor_pb2.PushPart, _Mapping]]] = ..., pull: _Optional[_Iterable[_Union[PullItem, _Mapping]]] = ...) -> None: ...
+    define_program: int
+    run_program: int
+    base_versions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, idempotency_key: _Optional[str] = ..., push: _Optional[_Iterable[_Union[_tensor_pb2.PushPart, _Mapping]]] = ..., pull: _Optional[_Iterable[_Union[PullItem, _Mapping]]] = ..., define_program: _Optional[int] = ..., run_program: _Optional[int] = ..., base_versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepReply(_message.Message):
     __slots__ = ("outcome", "payload")
@@ -76,12 +82,26 @@ class StepReply(_message.Message):
     def __init__(self, outcome: _Optional[_Union[StepOutcome, _Mapping]] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
 class StepOutcome(_message.Message):
-    __slots__ = ("pushed", "pulled")
+    __slots__ = ("pushed", "pulled", "program")
     PUSHED_FIELD_NUMBER: _ClassVar[int]
     PULLED_FIELD_NUMBER: _ClassVar[int]
+    PROGRAM_FIELD_NUMBER: _ClassVar[int]
     pushed: _containers.RepeatedCompositeFieldContainer[PushResult]
     pulled: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.PulledPart]
-    def __init__(self, pushed: _Optional[_Iterable[_Union[PushResult, _Mapping]]] = ..., pulled: _Optional[_Iterable[_Union[_tensor_pb2.PulledPart, _Mapping]]] = ...) -> None: ...
+    program: ProgramOutcome
+    def __init__(self, pushed: _Optional[_Iterable[_Union[PushResult, _Mapping]]] = ..., pulled: _Optional[_Iterable[_Union[_tensor_pb2.PulledPart, _Mapping]]] = ..., program: _Optional[_Union[ProgramOutcome, _Mapping]] = ...) -> None: ...
+
+class ProgramOutcome(_message.Message):
+    __slots__ = ("applied", "versions", "staleness", "pulled_versions")
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    PULLED_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    applied: _containers.RepeatedScalarFieldContainer[bool]
+    versions: _containers.RepeatedScalarFieldContainer[int]
+    staleness: _containers.RepeatedScalarFieldContainer[int]
+    pulled_versions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, applied: _Optional[_Iterable[bool]] = ..., versions: _Optional[_Iterable[int]] = ..., staleness: _Optional[_Iterable[int]] = ..., pulled_versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ExportShardsRequest(_message.Message):
     __slots__ = ("refs", "chunk_bytes")

@@ -1,0 +1,163 @@
+"""Step programs: a data-plane connection's recurring steps, checked once and then run by number.
+
+A training worker sends the same step every time: the same dense shards pushed, the same shards
+read back. Parsing that plan, finding its shards and checking each part against its shard cost a
+parameter server more CPU per step than applying the update (about 150 us per part on a small
+model). So the client sends a recurring step whole once, as program N of its connection
+(``StepPlan.define_program``); the server checks it, keeps it here, and later steps send only
+``run_program = N``, their idempotency key and base versions, with the pushed bytes.
+
+What stays per step: the key (exactly-once), the NaN/Inf check of the gradients, the staleness
+bound, and the lock-protected apply and read. What a program fixes (its shards' dtypes, shapes
+and byte ranges) is checked again whenever the store's shards change (``ShardStore.generation``):
+a restored or deleted variable cannot be reached through a program made before.
+
+A connection holds at most MAX_PROGRAMS programs, numbered 1..MAX_PROGRAMS by the client, and
+they end with it; a client that needs another reuses a number (the server replaces it).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from paramserve.psserver.errors import InvalidRequestError
+from paramserve.psserver.store import PreparedStep
+from paramserve.wire.v1 import parameter_server_pb2 as ps_pb2
+
+__all__ = ["MAX_PROGRAMS", "ProgramNumbers", "PushSlot", "StepProgram", "StepPrograms"]
+
+MAX_PROGRAMS = 64
+"""Programs one data-plane connection may hold (each a few KB: its plan and tensor views)."""
+
+
+@dataclass(frozen=True)
+class PushSlot:
+    """Where one push part's values lie in a program's payload."""
+
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+@dataclass
+class StepProgram:
+    """A checked recurring step: its plan (to check again after the shards change), its shards,
+    and the byte layout of its payload and of its reply."""
+
+    plan: ps_pb2.StepPlan
+    prepared: PreparedStep
+    pushes: tuple[PushSlot, ...]
+    _values: tuple[int, list[torch.Tensor], torch.Tensor | None] | None = field(default=None, repr=False)
+    _replies: tuple[int, list[torch.Tensor]] | None = field(default=None, repr=False)
+
+    @property
+    def push_bytes(self) -> int:
+        return sum(slot.nbytes for slot in self.pushes)
+
+    @property
+    def pull_bytes(self) -> int:
+        return sum(nbytes for _, _, nbytes in self.prepared.read_layout)
+
+    def values_in(self, payload: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """The pushed values as views of ``payload`` (uint8, ``push_bytes`` long), and all of them
+        as one flat tensor when they share one floating dtype (one NaN/Inf scan). Views are kept
+        for the next step while the connection reuses the same buffer (they hold it alive, so the
+        address cannot be another buffer's)."""
+        if self._values is not None and self._values[0] == payload.data_ptr():
+            return self._values[1], self._values[2]
+        views, aligned = [], True
+        for slot in self.pushes:
+            piece = payload[slot.offset : slot.offset + slot.nbytes]
+            if slot.nbytes and slot.dtype.itemsize > 1 and piece.data_ptr() % slot.dtype.itemsize:
+                piece, aligned = piece.clone(), False  # torch views need aligned storage
+            views.append(piece.view(slot.dtype).reshape(slot.shape) if slot.nbytes else torch.empty(slot.shape, dtype=slot.dtype))
+        dtypes = {slot.dtype for slot in self.pushes}
+        flat = None
+        if len(dtypes) == 1 and aligned and payload.numel():
+            (dtype,) = dtypes
+            if dtype.is_floating_point:
+                flat = payload.view(dtype)
+        if aligned:
+            self._values = (payload.data_ptr(), views, flat)
+        return views, flat
+
+    def reply_views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """Each read's place in the reply buffer (uint8, ``pull_bytes`` long), as a tensor of the
+        shard's dtype and shape: the values are copied in with one foreach copy."""
+        if self._replies is not None and self._replies[0] == buffer.data_ptr():
+            return self._replies[1]
+        views, offset = [], 0
+        for dtype, shape, nbytes in self.prepared.read_layout:
+            views.append(buffer[offset : offset + nbytes].view(dtype).reshape(shape))
+            offset += nbytes
+        self._replies = (buffer.data_ptr(), views)
+        return views
+
+
+class StepPrograms:
+    """One connection's programs, by the client's number (1..MAX_PROGRAMS)."""
+
+    def __init__(self) -> None:
+        self._programs: dict[int, StepProgram] = {}
+
+    def define(self, number: int, program: StepProgram) -> StepProgram:
+        if not 1 <= number <= MAX_PROGRAMS:
+            raise InvalidRequestError(
+                f"step program number {number} is out of range: a connection numbers its programs 1..{MAX_PROGRAMS} "
+                "(reuse a number to replace a program)"
+            )
+        self._programs[number] = program
+        return program
+
+    def get(self, number: int) -> StepProgram:
+        program = self._programs.get(number)
+        if program is None:
+            raise InvalidRequestError(
+                f"step program {number} is not defined on this connection: send the step whole with "
+                f"define_program={number} first (programs end with their connection)"
+            )
+        return program
+
+
+def base_versions(plan: ps_pb2.StepPlan, program: StepProgram) -> Sequence[int]:
+    """A run's base version per push part (-1, unknown, when the plan sends none)."""
+    if not plan.base_versions:
+        return [-1] * len(program.pushes)
+    if len(plan.base_versions) != len(program.pushes):
+        raise InvalidRequestError(
+            f"run_program sent {len(plan.base_versions)} base versions for a program of {len(program.pushes)} "
+            "push parts: send one per part, or none"
+        )
+    return list(plan.base_versions)
+
+
+class ProgramNumbers:
+    """A client's side of one connection's programs: which number each recurring step has, and
+    whether the server has it yet. Numbers are reused least recently used first, so the server
+    never holds more than MAX_PROGRAMS for the connection."""
+
+    def __init__(self) -> None:
+        self._numbers: OrderedDict[Hashable, tuple[int, bool]] = OrderedDict()
+
+    def number(self, signature: Hashable) -> tuple[int, bool]:
+        """The step's number and whether it is defined on the server (else: define it now)."""
+        entry = self._numbers.get(signature)
+        if entry is not None:
+            self._numbers.move_to_end(signature)
+            return entry
+        if len(self._numbers) < MAX_PROGRAMS:
+            number = len(self._numbers) + 1
+        else:
+            _, (number, _) = self._numbers.popitem(last=False)
+        self._numbers[signature] = (number, False)
+        return number, False
+
+    def defined(self, signature: Hashable, number: int) -> None:
+        """The server answered a step that defined or ran ``number`` for ``signature``."""
+        if self._numbers.get(signature, (0, False))[0] == number:
+            self._numbers[signature] = (number, True)
