@@ -503,6 +503,31 @@ class ShardOptimizer:
         self._spec = updated
 
 
+@functools.lru_cache(maxsize=256)
+def in_place_sgd_rate(spec: OptimizerSpec) -> float | None:
+    """``lr`` when ``spec`` is SGD without momentum, weight decay or maximize, else None.
+
+    Such a step is torch's own ``value.add_(grad, alpha=-lr)``, keeps no state, and allocates
+    nothing: a group of shards is stepped with one ``torch._foreach_add_`` (the same kernel per
+    shard, so the values are bit for bit torch.optim.SGD's) without torch.optim's per-step
+    machinery, and, since an in-place add of checked shapes cannot fail halfway, without the
+    copies a push takes to undo a failed step."""
+    if spec.name != "SGD":
+        return None
+    defaults = _defaults("SGD")
+    settings = {**defaults, **spec.kwargs}
+    if settings.get("momentum") or settings.get("weight_decay") or settings.get("maximize"):
+        return None
+    lr = settings.get("lr")
+    return float(lr) if isinstance(lr, (int, float)) and not isinstance(lr, bool) else None
+
+
+@functools.lru_cache(maxsize=None)
+def _defaults(name: str) -> dict[str, Any]:
+    parameters = inspect.signature(_optimizer_class(name).__init__).parameters.values()
+    return {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}
+
+
 class GroupedSteps:
     """Steps several shards' optimizers of one spec as a single ``torch.optim`` step.
 
@@ -521,6 +546,12 @@ class GroupedSteps:
 
     def apply_dense(self, optimizers: Sequence[ShardOptimizer], grads: Sequence[Tensor]) -> None:
         """``optimizers[i].apply_dense(grads[i])`` for all i, as one step (all share one spec)."""
+        rate = in_place_sgd_rate(optimizers[0].spec)
+        if rate is not None:
+            for optimizer, grad in zip(optimizers, grads):
+                optimizer._check_grad(grad, tuple(optimizer._param.shape))
+            torch._foreach_add_([optimizer.value for optimizer in optimizers], list(grads), alpha=-rate)
+            return
         if len(optimizers) == 1:
             optimizers[0].apply_dense(grads[0])
             return

@@ -39,7 +39,7 @@ from paramserve.psserver.errors import (
     VariableNotFoundError,
 )
 from paramserve.psserver.idempotency import IdempotencyWindow
-from paramserve.psserver.optimizer import GroupedSteps, OptimizerSpec, ShardOptimizer
+from paramserve.psserver.optimizer import GroupedSteps, OptimizerSpec, ShardOptimizer, in_place_sgd_rate
 from paramserve.psserver.tensors import DTYPE_NAMES, dtype_name
 from paramserve.psserver.types import PushOutcome, ShardInfo, ShardRef, ShardState
 
@@ -790,22 +790,29 @@ class ShardStore:
     def _step_all(self, fresh: Sequence[tuple[_Shard, ShardPush]]) -> None:
         """Steps every shard's optimizer, or none: a step failing after validation (out of
         memory, a bug) puts back what the push's earlier steps changed, from copies taken
-        first (one copy of the pushed shards, or of the touched rows of a sparse push)."""
+        first (one copy of the pushed shards, or of the touched rows of a sparse push).
+
+        Plain SGD's groups (optimizer.in_place_sgd_rate: an in-place add of checked shapes,
+        which allocates nothing and cannot fail halfway) run last and are not copied: nothing
+        can fail after them."""
         dense: dict[OptimizerSpec, list[tuple[ShardOptimizer, Tensor]]] = {}
         sparse: list[tuple[ShardOptimizer, ShardPush]] = []
         undo: list[Callable[[], None]] = []
         for shard, push in fresh:
             optimizer = shard.optimizer
             assert optimizer is not None  # checked by _validate_push
-            undo.append(optimizer.snapshot(push.rows))
-            if push.rows is None:
-                dense.setdefault(optimizer.spec, []).append((optimizer, push.values))
-            else:
+            if push.rows is not None:
+                undo.append(optimizer.snapshot(push.rows))
                 sparse.append((optimizer, push))
+                continue
+            if in_place_sgd_rate(optimizer.spec) is None:
+                undo.append(optimizer.snapshot(None))
+            dense.setdefault(optimizer.spec, []).append((optimizer, push.values))
+        groups = sorted(dense.items(), key=lambda entry: in_place_sgd_rate(entry[0]) is not None)  # stable
         try:
             for optimizer, push in sparse:
                 optimizer.apply_rows(push.rows, push.values)  # type: ignore[arg-type]  # sparse: rows set
-            for group in dense.values():
+            for _, group in groups:
                 self._grouped.apply_dense([o for o, _ in group], [g for _, g in group])
         except Exception as exc:  # validated already: anything here is our bug or out of memory
             for restore in reversed(undo):

@@ -16,7 +16,7 @@ from paramserve.psserver.errors import (
     InvalidRequestError,
     ShapeMismatchError,
 )
-from paramserve.psserver.optimizer import OPTIMIZER_NAMES, OptimizerSpec, ShardOptimizer
+from paramserve.psserver.optimizer import OPTIMIZER_NAMES, OptimizerSpec, ShardOptimizer, in_place_sgd_rate
 
 ROWS, COLS = 6, 3
 TOLERANCE = 1e-6
@@ -336,3 +336,12 @@ def test_grouped_steps_are_bit_for_bit_one_step_per_shard(name):
         assert one.slots().keys() == other.slots().keys()
         for key, slot in one.slots().items():
             assert torch.equal(slot, other.slots()[key]), key
+
+
+def test_only_stateless_sgd_is_stepped_as_an_in_place_add():
+    assert in_place_sgd_rate(OptimizerSpec("SGD", {"lr": 0.25})) == 0.25
+    assert in_place_sgd_rate(OptimizerSpec("SGD", {"lr": 0.25, "momentum": 0, "dampening": 0.1})) == 0.25
+    assert in_place_sgd_rate(OptimizerSpec("SGD", {})) == torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))]).defaults["lr"]
+    for spec in (OptimizerSpec("SGD", {"lr": 0.25, "momentum": 0.9}), OptimizerSpec("SGD", {"lr": 0.25, "weight_decay": 0.1}),
+                 OptimizerSpec("SGD", {"lr": 0.25, "maximize": True}), OptimizerSpec("Adam", {"lr": 0.25})):
+        assert in_place_sgd_rate(spec) is None, spec

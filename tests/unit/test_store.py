@@ -507,16 +507,34 @@ def test_a_push_whose_later_step_fails_leaves_no_part_applied() -> None:
     before = _snapshot(store)
     real, calls = store._grouped.apply_dense, []
 
-    def fail_on_the_second_group(optimizers, grads):
-        calls.append(len(optimizers))
-        real(optimizers, grads)  # applied, then the next group fails
-        if len(calls) == 2:
+    def fail_after_adam(optimizers, grads):
+        calls.append(optimizers[0].spec.name)
+        real(optimizers, grads)  # applied, then fails: the sparse part and Adam must be undone
+        if optimizers[0].spec.name == "Adam":
             raise MemoryError("out of memory")
 
-    store._grouped.apply_dense = fail_on_the_second_group
+    store._grouped.apply_dense = fail_after_adam
     pushes = [ShardPush(W0, torch.ones(4, 3)), ShardPush(W1, torch.ones(4, 3)), ShardPush(ShardRef("b", 0), torch.ones(3)),
               ShardPush(embedding, torch.ones(2, 2), rows=torch.tensor([1, 4]))]
     with pytest.raises(ParamServeError, match="undone"):
         store.push(pushes, "k")
-    assert calls == [2, 1], "both dense groups ran (SGD over two shards, then Adam), after the sparse part"
+    assert calls == ["Adam"], "plain SGD (in place, not copied) runs last: after a failure it never starts"
     _assert_unchanged(store, before)
+
+
+def test_plain_sgd_steps_are_bit_for_bit_torch_optim_sgd() -> None:
+    store = ShardStore()
+    torch.manual_seed(0)
+    values = [torch.randn(4, 3), torch.randn(5)]
+    specs = [OptimizerSpec("SGD", {"lr": 0.37}), OptimizerSpec("SGD", {"lr": 0.37, "momentum": 0.0, "dampening": 0.5})]
+    store.create_shards([ShardState(ShardRef(f"v{i}", 0), tuple(v.shape), 0, v.clone(), specs[i]) for i, v in enumerate(values)])
+    params = [torch.nn.Parameter(v.clone()) for v in values]
+    reference = torch.optim.SGD(params, lr=0.37)
+    for step in range(3):
+        grads = [torch.randn_like(v) for v in values]
+        store.push([ShardPush(ShardRef(f"v{i}", 0), g) for i, g in enumerate(grads)], f"k{step}")
+        for param, grad in zip(params, grads):
+            param.grad = grad
+        reference.step()
+    for index, param in enumerate(params):
+        assert torch.equal(store.pull(ShardRef(f"v{index}", 0)).value, param.detach())
