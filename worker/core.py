@@ -610,23 +610,37 @@ def _load_resource_function(spec: ResourceSpec) -> Any:
 # ---------------------------------------------------------------- results and errors
 
 
-class _ValuePickler(cloudpickle.Pickler):
-    """Results travel as values: tensors lose their autograd history (a loss has a grad_fn), and
-    a GPU worker's tensors travel as host tensors (the coordinator may have no GPU).
+def _tensor_as_value(obj: Any) -> Any:
+    """How a result tensor travels, or NotImplemented for anything else: tensors lose their
+    autograd history (a loss has a grad_fn), and a GPU worker's tensors travel as host tensors
+    (the coordinator may have no GPU). A dense tensor of a wire dtype travels as its raw bytes,
+    dtype and shape (torch's own pickling writes a small archive per tensor, several times
+    slower for a loss)."""
+    if isinstance(obj, torch.Tensor):
+        if type(obj) in (torch.Tensor, nn.Parameter) and obj.layout == torch.strided and obj.dtype in DTYPE_NAMES:
+            return _result_tensor, (bytes(as_byte_view(obj)), DTYPE_NAMES[obj.dtype], tuple(obj.shape))
+        if obj.device.type != "cpu":
+            return obj.detach().to("cpu").__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+        if obj.requires_grad or isinstance(obj, nn.Parameter):
+            return obj.detach().clone().__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+    return NotImplemented
 
-    A dense tensor of a wire dtype travels as its raw bytes, dtype and shape (torch's own
-    pickling writes a small archive per tensor, several times slower for a loss).
-    """
+
+class _ValuePickler(cloudpickle.Pickler):
+    """Results as values (``_tensor_as_value``), anything cloudpickle can send."""
 
     def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor):
-            if type(obj) in (torch.Tensor, nn.Parameter) and obj.layout == torch.strided and obj.dtype in DTYPE_NAMES:
-                return _result_tensor, (bytes(as_byte_view(obj)), DTYPE_NAMES[obj.dtype], tuple(obj.shape))
-            if obj.device.type != "cpu":
-                return obj.detach().to("cpu").__reduce_ex__(pickle.HIGHEST_PROTOCOL)
-            if obj.requires_grad or isinstance(obj, nn.Parameter):
-                return obj.detach().clone().__reduce_ex__(pickle.HIGHEST_PROTOCOL)
-        return super().reducer_override(obj)
+        reduced = _tensor_as_value(obj)
+        return super().reducer_override(obj) if reduced is NotImplemented else reduced
+
+
+class _PlainValuePickler(pickle.Pickler):
+    """Results as values with the standard library's C pickler: several times cheaper than
+    cloudpickle for the common result (a loss, a dict of metrics). It refuses what must travel
+    by value (functions and classes it cannot find by name), and then cloudpickle sends it."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        return _tensor_as_value(obj)
 
 
 def _result_tensor(data: bytes, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -636,6 +650,11 @@ def _result_tensor(data: bytes, dtype: str, shape: tuple[int, ...]) -> torch.Ten
 
 def _dumps_value(value: Any) -> bytes:
     buffer = io.BytesIO()
+    try:
+        _PlainValuePickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+        return buffer.getvalue()
+    except Exception:  # noqa: BLE001 - anything the standard pickler refuses, cloudpickle may send
+        buffer = io.BytesIO()
     _ValuePickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
     return buffer.getvalue()
 

@@ -474,6 +474,18 @@ def test_result_tensors_arrive_as_detached_values(core, servers):
     values["transposed"].add_(1)  # an independent, writable tensor
 
 
+def returns_a_local_function():
+    scale = 3
+    return {"loss": torch.tensor(1.5, requires_grad=True) * 2, "scaled": lambda x: x * scale}
+
+
+def test_results_the_standard_pickler_refuses_travel_by_value(core, servers):
+    values = result_of(core.run_closure(closure_request(servers, returns_a_local_function)))
+
+    assert values["scaled"](2) == 6  # a local function: cloudpickle sent it by value
+    assert torch.equal(values["loss"], torch.tensor(3.0)) and not values["loss"].requires_grad
+
+
 class _Doubling(nn.Module):
     """A module with state of its own beside its layer, and a forward hook."""
 
