@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -44,16 +44,14 @@ class PushSlot:
     shape: tuple[int, ...]
 
 
-@dataclass
+@dataclass(eq=False)
 class StepProgram:
     """A checked recurring step: its plan (to check again after the shards change), its shards,
-    and the byte layout of its payload and of its reply."""
+    and the byte layout of its payload (``pushes``) and of its reply (``prepared.read_layout``)."""
 
     plan: ps_pb2.StepPlan
     prepared: PreparedStep
     pushes: tuple[PushSlot, ...]
-    _values: tuple[int, list[torch.Tensor], torch.Tensor | None] | None = field(default=None, repr=False)
-    _replies: tuple[int, list[torch.Tensor]] | None = field(default=None, repr=False)
 
     @property
     def push_bytes(self) -> int:
@@ -63,47 +61,48 @@ class StepProgram:
     def pull_bytes(self) -> int:
         return sum(nbytes for _, _, nbytes in self.prepared.read_layout)
 
-    def values_in(self, payload: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-        """The pushed values as views of ``payload`` (uint8, ``push_bytes`` long), and all of them
-        as one flat tensor when they share one floating dtype (one NaN/Inf scan). Views are kept
-        for the next step while the connection reuses the same buffer (they hold it alive, so the
-        address cannot be another buffer's)."""
-        if self._values is not None and self._values[0] == payload.data_ptr():
-            return self._values[1], self._values[2]
+    def values_in(self, payload: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor | None, bool]:
+        """The pushed values as views of ``payload`` (uint8, ``push_bytes`` long); all of them as
+        one flat tensor when they share one floating dtype (one NaN/Inf scan); and whether the
+        views may be kept for the next step in the same buffer (False when a part had to be
+        copied to be aligned)."""
         views, aligned = [], True
         for slot in self.pushes:
             piece = payload[slot.offset : slot.offset + slot.nbytes]
-            if slot.nbytes and slot.dtype.itemsize > 1 and piece.data_ptr() % slot.dtype.itemsize:
+            if not slot.nbytes:
+                views.append(torch.empty(slot.shape, dtype=slot.dtype))
+                continue
+            if slot.dtype.itemsize > 1 and piece.data_ptr() % slot.dtype.itemsize:
                 piece, aligned = piece.clone(), False  # torch views need aligned storage
-            views.append(piece.view(slot.dtype).reshape(slot.shape) if slot.nbytes else torch.empty(slot.shape, dtype=slot.dtype))
+            views.append(piece.view(slot.dtype).reshape(slot.shape))
         dtypes = {slot.dtype for slot in self.pushes}
         flat = None
         if len(dtypes) == 1 and aligned and payload.numel():
             (dtype,) = dtypes
             if dtype.is_floating_point:
                 flat = payload.view(dtype)
-        if aligned:
-            self._values = (payload.data_ptr(), views, flat)
-        return views, flat
+        return views, flat, aligned
 
     def reply_views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         """Each read's place in the reply buffer (uint8, ``pull_bytes`` long), as a tensor of the
         shard's dtype and shape: the values are copied in with one foreach copy."""
-        if self._replies is not None and self._replies[0] == buffer.data_ptr():
-            return self._replies[1]
         views, offset = [], 0
         for dtype, shape, nbytes in self.prepared.read_layout:
             views.append(buffer[offset : offset + nbytes].view(dtype).reshape(shape))
             offset += nbytes
-        self._replies = (buffer.data_ptr(), views)
         return views
 
 
 class StepPrograms:
-    """One connection's programs, by the client's number (1..MAX_PROGRAMS)."""
+    """One connection's programs, by the client's number (1..MAX_PROGRAMS), and the tensor views
+    each has of the connection's payload and reply buffers. The views are kept while the
+    connection reuses the same buffers (a step then makes none) and all dropped when either
+    changes, so they never hold an old buffer alive."""
 
     def __init__(self) -> None:
         self._programs: dict[int, StepProgram] = {}
+        self._payload: tuple[int, dict[int, tuple[list[torch.Tensor], torch.Tensor | None]]] = (0, {})
+        self._reply: tuple[int, dict[int, list[torch.Tensor]]] = (0, {})
 
     def define(self, number: int, program: StepProgram) -> StepProgram:
         if not 1 <= number <= MAX_PROGRAMS:
@@ -112,6 +111,7 @@ class StepPrograms:
                 "(reuse a number to replace a program)"
             )
         self._programs[number] = program
+        self._payload, self._reply = (0, {}), (0, {})  # rare; and no view outlives its program
         return program
 
     def get(self, number: int) -> StepProgram:
@@ -122,6 +122,31 @@ class StepPrograms:
                 f"define_program={number} first (programs end with their connection)"
             )
         return program
+
+    def pushed_values(self, program: StepProgram, payload: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """``program.values_in(payload)``, made once per program and payload buffer."""
+        pointer, kept = self._payload
+        if pointer != payload.data_ptr():
+            kept = {}
+            self._payload = (payload.data_ptr(), kept)
+        found = kept.get(id(program))
+        if found is not None:
+            return found
+        views, flat, keep = program.values_in(payload)
+        if keep:
+            kept[id(program)] = (views, flat)
+        return views, flat
+
+    def reply_views(self, program: StepProgram, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """``program.reply_views(buffer)``, made once per program and reply buffer."""
+        pointer, kept = self._reply
+        if pointer != buffer.data_ptr():
+            kept = {}
+            self._reply = (buffer.data_ptr(), kept)
+        views = kept.get(id(program))
+        if views is None:
+            views = kept[id(program)] = program.reply_views(buffer)
+        return views
 
 
 def base_versions(plan: ps_pb2.StepPlan, program: StepProgram) -> Sequence[int]:

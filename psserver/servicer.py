@@ -281,13 +281,13 @@ class ParameterServerServicer:
                                       f"{program.push_bytes}")
         pushed = []
         if program.pushes:
-            values, flat = program.values_in(payload)
+            values, flat = programs.pushed_values(program, payload)
             pushed = self._store.push_prepared(program.prepared, values, bases, plan.idempotency_key, flat=flat)
 
         def locked(pulled: list[Pulled]) -> tuple[bytes, memoryview]:
             buffer = reply_buffer(program.pull_bytes)
             if pulled:
-                torch._foreach_copy_(program.reply_views(buffer), [p.value for p in pulled])
+                torch._foreach_copy_(programs.reply_views(program, buffer), [p.value for p in pulled])
             outcome = ps_pb2.StepOutcome(program=ps_pb2.ProgramOutcome(
                 applied=[o.applied for o in pushed], versions=[o.version for o in pushed],
                 staleness=[o.staleness for o in pushed], pulled_versions=[p.version for p in pulled]))

@@ -1,0 +1,69 @@
+"""A connection's step programs keep their tensor views of its buffers while the buffers are
+the same, and never keep an old buffer: pure logic over a real ShardStore, no sockets."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import torch
+
+from paramserve.psserver.optimizer import OptimizerSpec
+from paramserve.psserver.programs import PushSlot, StepProgram, StepPrograms
+from paramserve.psserver.store import ShardStore
+from paramserve.psserver.types import ShardRef, ShardState
+from paramserve.wire.v1 import parameter_server_pb2 as ps_pb2
+
+W, B = ShardRef("w", 0), ShardRef("b", 0)
+
+
+def program(store: ShardStore) -> StepProgram:
+    prepared = store.prepare_step([(W, torch.float32, (2, 3)), (B, torch.float32, (3,))], [W, B])
+    return StepProgram(ps_pb2.StepPlan(), prepared, (PushSlot(0, 24, torch.float32, (2, 3)), PushSlot(24, 12, torch.float32, (3,))))
+
+
+def make_store() -> ShardStore:
+    store = ShardStore()
+    sgd = OptimizerSpec("SGD", {"lr": 0.1})
+    store.create_shards([ShardState(W, (2, 3), 0, torch.zeros(2, 3), sgd), ShardState(B, (3,), 0, torch.zeros(3), sgd)])
+    return store
+
+
+def test_views_are_made_once_per_buffer_and_read_its_current_bytes():
+    programs, store = StepPrograms(), make_store()
+    step = programs.define(1, program(store))
+    buffer = torch.zeros(36, dtype=torch.uint8)
+
+    first, flat = programs.pushed_values(step, buffer)
+    buffer.view(torch.float32)[:] = torch.arange(9.0)  # the next step's bytes, in the same buffer
+    again, _ = programs.pushed_values(step, buffer)
+
+    assert again is first and flat is not None and flat.numel() == 9
+    assert torch.equal(first[0], torch.arange(6.0).reshape(2, 3)) and torch.equal(first[1], torch.tensor([6.0, 7.0, 8.0]))
+    assert programs.pushed_values(step, torch.zeros(36, dtype=torch.uint8))[0] is not first  # another buffer
+
+
+def test_an_old_buffer_is_let_go_once_the_connection_uses_another():
+    programs, store = StepPrograms(), make_store()
+    step = programs.define(1, program(store))
+    old = torch.zeros(36, dtype=torch.uint8)
+    programs.pushed_values(step, old)
+    programs.reply_views(step, old)
+    storage = weakref.ref(old.untyped_storage())
+    anchor = old.untyped_storage()  # the weak reference needs the storage object alive until `del`
+
+    new = torch.zeros(36, dtype=torch.uint8)
+    programs.pushed_values(step, new)
+    programs.reply_views(step, new)
+    del old, anchor
+    gc.collect()
+
+    assert storage() is None
+
+
+def test_a_program_is_checked_again_when_the_store_changes():
+    store = make_store()
+    step = program(store)
+    assert step.prepared.generation == store.generation
+    store.delete_variable("b")
+    assert step.prepared.generation != store.generation
