@@ -12,11 +12,16 @@
 - sparse_rows: pull + push of 1,000 random rows of a 10M x 64 table (rows/s)
   beside the same on a 100k x 64 table: the ratio shows whether cost grows
   with table size (1.0 = it does not).
+- sparse_rows_threads: the same on a 100k x 64 table with default thread counts
+  everywhere, beside every process (both servers and this one) at one torch
+  thread (OMP_NUM_THREADS=1 for the servers): fresh clusters, the sides taking
+  turns, medians of --rounds. A ratio under 1 is what default threads cost.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 
@@ -79,12 +84,29 @@ def sparse_rows_per_second(client: ParameterServerClient, name: str, rows: int, 
     return SPARSE_ROWS / best_of(repeats, step)
 
 
+def sparse_rows_at(threads: int | None, rows: int, repeats: int, ps_args: tuple[str, ...], chunk_bytes: int) -> float:
+    """sparse_rows on a fresh 2-server cluster: default thread counts (None), or every process at
+    ``threads`` (the servers through OMP_NUM_THREADS, this process through torch)."""
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    env = {} if threads is None else {"OMP_NUM_THREADS": str(threads)}
+    try:
+        with LocalCluster(num_ps=2, num_workers=0, env=env, extra_ps_args=ps_args) as cluster:
+            config = ClientConfig(chunk_bytes=chunk_bytes, call_timeout=600, retry_deadline=600)
+            with ParameterServerClient(cluster.parameter_servers, config) as client:
+                return sparse_rows_per_second(client, "table", rows, repeats)
+    finally:
+        torch.set_num_threads(before)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--table-rows", type=int, default=10_000_000, help="rows of the large embedding table")
     parser.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the sparse_rows_threads comparison")
     args = parser.parse_args(argv)
 
     tcp = tcp_loopback_gbps(1 << 30)
@@ -107,10 +129,19 @@ def main(argv: list[str] | None = None) -> int:
             small = sparse_rows_per_second(client, "table_small", 100_000, args.repeats * 4)
             large = sparse_rows_per_second(client, "table_large", args.table_rows, args.repeats * 4)
             print(f"sparse rows/s: {large:.0f} on {args.table_rows} rows, {small:.0f} on 100k rows")
+    by_default: list[float] = []
+    one_thread: list[float] = []
+    for round_ in range(args.rounds):  # the sides take turns, so drifts of a shared machine hit both
+        by_default.append(sparse_rows_at(None, 100_000, args.repeats * 4, ps_args, args.chunk_bytes))
+        one_thread.append(sparse_rows_at(1, 100_000, args.repeats * 4, ps_args, args.chunk_bytes))
+        print(f"  [sparse_rows_threads round {round_ + 1}/{args.rounds}] default threads {by_default[-1]:.0f} rows/s, "
+              f"one thread per process {one_thread[-1]:.0f} rows/s", flush=True)
 
     results = [
         Result("dense_push_pull", dense, "GB/s", echo_rate, "bare gRPC echo, identity serializers, upload then download"),
         Result("sparse_rows", large, "rows/s", small, "same on a 100k-row table"),
+        Result("sparse_rows_threads", statistics.median(by_default), "rows/s", statistics.median(one_thread),
+               f"one torch thread per process (OMP_NUM_THREADS=1), 100k-row table, median of {args.rounds}"),
     ]
     print_report("ps_dataplane", results, args.json)
     return 0

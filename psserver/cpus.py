@@ -14,7 +14,8 @@ rule, for every server and worker:
   ``paramserve launch`` set for the processes they start; 1 when unset (one process per
   machine or container, as in a deployment).
 
-``--torch-threads N`` overrides the rule.
+``OMP_NUM_THREADS``, the variable torch itself reads, is honoured where it is set (a whole
+number >= 1); ``--torch-threads N`` overrides both.
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-__all__ = ["PROCESSES_ENV", "torch_threads", "usable_cpus"]
+__all__ = ["OMP_ENV", "PROCESSES_ENV", "torch_threads", "usable_cpus"]
 
 PROCESSES_ENV = "PARAMSERVE_PROCESSES_PER_HOST"
+OMP_ENV = "OMP_NUM_THREADS"
 _CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
 
 
@@ -57,15 +59,22 @@ def _cgroup_quota(cpu_max: Path) -> float | None:
 
 
 def torch_threads(requested: int | None, environ: Mapping[str, str] | None = None, cpus: int | None = None) -> int:
-    """``requested`` when given, else this process's share of the usable CPUs (the module's rule).
+    """``requested`` when given, else ``OMP_NUM_THREADS`` when set, else this process's share of
+    the usable CPUs (the module's rule).
 
-    Raises ValueError for a requested count below 1 or a malformed PARAMSERVE_PROCESSES_PER_HOST.
+    Raises ValueError for a requested count below 1 or a malformed PARAMSERVE_PROCESSES_PER_HOST
+    or OMP_NUM_THREADS.
     """
     if requested is not None:
         if requested < 1:
             raise ValueError(f"torch threads must be >= 1, got {requested}")
         return requested
     env = os.environ if environ is None else environ
+    chosen = env.get(OMP_ENV, "").strip()
+    if chosen:
+        if not chosen.isdigit() or int(chosen) < 1:
+            raise ValueError(f"{OMP_ENV}={chosen!r} must be a whole number >= 1 (torch threads per process)")
+        return int(chosen)
     text = env.get(PROCESSES_ENV, "").strip()
     sharing = 1
     if text:

@@ -19,6 +19,8 @@ from paramserve.psserver.cpus import usable_cpus
         (2, {cpus.PROCESSES_ENV: "5"}, 1),  # a local cluster of 5 processes on 2 cores: never 0
         (16, {cpus.PROCESSES_ENV: "5"}, 3),  # ... on 16 cores
         (64, {cpus.PROCESSES_ENV: "5"}, 12),  # ... on 64 cores
+        (16, {cpus.PROCESSES_ENV: "5", cpus.OMP_ENV: "1"}, 1),  # the variable torch reads, where set
+        (2, {cpus.OMP_ENV: "4"}, 4),
     ],
 )
 def test_threads_are_the_processes_share_of_the_usable_cpus(usable, environ, expected):
@@ -31,6 +33,9 @@ def test_an_explicit_count_wins_and_nonsense_is_refused():
         cpus.torch_threads(0, {})
     with pytest.raises(ValueError, match=cpus.PROCESSES_ENV):
         cpus.torch_threads(None, {cpus.PROCESSES_ENV: "lots"}, cpus=2)
+    assert cpus.torch_threads(3, {cpus.OMP_ENV: "1"}, cpus=2) == 3
+    with pytest.raises(ValueError, match=cpus.OMP_ENV):
+        cpus.torch_threads(None, {cpus.OMP_ENV: "0"}, cpus=2)
 
 
 @pytest.mark.parametrize(
