@@ -238,9 +238,7 @@ class ParameterServerServicer:
                 "send the StepPlan whole, each part's base version in its PushPart"
             )
         reads = [(convert.ref_from_proto(i.ref), _wire_rows(i.row_indices) if i.sparse else None) for i in plan.pull]
-        # A bad or oversized read fails the request before the push changes anything.
-        self._check_read_bytes(reads, min(self._limits.max_pull_bytes, self._limits.max_reply_bytes - (1 << 20)),
-                               "the largest message it sends, --max-message-bytes")
+        self._check_step_reads(reads)  # a bad or oversized read fails the step before the push changes anything
         if not plan.push and payload_bytes:
             raise InvalidRequestError(f"the payload holds {payload_bytes} bytes but the plan pushes nothing")
         pushed = self._apply(pushes, plan.idempotency_key) if plan.push else []
@@ -257,6 +255,11 @@ class ParameterServerServicer:
             return reply(outcome, values)
 
         return self._store.read_many(dense, locked)
+
+    def _check_step_reads(self, reads: Sequence[tuple[ShardRef, torch.Tensor | None]]) -> None:
+        """A step's reads must fit its reply: one message, with room for its header."""
+        self._check_read_bytes(reads, min(self._limits.max_pull_bytes, self._limits.max_reply_bytes - (1 << 20)),
+                               "the largest message it sends, --max-message-bytes")
 
     def _program_step(self, plan: ps_pb2.StepPlan, payload: torch.Tensor, reply_buffer: Callable[[int], torch.Tensor],
                       programs: StepPrograms) -> tuple[bytes, memoryview]:
@@ -303,9 +306,7 @@ class ParameterServerServicer:
                                       "sparse rows as a plain StepPlan")
         sizes = self._check_parts(plan.push, payload_bytes)
         reads = [convert.ref_from_proto(item.ref) for item in plan.pull]
-        self._check_read_bytes([(ref, None) for ref in reads],
-                               min(self._limits.max_pull_bytes, self._limits.max_reply_bytes - (1 << 20)),
-                               "the largest message it sends, --max-message-bytes")
+        self._check_step_reads([(ref, None) for ref in reads])
         slots, offset = [], 0
         for part, size in zip(plan.push, sizes):
             slots.append(PushSlot(offset, size, dtype_from_name(part.values.dtype), tuple(int(d) for d in part.values.shape)))

@@ -11,6 +11,7 @@ import grpc
 import pytest
 import torch
 
+from paramserve.psserver.client import ParameterServerClient
 from paramserve.psserver.errors import NonFiniteGradientError, VariableNotFoundError
 from paramserve.psserver.optimizer import OptimizerSpec
 from paramserve.psserver.partition import FixedShardsPartitioner
@@ -63,6 +64,14 @@ def data_plane_bytes(server) -> float:
         "paramserve_received_bytes_total", {"role": "ps", "method": "DataPlaneStep"}) or 0.0
 
 
+def serving_w(start_ps, make_client) -> tuple[ParameterServerClient, socket.socket]:
+    """A server holding variable "w" (4 zeros, SGD lr 0.5): a client of it, and an admitted socket."""
+    server = start_ps()
+    client = make_client([server.address])
+    client.create_variable("w", torch.zeros(4), optimizer=SGD)
+    return client, admitted(server)
+
+
 def test_a_program_is_defined_once_then_run_by_number_with_the_same_results(start_ps, make_client):
     server = start_ps()
     make_client([server.address]).create_variable("w", torch.zeros(4), optimizer=SGD)
@@ -86,10 +95,7 @@ def test_a_program_is_defined_once_then_run_by_number_with_the_same_results(star
 
 
 def test_a_run_repeating_a_key_is_answered_without_applying_again(start_ps, make_client):
-    server = start_ps()
-    client = make_client([server.address])
-    client.create_variable("w", torch.zeros(4), optimizer=SGD)
-    sock = admitted(server)
+    client, sock = serving_w(start_ps, make_client)
     payload = torch.ones(4).numpy().tobytes()
     step(sock, ps_pb2.StepPlan(idempotency_key="once", define_program=1, push=[dense_part("w", [4])]), payload)
 
@@ -100,10 +106,7 @@ def test_a_run_repeating_a_key_is_answered_without_applying_again(start_ps, make
 
 
 def test_bad_program_frames_get_specific_errors_and_change_nothing(start_ps, make_client):
-    server = start_ps()
-    client = make_client([server.address])
-    client.create_variable("w", torch.zeros(4), optimizer=SGD)
-    sock = admitted(server)
+    client, sock = serving_w(start_ps, make_client)
     ones = torch.ones(4).numpy().tobytes()
 
     undefined = step(sock, ps_pb2.StepPlan(idempotency_key="k", run_program=7), ones)
