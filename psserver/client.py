@@ -53,7 +53,7 @@ from paramserve.psserver.partition import (
     place_shards,
     split_rows,
 )
-from paramserve.psserver.programs import ProgramNumbers
+from paramserve.psserver.programs import ProgramNumbers, fits_a_program
 from paramserve.psserver.security import ClientTls, bearer_metadata, open_channel
 from paramserve.psserver.servicer import IDEMPOTENCY_METADATA_KEY, SERVICE_NAME
 from paramserve.psserver.serving import channel_options, metadata_text
@@ -900,7 +900,9 @@ class _ServerWork:
     def signature(self) -> tuple[object, ...] | None:
         """What identifies this work as a step program: its push parts' and reads' shard wires
         (cached per layout, compared by identity), or None when a part or a read is not of a
-        whole dense shard with a place to land."""
+        whole dense shard with a place to land, or when the step is too large for a program."""
+        if not fits_a_program(len(self.parts) + len(self.items)):
+            return None
         wires: list[object] = []
         for part in self.parts:
             if part.wire is None:

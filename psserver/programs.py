@@ -12,8 +12,9 @@ bound, and the lock-protected apply and read. What a program fixes (its shards' 
 and byte ranges) is checked again whenever the store's shards change (``ShardStore.generation``):
 a restored or deleted variable cannot be reached through a program made before.
 
-A connection holds at most MAX_PROGRAMS programs, numbered 1..MAX_PROGRAMS by the client, and
-they end with it; a client that needs another reuses a number (the server replaces it).
+A connection holds at most MAX_PROGRAMS programs of at most MAX_PROGRAM_ENTRIES parts and reads
+each, numbered 1..MAX_PROGRAMS by the client, and they end with it; a client that needs another
+reuses a number (the server replaces it).
 """
 
 from __future__ import annotations
@@ -28,10 +29,25 @@ from paramserve.psserver.errors import InvalidRequestError
 from paramserve.psserver.store import PreparedStep
 from paramserve.wire.v1 import parameter_server_pb2 as ps_pb2
 
-__all__ = ["MAX_PROGRAMS", "ProgramNumbers", "PushSlot", "StepProgram", "StepPrograms"]
+__all__ = ["MAX_PROGRAMS", "MAX_PROGRAM_ENTRIES", "ProgramNumbers", "PushSlot", "StepProgram", "StepPrograms", "check_program_size", "fits_a_program"]
 
-MAX_PROGRAMS = 64
-"""Programs one data-plane connection may hold (each a few KB: its plan and tensor views)."""
+MAX_PROGRAMS = 16
+"""Programs one data-plane connection may hold (a worker's steps need one or two)."""
+MAX_PROGRAM_ENTRIES = 4096
+"""Push parts plus reads one program may hold, so that a connection's programs stay within a
+few MB of the server's memory; a larger step is sent as a plain plan."""
+
+
+def fits_a_program(entries: int) -> bool:
+    """Whether a step of ``entries`` push parts and reads may be a program."""
+    return entries <= MAX_PROGRAM_ENTRIES
+
+
+def check_program_size(entries: int) -> None:
+    """Raises InvalidRequestError for a program of more than MAX_PROGRAM_ENTRIES parts and reads."""
+    if not fits_a_program(entries):
+        raise InvalidRequestError(f"a step program holds at most {MAX_PROGRAM_ENTRIES} push parts and reads; this "
+                                  f"one has {entries}: send it as a plain StepPlan")
 
 
 @dataclass(frozen=True)

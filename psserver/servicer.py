@@ -20,7 +20,7 @@ from google.protobuf.message import DecodeError
 
 from paramserve.psserver import checkpoint, convert
 from paramserve.psserver.errors import InvalidRequestError, MessageTooLargeError, VariableNotFoundError
-from paramserve.psserver.programs import PushSlot, StepProgram, StepPrograms, base_versions
+from paramserve.psserver.programs import PushSlot, StepProgram, StepPrograms, base_versions, check_program_size
 from paramserve.psserver.security import checkpoint_root, confined_path
 from paramserve.psserver.serving import parse, stream_boundary, unary_boundary
 from paramserve.psserver.store import Pulled, ShardPush, ShardStore
@@ -301,6 +301,7 @@ class ParameterServerServicer:
     def _compile(self, plan: ps_pb2.StepPlan, payload_bytes: int) -> StepProgram:
         """``plan`` checked as a step program: dense pushes and whole-shard reads, every check a
         plain step makes that does not depend on the step's bytes."""
+        check_program_size(len(plan.push) + len(plan.pull))
         if any(part.sparse for part in plan.push) or any(item.sparse for item in plan.pull):
             raise InvalidRequestError("a step program pushes and reads whole shards only: send a step with "
                                       "sparse rows as a plain StepPlan")

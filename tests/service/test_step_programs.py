@@ -11,6 +11,7 @@ import grpc
 import pytest
 import torch
 
+from paramserve.psserver import programs
 from paramserve.psserver.client import ParameterServerClient
 from paramserve.psserver.errors import NonFiniteGradientError, VariableNotFoundError
 from paramserve.psserver.optimizer import OptimizerSpec
@@ -201,6 +202,19 @@ def test_a_client_trains_through_programs_exactly_as_through_whole_plans(start_p
     with pytest.raises(NonFiniteGradientError):
         fast.push({"w": torch.full((8, 3), float("inf")), "b": torch.zeros(3)}, key="bad")
     assert set(fast.pull(["w"]).versions.values()) == {5}
+
+
+def test_a_step_too_large_for_a_program_is_refused_as_one_and_sent_whole(start_ps, make_client, monkeypatch):
+    monkeypatch.setattr(programs, "MAX_PROGRAM_ENTRIES", 2)
+    client, sock = serving_w(start_ps, make_client)
+    client.create_variable("b", torch.zeros(2), optimizer=SGD)
+    plan = ps_pb2.StepPlan(idempotency_key="k", define_program=1, push=[dense_part("w", [4]), dense_part("b", [2])],
+                           pull=[read_item("w")])
+
+    refused(step(sock, plan, torch.zeros(6).numpy().tobytes()), "InvalidRequestError", "at most 2", "plain StepPlan")
+    _, pulled = client.push_and_pull({"w": torch.ones(4), "b": torch.ones(2)}, ["w", "b"], key="k1")
+
+    assert torch.equal(pulled.tensors["w"], torch.full((4,), -0.5)) and torch.equal(pulled.tensors["b"], torch.full((2,), -0.5))
 
 
 def test_the_step_rpc_refuses_program_fields(start_ps):
