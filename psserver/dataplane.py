@@ -26,6 +26,7 @@ bounded number of connections. The client finds the port with the ``GetDataPlane
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import hmac
 import logging
@@ -35,7 +36,7 @@ import ssl
 import struct
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -489,11 +490,8 @@ class DataPlaneConnection:
 
     def send_step(self, plan: bytes, payload: Sequence[bytes | memoryview]) -> None:
         """Sends one step: StepPlan bytes and the pushed parts' bytes, in plan order."""
-        try:
+        with self._closed_on_failure("sending a step"):
             _send_frame(self._sock, FrameKind.STEP, plan, payload)
-        except OSError as err:
-            self.close()
-            raise TransportError(f"sending a step failed: {err}") from None
 
     def receive_reply(self, place: ReplyPlacement) -> None:
         """Reads the reply to the step sent last, its payload straight where ``place`` says.
@@ -505,14 +503,8 @@ class DataPlaneConnection:
                 self.close()
                 raise TransportError("the server sent an ERROR frame with a payload")
             _raise_error_frame(header)
-        try:
+        with self._closed_on_failure("reading the server's reply"):
             self._reader.read_into(place(header, prefix.payload_bytes))
-        except OSError as err:
-            self.close()
-            raise TransportError(f"reading the server's reply failed: {err}") from None
-        except BaseException:
-            self.close()
-            raise
 
     def close(self) -> None:
         if not self.closed:
@@ -520,17 +512,24 @@ class DataPlaneConnection:
             _close(self._sock)
 
     def _head(self, allowed: Callable[[FrameKind], bool]) -> tuple[_Prefix, memoryview]:
+        with self._closed_on_failure("reading the server's reply"):
+            try:
+                return self._reader.read_head(self._max_body, self._max_body, allowed)
+            except MessageTooLargeError as err:
+                raise TransportError(f"the server's reply is too large: {err}") from None
+
+    @contextlib.contextmanager
+    def _closed_on_failure(self, doing: str) -> Iterator[None]:
+        """Any failure inside closes the connection (its framing is lost); an OSError (a reset,
+        a timeout) becomes TransportError, which the client retries on a new connection."""
         try:
-            return self._reader.read_head(self._max_body, self._max_body, allowed)
-        except MessageTooLargeError as err:
+            yield
+        except OSError as err:
             self.close()
-            raise TransportError(f"the server's reply is too large: {err}") from None
-        except TransportError:
+            raise TransportError(f"{doing} failed: {err}") from None
+        except BaseException:
             self.close()
             raise
-        except OSError as err:  # socket.timeout included
-            self.close()
-            raise TransportError(f"reading the server's reply failed: {err}") from None
 
 
 def _connect_local(name: str, timeout: float) -> socket.socket | None:

@@ -94,10 +94,17 @@ def _optimizer_class(name: str) -> type[torch.optim.Optimizer]:
 
 
 @functools.cache
+@functools.lru_cache(maxsize=None)
+def _parameters(name: str) -> dict[str, Any]:
+    """The keyword arguments of torch.optim.<name> besides ``params``, with their defaults
+    (``inspect.Parameter.empty`` for none)."""
+    parameters = inspect.signature(_optimizer_class(name).__init__).parameters.values()
+    return {p.name: p.default for p in parameters if p.name not in ("self", "params")}
+
+
 def _arguments(name: str) -> tuple[str, ...]:
     """The keyword arguments of torch.optim.<name> besides ``params``."""
-    parameters = inspect.signature(_optimizer_class(name).__init__).parameters
-    return tuple(arg for arg in parameters if arg not in ("self", "params"))
+    return tuple(_parameters(name))
 
 
 def _hyperparameter_names(name: str) -> tuple[str, ...]:
@@ -514,18 +521,12 @@ def in_place_sgd_rate(spec: OptimizerSpec) -> float | None:
     copies a push takes to undo a failed step."""
     if spec.name != "SGD":
         return None
-    defaults = _defaults("SGD")
+    defaults = {key: value for key, value in _parameters("SGD").items() if value is not inspect.Parameter.empty}
     settings = {**defaults, **spec.kwargs}
     if settings.get("momentum") or settings.get("weight_decay") or settings.get("maximize"):
         return None
     lr = settings.get("lr")
     return float(lr) if isinstance(lr, (int, float)) and not isinstance(lr, bool) else None
-
-
-@functools.lru_cache(maxsize=None)
-def _defaults(name: str) -> dict[str, Any]:
-    parameters = inspect.signature(_optimizer_class(name).__init__).parameters.values()
-    return {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}
 
 
 class GroupedSteps:

@@ -19,6 +19,7 @@ reuses a number (the server replaces it).
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ import torch
 
 from paramserve.psserver.errors import InvalidRequestError
 from paramserve.psserver.store import PreparedStep
+from paramserve.psserver.streams import tensor_view
 from paramserve.wire.v1 import parameter_server_pb2 as ps_pb2
 
 __all__ = ["MAX_PROGRAMS", "MAX_PROGRAM_ENTRIES", "ProgramNumbers", "PushSlot", "StepProgram", "StepPrograms", "check_program_size", "fits_a_program"]
@@ -69,28 +71,22 @@ class StepProgram:
     prepared: PreparedStep
     pushes: tuple[PushSlot, ...]
 
-    @property
+    @functools.cached_property
     def push_bytes(self) -> int:
         return sum(slot.nbytes for slot in self.pushes)
 
-    @property
+    @functools.cached_property
     def pull_bytes(self) -> int:
         return sum(nbytes for _, _, nbytes in self.prepared.read_layout)
 
     def values_in(self, payload: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor | None, bool]:
-        """The pushed values as views of ``payload`` (uint8, ``push_bytes`` long); all of them as
-        one flat tensor when they share one floating dtype (one NaN/Inf scan); and whether the
-        views may be kept for the next step in the same buffer (False when a part had to be
-        copied to be aligned)."""
-        views, aligned = [], True
-        for slot in self.pushes:
-            piece = payload[slot.offset : slot.offset + slot.nbytes]
-            if not slot.nbytes:
-                views.append(torch.empty(slot.shape, dtype=slot.dtype))
-                continue
-            if slot.dtype.itemsize > 1 and piece.data_ptr() % slot.dtype.itemsize:
-                piece, aligned = piece.clone(), False  # torch views need aligned storage
-            views.append(piece.view(slot.dtype).reshape(slot.shape))
+        """The pushed values in ``payload`` (uint8, ``push_bytes`` long); all of them as one flat
+        tensor when they share one floating dtype (one NaN/Inf scan); and whether they are all
+        views, which may be kept for the next step in the same buffer (False when a part had to
+        be copied to be aligned)."""
+        views = [tensor_view(payload, slot.offset, slot.nbytes, slot.dtype, slot.shape) for slot in self.pushes]
+        aligned = all(view.data_ptr() == payload.data_ptr() + slot.offset
+                      for view, slot in zip(views, self.pushes) if slot.nbytes)
         dtypes = {slot.dtype for slot in self.pushes}
         flat = None
         if len(dtypes) == 1 and aligned and payload.numel():

@@ -409,7 +409,12 @@ def _check_push_values(push: ShardPush, shard: _Shard, allow_nonfinite: bool) ->
         expected = (push.rows.shape[0], *shard.value.shape[1:])
     if tuple(values.shape) != expected:
         raise ShapeMismatchError(f"gradient shape {tuple(values.shape)} does not match the expected {expected}")
-    if not allow_nonfinite and not all_finite(values):
+    if not allow_nonfinite:
+        _check_finite(shard, values)
+
+
+def _check_finite(shard: _Shard, values: Tensor) -> None:
+    if not all_finite(values):
         raise NonFiniteGradientError(f"gradient for shard {shard.ref.shard} holds NaN or Inf")
 
 
@@ -692,10 +697,9 @@ class ShardStore:
             plan = [(shard, ShardPush(shard.ref, value, None, base))
                     for shard, value, base in zip(step.pushes, values, base_versions)]
             if not self._config.allow_nonfinite and not (flat is not None and all_finite(flat)):
-                for shard, push in plan:
-                    if not all_finite(push.values):
-                        raise NonFiniteGradientError(f"gradient for shard {shard.ref.shard} holds NaN or Inf",
-                                                     variable=shard.ref.variable)
+                for shard, push in plan:  # the exact scan, to name the culprit
+                    with _about(shard.ref.variable):
+                        _check_finite(shard, push.values)
             if self._config.max_staleness is not None:
                 for shard, push in plan:
                     with _about(shard.ref.variable):
@@ -804,15 +808,15 @@ class ShardStore:
             if push.rows is not None:
                 undo.append(optimizer.snapshot(push.rows))
                 sparse.append((optimizer, push))
-                continue
-            if in_place_sgd_rate(optimizer.spec) is None:
-                undo.append(optimizer.snapshot(None))
-            dense.setdefault(optimizer.spec, []).append((optimizer, push.values))
-        groups = sorted(dense.items(), key=lambda entry: in_place_sgd_rate(entry[0]) is not None)  # stable
+            else:
+                dense.setdefault(optimizer.spec, []).append((optimizer, push.values))
+        stateful = [group for spec, group in dense.items() if in_place_sgd_rate(spec) is None]
+        in_place = [group for spec, group in dense.items() if in_place_sgd_rate(spec) is not None]
+        undo += [optimizer.snapshot(None) for group in stateful for optimizer, _ in group]
         try:
             for optimizer, push in sparse:
                 optimizer.apply_rows(push.rows, push.values)  # type: ignore[arg-type]  # sparse: rows set
-            for _, group in groups:
+            for group in stateful + in_place:
                 self._grouped.apply_dense([o for o, _ in group], [g for _, g in group])
         except Exception as exc:  # validated already: anything here is our bug or out of memory
             for restore in reversed(undo):

@@ -287,11 +287,18 @@ def tensor_from_bytes(buffer: torch.Tensor, meta: tensor_pb2.TensorMeta, offset:
             f"payload holds {buffer.numel() - offset} bytes but a {meta.dtype} tensor of shape "
             f"{shape} needs {nbytes}"
         )
-    piece = buffer[offset : offset + nbytes]
+    return tensor_view(buffer, offset, nbytes, dtype, shape)
+
+
+def tensor_view(buffer: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """The ``dtype`` tensor of ``shape`` in ``buffer[offset : offset + nbytes]`` (uint8, checked by
+    the caller): a view, or a copy where the bytes are not aligned for ``dtype`` (torch views
+    need aligned storage)."""
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
+    piece = buffer[offset : offset + nbytes]
     if dtype.itemsize > 1 and piece.data_ptr() % dtype.itemsize:
-        piece = piece.clone()  # torch views need aligned storage
+        piece = piece.clone()
     return piece.view(dtype).reshape(shape)
 
 
