@@ -37,6 +37,7 @@ import contextlib
 import enum
 import logging
 import threading
+import time
 from collections.abc import Callable, Collection, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -256,9 +257,16 @@ class BatchSizer:
     time), which matters only for closures of a few milliseconds; and its closures run one
     after another on one worker. So a batch is sized to last about ``target_seconds`` at the
     recent closure duration (an exponential average of what workers report), never more than
-    ``max_batch`` nor one worker's share of the queue, counting every worker of the cluster (a
-    closure another worker could start now, or once it is back up, is not held back), and is 1
-    until a duration is known.
+    ``max_batch``, and is 1 until a duration is known.
+
+    Within that, a batch takes no more than one worker's share of the queue, counting every
+    worker of the cluster (a closure another worker could start now, or once it is back up,
+    is not held back), with one exception: closures that together run in less time than a
+    call costs beyond its closures (its overhead: round trip, (un)marshalling, the
+    coordinator's and the worker's handling, measured on every call) are batched even while
+    other workers are free. Sending each of them alone would cost more than running them one
+    after another, so holding one behind the others at most doubles its wait, and a large
+    cluster of idle workers does not turn a backlog of short closures into one call each.
     """
 
     def __init__(self, max_batch: int = 16, target_seconds: float = BATCH_SECONDS, smoothing: float = 0.2):
@@ -270,18 +278,35 @@ class BatchSizer:
         self.target_seconds = target_seconds
         self._smoothing = smoothing
         self._seconds: float | None = None
+        self._call_overhead: float | None = None
 
     def observe(self, seconds: float) -> None:
         """A closure ran for ``seconds`` on a worker."""
         if seconds >= 0:
-            self._seconds = seconds if self._seconds is None else self._seconds + self._smoothing * (seconds - self._seconds)
+            self._seconds = self._averaged(self._seconds, seconds)
+
+    def observe_call(self, seconds: float, closure_seconds: float) -> None:
+        """A call took ``seconds`` from send to reply, ``closure_seconds`` of which its
+        closures ran on the worker."""
+        if seconds >= 0 and closure_seconds >= 0:
+            self._call_overhead = self._averaged(self._call_overhead, max(0.0, seconds - closure_seconds))
+
+    @property
+    def call_overhead(self) -> float:
+        """The recent seconds a call costs beyond its closures (0 until a call is seen)."""
+        return self._call_overhead or 0.0
+
+    def _averaged(self, average: float | None, sample: float) -> float:
+        return sample if average is None else average + self._smoothing * (sample - average)
 
     def size(self, queued: int, workers: int) -> int:
         if self._seconds is None or queued <= 1:
             return 1
+        seconds = max(self._seconds, 1e-6)
         share = max(1, queued // max(1, workers))
-        lasting = max(1, int(self.target_seconds / max(self._seconds, 1e-6)))
-        return min(self.max_batch, share, lasting)
+        cheaper_than_a_call = int(self.call_overhead / seconds)
+        lasting = max(1, int(self.target_seconds / seconds))
+        return min(self.max_batch, queued, lasting, max(share, cheaper_than_a_call))
 
 
 class Dispatcher:
@@ -346,7 +371,9 @@ class Dispatcher:
             while pending:
                 try:
                     request = self._request(pending, force)
+                    sent = time.perf_counter()
                     response = await self._transport.run_closures(request, self._policy.closure_timeout * len(pending))
+                    self._sizer.observe_call(time.perf_counter() - sent, sum(r.seconds for r in response.results))
                 except RpcFailure as failure:
                     self._on_rpc_failure(pending, failure)
                     pending = []

@@ -8,6 +8,7 @@ of one process trained on the whole global batch.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import socket
@@ -334,4 +335,7 @@ def test_malformed_cluster_is_refused_before_any_connection(environ, message):
 
 
 if __name__ == "__main__":
+    # A rank that aborts (gloo has been seen to, once in many runs: "terminate called without an
+    # active exception") prints where every thread was, so the log the test shows says when.
+    faulthandler.enable()
     rank_main(sys.argv[1], sys.argv[2])

@@ -586,6 +586,24 @@ def test_batches_form_only_from_short_closures_under_a_backlog():
     assert sizer.size(queued=100, workers=1) == 2, "about target_seconds of work per batch"
 
 
+def test_closures_shorter_than_a_call_are_batched_even_while_workers_are_free():
+    sizer = BatchSizer(max_batch=8, target_seconds=0.1)
+    sizer.observe(0.0001)
+    assert sizer.call_overhead == 0.0
+    assert sizer.size(queued=10, workers=256) == 1, "no call measured yet: one worker's share"
+    sizer.observe_call(0.0005 + 0.0003, closure_seconds=0.0003)  # 0.5 ms beyond its closures
+    assert sizer.call_overhead == 0.0005
+    assert sizer.size(queued=10, workers=256) == 5, "5 closures of 0.1 ms cost what one call does"
+    assert sizer.size(queued=3, workers=256) == 3, "never more than is queued"
+    assert sizer.size(queued=100, workers=256) == 5
+    assert sizer.size(queued=100, workers=2) == 8, "a worker's share, up to max_batch"
+    for _ in range(60):
+        sizer.observe(0.004)  # closures longer than a call: spread over the free workers
+    assert sizer.size(queued=10, workers=256) == 1
+    sizer.observe_call(-1.0, closure_seconds=0.0)  # a clock step back is ignored
+    assert sizer.call_overhead == 0.0005
+
+
 
 class AnsweringTransport(_HealthyTransport):
     """A worker that answers every closure with its own id, after yielding to the loop."""
