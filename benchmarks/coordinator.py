@@ -22,6 +22,11 @@
   --rounds. CPU-ms per step (all processes of a side) is printed beside steps/s: on a
   shared 2-core machine it varies less.
 - train_steps_large_vs_rpc: the same on the MLP 784-4096-2048-10.
+- train_steps_overlapped: the small model as in train_steps_vs_rpc with
+  ParameterServerStrategy(overlap_pushes=True), a step computing while the previous step's push
+  is in flight, beside the same cluster awaiting each push (the default); the two take turns,
+  medians of --rounds. train_steps_overlapped_1w: the same with 1 ps + 1 worker, where a
+  2-core machine is bound by each step's round trip rather than by its CPU.
 - gpu_worker_steps (only where CUDA is available): the small model's steps/s with workers
   on the GPU (--device cuda:0), beside CPU workers in the same run.
 """
@@ -68,7 +73,8 @@ from paramserve.coordinator import (
 from paramserve.worker.variables import dumps_closure
 
 LR = 0.01
-METRICS = ("closures", "closure_overhead_scale", "closure_pickling", "train_steps_vs_rpc", "train_steps_large_vs_rpc", "gpu_worker_steps")
+METRICS = ("closures", "closure_overhead_scale", "closure_pickling", "train_steps_vs_rpc", "train_steps_large_vs_rpc",
+           "train_steps_overlapped", "gpu_worker_steps")
 
 
 def bare_round_trips_per_second(count: int, payload_bytes: int) -> float:
@@ -214,12 +220,15 @@ class TrainRun:
 
 
 def paramserve_steps(sizes: tuple[int, ...], steps: int, warmup: int, device: str | None = None,
-                     steps_per_closure: int = 1) -> TrainRun:
-    """2 ps + 2 workers on 127.0.0.1, one thread per process, 1 step per closure."""
+                     steps_per_closure: int = 1, *, overlap_pushes: bool = False, servers: int = 2,
+                     workers: int = 2) -> TrainRun:
+    """2 ps + 2 workers on 127.0.0.1 (by default), one thread per process, 1 step per closure,
+    variables in 2 shards."""
     worker_args = ["--torch-threads", "1"] + (["--device", device] if device else [])
-    with LocalCluster(num_ps=2, num_workers=2, env=worker_environment(),
+    with LocalCluster(num_ps=servers, num_workers=workers, env=worker_environment(),
                       extra_ps_args=["--torch-threads", "1"], extra_worker_args=worker_args) as cluster:
-        strategy = ParameterServerStrategy(cluster.spec, variable_partitioner=FixedShardsPartitioner(2))
+        strategy = ParameterServerStrategy(cluster.spec, variable_partitioner=FixedShardsPartitioner(2),
+                                           overlap_pushes=overlap_pushes)
         try:
             torch.manual_seed(0)
             with strategy.scope():
@@ -230,7 +239,7 @@ def paramserve_steps(sizes: tuple[int, ...], steps: int, warmup: int, device: st
                 for _ in range(warmup):
                     coordinator.schedule(train_step, args=(batch, model, optimizer))
                 coordinator.join()
-                names = ["coordinator", "ps0", "ps1", "worker0", "worker1"]
+                names = ["coordinator", *(f"ps{i}" for i in range(servers)), *(f"worker{i}" for i in range(workers))]
                 pids = dict(zip(names, [os.getpid(), *(p.pid for p in cluster.processes)]))
                 before = {name: process_cpu_seconds(pid) for name, pid in pids.items()}
                 start = time.perf_counter()
@@ -261,6 +270,22 @@ def versus_rpc(name: str, sizes: tuple[int, ...], steps: int, warmup: int, round
     print(f"  {name}: CPU-ms per step {cpu[0]:.2f} (paramserve) vs {cpu[1]:.2f} (rpc PS)", flush=True)
     per_closure = f", paramserve {steps_per_closure} steps per closure" if steps_per_closure > 1 else ""
     return Result(name, value, "steps/s", baseline, f"torch.distributed.rpc PS, 1 PS + 2 trainers, median of {rounds}{per_closure}")
+
+
+def overlapped_versus_awaited(name: str, servers: int, workers: int, steps: int, warmup: int, rounds: int) -> Result:
+    """The small model with overlap_pushes (a step computes while the previous push is in
+    flight) beside the same cluster awaiting each push; the two take turns, medians."""
+    sides: dict[bool, list[TrainRun]] = {False: [], True: []}
+    for round_ in range(rounds):
+        for overlap in (False, True):
+            sides[overlap].append(paramserve_steps(SMALL, steps, warmup, overlap_pushes=overlap,
+                                                   servers=servers, workers=workers))
+        print(f"  [{name} round {round_ + 1}/{rounds}] overlapped {sides[True][-1].steps_per_s:.1f} steps/s "
+              f"({sides[True][-1].cpu_ms_per_step:.2f} CPU-ms/step), awaited {sides[False][-1].steps_per_s:.1f} "
+              f"steps/s ({sides[False][-1].cpu_ms_per_step:.2f} CPU-ms/step)", flush=True)
+    value, baseline = (statistics.median(r.steps_per_s for r in sides[o]) for o in (True, False))
+    return Result(name, value, "steps/s", baseline,
+                  f"each push awaited, {servers} ps + {workers} worker{'s' if workers > 1 else ''}, median of {rounds}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -306,6 +331,9 @@ def main(argv: list[str] | None = None) -> int:
         results.append(versus_rpc("train_steps_vs_rpc", SMALL, args.steps, 30, args.rounds, args.steps_per_closure))
     if "train_steps_large_vs_rpc" in wanted:
         results.append(versus_rpc("train_steps_large_vs_rpc", LARGE, args.large_steps, 5, args.rounds, args.steps_per_closure))
+    if "train_steps_overlapped" in wanted:
+        results.append(overlapped_versus_awaited("train_steps_overlapped", 2, 2, args.steps, 30, args.rounds))
+        results.append(overlapped_versus_awaited("train_steps_overlapped_1w", 1, 1, args.steps, 30, args.rounds))
     if "gpu_worker_steps" in wanted and torch.cuda.is_available():
         cpu = paramserve_steps(SMALL, args.steps, 30)
         gpu = paramserve_steps(SMALL, args.steps, 30, device="cuda:0")

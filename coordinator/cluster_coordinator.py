@@ -113,6 +113,8 @@ class CoordinatedStrategy(Protocol):
     """How to reach workers over TLS (None: plaintext)."""
     max_value_age: float
     """How old (seconds) the values a worker's last push returned may be to start its next closure."""
+    overlap_pushes: bool
+    """Whether a worker's step computes while its previous push is in flight (worker.pipeline)."""
 
     def cluster_context(self) -> ClusterContext:
         """Where the variables live; called for every RunClosures call (may create variables first)."""
@@ -191,6 +193,7 @@ class ClusterCoordinator:
             transport_factory=transport_factory or (lambda address: GrpcTransport(address, token, max_bytes, tls)),
             cluster_context=self._context,
             max_value_age=strategy.max_value_age,
+            overlap_pushes=strategy.overlap_pushes,
             max_batch=self.config.max_batch,
             batch_seconds=self.config.batch_seconds,
             on_server_failure=self.recovery.report if self.recovery is not None else None,

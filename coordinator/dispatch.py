@@ -325,6 +325,7 @@ class Dispatcher:
         num_workers: Callable[[], int],
         policy: FailurePolicy,
         max_value_age: float = 0.0,
+        overlap_pushes: bool = False,
         sizer: BatchSizer | None = None,
         server_failed: Callable[[str], None] | None = None,
         observer: CoordinatorObserver = NO_OBSERVER,
@@ -342,6 +343,7 @@ class Dispatcher:
         self._num_workers = num_workers
         self._policy = policy
         self._max_value_age = max_value_age
+        self._overlap_pushes = overlap_pushes
         # probe_first: a worker found by name may not serve yet (a container still starting); it
         # starts DOWN, so the health probe, not a closure's attempt, finds out when it serves.
         self._state = WorkerState.DOWN if probe_first else WorkerState.UP
@@ -403,6 +405,7 @@ class Dispatcher:
                 num_workers=self._num_workers(),
                 cluster_fingerprint=context.fingerprint,
                 max_value_age=self._max_value_age,
+                overlap_pushes=self._overlap_pushes,
             )
             for closure in batch
         ]
@@ -574,6 +577,7 @@ class DispatchLoop:
         transport_factory: Callable[[str], WorkerTransport],
         cluster_context: Callable[[], WireContext],
         max_value_age: float = 0.0,
+        overlap_pushes: bool = False,
         max_batch: int = 16,
         batch_seconds: float = BATCH_SECONDS,
         on_server_failure: Callable[[str], None] | None = None,
@@ -589,6 +593,7 @@ class DispatchLoop:
         self._transport_factory = transport_factory
         self._cluster_context = cluster_context
         self._max_value_age = max_value_age
+        self._overlap_pushes = overlap_pushes
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._serve, name=THREAD_NAME, daemon=True)
         self._dispatchers: dict[str, Dispatcher] = {}
@@ -695,7 +700,8 @@ class DispatchLoop:
         dispatcher = Dispatcher(
             address, index, queue=self._queue, specs=self._specs, transport=self._transport_factory(address),
             cluster_context=self._cluster_context, num_workers=self.num_workers, policy=self._policy,
-            max_value_age=self._max_value_age, sizer=self._sizer, observer=self._observer,
+            max_value_age=self._max_value_age, overlap_pushes=self._overlap_pushes, sizer=self._sizer,
+            observer=self._observer,
             server_failed=self._server_failed if self._on_server_failure is not None else None,
             probe_first=probe_first,
         )

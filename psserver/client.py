@@ -71,6 +71,7 @@ from paramserve.psserver.streams import (
 )
 from paramserve.psserver.tensors import as_byte_view, dtype_name, writable_byte_view
 from paramserve.psserver.types import (
+    PendingExchange,
     PullResult,
     PushOutcome,
     PushSummary,
@@ -341,14 +342,42 @@ class ParameterServerClient:
         once the push is applied there: one round trip per server when the payloads are
         under ``ClientConfig.max_unary_bytes``, else a push stream then a pull stream.
         ``out``: where to read them, as for ``pull``."""
+        return self.start_push_and_pull(gradients, names, key=key, base_versions=base_versions, out=out).result()
+
+    def start_push_and_pull(
+        self,
+        gradients: Mapping[str, torch.Tensor | RowGradient],
+        names: Sequence[str],
+        *,
+        key: str | None = None,
+        base_versions: Mapping[ShardRef, int] | None = None,
+        out: Mapping[str, torch.Tensor] | None = None,
+    ) -> "PendingExchange":
+        """``push_and_pull`` in two halves: sends every server's request on its data plane now
+        and returns; ``result()`` reads the replies (into ``out``) and runs what could not be
+        sent that way, with the usual retries. Between the two the caller may compute (the
+        servers apply meanwhile), but must not change ``gradients`` or read ``out``; the
+        exchange keeps the gradient tensors alive. ``abandon()`` instead drops the replies
+        (closing their connections): whether the push was applied is then unknown, and a
+        retry under the same ``key`` applies it at most once."""
         exchange = _Exchange()
         for name, gradient in gradients.items():
             for server, part in _push_parts(self._wire_of(self.layout(name)), gradient, base_versions or {}):
                 exchange.push(server, part)
         self._add_reads(exchange, names, out)
         variable = next(iter(gradients)) if len(gradients) == 1 else None
-        outcomes, versions = self._run(exchange, key or uuid.uuid4().hex, variable)
-        return PushSummary(tuple(outcomes)), PullResult(exchange.outputs, versions)
+        key = key or uuid.uuid4().hex
+        sent = self._send_steps(exchange.by_server, key)
+
+        def finish() -> tuple[PushSummary, PullResult]:
+            outcomes, versions = self._finish(exchange, sent, key, variable)
+            return PushSummary(tuple(outcomes)), PullResult(exchange.outputs, versions)
+
+        def abandon() -> None:
+            for server, _work, connection in sent:
+                self._links_forget(server, connection)
+
+        return PendingExchange(finish, abandon, keep=gradients)
 
     def _add_reads(self, exchange: _Exchange, names: Sequence[str], out: Mapping[str, torch.Tensor] | None) -> None:
         for layout in (self.layout(n) for n in names):
@@ -370,8 +399,14 @@ class ParameterServerClient:
         first (up to their frame limit), all sent before any reply is read; the rest, and any
         share whose connection broke, run on the thread pool with retries: on the data plane
         again, else one Step RPC for shares under ``max_unary_bytes``, else streams."""
-        limit = self.config.chunk_bytes if self.config.max_unary_bytes is None else self.config.max_unary_bytes
         key = key or ""
+        return self._finish(exchange, self._send_steps(exchange.by_server, key), key, variable)
+
+    def _finish(self, exchange: _Exchange, sent: list["_SentStep"], key: str,
+                variable: str | None) -> tuple[list[PushOutcome], dict[ShardRef, int]]:
+        """Reads the replies of the steps ``_send_steps`` sent, then runs the rest of
+        ``exchange`` the way with retries (see ``_run``)."""
+        limit = self.config.chunk_bytes if self.config.max_unary_bytes is None else self.config.max_unary_bytes
 
         def call(server: int, work: _ServerWork) -> _StepResult:
             on_data_plane = self._data_plane_step(server, work, key)
@@ -390,7 +425,7 @@ class ParameterServerClient:
                 if work.items else {}
             return pushed, versions
 
-        done, errors = self._overlapped_steps(exchange.by_server, key, variable)
+        done, errors = self._receive_steps(sent, variable)
         rest = {server: work for server, work in exchange.by_server.items() if server not in done}
         try:
             done.update(self._fan_out(rest, call, variable=variable))
@@ -408,17 +443,14 @@ class ParameterServerClient:
             versions.update(read)
         return outcomes, versions
 
-    def _overlapped_steps(self, works: Mapping[int, _ServerWork], key: str,
-                          variable: str | None) -> tuple[dict[int, _StepResult | None], list[ParamServeError]]:
+    def _send_steps(self, works: Mapping[int, _ServerWork], key: str) -> list["_SentStep"]:
         """One attempt of each step on the data planes, in the calling thread: every request is
-        sent before any reply is read, so the servers work at once. Returns the results by
-        server (None for a typed error, which is in the list) and leaves out servers whose
-        data plane is unknown, absent or broken: those go the way with retries."""
-        done: dict[int, _StepResult | None] = {}
-        errors: list[ParamServeError] = []
+        sent before any reply is read (``_receive_steps``), so the servers work at once. Leaves
+        out servers whose data plane is unknown, absent or broken, and steps over its frame
+        limit: those go the way with retries."""
+        sent: list[_SentStep] = []
         if self._links is None or not works:
-            return done, errors
-        sent: list[tuple[int, _ServerWork, DataPlaneConnection]] = []
+            return sent
         for server, work in works.items():
             try:
                 connection = self._links.acquire(server)
@@ -435,21 +467,40 @@ class ParameterServerClient:
                 self._links.forget(server, connection)
                 continue
             sent.append((server, work, connection))
+        return sent
+
+    def _receive_steps(self, sent: Sequence["_SentStep"],
+                       variable: str | None) -> tuple[dict[int, _StepResult | None], list[ParamServeError]]:
+        """The replies of ``sent``: results by server (None for a typed error, which is in the
+        list), leaving out servers whose connection broke (those go the way with retries)."""
+        done: dict[int, _StepResult | None] = {}
+        errors: list[ParamServeError] = []
+        assert self._links is not None or not sent
         for server, work, connection in sent:
             try:
                 done[server] = _receive_step(connection, work)
             except TransportError:
-                self._links.forget(server, connection)
+                self._links_forget(server, connection)
                 continue
             except ParamServeError as err:
-                self._links.release(server, connection)
+                self._links_release(server, connection)
                 err.server = err.server or self.addresses[server]
                 err.variable = err.variable or variable
                 errors.append(err)
                 done[server] = None
                 continue
-            self._links.release(server, connection)
+            self._links_release(server, connection)
         return done, errors
+
+    def _links_release(self, server: int, connection: DataPlaneConnection) -> None:
+        if self._links is not None:
+            self._links.release(server, connection)
+
+    def _links_forget(self, server: int, connection: DataPlaneConnection) -> None:
+        if self._links is not None:
+            self._links.forget(server, connection)
+        else:
+            connection.close()
 
     def _data_plane_step(self, server: int, work: _ServerWork, key: str) -> _StepResult | None:
         """One attempt of one server's step on its data plane; None when it has none, or when
@@ -614,6 +665,10 @@ class ParameterServerClient:
         if errors:
             raise errors[0]
         return results
+
+
+_SentStep = tuple[int, "_ServerWork", DataPlaneConnection]
+"""A step sent on a data plane whose reply is not read yet: (server, work, connection)."""
 
 
 def _index_error(name: str, index: int, rows: int) -> IndexOutOfRangeError:

@@ -11,7 +11,7 @@ messages and back.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import NamedTuple
@@ -23,6 +23,7 @@ from paramserve.psserver.optimizer import OptimizerSpec
 
 __all__ = [
     "ClusterContext",
+    "PendingExchange",
     "PullResult",
     "PushOutcome",
     "PushSummary",
@@ -177,3 +178,35 @@ class PushSummary:
     @property
     def duplicates(self) -> int:
         return sum(not o.applied for o in self.outcomes)
+
+
+class PendingExchange:
+    """A ``push_and_pull`` whose requests are on their way (``start_push_and_pull``): exactly one
+    of ``result()`` and ``abandon()`` ends it."""
+
+    def __init__(self, finish: Callable[[], tuple[PushSummary, PullResult]], abandon: Callable[[], None], *,
+                 keep: object = None):
+        self._finish: Callable[[], tuple[PushSummary, PullResult]] | None = finish
+        self._abandon = abandon
+        self._keep = keep  # the gradients the requests were made of: a retry sends them again
+
+    @property
+    def done(self) -> bool:
+        return self._finish is None
+
+    def result(self) -> tuple[PushSummary, PullResult]:
+        """Waits for the replies; raises what ``push_and_pull`` raises."""
+        finish, self._finish = self._finish, None
+        if finish is None:
+            raise RuntimeError("this exchange has ended already")
+        try:
+            return finish()
+        finally:
+            self._keep = None
+
+    def abandon(self) -> None:
+        """Drops the replies unread (closing their connections); a no-op once ended."""
+        if self._finish is not None:
+            self._finish = None
+            self._keep = None
+            self._abandon()

@@ -29,6 +29,7 @@ class FakeStrategy:
         self.token = token
         self.tls = None
         self.max_value_age = 0.0
+        self.overlap_pushes = False
         self.attached: list[ClusterCoordinator] = []
 
     def cluster_context(self) -> ClusterContext:

@@ -18,6 +18,7 @@ from paramserve.psserver.optimizer import OptimizerSpec
 from paramserve.psserver.store import ShardPush, ShardStore
 from paramserve.psserver.types import (
     ClusterContext,
+    PendingExchange,
     PullResult,
     PushSummary,
     RowGradient,
@@ -42,6 +43,8 @@ class Traffic:
     push_keys: list[str] = field(default_factory=list)
     destinations: list[tuple[str, bool]] = field(default_factory=list)
     pushed_from: list[torch.device] = field(default_factory=list)
+    started: int = 0
+    """Pushes started to stay in flight (start_push_and_pull)."""
 
 
 class FakeParameterServers:
@@ -119,6 +122,19 @@ class FakeParameterServers:
         summary = self.push(gradients, key=key, base_versions=base_versions)
         self.traffic.read_back.extend(names)
         return summary, self._read(names, out)
+
+    def start_push_and_pull(
+        self, gradients: Mapping[str, torch.Tensor | RowGradient], names: Sequence[str], *,
+        key: str | None = None, base_versions: Mapping[ShardRef, int] | None = None,
+        out: Mapping[str, torch.Tensor] | None = None,
+    ) -> PendingExchange:
+        """Applies nothing until ``result()``: the push is in flight until then, as far as the
+        caller can tell (a real server applies it meanwhile)."""
+        self.traffic.started += 1
+        return PendingExchange(
+            lambda: self.push_and_pull(gradients, names, key=key, base_versions=base_versions, out=out),
+            lambda: None, keep=gradients,
+        )
 
     def push(
         self, gradients: Mapping[str, torch.Tensor | RowGradient], *, key: str | None = None,

@@ -10,6 +10,7 @@ client's host tensors and a GPU is ``worker.transfers``.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import os
@@ -37,7 +38,16 @@ from paramserve.psserver.errors import (
     VariableNotFoundError,
 )
 from paramserve.psserver.tensors import DTYPE_NAMES, as_byte_view, dtype_from_name, tensor_from_buffer
-from paramserve.psserver.types import ClusterContext, PullResult, PushSummary, RowGradient, ShardRef, VariableLayout
+from paramserve.psserver.types import (
+    ClusterContext,
+    PendingExchange,
+    PullResult,
+    PushSummary,
+    RowGradient,
+    ShardRef,
+    VariableLayout,
+)
+from paramserve.worker.pipeline import PushPipeline
 from paramserve.worker.resources import (
     ResourceMissingError,
     WorkerContext,
@@ -90,6 +100,8 @@ class ClosureRequest:
     max_value_age: float = 0.0
     """The first step may start from the values this worker's last push returned if they are at
     most this many seconds old (within a closure, each step starts from the previous step's)."""
+    overlap_pushes: bool = False
+    """A step's push stays in flight while the next step of this batch computes (worker.pipeline)."""
 
 
 @dataclass(frozen=True)
@@ -150,6 +162,13 @@ class VariableClient(Protocol):
     ) -> tuple[PushSummary, PullResult]:
         """Applies gradients (host tensors) on the servers (at most once per shard for ``key``),
         then reads ``names`` as the servers hold them once the push is applied (into ``out``)."""
+
+    def start_push_and_pull(
+        self, gradients: Mapping[str, torch.Tensor | RowGradient], names: Sequence[str], *,
+        key: str | None = None, base_versions: Mapping[ShardRef, int] | None = None,
+        out: Mapping[str, torch.Tensor] | None = None,
+    ) -> PendingExchange:
+        """``push_and_pull`` sent now, its replies read by the result's ``result()``."""
 
     def close(self) -> None: ...
 
@@ -289,10 +308,13 @@ class ClosureAccess:
     so a retried closure sends the same keys and the servers apply each once.
     """
 
-    def __init__(self, variables: LocalVariables, client: VariableClient | None, closure_id: str):
+    def __init__(self, variables: LocalVariables, client: VariableClient | None, closure_id: str,
+                 pipeline: PushPipeline | None = None):
         self._variables = variables
         self._client = client
         self._closure_id = closure_id
+        self._pipeline = pipeline
+        """Where this closure's pushes stay in flight (overlap_pushes); None: each push waits."""
         self._used: dict[str, nn.Parameter] = {}
         self._placed: set[int] = set()
         self._lookups: dict[str, list[_RowLookup]] = defaultdict(list)
@@ -311,6 +333,7 @@ class ClosureAccess:
         stale = self._variables.stale([str(variable_name(p)) for p in named])
         if stale:
             client = self._require_client()
+            self._settle()  # a pull reads what the push in flight applies
             self._variables.fill(client.pull(stale, out=self._variables.pull_destinations(stale)), named)
 
     def place(self, module: nn.Module) -> None:
@@ -331,7 +354,9 @@ class ClosureAccess:
     def lookup_rows(self, name: str, indices: torch.Tensor) -> torch.Tensor:
         """The rows ``indices`` (on any device) name, on the worker's device."""
         indices = indices.detach().to("cpu")  # the client and the pushed row gradients need host indices
-        pulled = self._require_client().pull_rows(name, indices)
+        client = self._require_client()
+        self._settle()
+        pulled = client.pull_rows(name, indices)
         for ref, version in pulled.versions.items():
             self._row_versions.setdefault(ref, version)  # the oldest read is the gradient's base
         leaf = self._variables.transfers.to_device(pulled.tensors[name])
@@ -344,6 +369,9 @@ class ClosureAccess:
     def apply_gradients(self, names: Sequence[str]) -> None:
         """Pushes the gradients of ``names`` and, in the same round trip, reads back the dense
         ones this worker holds: their values as the servers hold them right after this push."""
+        if self._pipeline is not None:
+            self._apply_overlapped(names, self._pipeline)
+            return
         gradients = self._variables.transfers.to_host(self._gradients(names))
         self._variables.mark_stale(list(names))
         if gradients:
@@ -358,6 +386,44 @@ class ClosureAccess:
             self.pushes_applied += summary.applied
             self.pushes_duplicate += summary.duplicates
         self._forget_rows(names)
+
+    def _apply_overlapped(self, names: Sequence[str], pipeline: PushPipeline) -> None:
+        """``apply_gradients`` that leaves the push in flight (worker.pipeline): the previous
+        one is settled first, and this one when the next step pushes or pulls, or the batch
+        ends. The pushed gradients then belong to the push (a retry may send them again):
+        their parameters' ``.grad`` is set to None, so no later step writes into them."""
+        on_device = self._gradients(names)
+        # The values these gradients came from: read before the settle below replaces them.
+        base = {**self._variables.base_versions(list(on_device)), **self._row_versions}
+        pipeline.settle()  # raises EarlierPushFailed when that push failed
+        gradients = self._variables.transfers.to_host(on_device)  # a GPU's pinned buffers are free again
+        self._variables.mark_stale(list(names))
+        if gradients:
+            client = self._require_client()
+            key = f"{self._closure_id}/{self._push_seq}"
+            self._push_seq += 1
+            read_back = [n for n in dict.fromkeys(names) if n in self._used]
+            exchange = client.start_push_and_pull(
+                gradients, read_back, key=key, base_versions=base, out=self._variables.pull_destinations(read_back)
+            )
+            for name in gradients:
+                parameter = self._variables.parameters.get(name)
+                if parameter is not None:
+                    parameter.grad = None
+            used = list(self._used.values())
+
+            def settled(done: PendingExchange) -> None:
+                summary, pulled = done.result()
+                self._variables.fill(pulled, used, returned_at=time.monotonic())
+                self.pushes_applied += summary.applied
+                self.pushes_duplicate += summary.duplicates
+
+            pipeline.hold(self, exchange, settled)
+        self._forget_rows(names)
+
+    def _settle(self) -> None:
+        if self._pipeline is not None:
+            self._pipeline.settle()
 
     def zero_grad(self, names: Sequence[str], set_to_none: bool) -> None:
         for name in names:
@@ -438,14 +504,31 @@ class WorkerCore:
         """Runs closures in order; stops after the first that does not succeed (the rest are not
         run: a user error cancels what was queued after it, and a closure that needs something
         resent is retried with it). Raises InvalidRequestError, before running any, for a
-        malformed request."""
+        malformed request.
+
+        Closures that ask for ``overlap_pushes`` leave each push in flight while the next step
+        computes (worker.pipeline); the last is settled before this returns, and a push that
+        failed is its closure's error (the closures after it are not run)."""
         for request in requests:
             _validate(request)
-        outcomes: list[ClosureOutcome] = []
-        for request in requests:
-            outcomes.append(self.run_closure(request))
-            if outcomes[-1].error is not None:
-                break
+        pipeline = PushPipeline()
+        runs: list[tuple[ClosureRequest, ClosureOutcome, ClosureAccess | None]] = []
+        with self._run_lock:
+            try:
+                for request in requests:
+                    outcome, access = self._run(request, pipeline if request.overlap_pushes else None)
+                    runs.append((request, outcome, access))
+                    if outcome.error is not None or pipeline.failure is not None:
+                        break
+                pipeline.settle_quietly()
+            finally:
+                pipeline.abandon()  # only where something above raised
+        if pipeline.failure is not None:
+            runs = _blame_failed_push(runs, pipeline.failure)
+        outcomes = [_counted(outcome, access) for _, outcome, access in runs]
+        for (request, _, access), outcome in zip(runs, outcomes):
+            if access is not None:  # not a request answered with needs_cluster (logged already)
+                self._finished(request, outcome)
         return outcomes
 
     def run_closure(self, request: ClosureRequest) -> ClosureOutcome:
@@ -454,29 +537,33 @@ class WorkerCore:
         Errors of the user's code (and of the parameter servers it reaches) come
         back in the outcome; only a malformed request raises (InvalidRequestError).
         """
-        _validate(request)
-        with self._run_lock:
-            start = time.perf_counter()
-            cluster = self._cluster_for(request)
-            if cluster is None:
-                return self._needs_cluster(request)
-            access = ClosureAccess(self._variables, self._client_for(cluster), request.closure_id)
-            result, error = self._execute(request, access)
-            outcome = ClosureOutcome(
-                result=result,
-                error=error,
-                worker_incarnation=self.incarnation,
-                resources_held=self._held(),
-                pushes_applied=access.pushes_applied,
-                pushes_duplicate=access.pushes_duplicate,
-                seconds=time.perf_counter() - start,
-            )
-            with self._state_lock:
-                self._closures_run += 1
+        return self.run_closures([request])[0]
+
+    def _run(self, request: ClosureRequest, pipeline: PushPipeline | None) -> tuple[ClosureOutcome, ClosureAccess | None]:
+        """One closure, under the run lock; its last push may still be in ``pipeline``."""
+        start = time.perf_counter()
+        cluster = self._cluster_for(request)
+        if cluster is None:
+            return self._needs_cluster(request), None
+        access = ClosureAccess(self._variables, self._client_for(cluster), request.closure_id, pipeline)
+        result, error = self._execute(request, access)
+        outcome = ClosureOutcome(
+            result=result,
+            error=error,
+            worker_incarnation=self.incarnation,
+            resources_held=self._held(),
+            pushes_applied=access.pushes_applied,
+            pushes_duplicate=access.pushes_duplicate,
+            seconds=time.perf_counter() - start,
+        )
+        return outcome, access
+
+    def _finished(self, request: ClosureRequest, outcome: ClosureOutcome) -> None:
+        with self._state_lock:
+            self._closures_run += 1
         _log_outcome(request, outcome)
         if self._observer is not None:
             self._observer.on_closure(request, outcome)
-        return outcome
 
     def info(self) -> WorkerInfo:
         held = self._held()
@@ -564,6 +651,26 @@ class WorkerCore:
     def _held(self) -> tuple[str, ...]:
         with self._state_lock:
             return tuple(sorted(self._resources))
+
+
+def _blame_failed_push(
+    runs: list[tuple[ClosureRequest, ClosureOutcome, ClosureAccess | None]], failure: tuple[object, BaseException]
+) -> list[tuple[ClosureRequest, ClosureOutcome, ClosureAccess | None]]:
+    """The runs up to the closure whose push failed, that closure with the push's error: the
+    closures after it did not run as far as the coordinator knows (one stopped at its own push)."""
+    owner, error = failure
+    for position, (request, outcome, access) in enumerate(runs):
+        if access is owner:
+            failed = dataclasses.replace(outcome, result=None, error=closure_failure(error))
+            return [*runs[:position], (request, failed, access)]
+    raise AssertionError("a push failed that no closure of the batch owns")
+
+
+def _counted(outcome: ClosureOutcome, access: ClosureAccess | None) -> ClosureOutcome:
+    """``outcome`` with its closure's pushes counted once all of them are settled."""
+    if access is None or (outcome.pushes_applied, outcome.pushes_duplicate) == (access.pushes_applied, access.pushes_duplicate):
+        return outcome
+    return dataclasses.replace(outcome, pushes_applied=access.pushes_applied, pushes_duplicate=access.pushes_duplicate)
 
 
 def _validate(request: ClosureRequest) -> None:

@@ -37,6 +37,7 @@ def request_to_proto(request: ClosureRequest) -> worker_pb2.RunClosureRequest:
         num_workers=request.num_workers,
         cluster_fingerprint=request.cluster_fingerprint,
         max_value_age=request.max_value_age,
+        overlap_pushes=request.overlap_pushes,
     )
 
 
@@ -54,6 +55,7 @@ def request_from_proto(message: worker_pb2.RunClosureRequest) -> ClosureRequest:
         num_workers=int(message.num_workers),
         cluster_fingerprint=message.cluster_fingerprint,
         max_value_age=float(message.max_value_age),
+        overlap_pushes=bool(message.overlap_pushes),
     )
 
 

@@ -104,6 +104,15 @@ class ParameterServerStrategy(SingleReplicaStrategy):
             either way), and a round trip per closure is saved; after a pause (an
             evaluation, a slow input) the step pulls. 0: every closure's first step pulls.
             A restore of the variables always makes workers pull.
+        overlap_pushes: a worker's step computes while its previous step's push is still on
+            its way (the servers apply it meanwhile), instead of waiting for the push's round
+            trip: a step's gradients then come from values that miss the worker's own previous
+            update, one step staler than without (the servers' ``--max-staleness`` counts
+            it; 0 there rejects such pushes). At most one push is in flight per worker and
+            never past the end of a RunClosures call: a closure's result is returned once its
+            pushes are applied, and a push that fails is its closure's error. After
+            ``optimizer.step()`` the pushed parameters' ``.grad`` is None (the push holds the
+            gradients until it is applied). Default False.
         environ: where ``cluster`` and ``token`` are read from when not given; default ``os.environ``.
         run_name: namespaces this run's variables on the servers (``<run_name>/<model>.<param>``),
             so that runs sharing parameter servers keep apart. Checkpoints store names
@@ -121,6 +130,7 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         token: str | None = None,
         client_config: ClientConfig | None = None,
         max_value_age: float = 0.1,
+        overlap_pushes: bool = False,
         environ: Mapping[str, str] | None = None,
         run_name: str | None = None,
         reuse_variables: bool = False,
@@ -134,6 +144,7 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         if not max_value_age >= 0:
             raise ValueError(f"max_value_age must be >= 0 seconds, got {max_value_age!r}")
         self.max_value_age = float(max_value_age)
+        self.overlap_pushes = bool(overlap_pushes)
         self.run_name = _check_run_name(run_name)
         self.reuse_variables = bool(reuse_variables)
         self._namespace = f"{self.run_name}/" if self.run_name else ""

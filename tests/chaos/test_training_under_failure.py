@@ -1,8 +1,10 @@
-"""Training survives a worker killed with SIGKILL, and applies every step exactly once.
+"""Training survives a worker killed with SIGKILL, and applies every step exactly once, with
+each push awaited and with pushes left in flight while the next step computes (overlap_pushes).
 (Parameter servers that die: test_ps_recovery.py.)"""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from paramserve.coordinator.cluster_coordinator import ClusterCoordinator
@@ -14,16 +16,18 @@ from paramserve.psserver.partition import FixedShardsPartitioner
 STEPS = 240
 
 
-def build(cluster):
-    strategy = ParameterServerStrategy(cluster.spec, variable_partitioner=FixedShardsPartitioner(2))
+def build(cluster, overlap_pushes: bool = False):
+    strategy = ParameterServerStrategy(cluster.spec, variable_partitioner=FixedShardsPartitioner(2),
+                                       overlap_pushes=overlap_pushes)
     with strategy.scope():
         model = MLP(32)
     return strategy, model, strategy.optimizer(torch.optim.SGD, lr=0.05, momentum=0.9)
 
 
-def test_sigkill_of_a_worker_mid_training_loses_no_step_and_applies_none_twice(start_cluster):
+@pytest.mark.parametrize("overlap_pushes", [False, True], ids=["awaited", "overlapped"])
+def test_sigkill_of_a_worker_mid_training_loses_no_step_and_applies_none_twice(start_cluster, overlap_pushes):
     cluster = start_cluster(num_ps=2, num_workers=2)
-    strategy, model, optimizer = build(cluster)
+    strategy, model, optimizer = build(cluster, overlap_pushes)
     with ClusterCoordinator(strategy) as coordinator:
         batches = iter(coordinator.create_per_worker_dataset(worker_batches))
         values = [coordinator.schedule(train_step, args=(batches, model, optimizer)) for _ in range(STEPS)]

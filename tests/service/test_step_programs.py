@@ -6,6 +6,7 @@ nothing; a program follows its shards through a restore and refuses a deleted va
 from __future__ import annotations
 
 import socket
+import time
 
 import grpc
 import pytest
@@ -242,3 +243,34 @@ def test_program_numbers_are_reused_least_recently_used_first():
     assert numbers.number(signatures[1]) == (3, False)  # evicted, so it is defined again, elsewhere
     numbers.defined(signatures[1], 2)  # an answer for a number it no longer has changes nothing
     assert numbers.number(signatures[1]) == (3, False)
+
+
+def test_a_started_exchange_is_applied_while_the_caller_computes_and_an_abandoned_one_at_most_once(
+        start_ps, make_client):
+    """start_push_and_pull returns once the requests are sent; the server applies them meanwhile.
+    An exchange dropped unread leaves its push applied or not, and the retry under its key
+    applies it at most once, on a fresh connection."""
+    servers = [start_ps(), start_ps()]
+    client = make_client([s.address for s in servers])
+    client.create_variable("w", torch.zeros(8), optimizer=SGD, partitioner=FixedShardsPartitioner(2))
+    out = torch.empty(8)
+
+    def versions() -> dict[ShardRef, int]:
+        return {info.ref: info.version for infos in client.list_shards().values() for info in infos}
+
+    pending = client.start_push_and_pull({"w": torch.ones(8)}, ["w"], key="k1", out={"w": out})
+    deadline = time.monotonic() + 10
+    while versions() != {ShardRef("w", 0): 1, ShardRef("w", 1): 1}:  # applied before its replies are read
+        assert time.monotonic() < deadline and not pending.done
+        time.sleep(0.01)
+    summary, pulled = pending.result()
+    assert summary.applied == 2 and pulled.tensors["w"] is out
+    assert torch.equal(out, torch.full((8,), -0.5)) and pending.done
+
+    dropped = client.start_push_and_pull({"w": torch.ones(8)}, ["w"], key="k2", out={"w": out})
+    dropped.abandon()
+    dropped.abandon()  # once only
+    again, _ = client.push_and_pull({"w": torch.ones(8)}, ["w"], key="k2", out={"w": out})
+    assert again.applied + again.duplicates == 2
+    assert torch.equal(out, torch.full((8,), -1.0)), "k2 applied once on each shard, whichever call applied it"
+    assert versions() == {ShardRef("w", 0): 2, ShardRef("w", 1): 2}

@@ -674,6 +674,7 @@ class _StubStrategy:
         self.token = "a-token"  # the doubles' addresses are not loopback: replies must be signed
         self.tls = None
         self.max_value_age = 0.0
+        self.overlap_pushes = False
         self._context = ClusterContext(("ps0:1",))
 
     def cluster_context(self):

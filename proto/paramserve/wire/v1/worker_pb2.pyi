@@ -16,7 +16,7 @@ class ResourceSpec(_message.Message):
     def __init__(self, resource_id: _Optional[str] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
 class RunClosureRequest(_message.Message):
-    __slots__ = ("closure_id", "attempt", "function_name", "payload", "resources", "cluster", "steps", "worker_index", "num_workers", "cluster_fingerprint", "max_value_age")
+    __slots__ = ("closure_id", "attempt", "function_name", "payload", "resources", "cluster", "steps", "worker_index", "num_workers", "cluster_fingerprint", "max_value_age", "overlap_pushes")
     CLOSURE_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     FUNCTION_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,7 @@ class RunClosureRequest(_message.Message):
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     MAX_VALUE_AGE_FIELD_NUMBER: _ClassVar[int]
+    OVERLAP_PUSHES_FIELD_NUMBER: _ClassVar[int]
     closure_id: str
     attempt: int
     function_name: str
@@ -39,7 +40,8 @@ class RunClosureRequest(_message.Message):
     num_workers: int
     cluster_fingerprint: str
     max_value_age: float
-    def __init__(self, closure_id: _Optional[str] = ..., attempt: _Optional[int] = ..., function_name: _Optional[str] = ..., payload: _Optional[bytes] = ..., resources: _Optional[_Iterable[_Union[ResourceSpec, _Mapping]]] = ..., cluster: _Optional[_Union[_cluster_pb2.ClusterContext, _Mapping]] = ..., steps: _Optional[int] = ..., worker_index: _Optional[int] = ..., num_workers: _Optional[int] = ..., cluster_fingerprint: _Optional[str] = ..., max_value_age: _Optional[float] = ...) -> None: ...
+    overlap_pushes: bool
+    def __init__(self, closure_id: _Optional[str] = ..., attempt: _Optional[int] = ..., function_name: _Optional[str] = ..., payload: _Optional[bytes] = ..., resources: _Optional[_Iterable[_Union[ResourceSpec, _Mapping]]] = ..., cluster: _Optional[_Union[_cluster_pb2.ClusterContext, _Mapping]] = ..., steps: _Optional[int] = ..., worker_index: _Optional[int] = ..., num_workers: _Optional[int] = ..., cluster_fingerprint: _Optional[str] = ..., max_value_age: _Optional[float] = ..., overlap_pushes: _Optional[bool] = ...) -> None: ...
 
 class ClosureFailure(_message.Message):
     __slots__ = ("type", "message", "traceback", "pickled", "missing_resources", "parameter_server", "needs_cluster")
