@@ -368,58 +368,41 @@ class ClosureAccess:
 
     def apply_gradients(self, names: Sequence[str]) -> None:
         """Pushes the gradients of ``names`` and, in the same round trip, reads back the dense
-        ones this worker holds: their values as the servers hold them right after this push."""
-        if self._pipeline is not None:
-            self._apply_overlapped(names, self._pipeline)
-            return
-        gradients = self._variables.transfers.to_host(self._gradients(names))
-        self._variables.mark_stale(list(names))
-        if gradients:
-            key = f"{self._closure_id}/{self._push_seq}"
-            self._push_seq += 1
-            base = {**self._variables.base_versions(list(gradients)), **self._row_versions}
-            read_back = [n for n in dict.fromkeys(names) if n in self._used]
-            summary, pulled = self._require_client().push_and_pull(
-                gradients, read_back, key=key, base_versions=base, out=self._variables.pull_destinations(read_back)
-            )
-            self._variables.fill(pulled, list(self._used.values()), returned_at=time.monotonic())
-            self.pushes_applied += summary.applied
-            self.pushes_duplicate += summary.duplicates
-        self._forget_rows(names)
+        ones this worker holds: their values as the servers hold them right after this push.
 
-    def _apply_overlapped(self, names: Sequence[str], pipeline: PushPipeline) -> None:
-        """``apply_gradients`` that leaves the push in flight (worker.pipeline): the previous
-        one is settled first, and this one when the next step pushes or pulls, or the batch
-        ends. The pushed gradients then belong to the push (a retry may send them again):
-        their parameters' ``.grad`` is set to None, so no later step writes into them."""
+        With a pipeline (``overlap_pushes``, worker.pipeline) the push is left in flight: the
+        previous one is settled first, and this one when the next step pushes or pulls, or the
+        batch ends. Its gradients then belong to the push (a retry may send them again): their
+        parameters' ``.grad`` is set to None, so no later step writes into them."""
         on_device = self._gradients(names)
-        # The values these gradients came from: read before the settle below replaces them.
+        # The values these gradients came from: read before a settle replaces them.
         base = {**self._variables.base_versions(list(on_device)), **self._row_versions}
-        pipeline.settle()  # raises EarlierPushFailed when that push failed
-        gradients = self._variables.transfers.to_host(on_device)  # a GPU's pinned buffers are free again
+        self._settle()  # raises EarlierPushFailed when that push failed
+        gradients = self._variables.transfers.to_host(on_device)  # after the settle: a GPU's pinned buffers are free
         self._variables.mark_stale(list(names))
         if gradients:
             client = self._require_client()
             key = f"{self._closure_id}/{self._push_seq}"
             self._push_seq += 1
             read_back = [n for n in dict.fromkeys(names) if n in self._used]
-            exchange = client.start_push_and_pull(
-                gradients, read_back, key=key, base_versions=base, out=self._variables.pull_destinations(read_back)
-            )
-            for name in gradients:
-                parameter = self._variables.parameters.get(name)
-                if parameter is not None:
-                    parameter.grad = None
+            out = self._variables.pull_destinations(read_back)
             used = list(self._used.values())
-
-            def settled(done: PendingExchange) -> None:
-                summary, pulled = done.result()
-                self._variables.fill(pulled, used, returned_at=time.monotonic())
-                self.pushes_applied += summary.applied
-                self.pushes_duplicate += summary.duplicates
-
-            pipeline.hold(self, exchange, settled)
+            if self._pipeline is None:
+                self._record(*client.push_and_pull(gradients, read_back, key=key, base_versions=base, out=out), used)
+            else:
+                exchange = client.start_push_and_pull(gradients, read_back, key=key, base_versions=base, out=out)
+                for name in gradients:
+                    parameter = self._variables.parameters.get(name)
+                    if parameter is not None:
+                        parameter.grad = None
+                self._pipeline.hold(self, exchange, lambda done: self._record(*done.result(), used))
         self._forget_rows(names)
+
+    def _record(self, summary: PushSummary, pulled: PullResult, used: list[nn.Parameter]) -> None:
+        """A push's outcome: the values it read back fill the parameters, and it is counted."""
+        self._variables.fill(pulled, used, returned_at=time.monotonic())
+        self.pushes_applied += summary.applied
+        self.pushes_duplicate += summary.duplicates
 
     def _settle(self) -> None:
         if self._pipeline is not None:

@@ -229,6 +229,29 @@ def test_a_gpu_worker_pulls_through_pinned_buffers_and_pushes_host_gradients(gpu
 
 
 @needs_gpu
+def test_a_gpu_workers_overlapped_pushes_end_where_a_cpu_workers_do():
+    """overlap_pushes on a GPU: the reply of the push in flight lands in the pinned buffers only
+    after the next step's gradients were computed, and those gradients reach their own pinned
+    buffers only after that push was settled; the servers end where a CPU worker's do."""
+    x, y = torch.randn(4, 3), torch.randn(4, 2)
+    finals = {}
+    for device in (CPU, GPU):
+        servers = servers_with_linear()
+        core = WorkerCore(servers.factory, device=device)
+        model, optimizer = distributed_linear()
+        batch = [ClosureRequest(**{**request(servers, train_step, model, optimizer, x, y, closure_id=f"c{i}").__dict__,
+                                   "overlap_pushes": True, "max_value_age": 3600.0}) for i in range(4)]
+        try:
+            outcomes = core.run_closures(batch)
+        finally:
+            core.close()
+        assert [o.error for o in outcomes] == [None] * 4 and servers.traffic.started == 4
+        finals[device] = (servers.value("w"), servers.value("b"), servers.version("w"))
+    torch.testing.assert_close(finals[GPU][:2], finals[CPU][:2], atol=1e-5, rtol=1e-5)
+    assert finals[GPU][2] == finals[CPU][2] == 4
+
+
+@needs_gpu
 def test_a_gpu_workers_parameters_hold_the_servers_values_after_each_step(gpu_core):
     core, servers = gpu_core
     model, optimizer = distributed_linear()
