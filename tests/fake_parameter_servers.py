@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from paramserve.psserver.errors import ServerUnavailableError
 from paramserve.psserver.optimizer import OptimizerSpec
@@ -27,8 +28,29 @@ from paramserve.psserver.types import (
     ShardState,
     VariableLayout,
 )
+from paramserve.worker.variables import RefreshBeforeForward, ServerOptimizer, mark_variable
 
 ADDRESS = "fake-ps:1"
+
+
+def linear_servers(lr: float) -> "FakeParameterServers":
+    """Servers holding a Linear(3 -> 2) as variables 'w' and 'b' (SGD at ``lr``; torch seed 0)."""
+    servers = FakeParameterServers()
+    torch.manual_seed(0)
+    servers.create("w", torch.randn(2, 3), OptimizerSpec("SGD", {"lr": lr}))
+    servers.create("b", torch.randn(2), OptimizerSpec("SGD", {"lr": lr}))
+    return servers
+
+
+def distributed_linear(lr: float, *, refresh_hook: bool = False) -> tuple[nn.Linear, ServerOptimizer]:
+    """A model as the coordinator holds it: its parameters stand for variables 'w' and 'b';
+    with ``refresh_hook``, its forward pulls them first (RefreshBeforeForward)."""
+    model = nn.Linear(3, 2)
+    mark_variable(model.weight, "w")
+    mark_variable(model.bias, "b")
+    if refresh_hook:
+        model.register_forward_pre_hook(RefreshBeforeForward())
+    return model, ServerOptimizer(["w", "b"], "SGD", {"lr": lr})
 
 
 @dataclass
@@ -78,6 +100,14 @@ class FakeParameterServers:
 
     def value(self, name: str) -> torch.Tensor:
         return self.store.pull(ShardRef(name, 0)).value
+
+    def local_linear(self) -> nn.Linear:
+        """A plain ``nn.Linear(3, 2)`` holding the current 'w' and 'b' (a test's reference)."""
+        local = nn.Linear(3, 2)
+        with torch.no_grad():
+            local.weight.copy_(self.value("w"))
+            local.bias.copy_(self.value("b"))
+        return local
 
     def version(self, name: str) -> int:
         return self.store.pull(ShardRef(name, 0)).version

@@ -6,16 +6,15 @@ and processes: tests/chaos/test_training_under_failure.py."""
 from __future__ import annotations
 
 import cloudpickle
+import fake_parameter_servers as fake_servers
 import pytest
 import torch
-from fake_parameter_servers import FakeParameterServers
 from torch import nn
 
-from paramserve.psserver.optimizer import OptimizerSpec
 from paramserve.psserver.types import PendingExchange, PullResult, PushSummary
-from paramserve.worker.core import ClosureRequest, WorkerCore
+from paramserve.worker.core import ClosureRequest
 from paramserve.worker.pipeline import EarlierPushFailed, PushPipeline
-from paramserve.worker.variables import ServerOptimizer, dumps_closure, mark_variable
+from paramserve.worker.variables import ServerOptimizer, dumps_closure
 
 LR = 0.5
 
@@ -32,27 +31,8 @@ def explode() -> None:
     raise ValueError("the user's closure failed")
 
 
-@pytest.fixture
-def servers() -> FakeParameterServers:
-    fake = FakeParameterServers()
-    torch.manual_seed(0)
-    fake.create("w", torch.randn(2, 3), OptimizerSpec("SGD", {"lr": LR}))
-    fake.create("b", torch.randn(2), OptimizerSpec("SGD", {"lr": LR}))
-    return fake
-
-
-@pytest.fixture
-def core(servers):
-    worker = WorkerCore(servers.factory)
-    yield worker
-    worker.close()
-
-
 def distributed_linear() -> tuple[nn.Linear, ServerOptimizer]:
-    model = nn.Linear(3, 2)
-    mark_variable(model.weight, "w")
-    mark_variable(model.bias, "b")
-    return model, ServerOptimizer(["w", "b"], "SGD", {"lr": LR})
+    return fake_servers.distributed_linear(LR)
 
 
 def request(servers, fn, *args, closure_id: str, overlap: bool = True) -> ClosureRequest:
@@ -65,10 +45,7 @@ def request(servers, fn, *args, closure_id: str, overlap: bool = True) -> Closur
 def test_each_step_computes_from_values_that_miss_the_workers_own_push_in_flight(core, servers):
     model, optimizer = distributed_linear()
     x, y = torch.randn(4, 3), torch.randn(4, 2)
-    local = nn.Linear(3, 2)
-    with torch.no_grad():
-        local.weight.copy_(servers.value("w"))
-        local.bias.copy_(servers.value("b"))
+    local = servers.local_linear()
 
     outcomes = core.run_closures([request(servers, train_step, model, optimizer, x, y, closure_id=f"c{i}")
                                   for i in range(4)])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pickle
 
 import cloudpickle
+import fake_parameter_servers as fake_servers
 import pytest
 import torch
 from fake_parameter_servers import ADDRESS, FakeParameterServers
@@ -90,29 +91,9 @@ def exit_the_process() -> None:
 # ---------------------------------------------------------------- fixtures and helpers
 
 
-@pytest.fixture
-def servers() -> FakeParameterServers:
-    """Parameter servers holding a Linear(3 -> 2) as variables 'w' and 'b'."""
-    fake = FakeParameterServers()
-    torch.manual_seed(0)
-    fake.create("w", torch.randn(2, 3), SGD)
-    fake.create("b", torch.randn(2), SGD)
-    return fake
-
-
-@pytest.fixture
-def core(servers):
-    worker = WorkerCore(servers.factory)
-    yield worker
-    worker.close()
-
-
 def distributed_linear() -> tuple[nn.Linear, ServerOptimizer]:
     """A model as the coordinator holds it: its parameters stand for variables 'w' and 'b'."""
-    model = nn.Linear(3, 2)
-    mark_variable(model.weight, "w")
-    mark_variable(model.bias, "b")
-    return model, ServerOptimizer(["w", "b"], "SGD", {"lr": LR})
+    return fake_servers.distributed_linear(LR)
 
 
 def closure_request(servers, fn, *args, closure_id="closure-1", steps=1, resources=(), **kwargs) -> ClosureRequest:
@@ -135,10 +116,7 @@ def result_of(outcome):
 
 def expected_after_one_step(servers, x, y):
     """What SGD on the servers should produce, computed locally with plain torch."""
-    local = nn.Linear(3, 2)
-    with torch.no_grad():
-        local.weight.copy_(servers.value("w"))
-        local.bias.copy_(servers.value("b"))
+    local = servers.local_linear()
     ((local(x) - y) ** 2).mean().backward()
     return servers.value("w") - LR * local.weight.grad, servers.value("b") - LR * local.bias.grad
 
@@ -387,10 +365,7 @@ def request_with(servers, *args, closure_id, steps=1, max_value_age=0.0):
 def test_later_steps_of_a_closure_start_from_what_the_previous_push_returned(core, servers):
     model, optimizer = distributed_linear()
     x, y = torch.randn(4, 3), torch.randn(4, 2)
-    local = nn.Linear(3, 2)
-    with torch.no_grad():
-        local.weight.copy_(servers.value("w"))
-        local.bias.copy_(servers.value("b"))
+    local = servers.local_linear()
     reference = torch.optim.SGD(local.parameters(), lr=LR)
 
     result_of(core.run_closure(request_with(servers, model, optimizer, x, y, closure_id="c", steps=3)))

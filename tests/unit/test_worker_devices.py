@@ -8,9 +8,10 @@ from __future__ import annotations
 import collections
 
 import cloudpickle
+import fake_parameter_servers as fake_servers
 import pytest
 import torch
-from fake_parameter_servers import FakeParameterServers
+from fake_parameter_servers import FakeParameterServers, linear_servers
 from torch import nn
 
 from paramserve.coordinator.cluster_coordinator import _iterator_factory
@@ -89,19 +90,11 @@ def two_batches(ctx: WorkerContext) -> list:
 
 
 def servers_with_linear() -> FakeParameterServers:
-    servers = FakeParameterServers()
-    torch.manual_seed(0)
-    servers.create("w", torch.randn(2, 3), SGD)
-    servers.create("b", torch.randn(2), SGD)
-    return servers
+    return linear_servers(LR)
 
 
 def distributed_linear() -> tuple[nn.Linear, ServerOptimizer]:
-    model = nn.Linear(3, 2)
-    mark_variable(model.weight, "w")
-    mark_variable(model.bias, "b")
-    model.register_forward_pre_hook(RefreshBeforeForward())
-    return model, ServerOptimizer(["w", "b"], "SGD", {"lr": LR})
+    return fake_servers.distributed_linear(LR, refresh_hook=True)
 
 
 def request(servers, fn, *args, closure_id="c1", steps=1, resources=()) -> ClosureRequest:  # type: ignore[no-untyped-def]
@@ -119,10 +112,7 @@ def result_of(outcome):  # type: ignore[no-untyped-def]
 
 def expected_after_steps(servers, x, y, steps=1):  # type: ignore[no-untyped-def]
     """SGD on the servers, computed locally with plain torch on the CPU."""
-    local = nn.Linear(3, 2)
-    with torch.no_grad():
-        local.weight.copy_(servers.value("w"))
-        local.bias.copy_(servers.value("b"))
+    local = servers.local_linear()
     for _ in range(steps):
         local.zero_grad()
         ((local(x) - y) ** 2).mean().backward()
