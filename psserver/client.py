@@ -375,7 +375,8 @@ class ParameterServerClient:
 
         def abandon() -> None:
             for server, _work, connection in sent:
-                self._links_forget(server, connection)
+                assert self._links is not None  # a step is sent only on a data plane
+                self._links.forget(server, connection)
 
         return PendingExchange(finish, abandon, keep=gradients)
 
@@ -475,32 +476,24 @@ class ParameterServerClient:
         list), leaving out servers whose connection broke (those go the way with retries)."""
         done: dict[int, _StepResult | None] = {}
         errors: list[ParamServeError] = []
-        assert self._links is not None or not sent
+        links = self._links
+        if not sent or links is None:  # a step is sent only on a data plane
+            return done, errors
         for server, work, connection in sent:
             try:
                 done[server] = _receive_step(connection, work)
             except TransportError:
-                self._links_forget(server, connection)
+                links.forget(server, connection)
                 continue
             except ParamServeError as err:
-                self._links_release(server, connection)
+                links.release(server, connection)
                 err.server = err.server or self.addresses[server]
                 err.variable = err.variable or variable
                 errors.append(err)
                 done[server] = None
                 continue
-            self._links_release(server, connection)
+            links.release(server, connection)
         return done, errors
-
-    def _links_release(self, server: int, connection: DataPlaneConnection) -> None:
-        if self._links is not None:
-            self._links.release(server, connection)
-
-    def _links_forget(self, server: int, connection: DataPlaneConnection) -> None:
-        if self._links is not None:
-            self._links.forget(server, connection)
-        else:
-            connection.close()
 
     def _data_plane_step(self, server: int, work: _ServerWork, key: str) -> _StepResult | None:
         """One attempt of one server's step on its data plane; None when it has none, or when
