@@ -261,6 +261,12 @@ class LocalMetricState:
     def reset(self) -> None:
         self.metric.reset()
 
+    def leave_process_group(self) -> None:
+        """Reads this process's copy alone from now on, and lets go of the group (its
+        strategy has shut down; a reference kept would keep the group's threads alive)."""
+        self.metric.sync_on_compute = False
+        self.metric.process_group = None
+
     def __getstate__(self) -> dict[str, Any]:
         return {"metric": self.metric}
 

@@ -46,13 +46,14 @@ from __future__ import annotations
 import contextlib
 import datetime
 import enum
+import gc
 import logging
 import os
 import socket
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -71,6 +72,9 @@ from paramserve.coordinator.strategies.base import (
 from paramserve.coordinator.strategies.distributed_values import DistributedValue
 from paramserve.coordinator.strategies.input import InputOptions, split_batch
 from paramserve.psserver.devices import computing_on, cuda_device_count
+
+if TYPE_CHECKING:
+    from paramserve.coordinator.metrics import LocalMetricState
 
 __all__ = [
     "ClusterResolver",
@@ -390,6 +394,7 @@ class MultiWorkerMirroredStrategy(Strategy):
                 "a torch.distributed process group is already initialised in this process: "
                 "adopt it with MultiWorkerMirroredStrategy.from_process_group()"
             )
+        _import_dynamo_before_the_group()
         store = _meeting_store(resolver, options.timeout())
         gpu = _own_gpu(resolver.local_rank)
         backend = options.backend(_exchange_gpus(store, resolver.rank, resolver.world_size, _gpu_identity(gpu)))
@@ -411,6 +416,8 @@ class MultiWorkerMirroredStrategy(Strategy):
         The caller keeps ownership: ``shutdown()`` does not destroy it. The
         implementation in ``communication_options`` is ignored; the group's own
         backend is used. Raises ``RuntimeError`` if torch.distributed is not initialised.
+        Import ``torch._dynamo`` before initialising the group, or its threads outlive
+        ``destroy_process_group()`` (see ``_import_dynamo_before_the_group``).
         """
         if not dist.is_initialized():
             raise RuntimeError(
@@ -435,8 +442,9 @@ class MultiWorkerMirroredStrategy(Strategy):
         self.cluster_resolver = resolver
         self.backend = backend
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-        self._group = group
+        self._group: dist.ProcessGroup | None = group
         self._owns_group = owns_group
+        self._metric_states: weakref.WeakSet[LocalMetricState] = weakref.WeakSet()
         self._src = dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
         self._rank = dist.get_rank(group)
         self._world_size = dist.get_world_size(group)
@@ -509,7 +517,7 @@ class MultiWorkerMirroredStrategy(Strategy):
     def _broadcast(self, tensors: Sequence[torch.Tensor]) -> None:
         wire_dtype = torch.uint8 if tensors[0].dtype is torch.bool else tensors[0].dtype  # gloo has no bool
         flat = torch.cat([t.detach().reshape(-1).to(self.device, wire_dtype) for t in tensors])
-        dist.broadcast(flat, src=self._src, group=self._group)
+        dist.broadcast(flat, src=self._src, group=self._live_group)
         with torch.no_grad():
             for tensor, part in zip(tensors, _split_like(flat, tensors)):
                 tensor.copy_(part)
@@ -557,7 +565,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         # somewhere" costs no second collective.
         present = torch.tensor([p.grad is not None for p in params], dtype=dtype, device=self.device)
         flat = torch.cat([*parts, present])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self._group)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self._live_group)
         reduced = _split_like(flat[: -len(params)], params)
         for param, grad, flag in zip(params, reduced, flat[-len(params):].tolist()):
             if flag > 0:  # the new gradient is a view of the bucket: no copy back
@@ -596,7 +604,7 @@ class MultiWorkerMirroredStrategy(Strategy):
 
     def _all_reduce_tensor(self, reduce_op: ReduceOp, tensor: torch.Tensor) -> torch.Tensor:
         result = tensor.detach().to(self.device, copy=True)
-        dist.all_reduce(result, op=dist.ReduceOp.SUM, group=self._group)
+        dist.all_reduce(result, op=dist.ReduceOp.SUM, group=self._live_group)
         result = result.to(tensor.device)
         return result / self._world_size if reduce_op is ReduceOp.MEAN else result
 
@@ -662,13 +670,15 @@ class MultiWorkerMirroredStrategy(Strategy):
         group (torchmetrics' own synchronisation: a collective, every process reads it)."""
         from paramserve.coordinator.metrics import LocalMetricState
 
-        return LocalMetricState(template, process_group=self._group)
+        state = LocalMetricState(template, process_group=self._live_group)
+        self._metric_states.add(state)
+        return state
 
     # ------------------------------------------------------------------ lifecycle
 
     def barrier(self) -> None:
         """Waits until every process reaches this point."""
-        dist.barrier(group=self._group)
+        dist.barrier(group=self._live_group)
 
     def close(self) -> None:
         """Stops all-reducing gradients (removes its global optimizer step pre-hook) and
@@ -676,15 +686,34 @@ class MultiWorkerMirroredStrategy(Strategy):
         self.shutdown()
 
     def shutdown(self) -> None:
-        """The same as ``close()``."""
+        """The same as ``close()``.
+
+        It also drops every reference this strategy and its metrics hold to the group.
+        ``dist.destroy_process_group()`` leaves gloo's worker threads running for as long as
+        a Python reference to the group lives; one left to the interpreter's exit is torn
+        down mid-finalisation, where a worker thread that needs the GIL aborts the process
+        ("terminate called without an active exception"). Metrics read after this read their
+        own process's copy. Destroying the group joins those threads."""
         if self._step_hook is not None:
             self._step_hook.remove()
             self._step_hook = None
-        if self._owns_group and dist.is_initialized():
+        if self._owns_group and dist.is_initialized() and self._group is not None:
             _leave_together(self._store, self._group, self._rank, self._world_size)
         self._owns_group = False
         self._store = None
+        for state in list(self._metric_states):
+            state.leave_process_group()
+        self._group = None
+        gc.collect()  # a metric already dropped may still hold the group from a reference cycle
         self._release_models()
+
+    @property
+    def _live_group(self) -> dist.ProcessGroup:
+        if self._group is None:
+            raise RuntimeError(
+                "this MultiWorkerMirroredStrategy was shut down: create a new one to communicate again"
+            )
+        return self._group
 
     def __repr__(self) -> str:
         return f"MultiWorkerMirroredStrategy(rank={self._rank}, world_size={self._world_size}, backend={self.backend!r})"
@@ -698,6 +727,19 @@ def _world() -> dist.ProcessGroup:
     if group is None:
         raise RuntimeError("torch.distributed has no world group: initialise the process group first")
     return group
+
+
+def _import_dynamo_before_the_group() -> None:
+    """Imports ``torch._dynamo`` now, before the process group exists.
+
+    ``torch.optim`` imports it lazily, at the first optimizer built. In torch 2.13, an
+    import of it while a process group exists keeps that group alive for good: after
+    ``destroy_process_group()`` gloo's threads go on running into the interpreter's exit,
+    where a process has been seen to abort ("terminate called without an active
+    exception"). Imported first, it leaves the group to be destroyed, and its threads
+    joined, at ``shutdown()``. The cost (about a second) is the one the first optimizer
+    would have paid."""
+    import torch._dynamo  # noqa: F401
 
 
 def _meeting_store(resolver: ClusterResolver, timeout: datetime.timedelta) -> dist.Store:

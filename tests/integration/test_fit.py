@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -266,8 +267,11 @@ def multi_worker_rank(out_path: str, checkpoint_dir: str) -> None:
         validation_data=(x_test, y_test), strategy=setup.strategy, verbose=False,
         callbacks=[LearningRateScheduler(lambda epoch, lr: 5e-3 * 0.8**epoch), ModelCheckpoint(os.path.join(checkpoint_dir, "epoch-{epoch:04d}.pt"), keep=2)],
     )
-    torch.save({"rank": setup.strategy.rank, "history": history.history, "state": setup.model.state_dict()}, out_path)
+    group = weakref.ref(torch.distributed.group.WORLD)
     setup.strategy.shutdown()
+    # A group still referenced keeps gloo's threads alive into the interpreter's exit, where they abort it.
+    torch.save({"rank": setup.strategy.rank, "history": history.history, "state": setup.model.state_dict(),
+                "group_released": group() is None}, out_path)
 
 
 def free_port() -> int:
@@ -308,6 +312,7 @@ def test_the_same_fit_call_trains_digits_under_multi_worker_mirrored_on_two_proc
     assert sorted(r["rank"] for r in ranks) == [0, 1]
     first, second = ranks
     assert first["history"] == second["history"], "every rank must see the same (all-reduced) logs"
+    assert first["group_released"] and second["group_released"], "the process group outlived shutdown()"
     assert first["history"]["val_accuracy"][-1] >= 0.9
     for name, tensor in first["state"].items():
         assert torch.equal(tensor, second["state"][name]), name

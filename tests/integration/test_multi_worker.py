@@ -9,6 +9,7 @@ of one process trained on the whole global batch.
 from __future__ import annotations
 
 import faulthandler
+import importlib
 import json
 import os
 import socket
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -87,6 +89,7 @@ def rank_main(mode: str, out_path: str) -> None:
         return
     options = CommunicationOptions(CollectiveCommunication.RING, timeout_seconds=60)
     if mode == "process_group":
+        importlib.import_module("torch._dynamo")  # before the group, as the strategy does (see its docstring)
         dist.init_process_group(
             "gloo", init_method=os.environ["TEST_INIT_METHOD"], rank=int(os.environ["TEST_RANK"]),
             world_size=WORLD_SIZE,
@@ -95,6 +98,7 @@ def rank_main(mode: str, out_path: str) -> None:
     else:
         strategy = MultiWorkerMirroredStrategy(options)  # TF_CONFIG or torchrun's variables, from os.environ
     rank = strategy.rank
+    group = weakref.ref(dist.group.WORLD)
     torch.manual_seed(100 + rank)  # a different model on every rank until the broadcast
     with strategy.scope():
         model = SmallMLP()
@@ -122,10 +126,12 @@ def rank_main(mode: str, out_path: str) -> None:
     checks["num_replicas_in_sync"] = strategy.num_replicas_in_sync
     checks["mean_along_batch"] = strategy.reduce("MEAN", torch.full((3 + rank,), float(rank)), axis=0).item()
     checks.update(aggregates_across_processes(strategy, rank))
-    torch.save({"rank": rank, "state": model.state_dict(), "losses": losses, "checks": checks}, out_path)
     strategy.shutdown()
     if mode == "process_group":
         dist.destroy_process_group()
+    # A group still referenced keeps gloo's threads alive into the interpreter's exit, where they abort it.
+    checks["group_released"] = group() is None
+    torch.save({"rank": rank, "state": model.state_dict(), "losses": losses, "checks": checks}, out_path)
 
 
 def aggregates_across_processes(strategy: MultiWorkerMirroredStrategy, rank: int) -> dict[str, float]:
@@ -218,6 +224,7 @@ def assert_matches_single_process(results: list[dict]) -> None:
         assert checks["sync_on_read_mean"] == 0.5
         assert checks["sync_on_read_first"] == 10.0
         assert checks["metric_mean"] == pytest.approx(2 / 3)  # rank 0's one 0.0 and rank 1's two 1.0s
+        assert checks["group_released"], "the process group outlived shutdown(): its threads would meet the exit"
     for name in reference_state:
         assert torch.equal(results[0]["state"][name], results[1]["state"][name]), name
 
@@ -309,6 +316,21 @@ def test_nccl_for_two_processes_on_one_gpu_is_refused_by_both_before_training(tm
     assert sorted(r["rank"] for r in results) == [0, 1]
     for result in results:
         assert "ranks 0 and 1 share GPU" in result["error"] and not result["group"]
+
+
+def test_shutdown_lets_go_of_the_group_and_metrics_read_locally_after():
+    strategy = MultiWorkerMirroredStrategy(cluster_resolver=ClusterResolver(0, 1))
+    group = weakref.ref(dist.group.WORLD)
+    with strategy.scope():
+        mean = metrics.Mean()
+    strategy.run(lambda: mean.update_state(torch.tensor([2.0, 4.0])))
+    assert mean.result().item() == 3.0
+    strategy.shutdown()
+    assert not dist.is_initialized()
+    assert group() is None, "a reference left keeps gloo's worker threads running until the interpreter exits"
+    assert mean.result().item() == 3.0
+    with pytest.raises(RuntimeError, match="was shut down: create a new one"):
+        strategy.barrier()
 
 
 @pytest.mark.parametrize(
