@@ -688,12 +688,12 @@ class MultiWorkerMirroredStrategy(Strategy):
     def shutdown(self) -> None:
         """The same as ``close()``.
 
-        It also drops every reference this strategy and its metrics hold to the group.
-        ``dist.destroy_process_group()`` leaves gloo's worker threads running for as long as
-        a Python reference to the group lives; one left to the interpreter's exit is torn
-        down mid-finalisation, where a worker thread that needs the GIL aborts the process
-        ("terminate called without an active exception"). Metrics read after this read their
-        own process's copy. Destroying the group joins those threads."""
+        It also drops every reference this strategy and its metrics hold to the group, so
+        that destroying the group joins gloo's worker threads now. ``destroy_process_group()``
+        leaves them running for as long as a Python reference to the group lives; a group
+        left to the interpreter's exit is torn down mid-finalisation, where a worker thread
+        that needs the GIL aborts the process ("terminate called without an active
+        exception"). Metrics read after this read their own process's copy."""
         if self._step_hook is not None:
             self._step_hook.remove()
             self._step_hook = None
