@@ -24,6 +24,10 @@ STEPS = 900
 CHECKPOINT_EVERY = 100
 KILL_IN_CHUNK = 3  # the server dies in the fourth chunk, 300-400 steps in
 WORKER_ARGS = ("--ps-retry-deadline", "10")
+FINE_TUNE_CHUNKS, FINE_TUNE_LR = 2, 0.005
+"""The last chunks of a full run, well after the failure, at a tenth of the rate: the final
+model then sits near a minimum instead of wherever the last asynchronous steps threw it, so
+two runs' accuracies differ by what training learned, not by its last few steps' noise."""
 
 
 def build(cluster):
@@ -35,21 +39,30 @@ def build(cluster):
 
 
 def accuracy(model) -> float:
-    _, _, x_test, y_test = digits_split(0)
+    """Over all 1,797 digits, not the 360 held out: two asynchronous runs interleave their
+    pushes differently, and on 360 examples 1% is 3.6 of them, within what two clean runs
+    differ by (CI saw 4). What the comparison must catch, a training the failure damaged,
+    moves accuracy on every example."""
+    x_train, y_train, x_test, y_test = digits_split(0)
     with torch.no_grad():
-        return float((model(x_test).argmax(dim=1) == y_test).float().mean())
+        predicted = model(torch.cat([x_train, x_test])).argmax(dim=1)
+    return float((predicted == torch.cat([y_train, y_test])).float().mean())
 
 
 def train(cluster, tmp_path, *, kill_ps: int | None, recovery: RecoveryPolicy | None = None, steps: int = STEPS):
     """STEPS steps in chunks, a checkpoint after each; in chunk KILL_IN_CHUNK parameter server
-    ``kill_ps`` is SIGKILLed and restarted empty at its address. Returns the accuracy, the shards
+    ``kill_ps`` is SIGKILLed and restarted empty at its address; the last FINE_TUNE_CHUNKS
+    of a full run go at FINE_TUNE_LR. Returns the accuracy, the shards
     with their versions and windows, and the coordinator's recoveries."""
     strategy, model, optimizer = build(cluster)
     manager = CheckpointManager(strategy, tmp_path)
     config = CoordinatorConfig(recovery=recovery or RecoveryPolicy())
     with ClusterCoordinator(strategy, config) as coordinator:
         batches = iter(coordinator.create_per_worker_dataset(worker_batches))
-        for chunk in range(steps // CHECKPOINT_EVERY):
+        chunks = steps // CHECKPOINT_EVERY
+        for chunk in range(chunks):
+            if chunk == max(KILL_IN_CHUNK + 2, chunks - FINE_TUNE_CHUNKS):
+                strategy.set_learning_rate(optimizer, FINE_TUNE_LR)
             values = [coordinator.schedule(train_step, args=(batches, model, optimizer))
                       for _ in range(CHECKPOINT_EVERY)]
             if chunk == KILL_IN_CHUNK and kill_ps is not None:
