@@ -9,7 +9,6 @@ of one process trained on the whole global batch.
 from __future__ import annotations
 
 import faulthandler
-import importlib
 import json
 import os
 import socket
@@ -37,6 +36,7 @@ from paramserve.coordinator.strategies.multi_worker import (
     CommunicationOptionsError,
     MultiWorkerMirroredStrategy,
     _exchange_gpus,
+    _import_dynamo_before_the_group,
     _own_gpu,
     select_backend,
 )
@@ -89,7 +89,7 @@ def rank_main(mode: str, out_path: str) -> None:
         return
     options = CommunicationOptions(CollectiveCommunication.RING, timeout_seconds=60)
     if mode == "process_group":
-        importlib.import_module("torch._dynamo")  # before the group, as the strategy does (see its docstring)
+        _import_dynamo_before_the_group()  # as the strategy does before forming its own group
         dist.init_process_group(
             "gloo", init_method=os.environ["TEST_INIT_METHOD"], rank=int(os.environ["TEST_RANK"]),
             world_size=WORLD_SIZE,
