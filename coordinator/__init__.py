@@ -9,15 +9,17 @@ from paramserve.coordinator.checkpoint_manager import (
 )
 from paramserve.coordinator.cluster import ClusterSpec
 from paramserve.coordinator.cluster_coordinator import ClusterCoordinator, CoordinatorConfig
+from paramserve.coordinator.discovery import DiscoveryPolicy
 from paramserve.coordinator.errors import (
     ClosureError,
     OutOfRangeError,
     ParameterServerUnavailableError,
 )
 from paramserve.coordinator.local_cluster import LocalCluster
-from paramserve.coordinator.ps_recovery import RecoveryPoint, RecoveryPolicy
+from paramserve.coordinator.failures import FailurePolicy
+from paramserve.coordinator.recovery_policy import RecoveryPoint, RecoveryPolicy
 from paramserve.coordinator.remote_value import RemoteValue, RemoteValueState
-from paramserve.coordinator.sidecar_evaluator import SidecarEvaluator
+from paramserve.coordinator.sidecar_evaluator import SidecarEvaluator, load_checkpoint_weights
 from paramserve.coordinator.strategies import (
     CentralStorageStrategy,
     MirroredStrategy,
@@ -45,6 +47,8 @@ __all__ = [
     "ClusterCoordinator",
     "ClusterSpec",
     "CoordinatorConfig",
+    "DiscoveryPolicy",
+    "FailurePolicy",
     "FixedShardsPartitioner",
     "LocalCluster",
     "MaxSizePartitioner",
@@ -69,6 +73,7 @@ __all__ = [
     "fit",
     "get_strategy",
     "latest_checkpoint",
+    "load_checkpoint_weights",
     "load_state_dict",
     "metrics",
     "predict",

@@ -3,10 +3,14 @@
 The coordinator reads every shard (value, optimizer slots, version, idempotency
 window) from the servers over RPC, with dispatch paused between closures (a
 consistent cut), and writes one checkpoint with psserver.checkpoint (atomic: a
-crash mid-save leaves the last good one). A restore lays the variables out for
-the *current* servers and partitioner, cuts each new shard from the saved rows,
-optimizer slots included (so a checkpoint from 2 servers restores onto 3), and
-replaces the servers' shards exactly (ReplaceShards), live or fresh.
+crash mid-save leaves the last good one). A checkpoint is whole or not written:
+the export must hold every shard of every checkpointed variable, from servers that
+did not restart during it, and a save never overlaps a parameter server's recovery
+(the strategy's ``state_change`` lock); when a server was lost during the export, the
+save has it recovered and exports again. A restore lays the variables out for the
+*current* servers and partitioner, cuts each new shard from the saved rows, optimizer
+slots included (so a checkpoint from 2 servers restores onto 3), and replaces the
+servers' shards exactly (ReplaceShards), live or fresh.
 """
 
 from __future__ import annotations
@@ -17,23 +21,47 @@ import os
 import pathlib
 import time
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from paramserve.coordinator.telemetry import CheckpointRecord
 from paramserve.psserver import checkpoint
 from paramserve.psserver.atomic_files import atomic_torch_save
-from paramserve.psserver.errors import CheckpointError
-from paramserve.psserver.types import ShardRef, ShardState
+from paramserve.psserver.errors import CheckpointError, ParamServeError
+from paramserve.psserver.types import ShardRef, ShardState, VariableLayout
 
 if TYPE_CHECKING:
     from paramserve.coordinator.strategies.parameter_server import ParameterServerStrategy
 
 log = logging.getLogger(__name__)
 STEP_KEY = "step"
+SAVE_ATTEMPTS = 3
+"""Exports one save tries; between two, the servers lost during the export are recovered."""
+RECOVERY_WAIT_SECONDS = 600.0
+"""How long a save waits for a lost server's recovery before it tries again (at most)."""
+
+
+@dataclass(frozen=True)
+class ExportProblem:
+    """Why an export is not a whole checkpoint, and which servers' loss explains it."""
+
+    reason: str
+    servers: tuple[str, ...]
+
+
+def missing_shards(layouts: Mapping[str, VariableLayout], exported: Sequence[ShardRef]) -> list[tuple[int, ShardRef]]:
+    """(server, shard) for each shard of ``layouts`` that ``exported`` lacks: what a server lost."""
+    held = set(exported)
+    return [(shard.server, layout.ref(shard)) for layout in layouts.values() for shard in layout.shards
+            if layout.ref(shard) not in held]
+
+
+def changed_servers(before: Sequence[str | None], after: Sequence[str | None]) -> list[int]:
+    """The servers whose incarnation differs between two probes (None: it did not answer)."""
+    return [i for i, (b, a) in enumerate(zip(before, after)) if b is not None and a is not None and a != b]
 
 
 class CheckpointManager:
@@ -61,59 +89,104 @@ class CheckpointManager:
         copied, once the closures running have finished, so every closure finished by then
         has all of its pushes in the checkpoint and none is in it by halves (values,
         optimizer slots, versions and idempotency windows agree across servers). Dispatch
-        resumes before the files are written.
+        resumes before the files are written. Whole or not at all: a server lost during the
+        export is recovered and the export taken again (up to SAVE_ATTEMPTS times); then
+        CheckpointError says what was missing, and no checkpoint was written.
         """
         self.strategy.materialize()
-        mine = {name for name, variable in self.strategy.variables.items() if variable.checkpointed}
-        with self.strategy.quiesced():
-            exported = self.strategy.client.export()
-        states = [  # this strategy's variables only (servers may hold other runs'), named without the run name
-            dataclasses.replace(state, ref=ShardRef(self.strategy.checkpoint_key(state.ref.variable), state.ref.shard))
-            for server_states in exported.values()
-            for state in server_states
-            if state.ref.variable in mine
-        ]
-        path = checkpoint.save_checkpoint(
-            self.directory, states, extra={STEP_KEY: int(step), **(extra or {})}, keep=self.max_to_keep
-        )
+        for attempt in range(1, SAVE_ATTEMPTS + 1):
+            states, problem = self._export()
+            if problem is None:
+                break
+            log.warning("checkpoint of step %d: export %d of %d is not whole (%s)", step, attempt, SAVE_ATTEMPTS,
+                        problem.reason)
+            if attempt == SAVE_ATTEMPTS or not self._recovered(problem):
+                raise CheckpointError(f"no checkpoint of step {step} was written: {problem.reason}")
+        path = checkpoint.save_checkpoint(self.directory, states, extra={STEP_KEY: int(step), **(extra or {})},
+                                          keep=self.max_to_keep, require_whole=True)
         log.info("checkpoint of step %d written to %s (%d shards)", step, path, len(states))
-        self.strategy.last_checkpoint = CheckpointRecord(int(step), str(path), time.time())
+        self.strategy.checkpoints.record(step, path, time.time())
         return path
 
+    def _export(self) -> tuple[list[ShardState], ExportProblem | None]:
+        """This strategy's checkpointed shards, named without the run name, and what keeps them
+        from being a whole checkpoint (None when nothing does)."""
+        strategy, client = self.strategy, self.strategy.client
+        with strategy.state_change(), strategy.quiesced():
+            layouts = {name: layout for name, layout in strategy.created_layouts().items()
+                       if strategy.checkpoint_key(name) is not None}
+            before = self._incarnations()
+            try:
+                exported = client.export()
+            except ParamServeError as err:
+                return [], ExportProblem(f"the export failed: {err}", (err.server,) if err.server else ())
+            after = self._incarnations()
+        refs = [state.ref for states in exported.values() for state in states]
+        missing = missing_shards(layouts, refs)
+        restarted = changed_servers(before, after)
+        if missing or restarted:
+            servers = sorted({client.addresses[s] for s, _ in missing} | {client.addresses[s] for s in restarted})
+            what = f"{len(missing)} shards are missing (e.g. {missing[0][1]})" if missing else "servers restarted"
+            return [], ExportProblem(f"{what} on parameter servers {', '.join(servers)}", tuple(servers))
+        keys = {name: strategy.checkpoint_key(name) for name in layouts}
+        return [dataclasses.replace(state, ref=ShardRef(keys[state.ref.variable] or "", state.ref.shard))
+                for states in exported.values() for state in states if state.ref.variable in keys], None
+
+    def _incarnations(self) -> list[str | None]:
+        client = self.strategy.client
+        answers = [client.probe(server, timeout=5.0) for server in range(len(client.addresses))]
+        return [answer[0] if answer is not None else None for answer in answers]
+
+    def _recovered(self, problem: ExportProblem) -> bool:
+        """Has the servers of ``problem`` recovered; False when no coordinator recovers them."""
+        coordinator = self.strategy.coordinator
+        if coordinator is None or not problem.servers:
+            return False
+        for server in problem.servers:
+            coordinator.report_parameter_server(server)
+        return coordinator.parameter_servers_settled(RECOVERY_WAIT_SECONDS)
+
     def restore_or_initialize(self) -> int | None:
-        """Restores the latest checkpoint onto the current servers, or creates the
-        variables from their initial values when there is none. Returns the restored step."""
+        """Restores the latest whole checkpoint onto the current servers, or, when there is
+        none, creates the variables from their initial values, replacing those a run of this
+        program that died before its first checkpoint left on the servers
+        (``ParameterServerStrategy.initialize``). Returns the restored step (None: initialized)."""
         path = self.latest
         if path is None:
-            self.strategy.materialize()
+            self.strategy.initialize()
             return None
         return self.restore(path)
 
-    def restore(self, path: str | os.PathLike[str]) -> int:
-        """Restores ``path`` (a checkpoint, or a directory of them: its latest), exactly: every
-        shard of every variable of the model becomes the checkpoint's (values, optimizer slots,
-        versions, idempotency windows), on live servers (training paused meanwhile; workers
-        then pull) or fresh ones, for any number of servers. Raises CheckpointError, before
-        anything changes, when the checkpoint does not match the model."""
+    def restore(self, path: str | os.PathLike[str], *, keep_live_settings: bool = False) -> int:
+        """Restores ``path`` (a checkpoint, or a directory of them: its latest whole one),
+        exactly: every shard of every variable of the model becomes the checkpoint's (values,
+        optimizer slots, versions, idempotency windows), on live servers (training paused
+        meanwhile; workers then pull) or fresh ones, for any number of servers.
+        ``keep_live_settings``: the optimizers keep the hyperparameters in force now instead of
+        the checkpoint's (recovery rolling back every server). Raises CheckpointError, before
+        anything changes, when the checkpoint does not match the model or is not whole."""
         resolved = checkpoint.resolve(pathlib.Path(path))
+        if not checkpoint.is_whole(resolved):
+            raise CheckpointError(f"checkpoint {resolved} is not whole (shards or files are missing): restore another "
+                                  f"one, e.g. the latest whole one of {resolved.parent}")
         checkpoint.sweep_leftovers(resolved.parent)  # what interrupted saves left beside it
         manifest = checkpoint.read_manifest(resolved)
-        variables = self.strategy.variables
-        layouts = {name: layout for name, layout in self.strategy.plan_layouts().items() if variables[name].checkpointed}
-        keys = {name: self.strategy.checkpoint_key(name) for name in layouts}
+        keys = {name: key for name in self.strategy.variables if (key := self.strategy.checkpoint_key(name)) is not None}
+        layouts = {name: layout for name, layout in self.strategy.plan_layouts().items() if name in keys}
         _check_compatible(manifest, {keys[name]: layout for name, layout in layouts.items()}, resolved)
         states: dict[int, list[ShardState]] = defaultdict(list)
         for name, layout in layouts.items():
+            live = self.strategy.live_optimizer(name) if keep_live_settings else None
             for shard in layout.shards:
                 rows = shard.num_rows if layout.shape else 1
-                states[shard.server].append(
-                    checkpoint.load_rows(resolved, keys[name], shard.row_start, rows, layout.ref(shard)))
-        with self.strategy.quiesced():
+                state = checkpoint.load_rows(resolved, keys[name], shard.row_start, rows, layout.ref(shard))
+                states[shard.server].append(dataclasses.replace(state, optimizer=live) if live is not None else state)
+        with self.strategy.state_change(), self.strategy.quiesced():
             self.strategy.restore_states(dict(states), layouts)
         self.strategy.materialize()  # variables the checkpoint does not hold (none, once checked)
         step = int(manifest.extra.get(STEP_KEY, 0))
         log.info("restored step %d from %s onto %d parameter servers", step, resolved, self.strategy.cluster.num_ps())
-        self.strategy.last_checkpoint = CheckpointRecord(step, str(resolved), _written_at(resolved))
+        self.strategy.checkpoints.record(step, resolved, _written_at(resolved))
         return step
 
 

@@ -142,11 +142,12 @@ class ClosureQueue:
 
     # ---------------------------------------------------------------- producers
 
-    def put(self, closure: Closure, timeout: float | None) -> None:
-        """Appends ``closure``, waiting up to ``timeout`` seconds while the queue is full.
+    def put(self, closure: Closure, timeout: float | None) -> bool:
+        """Appends ``closure``, waiting up to ``timeout`` seconds while the queue is full;
+        returns True once it is queued.
 
-        If a closure fails meanwhile, ``closure`` is cancelled instead (the
-        caller raises that error). Raises TimeoutError when still full at the
+        If a closure's error is pending, ``closure`` is cancelled instead and this returns
+        False (the caller raises that error). Raises TimeoutError when still full at the
         deadline, CoordinatorClosedError after ``close()``.
         """
         with self._cond:
@@ -157,7 +158,7 @@ class ClosureQueue:
                 raise self._closed
             if self._error is not None:
                 closure.cancel(self._error)  # never queued (schedule raises the error): not counted
-                return
+                return False
             if not ready:
                 raise TimeoutError(
                     f"could not schedule {closure.name}: {len(self._queue)} closures are already queued "
@@ -167,6 +168,7 @@ class ClosureQueue:
             self._observer.closure_scheduled(closure)
             self._cond.notify_all()
         self._waker()
+        return True
 
     def put_back(self, closures: Sequence[Closure]) -> None:
         """Returns running closures to the FRONT of the queue, in order (a retry, or closures a

@@ -24,11 +24,11 @@ import uuid
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NoReturn, Protocol
+from typing import Any, NoReturn
 
 from paramserve.coordinator import nest
 from paramserve.coordinator.closures import Closure, ClosureQueue, find_resource_ids
-from paramserve.coordinator.cluster import ClusterSpec
+from paramserve.coordinator.contracts import CheckpointRecord, CoordinatedStrategy, RecoverableVariables
 from paramserve.coordinator.discovery import DiscoveryPolicy, Resolver, WorkerDiscovery, resolve_dns
 from paramserve.coordinator.dispatch import (
     BATCH_SECONDS,
@@ -40,7 +40,8 @@ from paramserve.coordinator.dispatch import (
 )
 from paramserve.coordinator.errors import CoordinatorClosedError
 from paramserve.coordinator.failures import FailurePolicy
-from paramserve.coordinator.ps_recovery import ParameterServerRecovery, RecoveryPolicy
+from paramserve.coordinator.ps_recovery import ParameterServerRecovery
+from paramserve.coordinator.recovery_policy import RecoveryPolicy
 from paramserve.coordinator.remote_value import RemoteValue, fetch_structure
 from paramserve.coordinator.telemetry import CoordinatorTelemetry
 from paramserve.psserver import convert
@@ -104,27 +105,12 @@ def _check_workers_authenticate(workers: Sequence[str], *, token: str | None, tl
         log.warning("WARNING: accepting unauthenticated pickled replies from %s (insecure=True)", ", ".join(exposed))
 
 
-class CoordinatedStrategy(Protocol):
-    """What the coordinator needs from a ParameterServerStrategy (tests pass doubles)."""
-
-    cluster: ClusterSpec
-    token: str | None
-    tls: ClientTls | None
-    """How to reach workers over TLS (None: plaintext)."""
-    max_value_age: float
-    """How old (seconds) the values a worker's last push returned may be to start its next closure."""
-    overlap_pushes: bool
-    """Whether a worker's step computes while its previous push is in flight (worker.pipeline)."""
-
-    def cluster_context(self) -> ClusterContext:
-        """Where the variables live; called for every RunClosures call (may create variables first)."""
-
-
-
-def _recoverable(strategy: object) -> bool:
-    """Whether ``strategy`` holds variables on parameter servers that recovery can restore
-    (a ParameterServerStrategy; not the doubles tests pass)."""
-    return all(hasattr(strategy, name) for name in ("client", "restore_states", "last_checkpoint"))
+def _latest_checkpoint_of(recoverable: RecoverableVariables | None) -> Callable[[], CheckpointRecord | None]:
+    """What telemetry reads as the newest checkpoint (nothing without recoverable variables)."""
+    if recoverable is None:
+        return lambda: None
+    checkpoints = recoverable.checkpoints
+    return lambda: checkpoints.latest
 
 
 def _stop_dispatch(queue: ClosureQueue, pool: DispatchLoop, timeout: float,
@@ -152,7 +138,8 @@ class ClusterCoordinator:
     ``transport_factory`` (address -> WorkerTransport) replaces gRPC in tests, and
     ``resolver`` (``"name:port"`` -> addresses) the DNS lookup of ``strategy.cluster.worker_service``.
     ``metrics_port`` serves ``telemetry`` (Prometheus) at ``http://metrics_host:port/metrics``
-    (0: a free port, then ``metrics_port`` says which).
+    (0: a free port, then ``metrics_port`` says which); ``metrics_host`` is loopback by default:
+    pass ``"0.0.0.0"`` for a Prometheus on another machine (metrics carry addresses, not secrets).
     Starts the dispatch thread; call ``shutdown()`` (or use it as a context manager) to stop it.
     """
 
@@ -163,29 +150,30 @@ class ClusterCoordinator:
         *,
         transport_factory: Callable[[str], WorkerTransport] | None = None,
         metrics_port: int | None = None,
-        metrics_host: str = "0.0.0.0",
+        metrics_host: str = "127.0.0.1",
         resolver: Resolver = resolve_dns,
     ):
         self.strategy = strategy
         self.config = config or CoordinatorConfig()
-        # The telemetry's callbacks hold the queue and the strategy, never the coordinator (see
-        # the finalizer below).
+        self._closed = False
+        self._lock = threading.Lock()
+        token, tls, max_bytes = strategy.token, strategy.tls, self.config.max_message_bytes
+        _check_workers_authenticate(strategy.cluster.workers, token=token, tls=tls, insecure=self.config.insecure)
+        recoverable = strategy.attach_coordinator(self)
+        # The telemetry's callbacks hold the queue and the strategy's checkpoint log, never the
+        # coordinator (see the finalizer below).
         self.telemetry = CoordinatorTelemetry(
             queue_depth=lambda: queue.num_queued,
             in_flight=lambda: queue.num_in_flight,
-            checkpoint=lambda: getattr(strategy, "last_checkpoint", None),
+            checkpoint=_latest_checkpoint_of(recoverable),
         )
         self._queue = queue = ClosureQueue(self.config.max_queued, observer=self.telemetry)
         self._specs = ResourceSpecs()
-        self._closed = False
-        self._lock = threading.Lock()
         self._context = _ContextSource(strategy.cluster_context)
-        token, tls, max_bytes = strategy.token, strategy.tls, self.config.max_message_bytes
-        _check_workers_authenticate(strategy.cluster.workers, token=token, tls=tls, insecure=self.config.insecure)
         self.recovery: ParameterServerRecovery | None = None
         """Recovers failed parameter servers (None: recovery is off, or the strategy has none)."""
-        if self.config.recovery.enabled and _recoverable(strategy):
-            self.recovery = ParameterServerRecovery(strategy, queue=self._queue, policy=self.config.recovery)  # type: ignore[arg-type]
+        if self.config.recovery.enabled and recoverable is not None:
+            self.recovery = ParameterServerRecovery(recoverable, queue=self._queue, policy=self.config.recovery)
         self._pool = DispatchLoop(
             queue=self._queue,
             specs=self._specs,
@@ -219,9 +207,6 @@ class ClusterCoordinator:
             self._discovery.start()
         if metrics_port is not None:
             self.telemetry.serve(metrics_host, metrics_port)
-        attach = getattr(strategy, "_attach_coordinator", None)
-        if attach is not None:
-            attach(self)
 
     # ---------------------------------------------------------------- scheduling
 
@@ -246,8 +231,10 @@ class ClusterCoordinator:
         self._check_open()
         self._raise_pending_error()
         self._context()  # the variables exist (created now, on this thread, if new) or this raises
-        self._queue.put(closure, self.config.schedule_timeout)
-        self._raise_pending_error()
+        if not self._queue.put(closure, self.config.schedule_timeout):
+            # An earlier closure failed between the check above and the put: its error, never this
+            # closure's own (which may fail the moment it is queued, and is then join()'s to raise).
+            self._raise_pending_error()
         return closure.remote_value
 
     def join(self, timeout: float | None = None) -> None:
@@ -305,6 +292,25 @@ class ClusterCoordinator:
         self._specs.add(resource_id, dumps_closure(fn))
         return kind(resource_id)
 
+    # ---------------------------------------------------------------- membership
+
+    def add_worker(self, address: str) -> None:
+        """Adds the worker at ``address`` ("host:port") while training runs: it gets closures as
+        soon as its health check says it serves (probed every ``FailurePolicy.join_probe_interval``
+        until then). Raises ValueError for a worker that is part of the cluster already. Workers
+        of a worker service (``ClusterSpec.worker_service``) join and leave by themselves."""
+        self._check_open()
+        _check_workers_authenticate([address], token=self.strategy.token, tls=self.strategy.tls,
+                                    insecure=self.config.insecure)
+        self._pool.add_worker(address, probe_first=True)
+
+    def remove_worker(self, address: str, timeout: float | None = None) -> None:
+        """Stops giving the worker at ``address`` closures; the ones it runs go back to the front
+        of the queue under their ids (their pushes are applied once). Raises KeyError for a worker
+        that is not part of the cluster."""
+        self._check_open()
+        self._pool.remove_worker(address, timeout)
+
     # ---------------------------------------------------------------- lifecycle
 
     @property
@@ -339,6 +345,16 @@ class ClusterCoordinator:
         closures running to finish (see DispatchLoop.paused). For checkpoints and restores,
         which then see every finished closure's pushes whole."""
         return self._pool.paused(timeout)
+
+    def parameter_servers_settled(self, timeout: float | None = None) -> bool:
+        """Waits until no parameter server is suspected or being recovered (at once without
+        recovery); False when one still is after ``timeout`` seconds."""
+        return self.recovery.settled(timeout) if self.recovery is not None else True
+
+    def report_parameter_server(self, address: str) -> None:
+        """Has the parameter server at ``address`` checked, and recovered if it was lost."""
+        if self.recovery is not None:
+            self.recovery.report(address)
 
     def __enter__(self) -> ClusterCoordinator:
         return self
@@ -477,4 +493,7 @@ def _takes_an_argument(fn: Callable[..., Any]) -> bool:
 def _function_name(fn: Any) -> str:
     if isinstance(fn, functools.partial):
         return f"partial({_function_name(fn.func)})"
-    return getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    try:
+        return str(fn.__qualname__)
+    except AttributeError:  # a callable object
+        return type(fn).__qualname__

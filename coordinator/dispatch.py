@@ -58,20 +58,19 @@ from paramserve.coordinator.failures import (
     decide_on_rpc_failure,
 )
 from paramserve.coordinator.telemetry import NO_OBSERVER, CoordinatorObserver
+from paramserve.psserver.channels import channel_options, open_aio_channel
 from paramserve.psserver.security import (
     REPLY_NONCE_METADATA_KEY,
     REPLY_SIGNATURE_METADATA_KEY,
     ClientTls,
     bearer_metadata,
     new_reply_nonce,
-    open_aio_channel,
     reply_is_signed,
     reply_key,
 )
-from paramserve.psserver.serving import channel_options
 from paramserve.wire.v1 import cluster_pb2, worker_pb2
-from paramserve.worker.core import ClosureFailure
-from paramserve.worker.messages import failure_from_proto
+from paramserve.worker.core import ClosureFailure, ClosureRequest, ResourceSpec
+from paramserve.worker.messages import batch_to_proto, failure_from_proto
 
 __all__ = [
     "DispatchLoop",
@@ -229,14 +228,10 @@ class ResourceSpecs:
         with self._lock:
             return frozenset(self._payloads)
 
-    def specs(self, resource_ids: Collection[str]) -> list[worker_pb2.ResourceSpec]:
+    def specs(self, resource_ids: Collection[str]) -> tuple[ResourceSpec, ...]:
         """Specs of the known ids among ``resource_ids`` (sorted: resources may be created in any order)."""
         with self._lock:
-            return [
-                worker_pb2.ResourceSpec(resource_id=r, payload=self._payloads[r])
-                for r in sorted(resource_ids)
-                if r in self._payloads
-            ]
+            return tuple(ResourceSpec(r, self._payloads[r]) for r in sorted(resource_ids) if r in self._payloads)
 
 
 # ---------------------------------------------------------------- one worker
@@ -347,6 +342,7 @@ class Dispatcher:
         # probe_first: a worker found by name may not serve yet (a container still starting); it
         # starts DOWN, so the health probe, not a closure's attempt, finds out when it serves.
         self._state = WorkerState.DOWN if probe_first else WorkerState.UP
+        self._joining = probe_first  # until it first serves: probed often, not with backoff
         self._held: frozenset[str] = frozenset()
         self._cluster_held = ""  # fingerprint of the cluster context the worker is known to hold
         self._incarnation: str | None = None
@@ -394,12 +390,15 @@ class Dispatcher:
     def _request(self, batch: Sequence[Closure], force: frozenset[str]) -> worker_pb2.RunClosuresRequest:
         context = self._cluster_context()
         needed = set(force) | set().union(*(c.resource_ids for c in batch))
+        # The worker creates what the batch needs before its first closure.
+        resources = self._specs.specs(needed - self._held)
         requests = [
-            worker_pb2.RunClosureRequest(
+            ClosureRequest(
                 closure_id=closure.closure_id,
+                payload=closure.payload,
                 attempt=closure.attempt,
                 function_name=closure.function_name,
-                payload=closure.payload,
+                resources=resources if position == 0 else (),
                 steps=closure.steps,
                 worker_index=self.index,
                 num_workers=self._num_workers(),
@@ -407,13 +406,9 @@ class Dispatcher:
                 max_value_age=self._max_value_age,
                 overlap_pushes=self._overlap_pushes,
             )
-            for closure in batch
+            for position, closure in enumerate(batch)
         ]
-        first = requests[0]  # the worker creates what the batch needs before its first closure
-        first.resources.extend(self._specs.specs(needed - self._held))
-        if context.fingerprint != self._cluster_held:
-            first.cluster.CopyFrom(context.message)
-        return worker_pb2.RunClosuresRequest(closures=requests)
+        return batch_to_proto(requests, context.message if context.fingerprint != self._cluster_held else None)
 
     def _on_results(self, pending: list[Closure], request: worker_pb2.RunClosuresRequest,
                     response: worker_pb2.RunClosuresResponse) -> tuple[list[Closure], frozenset[str]]:
@@ -519,15 +514,17 @@ class Dispatcher:
         stop: tenacity.stop.stop_base = tenacity.stop_never
         if policy.probe_deadline is not None:
             stop = tenacity.stop_after_delay(policy.probe_deadline)
+        wait: tenacity.wait.wait_base = tenacity.wait_fixed(policy.join_probe_interval) if self._joining else \
+            tenacity.wait_exponential(multiplier=policy.probe_initial_backoff, max=policy.probe_max_backoff)
         retrying = tenacity.AsyncRetrying(
             retry=tenacity.retry_if_result(lambda serving: not serving),
-            wait=tenacity.wait_exponential(multiplier=policy.probe_initial_backoff, max=policy.probe_max_backoff)
-            + tenacity.wait_random(0, policy.probe_jitter),
+            wait=wait + tenacity.wait_random(0, policy.probe_jitter),
             stop=stop,
             retry_error_callback=lambda _state: False,
         )
         if await retrying(self._transport.is_serving, policy.probe_timeout):
-            self._set_state(WorkerState.UP, "it serves again")
+            self._set_state(WorkerState.UP, "it serves" if self._joining else "it serves again")
+            self._joining = False
             return True
         log.error("worker %d (%s) did not come back within %ss: giving it up",
                   self.index, self.address, policy.probe_deadline)

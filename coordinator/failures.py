@@ -69,6 +69,10 @@ class FailurePolicy:
     """Deadline of one health check of a DOWN worker."""
     probe_deadline: float | None = None
     """Give a DOWN worker up (STOPPED) after this long; None: wait for it forever, as TF does."""
+    join_probe_interval: float = 0.1
+    """How often a worker that joined (found by name, or added) and does not serve yet is probed:
+    it gets its first closure within about this long after it serves. A worker that failed is
+    probed with the backoff above instead (it may stay away for a long time)."""
     max_server_waits: int = 5
     """Times one closure may fail because of a parameter server and wait for its recovery
     before it fails with ParameterServerUnavailableError."""
@@ -76,7 +80,8 @@ class FailurePolicy:
     def __post_init__(self) -> None:
         if self.max_attempts < 1 or self.max_resource_resends < 0 or self.max_server_waits < 0:
             raise ValueError("max_attempts must be >= 1, max_resource_resends and max_server_waits >= 0")
-        positive = (self.closure_timeout, self.probe_initial_backoff, self.probe_max_backoff, self.probe_timeout)
+        positive = (self.closure_timeout, self.probe_initial_backoff, self.probe_max_backoff, self.probe_timeout,
+                    self.join_probe_interval)
         if min(positive) <= 0 or self.probe_jitter < 0:
             raise ValueError("timeouts and backoffs must be positive, jitter >= 0")
         if self.probe_deadline is not None and self.probe_deadline <= 0:

@@ -269,6 +269,25 @@ class LocalCluster:
     def run_dir(self) -> Path | None:
         return self._run_dir
 
+    # ------------------------------------------------------------------ membership
+
+    def add_worker(self) -> str:
+        """Starts one more worker and returns its address once it serves (``spec`` lists it from
+        then on). A running coordinator takes it with ``ClusterCoordinator.add_worker(address)``.
+        Raises LaunchError when it exits or stays silent past ``startup_timeout``."""
+        with self._lock:
+            if self._state is not ClusterState.RUNNING:
+                raise RuntimeError(f"the local cluster is {self._state.value}, not running: call start() first")
+            child = self._launch(WORKER, len(self._children[WORKER]), port=0)
+            try:
+                self._await_ready(child, time.monotonic() + self._startup_timeout)
+            except BaseException:
+                _kill_and_reap(child.proc)
+                raise
+            self._children[WORKER].append(child)
+            self._spec = self._current_spec()
+            return f"{HOST}:{child.port}"
+
     # ------------------------------------------------------------------ fault injection
 
     def kill_worker(self, index: int) -> None:
@@ -286,6 +305,18 @@ class LocalCluster:
     def restart_ps(self, index: int) -> None:
         """Start a new parameter server ``index`` on the same port; returns when ready."""
         self._restart(PS, index)
+
+    def terminate_ps(self, index: int, timeout: float = _KILL_WAIT_SECONDS) -> int:
+        """SIGTERM parameter server ``index`` (a graceful stop: it drains, as an orchestrator's
+        stop or rolling update asks) and wait for it to exit; returns its exit code. Raises
+        TimeoutError when it still runs after ``timeout`` seconds."""
+        with self._lock:
+            child = self._running_child(PS, index)
+            _signal_group(child.proc, signal.SIGTERM)
+            if not _wait_until(child.proc, time.monotonic() + timeout):
+                raise TimeoutError(f"{child.name} still runs {timeout:g}s after SIGTERM")
+            logger.info("stopped %s gracefully (exit code %s)", child.name, child.proc.returncode)
+            return int(child.proc.returncode)
 
     def _kill(self, role: str, index: int) -> None:
         with self._lock:

@@ -205,8 +205,11 @@ def additive_states(metric: torchmetrics.Metric) -> list[str]:
     """The names of ``metric``'s states, all of which must add up across copies (sum-reduced
     tensors). Raises ValueError naming the fix otherwise (e.g. AUROC without thresholds
     keeps every prediction in a list)."""
-    names = list(metric._defaults)
-    other = [n for n in names if metric._reductions.get(n) is not dim_zero_sum or not isinstance(getattr(metric, n), Tensor)]
+    names = list(metric.metric_state)
+    # How a state merges has no public accessor: ``_reductions`` is read here only, and
+    # pyproject.toml bounds torchmetrics below 2 (tests/unit/test_metrics.py checks it still holds).
+    reductions = metric._reductions
+    other = [n for n in names if reductions.get(n) is not dim_zero_sum or not isinstance(getattr(metric, n), Tensor)]
     if other:
         raise ValueError(
             f"{type(metric).__name__} keeps states {other} that do not add up across replicas and workers "

@@ -1,85 +1,70 @@
 """Parameter servers that fail and come back: the coordinator restores them and training goes on.
 
-A server is suspected when a closure fails because of it (unreachable, or missing a
-variable the cluster context places on it: it restarted empty) or when the monitor's
-probe (one ``ListShards`` call with ``incarnation_only``, every ``probe_interval``)
-finds it unreachable twice in a row or answering with a new incarnation. Then, on the
-thread ``paramserve-ps-recovery``:
+The decisions are ``coordinator.recovery_policy``'s (pure, unit-tested); this module is the
+thread that acts on them. A server is suspected when a closure fails because of it (the
+worker could not reach it, or it misses a variable the cluster context places on it: it
+restarted empty), when a checkpoint's export finds it lost or restarted, or when the
+monitor's probe (one ``ListShards`` call with ``incarnation_only``, every ``probe_interval``)
+finds it unreachable ``misses_to_suspect`` times in a row or answering with a new
+incarnation. A server that is connected but slow is busy, never suspected for it. Then, on
+the thread ``paramserve-ps-recovery``:
 
-1. dispatch is paused and drained (``DispatchLoop.paused``): no closure runs, and those
-   that failed because of the server wait at the front of the queue;
+1. it takes the strategy's state-change lock (a checkpoint is never taken meanwhile), pauses
+   and drains dispatch (``DispatchLoop.paused``): no closure runs, and those that failed
+   because of the server wait at the front of the queue;
 2. the server is probed until it answers (the replacement Compose, Kubernetes or
-   ``paramserve launch`` starts at the same address), for up to ``replacement_timeout``;
-3. what it lost is restored from the strategy's latest checkpoint, at the recovery
-   point the policy names: ``LOST_SHARDS`` (the default) puts back only the variables
-   the server lost (their steps since that checkpoint are lost; the other servers keep
-   theirs), ``ALL`` rolls every server back to the checkpoint (a consistent model, every
-   server's steps since it lost). A server that lost nothing (a pause, a network blip)
-   is left as it is;
+   ``paramserve launch`` starts, at the same address or a new one under the same name), for
+   up to ``replacement_timeout``;
+3. what it lost is restored from the newest whole checkpoint that holds it, at the recovery
+   point the policy names (``LOST_SHARDS`` by default; ``ALL`` rolls every server back), with
+   the optimizer settings in force now, not the checkpoint's (the program may have changed
+   the learning rate since). A server that lost nothing (a pause, a network blip) is left as
+   it is;
 4. workers drop the values they hold (a new cluster-context generation) and dispatch
    resumes: the closures put back run again. Their pushes keep their idempotency keys,
    so a push a surviving server applied before the failure is not applied twice.
 
-A server that does not come back, or that lost variables no checkpoint holds, fails the
-queued closures with ParameterServerUnavailableError (raised by the next ``schedule``
-or ``join``), naming what to do.
+A server that does not come back, or that lost variables no whole checkpoint holds, fails
+the queued closures with ParameterServerUnavailableError (raised by the next ``schedule`` or
+``join``), naming what to do; the server stays watched, and its next restart is recovered.
 """
 
 from __future__ import annotations
 
-import enum
+import dataclasses
 import logging
-import pathlib
 import threading
 import time
-from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from pathlib import Path
+from typing import Protocol
 
 from paramserve.coordinator.closures import ClosureQueue
+from paramserve.coordinator.contracts import RecoverableVariables
 from paramserve.coordinator.dispatch import DispatchLoop
 from paramserve.coordinator.errors import ParameterServerUnavailableError
-from paramserve.coordinator.telemetry import CheckpointRecord
+from paramserve.coordinator.recovery_policy import (
+    CheckpointFacts,
+    Probe,
+    ProbeResult,
+    RecoveryPoint,
+    RecoveryPolicy,
+    RestorePlan,
+    ServerWatch,
+    Unrecoverable,
+    judge_probe,
+    lost_variables,
+    plan_restore,
+)
 from paramserve.psserver import checkpoint
-from paramserve.psserver.client import ParameterServerClient
-from paramserve.psserver.types import ShardInfo, ShardRef, ShardState, VariableLayout
+from paramserve.psserver.types import ShardInfo, ShardPlacement, ShardState, VariableLayout
 
-__all__ = ["RecoveryObserver", "RecoveryPoint", "RecoveryPolicy", "ParameterServerRecovery", "THREAD_NAME"]
+__all__ = ["ParameterServerRecovery", "RecoveryObserver", "RecoveryOutcome", "THREAD_NAME"]
 
 log = logging.getLogger(__name__)
 
 THREAD_NAME = "paramserve-ps-recovery"
-
-
-class RecoveryPoint(enum.Enum):
-    LOST_SHARDS = "lost_shards"
-    """Only what the failed server lost goes back to the checkpoint; the others keep training."""
-    ALL = "all"
-    """Every server goes back to the checkpoint: the model is the checkpoint's, consistent."""
-
-
-@dataclass(frozen=True)
-class RecoveryPolicy:
-    """How the coordinator recovers failed parameter servers (times in seconds)."""
-
-    enabled: bool = True
-    """False: a failed parameter server fails the closures that used it, as in TF."""
-    recovery_point: RecoveryPoint = RecoveryPoint.LOST_SHARDS
-    probe_interval: float = 1.0
-    """How often the monitor probes every server while the variables exist."""
-    probe_timeout: float = 2.0
-    """Deadline of one probe; two probes in a row without an answer make a server suspect."""
-    poll_interval: float = 0.25
-    """How often a failed server is probed while waiting for its replacement."""
-    replacement_timeout: float = 600.0
-    """How long a failed server may take to come back before the closures fail."""
-
-    def __post_init__(self) -> None:
-        if min(self.probe_interval, self.probe_timeout, self.poll_interval, self.replacement_timeout) <= 0:
-            raise ValueError("RecoveryPolicy intervals and timeouts must be positive")
-        if not isinstance(self.recovery_point, RecoveryPoint):
-            object.__setattr__(self, "recovery_point", RecoveryPoint(self.recovery_point))
 
 
 class RecoveryObserver(Protocol):
@@ -88,61 +73,42 @@ class RecoveryObserver(Protocol):
         the replacement answering to dispatch resuming (0 when it never answered)."""
 
 
-class RecoverableStrategy(Protocol):
-    """What recovery needs of a ParameterServerStrategy."""
-
-    client: ParameterServerClient
-    last_checkpoint: CheckpointRecord | None
-
-    @property
-    def materialized(self) -> bool: ...
-
-    @property
-    def variables(self) -> Mapping[str, Any]: ...
-
-    def is_created(self, name: str) -> bool: ...
-
-    def checkpoint_key(self, name: str) -> str: ...
-
-    def restore_states(self, states_by_server: Mapping[int, Sequence[ShardState]],
-                       layouts: Mapping[str, VariableLayout]) -> None: ...
-
-
-class _Unrecoverable(Exception):
-    """The server cannot be restored; the message says why and what to do."""
-
-
 @dataclass(frozen=True)
-class _Outcome:
+class RecoveryOutcome:
+    server: str
     result: str
+    """"restored", "intact" or "failed"."""
     seconds: float
+    """From the replacement answering to dispatch resuming (0 when it never answered)."""
 
 
 class ParameterServerRecovery:
-    """Watches a strategy's parameter servers and recovers the ones that fail (see the module)."""
+    """Watches the parameter servers of ``variables`` and recovers the ones that fail (see the module)."""
 
     def __init__(
         self,
-        strategy: RecoverableStrategy,
+        variables: RecoverableVariables,
         *,
         queue: ClosureQueue,
         policy: RecoveryPolicy,
         observer: RecoveryObserver | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
-        self._strategy = strategy
+        self._variables = variables
         self._loop: DispatchLoop | None = None
         self._queue = queue
         self._policy = policy
         self.observer = observer
-        self._addresses = tuple(strategy.client.addresses)
+        self._clock = clock
+        self._addresses = tuple(variables.client.addresses)
+        self._watches = [ServerWatch() for _ in self._addresses]
         self._suspects: set[int] = set()
-        self._lock = threading.Lock()
+        self._recovering = False
+        self._cond = threading.Condition()
         self._wake = threading.Event()
         self._stopped = threading.Event()
-        self._incarnations: dict[int, str] = {}
-        self._misses: dict[int, int] = defaultdict(int)
-        self.recoveries: list[_Outcome] = []
-        """Every recovery's result and duration (replacement answering -> dispatch resuming)."""
+        self.recoveries: list[RecoveryOutcome] = []
+        """Every recovery's outcome, in order."""
         self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
 
     def start(self, loop: DispatchLoop) -> None:
@@ -153,19 +119,29 @@ class ParameterServerRecovery:
     # ---------------------------------------------------------------- from any thread
 
     def report(self, server: str) -> None:
-        """A closure failed because of parameter server ``server`` (its address). Never blocks."""
-        with self._lock:
+        """A closure (or a checkpoint's export) failed because of parameter server ``server``
+        (its address; another string: every server is suspect). Never blocks."""
+        with self._cond:
             if server in self._addresses:
                 self._suspects.add(self._addresses.index(server))
             else:  # e.g. "unknown": the worker could not tell which
                 self._suspects.update(range(len(self._addresses)))
+            self._cond.notify_all()
         self._wake.set()
+
+    def settled(self, timeout: float | None = None) -> bool:
+        """Waits until no server is suspected or being recovered; False at the timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._suspects and not self._recovering, timeout)
 
     def stop(self, timeout: float | None = None) -> None:
         self._stopped.set()
         self._wake.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+        with self._cond:
+            self._suspects.clear()
+            self._cond.notify_all()
 
     @property
     def loop(self) -> DispatchLoop:
@@ -182,172 +158,132 @@ class ParameterServerRecovery:
                 return
             try:
                 self._probe_all()
-                with self._lock:
-                    suspects, self._suspects = sorted(self._suspects), set()
-                for server in suspects:
+                for server in self._take_suspects():
                     if self._stopped.is_set():
                         return
                     self._recover(server)
             except Exception:  # noqa: BLE001 - the monitor must outlive any one failure
                 log.exception("parameter-server recovery failed unexpectedly")
+            finally:
+                with self._cond:
+                    self._recovering = False
+                    self._cond.notify_all()
+
+    def _take_suspects(self) -> list[int]:
+        with self._cond:
+            suspects = sorted(self._suspects)
+            self._recovering = bool(suspects)
+            self._suspects.clear()
+            return suspects
 
     def _probe_all(self) -> None:
-        """Marks servers suspect that restarted (a new incarnation) or missed two probes."""
-        if not self._strategy.materialized:
+        """Suspects the servers whose probe says they restarted or are lost."""
+        if not self._variables.materialized:
             return
         for server in range(len(self._addresses)):
-            answer = self._strategy.client.probe(server, self._policy.probe_timeout)
-            if answer is None:
-                self._misses[server] += 1
-                if self._misses[server] >= 2:
-                    log.warning("parameter server %s missed %d probes", self._addresses[server], self._misses[server])
-                    self._suspect(server)
-                continue
-            self._misses[server] = 0
-            incarnation = answer[0]
-            known = self._incarnations.setdefault(server, incarnation)
-            if known != incarnation:
-                log.warning("parameter server %s restarted (incarnation %s -> %s)",
-                            self._addresses[server], known[:8], incarnation[:8])
-                self._suspect(server)
+            probe = self._probe(server)
+            self._watches[server], verdict = judge_probe(self._watches[server], probe, self._clock(), self._policy)
+            if verdict.suspect:
+                log.warning("parameter server %s is suspect: %s", self._addresses[server], verdict.reason)
+                with self._cond:
+                    self._suspects.add(server)
+            elif probe.result is ProbeResult.BUSY:
+                log.info("parameter server %s: %s", self._addresses[server], verdict.reason)
 
-    def _suspect(self, server: int) -> None:
-        with self._lock:
-            self._suspects.add(server)
-
-    def _last_checkpoint(self) -> pathlib.Path | None:
-        record = self._strategy.last_checkpoint
-        return pathlib.Path(record.path) if record is not None else None
+    def _probe(self, server: int) -> Probe:
+        answer = self._variables.client.probe(server, self._policy.probe_timeout)
+        if answer is None:
+            return Probe(ProbeResult.UNREACHABLE)
+        return Probe(ProbeResult.ANSWERED, answer[0])
 
     def _recover(self, server: int) -> None:
         address = self._addresses[server]
         log.warning("recovering parameter server %s: training paused", address)
         try:
-            outcome = self._recover_paused(server)
+            with self._variables.state_change():
+                outcome = self._recover_paused(server)
         except TimeoutError:
-            return self._give_up(server, _Unrecoverable(
+            outcome = self._give_up(server, Unrecoverable(
                 f"closures still ran {self._policy.replacement_timeout:g}s after it failed"))
-        except _Unrecoverable as exc:
-            return self._give_up(server, exc)
-        self._notify(server, outcome)
+        except Unrecoverable as exc:
+            outcome = self._give_up(server, exc)
+        if self.observer is not None:
+            self.observer.parameter_server_recovered(address, outcome.result, outcome.seconds)
 
-    def _give_up(self, server: int, exc: _Unrecoverable) -> None:
+    def _give_up(self, server: int, exc: Unrecoverable) -> RecoveryOutcome:
         address = self._addresses[server]
         log.error("parameter server %s was not recovered: %s", address, exc)
-        outcome = _Outcome("failed", 0.0)
+        outcome = RecoveryOutcome(address, "failed", 0.0)
         self.recoveries.append(outcome)  # before the error: whoever sees it sees this too
         self._queue.abort(ParameterServerUnavailableError(
             server=address, remote_type="paramserve.ParameterServerUnavailable", message=str(exc),
         ))
         self.loop.release_server_hold()
-        self._notify(server, outcome)
+        return outcome
 
-    def _notify(self, server: int, outcome: _Outcome) -> None:
-        self._misses[server] = 0
-        if self.observer is not None:
-            self.observer.parameter_server_recovered(self._addresses[server], outcome.result, outcome.seconds)
-
-    def _recover_paused(self, server: int) -> _Outcome:
+    def _recover_paused(self, server: int) -> RecoveryOutcome:
         address = self._addresses[server]
         with self.loop.paused(self._policy.replacement_timeout):
-            answer = self._wait_for(server)
-            answered = time.monotonic()
-            incarnation, infos = answer
-            lost = self._lost_variables(server, infos)
-            restarted = self._incarnations.get(server, incarnation) != incarnation
-            result = "intact"
-            if lost:
-                self._restore(server, lost)
-                result = "restored"
-                log.warning("parameter server %s%s lost %d variables: restored from %s (%s)", address,
-                            " restarted and" if restarted else "", len(lost), self._last_checkpoint(),
-                            self._policy.recovery_point.value)
-            else:
-                log.warning("parameter server %s answers again and holds all its shards: nothing to restore", address)
-            self._incarnations[server] = incarnation
-            with self._lock:  # what closures reported meanwhile was this failure
+            incarnation, infos = self._wait_for(server)
+            answered = self._clock()
+            layouts = self._variables.created_layouts()
+            lost = lost_variables(server, {info.ref for info in infos}, layouts)
+            plan = self._plan(lost)
+            log.warning("parameter server %s answers (incarnation %s): %s", address, incarnation[:8], plan.reason)
+            self._execute(server, lost, plan)
+            self._watches[server] = ServerWatch(incarnation)
+            with self._cond:  # what closures reported meanwhile was this failure
                 self._suspects.discard(server)
-            outcome = _Outcome(result, time.monotonic() - answered)
+            outcome = RecoveryOutcome(address, "intact" if plan.point is None else "restored", self._clock() - answered)
             self.recoveries.append(outcome)  # before training resumes: whoever sees it go on sees this
             self.loop.release_server_hold()
         log.warning("parameter server %s recovered (%s) in %.2fs after it answered: training resumes",
-                    address, result, outcome.seconds)
+                    address, outcome.result, outcome.seconds)
         return outcome
 
     def _wait_for(self, server: int) -> tuple[str, list[ShardInfo]]:
-        deadline = time.monotonic() + self._policy.replacement_timeout
+        deadline = self._clock() + self._policy.replacement_timeout
         while not self._stopped.is_set():
-            answer = self._strategy.client.probe(server, self._policy.probe_timeout, shards=True)
+            answer = self._variables.client.probe(server, self._policy.probe_timeout, shards=True)
             if answer is not None:
                 return answer
-            if time.monotonic() >= deadline:
-                break
+            if self._clock() >= deadline:
+                raise Unrecoverable(
+                    f"it did not answer within {self._policy.replacement_timeout:g}s: restart it (Compose, "
+                    "Kubernetes and paramserve launch do), or raise RecoveryPolicy.replacement_timeout")
             self._stopped.wait(self._policy.poll_interval)
-        raise _Unrecoverable(
-            f"it did not answer within {self._policy.replacement_timeout:g}s: restart it at the same address "
-            "(Compose and Kubernetes do; paramserve launch restarts its children), or raise "
-            "RecoveryPolicy.replacement_timeout"
-        )
+        raise Unrecoverable("the coordinator shut down while waiting for it")
 
-    def _lost_variables(self, server: int, infos: Sequence[ShardInfo]) -> dict[str, VariableLayout]:
-        """The strategy's variables with a shard on ``server`` that it no longer holds."""
-        held = {info.ref for info in infos}
-        lost: dict[str, VariableLayout] = {}
-        for name, layout in self._strategy.client.layouts.items():
-            if not self._strategy.is_created(name):
-                continue
-            if any(s.server == server and layout.ref(s) not in held for s in layout.shards):
-                lost[name] = layout
-        return lost
+    def _plan(self, lost: Mapping[str, VariableLayout]) -> RestorePlan:
+        keys = {name: self._variables.checkpoint_key(name) for name in lost}
+        facts = [_facts(path) for path in self._variables.checkpoints.candidates(checkpoint.list_checkpoints)]
+        return plan_restore(lost, keys, facts, self._policy.recovery_point)
 
-    def _restore(self, server: int, lost: Mapping[str, VariableLayout]) -> None:
-        path = self._checkpoint_for(lost)
-        if self._policy.recovery_point is RecoveryPoint.ALL and path is not None:
-            from paramserve.coordinator.checkpoint_manager import CheckpointManager  # it imports the strategy
-
-            CheckpointManager(self._strategy, path.parent).restore(path)  # type: ignore[arg-type]
+    def _execute(self, server: int, lost: Mapping[str, VariableLayout], plan: RestorePlan) -> None:
+        if plan.point is None:
             return
-        states: list[ShardState] = []
-        for name, layout in lost.items():
-            variable = self._strategy.variables[name]
-            for shard in layout.shards:
-                if shard.server != server:
-                    continue
-                ref = layout.ref(shard)
-                if variable.checkpointed:
-                    assert path is not None
-                    rows = shard.num_rows if layout.shape else 1
-                    states.append(checkpoint.load_rows(path, self._strategy.checkpoint_key(name), shard.row_start,
-                                                       rows, ref))
-                else:
-                    states.append(_initial_state(variable, layout, ref, shard.row_start, shard.num_rows))
-        self._strategy.restore_states({server: states}, dict(lost))
+        if plan.point is RecoveryPoint.ALL and plan.checkpoint is not None:
+            self._variables.restore_checkpoint(plan.checkpoint)
+            lost = {name: layout for name, layout in lost.items() if self._variables.checkpoint_key(name) is None}
+            if not lost:
+                return
+        states = [self._lost_state(name, layout, shard, plan.checkpoint)
+                  for name, layout in lost.items() for shard in layout.shards if shard.server == server]
+        self._variables.restore_states({server: states}, dict(lost))
 
-    def _checkpoint_for(self, lost: Mapping[str, VariableLayout]) -> pathlib.Path | None:
-        """The checkpoint to restore ``lost`` from (None when none of them is checkpointed)."""
-        needed = [name for name in lost if self._strategy.variables[name].checkpointed]
-        if not needed:
-            return None
-        path = self._last_checkpoint()
-        if path is None or not path.exists():
-            raise _Unrecoverable(
-                f"it restarted without {len(needed)} variables (e.g. {needed[0]!r}) and this program saved no "
-                "checkpoint to restore them from: save checkpoints while training (CheckpointManager, or fit's "
-                "BackupAndRestore / ModelCheckpoint) so that a restarted parameter server can be restored"
-            )
-        saved = checkpoint.variables(path)
-        missing = [name for name in needed if self._strategy.checkpoint_key(name) not in saved]
-        if missing:
-            raise _Unrecoverable(
-                f"it lost variables the checkpoint {path} does not hold (e.g. {missing[0]!r}, built after it was "
-                "saved): save a checkpoint after building every model"
-            )
-        return path
+    def _lost_state(self, name: str, layout: VariableLayout, shard: ShardPlacement, path: Path | None) -> ShardState:
+        key = self._variables.checkpoint_key(name)
+        if key is None or path is None:
+            return self._variables.initial_state(name, layout, shard)
+        rows = shard.num_rows if layout.shape else 1
+        state = checkpoint.load_rows(path, key, shard.row_start, rows, layout.ref(shard))
+        live = self._variables.live_optimizer(name)
+        return dataclasses.replace(state, optimizer=live) if live is not None else state
 
 
-def _initial_state(variable: Any, layout: VariableLayout, ref: ShardRef, row_start: int, num_rows: int) -> ShardState:
-    """A variable no checkpoint holds (a metric's state) starts again from its initial value."""
-    value = variable.parameter.detach()
-    if layout.shape:
-        value = value[row_start : row_start + num_rows]
-    return ShardState(ref, layout.shape, row_start, value.clone(), variable.optimizer)
+def _facts(path: Path) -> CheckpointFacts:
+    """What a checkpoint candidate holds, for ``plan_restore``."""
+    if not checkpoint.is_whole(path):
+        return CheckpointFacts(path, whole=False)
+    return CheckpointFacts(path, whole=True, variables=frozenset(checkpoint.variables(path)))
+

@@ -29,20 +29,19 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from paramserve.coordinator.contracts import CheckpointRecord
 from paramserve.psserver.metrics_http import MetricsEndpoint, register_build_info, serve_metrics
 
 if TYPE_CHECKING:
     from paramserve.coordinator.closures import Closure
 
 __all__ = [
-    "CheckpointRecord",
     "CoordinatorObserver",
     "CoordinatorTelemetry",
     "NO_OBSERVER",
@@ -52,15 +51,6 @@ __all__ = [
 PREFIX = "paramserve_coordinator_"
 WORKER_STATES = ("up", "down", "stopped")
 """``WorkerState`` values of coordinator.dispatch, as labels."""
-
-
-@dataclass(frozen=True)
-class CheckpointRecord:
-    """A checkpoint a CheckpointManager wrote or restored: its step, path and write time (Unix)."""
-
-    step: int
-    path: str
-    written_at: float
 
 
 class CoordinatorObserver(Protocol):

@@ -9,7 +9,6 @@ import sys
 
 from paramserve.psserver.security import writable_directory
 from paramserve.psserver.server import ServerConfig, build_server
-from paramserve.psserver.servicer import DEFAULT_MAX_PULL_BYTES, DEFAULT_MAX_PUSH_BYTES
 from paramserve.psserver.serving import (
     add_server_arguments,
     configure_logging,
@@ -22,6 +21,7 @@ from paramserve.psserver.serving import (
     run_reporting_errors,
     serve_until_signal,
 )
+from paramserve.psserver.steps import DEFAULT_MAX_PULL_BYTES, DEFAULT_MAX_PUSH_BYTES
 from paramserve.psserver.store import StoreConfig
 from paramserve.psserver.streams import DEFAULT_CHUNK_BYTES
 

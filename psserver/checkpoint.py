@@ -67,7 +67,10 @@ __all__ = [
     "save_checkpoint",
     "delete_checkpoints",
     "sweep_leftovers",
+    "gaps",
+    "is_whole",
     "latest_checkpoint",
+    "list_checkpoints",
     "resolve",
     "read_manifest",
     "variables",
@@ -153,6 +156,21 @@ def _group_by_variable(states: Sequence[ShardState]) -> dict[str, list[ShardStat
             ):
                 raise CheckpointError("shards of one variable disagree on its shape, dtype or optimizer", variable=name)
     return {name: sorted(groups[name], key=lambda state: state.ref.shard) for name in sorted(groups)}
+
+
+def _check_whole(groups: Mapping[str, list[ShardState]]) -> None:
+    """Raises CheckpointError for a variable whose shards leave rows out or hold some twice."""
+    for name, group in groups.items():
+        first = group[0]
+        shards = tuple(sorted((SavedShard(s.ref.shard, int(s.row_start), _rows_of(s), "", 0) for s in group),
+                              key=lambda saved: saved.row_start))
+        missing = gaps(VariableEntry(tuple(first.variable_shape), first.value.dtype, first.optimizer, shards))
+        if missing:
+            raise CheckpointError(
+                f"the shards to save do not cover the variable exactly (rows {missing} are missing or doubled): "
+                "a parameter server lost or duplicated shards during the export; nothing was written",
+                variable=name,
+            )
 
 
 def _file_name(index: int, variable: str, shard: int) -> str:
@@ -319,6 +337,7 @@ def save_checkpoint(
     extra: Mapping[str, Any] | None = None,
     keep: int = 0,
     before_commit: Callable[[], None] | None = None,
+    require_whole: bool = False,
 ) -> Path:
     """Writes ``states`` as a new checkpoint under ``root`` and returns its directory.
 
@@ -329,10 +348,14 @@ def save_checkpoint(
     Raises InvalidRequestError for bad arguments and CheckpointError for
     states that do not fit together or a filesystem failure; on any error
     the previous checkpoint and LATEST are untouched and nothing is left behind.
+    ``require_whole``: every variable's shards must cover all its rows (a coordinator's
+    checkpoint of the whole model; a server's own save holds only its shards).
     """
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
         raise InvalidRequestError(f"keep must be an int >= 0 (0 keeps every checkpoint), got {keep!r}")
     groups = _group_by_variable(states)
+    if require_whole:
+        _check_whole(groups)
     extra_json = _extra_json(extra)
     root = Path(root)
     try:
@@ -377,18 +400,52 @@ def delete_checkpoints(root: Path) -> None:
         pass  # something else lives there
 
 
+def list_checkpoints(root: Path) -> list[Path]:
+    """The whole checkpoints under ``root`` (see ``is_whole``), oldest first."""
+    return [path for _, path in sorted(_checkpoint_numbers(Path(root)).items()) if is_whole(path)]
+
+
 def latest_checkpoint(root: Path) -> Path | None:
-    """The checkpoint LATEST names, else the highest-numbered complete one, else None."""
+    """The checkpoint LATEST names when it is whole, else the newest whole one, else None.
+
+    A checkpoint that LATEST names may still not be whole: one written by a version that did
+    not check its shards, or damaged on disk since. Restores skip it for the one before."""
     root = Path(root)
     try:
         name = (root / LATEST).read_text().strip()
     except OSError:
         name = ""
-    if _CHECKPOINT_NAME.match(name) and (root / name / MANIFEST).is_file():
+    if _CHECKPOINT_NAME.match(name) and is_whole(root / name):
         return root / name
-    # LATEST is missing (e.g. a crash between the first commit and its LATEST).
-    complete = [path for _, path in sorted(_checkpoint_numbers(root).items()) if (path / MANIFEST).is_file()]
-    return complete[-1] if complete else None
+    whole = list_checkpoints(root)
+    return whole[-1] if whole else None
+
+
+def is_whole(path: Path) -> bool:
+    """Whether the checkpoint at ``path`` can be restored whole: its manifest reads, every
+    variable's saved shards cover each of its rows exactly once, and every shard file exists."""
+    try:
+        manifest = read_manifest(Path(path))
+    except CheckpointError:
+        return False
+    if manifest.path != Path(path):
+        return False
+    return all(not gaps(entry) and all((manifest.path / saved.file).is_file() for saved in entry.shards)
+               for entry in manifest.variables.values())
+
+
+def gaps(entry: VariableEntry) -> list[tuple[int, int]]:
+    """The row ranges ``[start, stop)`` of ``entry`` that no saved shard holds, or that two hold
+    (a shard lost from a save, or one saved twice); empty for a whole variable."""
+    problems: list[tuple[int, int]] = []
+    cursor = 0
+    for saved in entry.shards:  # sorted by row_start
+        if saved.row_start != cursor:
+            problems.append((min(cursor, saved.row_start), max(cursor, saved.row_start)))
+        cursor = max(cursor, saved.row_stop)
+    if cursor != entry.num_rows:
+        problems.append((min(cursor, entry.num_rows), max(cursor, entry.num_rows)))
+    return problems
 
 
 def resolve(path: Path) -> Path:

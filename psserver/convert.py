@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from paramserve.psserver.errors import InvalidRequestError
+from paramserve.psserver.initializers import initial_value
 from paramserve.psserver.optimizer import OptimizerSpec
-from paramserve.psserver.store import initial_value
 from paramserve.psserver.streams import (
     meta_nbytes,
     meta_of,

@@ -176,6 +176,10 @@ class OptimizerSpec:
     def __reduce__(self) -> tuple[Any, ...]:
         return (OptimizerSpec, (self.name, dict(self.kwargs)))
 
+    def with_kwargs(self, values: Mapping[str, Any]) -> OptimizerSpec:
+        """This spec with ``values`` replacing its arguments of those names (not validated)."""
+        return OptimizerSpec(self.name, {**self.kwargs, **values})
+
     def to_json(self) -> str:
         """``kwargs`` as a JSON object with sorted keys (the wire's ``kwargs_json``)."""
         try:
@@ -486,7 +490,7 @@ class ShardOptimizer:
                 raise InvalidRequestError(
                     f"optimizer {self._spec.name} has no hyperparameter {key!r}; it has {', '.join(known)}"
                 )
-        updated = OptimizerSpec(self._spec.name, {**self._spec.kwargs, **values})
+        updated = self._spec.with_kwargs(values)
         updated.validate()
         self._check_same_layout(updated)
         return updated

@@ -1,4 +1,5 @@
-"""Step programs: a data-plane connection's recurring steps, checked once and then run by number.
+"""Step programs, the server's side: a data-plane connection's recurring steps, checked once and
+then run by number (psserver/steps.py compiles and runs them).
 
 A training worker sends the same step every time: the same dense shards pushed, the same shards
 read back. Parsing that plan, finding its shards and checking each part against its shard cost a
@@ -9,47 +10,39 @@ model). So the client sends a recurring step whole once, as program N of its con
 
 What stays per step: the key (exactly-once), the NaN/Inf check of the gradients, the staleness
 bound, and the lock-protected apply and read. What a program fixes (its shards' dtypes, shapes
-and byte ranges) is checked again whenever the store's shards change (``ShardStore.generation``):
-a restored or deleted variable cannot be reached through a program made before.
+and byte ranges) is checked again whenever the store's shards change
+(``ShardStore.catalog_version``): a restored or deleted variable cannot be reached through a
+program made before.
 
 A connection holds at most MAX_PROGRAMS programs of at most MAX_PROGRAM_ENTRIES parts and reads
-each, numbered 1..MAX_PROGRAMS by the client, and they end with it; a client that needs another
-reuses a number (the server replaces it).
+each (psserver/dataplane.py: both sides keep to them), numbered 1..MAX_PROGRAMS by the client
+(psserver/dataplane_client.py: ProgramNumbers), and they end with it; a client that needs
+another reuses a number (the server replaces it).
 """
 
 from __future__ import annotations
 
 import functools
-from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from paramserve.psserver import dataplane
+from paramserve.psserver.dataplane import MAX_PROGRAMS, fits_a_program
 from paramserve.psserver.errors import InvalidRequestError
 from paramserve.psserver.store import PreparedStep
 from paramserve.psserver.streams import tensor_view
 from paramserve.wire.v1 import parameter_server_pb2 as ps_pb2
 
-__all__ = ["MAX_PROGRAMS", "MAX_PROGRAM_ENTRIES", "ProgramNumbers", "PushSlot", "StepProgram", "StepPrograms", "check_program_size", "fits_a_program"]
-
-MAX_PROGRAMS = 16
-"""Programs one data-plane connection may hold (a worker's steps need one or two)."""
-MAX_PROGRAM_ENTRIES = 4096
-"""Push parts plus reads one program may hold, so that a connection's programs stay within a
-few MB of the server's memory; a larger step is sent as a plain plan."""
-
-
-def fits_a_program(entries: int) -> bool:
-    """Whether a step of ``entries`` push parts and reads may be a program."""
-    return entries <= MAX_PROGRAM_ENTRIES
+__all__ = ["PushSlot", "StepProgram", "StepPrograms", "base_versions", "check_program_size"]
 
 
 def check_program_size(entries: int) -> None:
     """Raises InvalidRequestError for a program of more than MAX_PROGRAM_ENTRIES parts and reads."""
     if not fits_a_program(entries):
-        raise InvalidRequestError(f"a step program holds at most {MAX_PROGRAM_ENTRIES} push parts and reads; this "
-                                  f"one has {entries}: send it as a plain StepPlan")
+        raise InvalidRequestError(f"a step program holds at most {dataplane.MAX_PROGRAM_ENTRIES} push parts and "
+                                  f"reads; this one has {entries}: send it as a plain StepPlan")
 
 
 @dataclass(frozen=True)
@@ -171,30 +164,3 @@ def base_versions(plan: ps_pb2.StepPlan, program: StepProgram) -> Sequence[int]:
             "push parts: send one per part, or none"
         )
     return list(plan.base_versions)
-
-
-class ProgramNumbers:
-    """A client's side of one connection's programs: which number each recurring step has, and
-    whether the server has it yet. Numbers are reused least recently used first, so the server
-    never holds more than MAX_PROGRAMS for the connection."""
-
-    def __init__(self) -> None:
-        self._numbers: OrderedDict[Hashable, tuple[int, bool]] = OrderedDict()
-
-    def number(self, signature: Hashable) -> tuple[int, bool]:
-        """The step's number and whether it is defined on the server (else: define it now)."""
-        entry = self._numbers.get(signature)
-        if entry is not None:
-            self._numbers.move_to_end(signature)
-            return entry
-        if len(self._numbers) < MAX_PROGRAMS:
-            number = len(self._numbers) + 1
-        else:
-            _, (number, _) = self._numbers.popitem(last=False)
-        self._numbers[signature] = (number, False)
-        return number, False
-
-    def defined(self, signature: Hashable, number: int) -> None:
-        """The server answered a step that defined or ran ``number`` for ``signature``."""
-        if self._numbers.get(signature, (0, False))[0] == number:
-            self._numbers[signature] = (number, True)

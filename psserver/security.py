@@ -44,17 +44,15 @@ __all__ = [
     "bearer_metadata",
     "check_exposure",
     "check_token",
-    "unauthenticated_workers",
     "checkpoint_root",
     "confined_path",
-    "writable_directory",
     "is_loopback",
     "new_reply_nonce",
-    "open_aio_channel",
-    "open_channel",
     "reply_is_signed",
     "reply_key",
     "reply_signature",
+    "unauthenticated_workers",
+    "writable_directory",
 ]
 
 log = logging.getLogger(__name__)
@@ -231,20 +229,6 @@ class ClientTls:
 
     def options(self) -> list[tuple[str, Any]]:
         return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
-
-
-def open_channel(address: str, tls: ClientTls | None, options: Sequence[tuple[str, Any]]) -> grpc.Channel:
-    """A channel to ``address``: TLS when ``tls`` is given, plaintext otherwise."""
-    if tls is None:
-        return grpc.insecure_channel(address, options=list(options))
-    return grpc.secure_channel(address, tls.credentials(), options=[*options, *tls.options()])
-
-
-def open_aio_channel(address: str, tls: ClientTls | None, options: Sequence[tuple[str, Any]]) -> grpc.aio.Channel:
-    """``open_channel`` for grpc.aio (create it on the event loop that uses it)."""
-    if tls is None:
-        return grpc.aio.insecure_channel(address, options=list(options))
-    return grpc.aio.secure_channel(address, tls.credentials(), options=[*options, *tls.options()])
 
 
 # ---------------------------------------------------------------- checkpoint paths

@@ -1,4 +1,5 @@
-"""Builds a parameter-server process: store + servicer + gRPC server, from one config."""
+"""Builds a parameter-server process from one config: the store, the step engine on it, the
+gRPC servicer and server, and the step data plane beside them."""
 
 from __future__ import annotations
 
@@ -11,17 +12,12 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from paramserve.psserver.dataplane import DataPlaneServer
+from paramserve.psserver.dataplane_server import DataPlaneServer
 from paramserve.psserver.errors import ConfigurationError, ParamServeError
+from paramserve.psserver.metadata import SERVICE_NAME
 from paramserve.psserver.optimizer import warm_up
-from paramserve.psserver.servicer import (
-    DEFAULT_MAX_PULL_BYTES,
-    DEFAULT_MAX_PUSH_BYTES,
-    SERVICE_NAME,
-    ParameterServerServicer,
-    ServicerLimits,
-    generic_handler,
-)
+from paramserve.psserver.programs import StepPrograms
+from paramserve.psserver.servicer import ParameterServerServicer, ServicerLimits, generic_handler
 from paramserve.psserver.serving import (
     DEFAULT_MAX_CONNECTIONS,
     GrpcService,
@@ -30,6 +26,7 @@ from paramserve.psserver.serving import (
     TlsConfig,
     boundary_error,
 )
+from paramserve.psserver.steps import DEFAULT_MAX_PULL_BYTES, DEFAULT_MAX_PUSH_BYTES, StepEngine
 from paramserve.psserver.store import ShardStore, StoreConfig
 from paramserve.psserver.streams import DEFAULT_CHUNK_BYTES
 from paramserve.psserver.types import PushOutcome
@@ -125,7 +122,7 @@ class ParameterServer(RunningService):
     store: ShardStore
     service: GrpcService
     registry: CollectorRegistry
-    data_plane: DataPlaneServer | None = None
+    data_plane: DataPlaneServer[StepPrograms] | None = None
 
     @property
     def data_port(self) -> int | None:
@@ -153,12 +150,13 @@ def build_server(config: ServerConfig, registry: CollectorRegistry | None = None
         checkpoint_root=config.checkpoint_root,
         authenticated=bool(config.token),
     )
-    servicer = ParameterServerServicer(store, config.chunk_bytes, limits)
+    steps = StepEngine(store, limits.step_limits())
+    servicer = ParameterServerServicer(store, steps, config.chunk_bytes, limits)
     registry.register(ShardVersions(store))
     service = GrpcService.for_config(
         config, handlers=[generic_handler(servicer)], service_names=[SERVICE_NAME], registry=registry, role="ps"
     )
-    data_plane = None if config.data_port is None else start_data_plane(config, servicer, service.metrics)
+    data_plane = None if config.data_port is None else start_data_plane(config, steps, servicer, service.metrics)
     try:
         return ParameterServer(config, store, service.start(), registry, data_plane)
     except BaseException:
@@ -167,13 +165,15 @@ def build_server(config: ServerConfig, registry: CollectorRegistry | None = None
         raise
 
 
-def start_data_plane(config: ServerConfig, servicer: ParameterServerServicer, metrics: RpcMetrics) -> DataPlaneServer:
-    """The step data plane beside the gRPC server: same host, token, TLS and message limit.
-    Raises ConfigurationError when its port cannot be bound."""
+def start_data_plane(config: ServerConfig, steps: StepEngine, servicer: ParameterServerServicer,
+                     metrics: RpcMetrics) -> DataPlaneServer[StepPrograms]:
+    """The step data plane beside the gRPC server: same host, token, TLS and message limit, the
+    same step engine (each connection's state: its step programs); ``servicer`` then tells
+    clients its port. Raises ConfigurationError when its port cannot be bound."""
     assert config.data_port is not None
     try:
         data_plane = DataPlaneServer(
-            servicer.step_frames, lambda exc: boundary_error("Step", exc),
+            steps.run_frames, steps.new_connection, lambda exc: boundary_error("Step", exc),
             host=config.host, port=config.data_port, max_body_bytes=config.max_message_bytes,
             max_connections=config.max_connections, token=config.token, tls=config.tls,
             on_step=lambda code, seconds, received, sent: metrics.record_call(

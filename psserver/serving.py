@@ -8,7 +8,7 @@ around the servicer is here, once:
   INTERNAL (never UNKNOWN);
 - interceptors: the token check (before a request's body is read), reply
   signatures, and per-RPC Prometheus metrics (the rules are psserver.security's);
-- channel and server options (no SO_REUSEPORT, message, connection and HTTP/2
+- server options (no SO_REUSEPORT, message, connection and HTTP/2
   limits), the port file that tells a launcher which port a server bound;
 - ``GrpcService``: a started server with health checking and metrics, which
   refuses to listen beyond loopback unauthenticated;
@@ -34,7 +34,6 @@ import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NoReturn, TypeVar
-from urllib.parse import quote, unquote
 
 import grpc
 import torch
@@ -42,6 +41,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from paramserve.psserver import cpus
 from paramserve.psserver.atomic_files import atomic_write
+from paramserve.psserver.channels import TCP_READ_OPTIONS
 from paramserve.psserver.errors import (
     ERROR_METADATA_KEY,
     ERROR_VARIABLE_METADATA_KEY,
@@ -51,6 +51,7 @@ from paramserve.psserver.errors import (
     MessageTooLargeError,
     ParamServeError,
 )
+from paramserve.psserver.metadata import MAX_ERROR_METADATA_CHARS, metadata_value
 from paramserve.psserver.metrics_http import MetricsEndpoint, register_build_info, serve_metrics
 from paramserve.psserver.security import (
     AUTH_METADATA_KEY,
@@ -73,30 +74,6 @@ _T = TypeVar("_T")
 
 
 # ---------------------------------------------------------------- error boundary
-
-MAX_ERROR_METADATA_CHARS = 3072
-"""Longest escaped value of the ``paramserve-error-variable`` trailer (a name of the longest
-allowed size, 1 KiB, fits escaped), and of an error's details as gRPC percent-encodes them:
-together they stay under the 8 KiB of metadata a gRPC client accepts by default."""
-# Printable ASCII but the space and '%' (the escape character): what a metadata value may hold.
-_METADATA_SAFE = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) != "%")
-_ELLIPSIS = "%E2%80%A6"
-
-
-def metadata_value(text: str, limit: int = MAX_ERROR_METADATA_CHARS) -> str:
-    """``text`` percent-escaped to what a metadata value may hold (gRPC fails the whole call with
-    INTERNAL for anything else), cut to ``limit`` characters (ending in an escaped "...")."""
-    escaped = quote(text.encode("utf-8", "backslashreplace"), safe=_METADATA_SAFE)
-    if len(escaped) <= limit:
-        return escaped
-    cut = escaped[: limit - len(_ELLIPSIS)]
-    tail = cut.rfind("%", len(cut) - 2)
-    return (cut[:tail] if tail >= 0 else cut) + _ELLIPSIS
-
-
-def metadata_text(value: str) -> str:
-    """The text ``metadata_value`` escaped."""
-    return unquote(value)
 
 
 def _encoded_chars(text: str) -> int:
@@ -413,16 +390,6 @@ def _count_one(request: Any, counter: Any) -> Any:
 # ---------------------------------------------------------------- options, TLS, port file
 
 
-TCP_READ_OPTIONS: list[tuple[str, Any]] = [
-    # gRPC starts reading sockets 8 KiB at a time and grows slowly: a 0.5 MB message then costs
-    # several times the CPU of the bytes (measured: a client receiving 0.47 MB spent 1.1 CPU-ms,
-    # 0.37 with these). Tensor messages are large, so read large chunks from the start.
-    ("grpc.experimental.tcp_read_chunk_size", 1 << 20),
-    ("grpc.experimental.tcp_min_read_chunk_size", 512 << 10),
-    ("grpc.experimental.tcp_max_read_chunk_size", 4 << 20),
-]
-
-
 DEFAULT_MAX_CONNECTIONS = 1024
 SETTINGS_TIMEOUT_MS = 10_000
 MAX_CONNECTION_IDLE_MS = 300_000
@@ -441,23 +408,6 @@ def server_options(max_message_bytes: int, max_connections: int = DEFAULT_MAX_CO
         ("grpc.http2.settings_timeout", SETTINGS_TIMEOUT_MS),
         ("grpc.max_connection_idle_ms", MAX_CONNECTION_IDLE_MS),
         ("grpc.max_allowed_incoming_connections", max_connections),
-        *TCP_READ_OPTIONS,
-    ]
-
-
-def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
-    return [
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.max_send_message_length", max_message_bytes),
-        # Fail fast on a dead peer instead of waiting for TCP timeouts.
-        ("grpc.keepalive_time_ms", 30_000),
-        ("grpc.keepalive_timeout_ms", 10_000),
-        ("grpc.enable_retries", 0),  # retries are tenacity's job, in one place
-        # A restarted peer is reached within about a second: gRPC's default reconnect backoff
-        # grows to two minutes, which left workers unaware of a restarted server for ~57 s.
-        ("grpc.initial_reconnect_backoff_ms", 100),
-        ("grpc.min_reconnect_backoff_ms", 100),
-        ("grpc.max_reconnect_backoff_ms", 1000),
         *TCP_READ_OPTIONS,
     ]
 

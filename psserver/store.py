@@ -16,7 +16,6 @@ reported as not applied and changes nothing.
 from __future__ import annotations
 
 import contextlib
-import math
 import threading
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -40,28 +39,12 @@ from paramserve.psserver.errors import (
 )
 from paramserve.psserver.idempotency import IdempotencyWindow
 from paramserve.psserver.optimizer import GroupedSteps, OptimizerSpec, ShardOptimizer, in_place_sgd_rate
-from paramserve.psserver.tensors import DTYPE_NAMES, dtype_name
+from paramserve.psserver.tensors import DTYPE_NAMES, check_shape, dtype_name
 from paramserve.psserver.types import PushOutcome, ShardInfo, ShardRef, ShardState
 
 _R = TypeVar("_R")
 
-__all__ = [
-    "ShardPush",
-    "Pulled",
-    "PreparedStep",
-    "StoreConfig",
-    "PushObserver",
-    "ShardStore",
-    "check_state",
-    "initial_value",
-    "INITIALIZER_KINDS",
-]
-
-
-
-
-
-
+__all__ = ["PreparedStep", "Pulled", "PushObserver", "ShardPush", "ShardStore", "StoreConfig", "check_state"]
 
 
 @dataclass(frozen=True)
@@ -82,13 +65,13 @@ class ShardPush:
 class PreparedStep:
     """A recurring step's shards, resolved and checked once (``ShardStore.prepare_step``): its
     dense pushes and its whole-shard reads, in the step's order and in lock order. Valid while
-    the store's ``generation`` is the one it was prepared at."""
+    the store's ``catalog_version`` is the one it was prepared at."""
 
-    generation: int
-    pushes: tuple["_Shard", ...]
-    push_lock_order: tuple["_Shard", ...]
-    reads: tuple["_Shard", ...]
-    read_lock_order: tuple["_Shard", ...]
+    catalog_version: int
+    pushes: tuple[_Shard, ...]
+    push_lock_order: tuple[_Shard, ...]
+    reads: tuple[_Shard, ...]
+    read_lock_order: tuple[_Shard, ...]
     read_layout: tuple[tuple[torch.dtype, tuple[int, ...], int], ...]
     """Each read's dtype, shape and bytes, in the step's order."""
 
@@ -144,58 +127,7 @@ def _about(variable: str) -> Iterator[None]:
 
 
 # ---------------------------------------------------------------------------
-# Initial values
-
-
-INITIALIZER_KINDS = ("zeros", "ones", "constant", "normal", "uniform")
-
-
-def initial_value(
-    shape: Sequence[int], dtype: torch.dtype, kind: str, a: float = 0.0, b: float = 1.0, seed: int = 0
-) -> Tensor:
-    """A new tensor filled on the server, so a huge table never crosses the wire.
-
-    ``kind``: "zeros", "ones", "constant" (value ``a``), "normal" (mean ``a``,
-    std ``b``) or "uniform" (in ``[a, b)``); random kinds draw from a
-    ``torch.Generator`` seeded with ``seed`` (give each shard its own seed).
-    Raises InvalidRequestError for an unknown kind or bad arguments.
-    """
-    _check_shape(shape, "shape")
-    dtype_name(dtype)  # DtypeMismatchError for an unsupported dtype
-    if kind not in INITIALIZER_KINDS:
-        raise InvalidRequestError(f"unknown initializer {kind!r}; use one of {', '.join(INITIALIZER_KINDS)}")
-    if not (math.isfinite(a) and math.isfinite(b)):
-        raise InvalidRequestError(f"initializer arguments must be finite, got a={a}, b={b}")
-    if kind == "zeros":
-        return torch.zeros(tuple(shape), dtype=dtype)
-    if kind == "ones":
-        return torch.ones(tuple(shape), dtype=dtype)
-    if kind == "constant":
-        return torch.full(tuple(shape), a, dtype=dtype)
-    return _random_value(tuple(shape), dtype, kind, a, b, seed)
-
-
-def _random_value(shape: tuple[int, ...], dtype: torch.dtype, kind: str, a: float, b: float, seed: int) -> Tensor:
-    if not dtype.is_floating_point:
-        raise InvalidRequestError(f"a {kind} initializer needs a floating-point dtype, not {dtype_name(dtype)}")
-    if kind == "normal" and b < 0:
-        raise InvalidRequestError(f"a normal initializer needs std b >= 0, got {b}")
-    if kind == "uniform" and a > b:
-        raise InvalidRequestError(f"a uniform initializer needs a <= b, got a={a}, b={b}")
-    generator = torch.Generator().manual_seed(int(seed))
-    tensor = torch.empty(shape, dtype=dtype)
-    if kind == "normal":
-        return tensor.normal_(a, b, generator=generator)
-    return tensor.uniform_(a, b, generator=generator)
-
-
-# ---------------------------------------------------------------------------
 # Validation of created shards (pure: reads a ShardState, changes nothing)
-
-
-def _check_shape(shape: Sequence[int], what: str) -> None:
-    if not all(_is_int(dim) and dim >= 0 for dim in shape):
-        raise ShapeMismatchError(f"{what} must be non-negative ints, got {tuple(shape)}")
 
 
 def _check_ref(ref: Any) -> None:
@@ -219,7 +151,7 @@ def _check_value(value: Any) -> None:
 def _check_placement(state: ShardState) -> None:
     """The shard's rows must lie inside the variable and its row shape match."""
     variable_shape, shape = tuple(state.variable_shape), tuple(state.value.shape)
-    _check_shape(variable_shape, "variable_shape")
+    check_shape(variable_shape, "variable_shape")
     if not _is_int(state.row_start) or state.row_start < 0:
         raise InvalidRequestError(f"row_start must be an int >= 0, got {state.row_start!r}")
     if not variable_shape:
@@ -461,9 +393,10 @@ class ShardStore:
         self._shards: dict[ShardRef, _Shard] = {}
         self._shards_lock = threading.Lock()
         self._grouped = GroupedSteps()
-        self.generation = 0
-        """Changes whenever shards are created, replaced or deleted: a PreparedStep of another
-        generation may hold shards that are gone (prepare it again)."""
+        self.catalog_version = 0
+        """Bumped by every create, replace or delete of shards: a PreparedStep of another
+        catalog version may hold shards that are gone (prepare it again). Not the cluster
+        context's ``generation``, which counts restores across the cluster."""
         self.incarnation = uuid.uuid4().hex
         """Names this store: a server process that restarts holds a new, empty one, and the
         coordinator tells a restart (state lost) from a pause by this changing."""
@@ -490,7 +423,7 @@ class ShardStore:
             for shard, existing in zip(built, kept):
                 if existing is None:
                     self._shards[shard.ref] = shard
-                    self.generation += 1
+                    self.catalog_version += 1
         return [(existing or shard).info() for shard, existing in zip(built, kept)]
 
     def replace_shards(self, states: Sequence[ShardState]) -> list[ShardInfo]:
@@ -514,7 +447,7 @@ class ShardStore:
                 _check_replaceable(variable, shards, [s for ref, s in self._shards.items() if ref.variable == variable])
             for shard in built:
                 self._shards[shard.ref] = shard
-            self.generation += 1
+            self.catalog_version += 1
         self._grouped.clear()  # groups hold the replaced shards' tensors
         return [shard.info() for shard in built]
 
@@ -559,7 +492,7 @@ class ShardStore:
             refs = [ref for ref in self._shards if ref.variable == variable]
             for ref in refs:
                 del self._shards[ref]
-            self.generation += 1
+            self.catalog_version += 1
         self._grouped.clear()  # groups hold the deleted shards' tensors
         return len(refs)
 
@@ -672,7 +605,7 @@ class ShardStore:
         raising what ``check_push_header`` and ``read_many`` would: each later ``push_prepared`` /
         ``read_prepared`` of it skips the lookups and the checks that cannot change between steps.
         The per-step checks (finite values, staleness, the key) stay."""
-        generation = self.generation
+        catalog_version = self.catalog_version
         seen: set[ShardRef] = set()
         for ref, dtype, shape in pushes:
             if ref in seen:
@@ -682,7 +615,7 @@ class ShardStore:
         push_shards = tuple(self._get(ref) for ref, _, _ in pushes)
         read_shards = tuple(self._get(ref) for ref in reads)
         return PreparedStep(
-            generation, push_shards, tuple(sorted(push_shards, key=lambda shard: shard.ref)),
+            catalog_version, push_shards, tuple(sorted(push_shards, key=lambda shard: shard.ref)),
             read_shards, tuple(sorted(set(read_shards), key=lambda shard: shard.ref)),
             tuple((s.value.dtype, tuple(s.value.shape), s.value.numel() * s.value.element_size()) for s in read_shards),
         )

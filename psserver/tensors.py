@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from paramserve.psserver.errors import DtypeMismatchError, InvalidRequestError
+from paramserve.psserver.errors import DtypeMismatchError, InvalidRequestError, ShapeMismatchError
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -48,6 +48,12 @@ def dtype_name(dtype: torch.dtype) -> str:
         raise DtypeMismatchError(
             f"unsupported dtype {dtype}; use one of {', '.join(DTYPES)}"
         ) from None
+
+
+def check_shape(shape: Sequence[int], what: str) -> None:
+    """Raises ShapeMismatchError naming ``what`` unless every dimension is an int >= 0."""
+    if not all(isinstance(dim, int) and not isinstance(dim, bool) and dim >= 0 for dim in shape):
+        raise ShapeMismatchError(f"{what} must be non-negative ints, got {tuple(shape)}")
 
 
 def nbytes_of(shape: Sequence[int], dtype: torch.dtype) -> int:

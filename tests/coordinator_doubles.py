@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 
 import cloudpickle
 
-from paramserve.coordinator.cluster_coordinator import ClusterCoordinator
+from paramserve.coordinator.contracts import DispatchControl
 from paramserve.coordinator.local_cluster import LocalCluster
 from paramserve.psserver.types import ClusterContext
 
@@ -30,13 +30,13 @@ class FakeStrategy:
         self.tls = None
         self.max_value_age = 0.0
         self.overlap_pushes = False
-        self.attached: list[ClusterCoordinator] = []
+        self.attached: list[DispatchControl] = []
 
     def cluster_context(self) -> ClusterContext:
         return ClusterContext(self.cluster.parameter_servers)
 
-    def _attach_coordinator(self, coordinator: ClusterCoordinator) -> None:
-        self.attached.append(coordinator)
+    def attach_coordinator(self, coordinator: DispatchControl) -> None:
+        self.attached.append(coordinator)  # no variables on parameter servers: nothing to recover
 
 
 class Gate:

@@ -10,10 +10,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from paramserve.psserver import convert as ps_convert
-from paramserve.wire.v1 import worker_pb2
+from paramserve.wire.v1 import cluster_pb2, worker_pb2
 from paramserve.worker.core import ClosureFailure, ClosureOutcome, ClosureRequest, ResourceSpec, WorkerInfo
 
 __all__ = [
+    "batch_to_proto",
     "failure_from_proto",
     "info_from_proto",
     "info_to_proto",
@@ -39,6 +40,16 @@ def request_to_proto(request: ClosureRequest) -> worker_pb2.RunClosureRequest:
         max_value_age=request.max_value_age,
         overlap_pushes=request.overlap_pushes,
     )
+
+
+def batch_to_proto(requests: Sequence[ClosureRequest],
+                   cluster: cluster_pb2.ClusterContext | None = None) -> worker_pb2.RunClosuresRequest:
+    """One RunClosures call carrying ``requests``. ``cluster``: a context already on the wire (the
+    coordinator converts each context once, not once per call), sent with the first request."""
+    messages = [request_to_proto(request) for request in requests]
+    if cluster is not None and messages:
+        messages[0].cluster.CopyFrom(cluster)
+    return worker_pb2.RunClosuresRequest(closures=messages)
 
 
 def request_from_proto(message: worker_pb2.RunClosureRequest) -> ClosureRequest:

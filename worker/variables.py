@@ -231,13 +231,15 @@ class ServerOptimizer:
 
     def __init__(
         self, variables: Sequence[str], spec_name: str, spec_kwargs: Mapping[str, Any],
-        home: VariableAccess | None = None,
+        home: VariableAccess | None = None, owner: object | None = None,
     ):
         self.variables = tuple(variables)
         self.spec_name = spec_name
         self.spec_kwargs = dict(spec_kwargs)
         self.home = home
         """The coordinator's access; not pickled."""
+        self.owner = owner
+        """The strategy that made it, on the coordinator; not pickled."""
 
     def step(self, closure: Any = None) -> Any:
         loss = closure() if closure is not None else None
@@ -248,10 +250,17 @@ class ServerOptimizer:
         current_access(self.home).zero_grad(self.variables, set_to_none)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "home": None}
+        return {**self.__dict__, "home": None, "owner": None}
 
     def __repr__(self) -> str:
         return f"ServerOptimizer({self.spec_name}, {self.spec_kwargs}, {len(self.variables)} variables)"
+
+
+def steps_elsewhere(optimizer: object, strategy: object) -> bool:
+    """Whether ``optimizer`` updates the variables of a strategy other than ``strategy``: a
+    parameter-server optimizer that ``strategy`` did not make (other optimizers update the
+    parameters they hold, wherever they run)."""
+    return isinstance(optimizer, ServerOptimizer) and optimizer.owner is not strategy
 
 
 # ------------------------------------------------------------------ closures on the wire

@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> DemoSummary:
         optimizer = strategy.optimizer(torch.optim.Adam, lr=args.lr)
         manager = CheckpointManager(strategy, checkpoint_dir, max_to_keep=3)
         step = manager.restore_or_initialize() or 0
-        with ClusterCoordinator(strategy, metrics_port=args.metrics_port) as coordinator:
+        with ClusterCoordinator(strategy, metrics_port=args.metrics_port, metrics_host=args.metrics_host) as coordinator:
             batches = iter(coordinator.create_per_worker_dataset(_dataset_fn(args)))
             last = None
             with tqdm(total=args.steps, initial=min(step, args.steps), unit="step", disable=args.quiet, file=sys.stderr) as bar:
@@ -199,6 +199,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         help="with --cluster-from-env: file holding the cluster's shared token (a Compose or Kubernetes secret)")
     parser.add_argument("--metrics-port", type=int,
                         help="serve the coordinator's Prometheus metrics on this port (0: a free one; default: none)")
+    parser.add_argument("--metrics-host", default="127.0.0.1",
+                        help="address the metrics endpoint listens on (default: %(default)s; 0.0.0.0 in containers, "
+                             "for Prometheus to scrape it)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the train/test split, the model's initial weights and the workers' shuffling: "
                              "the same seed trains the same way up to the asynchrony of the workers (default: %(default)s)")

@@ -29,6 +29,7 @@ import torch
 
 from paramserve.coordinator import nest
 from paramserve.worker.resources import InputContext
+from paramserve.worker.variables import steps_elsewhere
 
 if TYPE_CHECKING:
     from paramserve.coordinator.strategies.step_runners import StepFn, StepRunner
@@ -142,6 +143,13 @@ class Strategy(abc.ABC):
         from paramserve.coordinator.strategies.training_state import TorchFileCheckpoints
 
         return TorchFileCheckpoints(directory, keep)
+
+    def check_optimizer(self, optimizer: Any) -> None:
+        """Raises ValueError when ``optimizer`` updates another strategy's variables (``fit``
+        asks before training): a parameter-server optimizer steps only under its strategy."""
+        if steps_elsewhere(optimizer, self):
+            raise ValueError("the optimizer comes from ParameterServerStrategy.optimizer(): pass that strategy to "
+                             "fit as strategy= (or call fit inside its scope())")
 
     def learning_rate(self, optimizer: Any) -> float:
         """The learning rate ``optimizer`` applies now."""

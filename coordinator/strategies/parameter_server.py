@@ -37,7 +37,7 @@ from paramserve.coordinator.strategies import _capture
 from paramserve.coordinator.strategies.base import DefaultStrategy, SingleReplicaStrategy, Strategy
 from paramserve.coordinator.strategies.step_runners import StepFn, StepRunner, add_statistics
 from paramserve.coordinator.strategies.training_state import TrainingCheckpoints
-from paramserve.coordinator.telemetry import CheckpointRecord
+from paramserve.coordinator.contracts import CheckpointLog, DispatchControl, RecoverableVariables
 from paramserve.psserver import checkpoint
 from paramserve.psserver.client import ClientConfig, ParameterServerClient, layouts_from_infos
 from paramserve.psserver.errors import VariableExistsError
@@ -45,7 +45,7 @@ from paramserve.psserver.optimizer import OptimizerSpec
 from paramserve.psserver.partition import Partitioner
 from paramserve.psserver.security import check_token
 from paramserve.psserver.serving import TOKEN_ENV
-from paramserve.psserver.types import ClusterContext, ShardState, VariableLayout
+from paramserve.psserver.types import ClusterContext, ShardPlacement, ShardState, VariableLayout
 from paramserve.wire.v1 import tensor_pb2
 from paramserve.worker.variables import (
     RefreshBeforeForward,
@@ -161,11 +161,12 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         self._created: set[str] = set()  # variables that exist on the servers (for this strategy)
         self._pending_tables: list[ShardedEmbedding] = []
         self._context: ClusterContext | None = None
-        self._coordinator_ref: Callable[[], Any] = lambda: None  # weak: a dropped coordinator can be collected
+        self._coordinator_ref: Callable[[], DispatchControl | None] = lambda: None  # weak: a dropped one is collected
         self._generation = 0  # restores so far (ClusterContext.generation)
-        self.last_checkpoint: CheckpointRecord | None = None
-        """The newest checkpoint a CheckpointManager wrote or restored: a restarted parameter
-        server is restored from it (coordinator.ps_recovery); ``checkpoint_age_seconds`` reads it."""
+        self._state_change = threading.RLock()
+        self.checkpoints = CheckpointLog()
+        """The checkpoints CheckpointManagers wrote or restored: a restarted parameter server is
+        restored from the newest whole one (coordinator.ps_recovery); telemetry reports its age."""
         self._access = CoordinatorAccess(self)
         self._hook_handles: list[torch.utils.hooks.RemovableHandle] = []
         self._linked_optimizers: list[torch.optim.Optimizer] = []
@@ -303,7 +304,7 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         return coordinator.create_per_worker_dataset(dataset_fn)
 
     @property
-    def coordinator(self) -> Any:
+    def coordinator(self) -> DispatchControl | None:
         """The live ClusterCoordinator of this strategy (the last one created), or None."""
         coordinator = self._coordinator_ref()
         return None if coordinator is None or coordinator.closed else coordinator
@@ -314,11 +315,20 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         coordinator = self.coordinator
         return coordinator.paused(timeout) if coordinator is not None else contextlib.nullcontext()
 
-    def _attach_coordinator(self, coordinator: Any) -> None:
-        """Called by a new ClusterCoordinator. Variables are created (or a clash with those the
-        servers hold refused) at its first ``schedule``, on the caller's thread, so that a
-        restarted program may restore its checkpoint onto the live servers in between."""
+    def attach_coordinator(self, coordinator: DispatchControl) -> RecoverableVariables:
+        """Called by a new ClusterCoordinator; its recovery restores this strategy's variables.
+        Variables are created (or a clash with those the servers hold refused) at its first
+        ``schedule``, on the caller's thread, so that a restarted program may restore its
+        checkpoint onto the live servers in between."""
         self._coordinator_ref = weakref.ref(coordinator)
+        return self
+
+    @contextlib.contextmanager
+    def state_change(self) -> Iterator[None]:
+        """Held while a checkpoint is taken or a parameter server restored (re-entrant): a
+        checkpoint never sees a server half restored, and a recovery never runs under an export."""
+        with self._state_change:
+            yield
 
     def __reduce__(self) -> tuple[Any, tuple[()]]:
         # A step that calls strategy.run() is sent to workers with the strategy in it:
@@ -343,7 +353,7 @@ class ParameterServerStrategy(SingleReplicaStrategy):
                 )
             for variable in names:
                 self._variables[variable].optimizer = spec
-        return ServerOptimizer(names, spec.name, dict(spec.kwargs), home=self._access)
+        return ServerOptimizer(names, spec.name, dict(spec.kwargs), home=self._access, owner=self)
 
     def _adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """A torch.optim optimizer built in scope becomes the servers' optimizer for its
@@ -420,6 +430,10 @@ class ParameterServerStrategy(SingleReplicaStrategy):
             self.client.load_states(states_by_server, replace=True)
             self.client.adopt_layouts(dict(layouts))
             self._created.update(layouts)
+            for state in (state for states in states_by_server.values() for state in states):
+                variable = self._variables.get(state.ref.variable)
+                if variable is not None:  # the servers apply the restored settings from now on
+                    variable.optimizer = state.optimizer
             self._generation += 1
             self._context = None
 
@@ -436,25 +450,51 @@ class ParameterServerStrategy(SingleReplicaStrategy):
     def _existing_on_servers(self, names: list[str]) -> set[str]:
         """Which of ``names`` the servers hold already; they are reused (their layouts adopted)
         when the strategy allows it, else VariableExistsError says how to keep runs apart."""
-        infos = self.client.list_shards()
-        layouts = {n: l for n, l in layouts_from_infos(infos).items() if n in names}
+        layouts = self._held_by_servers(names)
         if layouts and not self.reuse_variables:
             raise VariableExistsError(
                 f"{len(layouts)} variables of this model exist on the parameter servers already, e.g. "
                 f"{sorted(layouts)[:3]} (from an earlier run?): pass ParameterServerStrategy(run_name=...) a new "
                 "name to keep this run's variables apart, reuse_variables=True to train on from their values, or (a "
-                "restarted program) restore its checkpoint first (CheckpointManager.restore_or_initialize)",
+                "restarted program) call CheckpointManager(strategy, directory).restore_or_initialize() before the "
+                "first schedule(): it restores the latest checkpoint, or starts the variables afresh without one",
                 variable=sorted(layouts)[0],
             )
+        self.client.adopt_layouts(layouts)
+        return set(layouts)
+
+    def _held_by_servers(self, names: Sequence[str]) -> dict[str, VariableLayout]:
+        """The layouts of those of ``names`` the servers hold. Raises VariableExistsError for one
+        held with another shape or dtype than the model's: another model's, never to be touched."""
+        layouts = {n: layout for n, layout in layouts_from_infos(self.client.list_shards()).items() if n in names}
         for name, layout in layouts.items():
             variable = self._variables[name]
             if (layout.shape, layout.dtype) != (variable.shape, variable.dtype):
                 raise VariableExistsError(
-                    f"reuse_variables: the servers hold it as {layout.shape} {layout.dtype}, the model builds "
-                    f"{variable.shape} {variable.dtype}: use a new run_name for a different model", variable=name,
+                    f"the servers hold it as {layout.shape} {layout.dtype}, the model builds {variable.shape} "
+                    f"{variable.dtype}: it belongs to another model; use a new run_name for this one", variable=name,
                 )
-        self.client.adopt_layouts(layouts)
-        return set(layouts)
+        return layouts
+
+    def initialize(self) -> None:
+        """Creates the variables from their initial values, replacing those that an earlier run
+        of this program left on the servers: a coordinator restarted before it wrote its first
+        checkpoint starts afresh, as a program that restores-or-initializes asks for. (The dead
+        run's values come from closures whose results no one saw and no checkpoint holds; to
+        train on from them instead, build the strategy with ``reuse_variables=True``.)
+        Raises VariableExistsError for a variable the servers hold with another shape or dtype."""
+        if self.reuse_variables:
+            return self.materialize()
+        with self._lock:
+            new = [name for name in self._variables if name not in self._created]
+            stale = self._held_by_servers(new)
+            if stale:
+                self.client.adopt_layouts(stale)
+                log.warning("%d variables of this program exist on the parameter servers from an earlier run "
+                            "that left no checkpoint: they start again from their initial values", len(stale))
+            for name in stale:
+                self.client.delete_variable(name)
+            self.materialize()
 
     @property
     def materialized(self) -> bool:
@@ -466,9 +506,42 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         have theirs created with the next closure)."""
         return name in self._created
 
-    def checkpoint_key(self, name: str) -> str:
-        """Variable ``name`` as checkpoints store it: without the run name."""
+    def created_layouts(self) -> dict[str, VariableLayout]:
+        """Where each variable that exists on the servers lives."""
+        with self._lock:
+            created = set(self._created)
+        return {name: layout for name, layout in self.client.layouts.items() if name in created}
+
+    def checkpoint_key(self, name: str) -> str | None:
+        """Variable ``name`` as checkpoints store it (without the run name); None for one that
+        checkpoints do not hold (a metric's state)."""
+        variable = self._variables.get(name)
+        if variable is not None and not variable.checkpointed:
+            return None
         return name[len(self._namespace):] if self._namespace and name.startswith(self._namespace) else name
+
+    def initial_state(self, name: str, layout: VariableLayout, shard: ShardPlacement) -> ShardState:
+        """Shard ``shard`` of dense variable ``name`` at its initial value (a metric's state, which
+        no checkpoint holds, starts again from there when its server is lost)."""
+        variable = self._variables[name]
+        if variable.parameter is None:
+            raise ValueError(f"{name!r} is a table: its initial rows are made on the servers")
+        value = variable.parameter.detach()
+        if layout.shape:
+            value = value[shard.row_start : shard.row_start + shard.num_rows]
+        return ShardState(layout.ref(shard), layout.shape, shard.row_start, value.clone(), variable.optimizer)
+
+    def live_optimizer(self, name: str) -> OptimizerSpec | None:
+        """The optimizer and hyperparameters the servers apply to ``name`` now: as declared,
+        then as ``set_server_hyperparameters`` (a learning-rate schedule) and restores changed them."""
+        with self._lock:
+            variable = self._variables.get(name)
+            return variable.optimizer if variable is not None else None
+
+    def restore_checkpoint(self, path: pathlib.Path) -> None:
+        """Rolls every variable back to checkpoint ``path``, keeping the optimizer settings in
+        force now (recovery at RecoveryPoint.ALL)."""
+        CheckpointManager(self, path.parent).restore(path, keep_live_settings=True)
 
     def _create(self, variable: Variable) -> None:
         if variable.table is not None:
@@ -497,13 +570,18 @@ class ParameterServerStrategy(SingleReplicaStrategy):
 
     def set_server_hyperparameters(self, values: Mapping[str, float], params: Iterable[Any] | None = None) -> None:
         """Changes optimizer hyperparameters (e.g. ``{"lr": 0.01}``) the servers apply, for
-        ``params`` (variables, parameters or tables) or every variable by default."""
-        names = None if params is None else self._variable_names(params)
-        if names is None:
-            self.client.set_hyperparameters(dict(values))
-            return
+        ``params`` (variables, parameters or tables) or every variable of the models by default
+        (not the metrics' states, whose sums need their rate of 1). Recorded, so that a
+        parameter server restored from an older checkpoint gets them too."""
+        with self._lock:
+            names = [n for n, v in self._variables.items() if v.checkpointed and v.optimizer is not None] \
+                if params is None else self._variable_names(params)
         for name in names:
             self.client.set_hyperparameters(dict(values), variable=name)
+            with self._lock:
+                variable = self._variables[name]
+                if variable.optimizer is not None:
+                    variable.optimizer = variable.optimizer.with_kwargs(values)
 
     # ------------------------------------------------------------------ what fit and its callbacks ask
 
@@ -596,7 +674,8 @@ class ServerMetricState:
         self.states = additive_states(template)
         self.parameters = strategy._register_metric(name, {n: getattr(template, n) for n in self.states})
         names = [variable_name(p) or "" for p in self.parameters.values()]
-        self.optimizer = ServerOptimizer(names, METRIC_OPTIMIZER.name, dict(METRIC_OPTIMIZER.kwargs), home=strategy._access)
+        self.optimizer = ServerOptimizer(names, METRIC_OPTIMIZER.name, dict(METRIC_OPTIMIZER.kwargs),
+                                         home=strategy._access, owner=strategy)
 
     def update(self, *args: Any, **kwargs: Any) -> None:
         batch = copy.deepcopy(self.template)
@@ -757,10 +836,13 @@ class ServerCheckpoints:
         self._manager.restore(path)
         return extra
 
+    def initialize(self) -> None:
+        """No backup to resume from: the variables start from their initial values, replacing
+        what an interrupted run of this program left on the servers."""
+        self._strategy.initialize()
+
     def clear(self) -> None:
-        last = self._strategy.last_checkpoint
-        if last is not None and pathlib.Path(last.path).parent == self.directory:
-            self._strategy.last_checkpoint = None
+        self._strategy.checkpoints.forget(self.directory)
         checkpoint.delete_checkpoints(self.directory)
 
 

@@ -39,6 +39,10 @@ class TrainingCheckpoints(Protocol):
     def restore(self, path: pathlib.Path, model: nn.Module, optimizer: Any) -> dict[str, Any]:
         """Loads ``path`` into the model and optimizer; returns its ``extra``."""
 
+    def initialize(self) -> None:
+        """There is nothing to restore: training starts from the initial values, replacing any
+        state that a run which died before its first checkpoint left outside this process."""
+
     def clear(self) -> None:
         """Deletes every checkpoint this object manages (and the directory, if that leaves it empty)."""
 
@@ -54,6 +58,9 @@ class TorchFileCheckpoints:
 
     def save_at(self, path: pathlib.Path, model: nn.Module, optimizer: Any, extra: Mapping[str, Any]) -> pathlib.Path:
         return atomic_torch_save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), **extra}, path)
+
+    def initialize(self) -> None:
+        pass  # the model and optimizer live in this process: they start as built
 
     def save(self, name: str, model: nn.Module, optimizer: Any, extra: Mapping[str, Any]) -> pathlib.Path:
         path = self.save_at(self.directory / f"{name}{self.SUFFIX}", model, optimizer, extra)

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from paramserve.psserver import checkpoint as server_checkpoints
 from paramserve.psserver.atomic_files import atomic_torch_save, atomic_write
 
 __all__ = [
@@ -323,9 +324,13 @@ def _delete(path: pathlib.Path) -> None:
 
 def latest_checkpoint(directory: str | os.PathLike[str]) -> str | None:
     """The newest checkpoint ModelCheckpoint wrote in ``directory`` (TensorFlow's
-    ``tf.train.latest_checkpoint``), None when there is none. Without an index (files written
+    ``tf.train.latest_checkpoint``), None when there is none. A CheckpointManager's (or
+    BackupAndRestore's) directory: its newest whole ``ckpt-N``. Without an index (files written
     otherwise) the newest ``*.pt`` file or checkpoint directory, by modification time."""
     root = pathlib.Path(directory)
+    if (root / server_checkpoints.LATEST).is_file():
+        found = server_checkpoints.latest_checkpoint(root)
+        return str(found) if found is not None else None
     names = _read_index(root / CHECKPOINT_INDEX)
     existing = [root / n for n in names if (root / n).exists()]
     if existing:
@@ -362,6 +367,7 @@ class BackupAndRestore(Callback):
         checkpoints = self._checkpoints()
         latest = checkpoints.latest()
         if latest is None:
+            checkpoints.initialize()  # what a run that died before its first backup left is replaced
             return
         extra = checkpoints.restore(latest, self.state.model, self.state.optimizer)
         self.state.initial_epoch, self.state.step = int(extra.get("epoch", 0)), int(extra.get("step", 0))

@@ -194,7 +194,7 @@ def fit(
         raise ValueError("batch_size and validation_split cut in-memory inputs: pass fit(model, optimizer, loss, x, y, "
                          "batch_size=...), or batch train_data yourself")
     _check_fit_arguments(optimizer, loss_fn, train_data, epochs, steps_per_epoch, steps_per_execution)
-    _check_optimizer_belongs(strategy, optimizer)
+    strategy.check_optimizer(optimizer)
     loop = Loop(epochs, steps_per_epoch, steps_per_execution, loss_fn, resolve_metrics(metrics), validation_data,
                 validation_steps, tuple(callbacks), verbose)
     runner = strategy.step_runner(TrainStep(model, optimizer, loss_fn, loop.metrics), train_data,
@@ -327,15 +327,6 @@ def _check_fit_arguments(optimizer: Any, loss_fn: LossFn, train_data: Any, epoch
         raise TypeError("train_data is an (inputs, targets) pair of tensors: pass them as fit(model, optimizer, "
                         "loss_fn, x, y, batch_size=64), or batch them, e.g. DataLoader(TensorDataset(x, y), "
                         "batch_size=64, shuffle=True)")
-
-
-def _check_optimizer_belongs(strategy: Strategy, optimizer: Any) -> None:
-    """A parameter-server optimizer only steps under the strategy that made it."""
-    from paramserve.worker.variables import ServerOptimizer
-
-    if isinstance(optimizer, ServerOptimizer) and getattr(optimizer.home, "owner", None) is not strategy:
-        raise ValueError("the optimizer comes from ParameterServerStrategy.optimizer(): pass that strategy "
-                         "to fit as strategy= (or call fit inside its scope())")
 
 
 def _is_pair_of_tensors(data: Any) -> bool:

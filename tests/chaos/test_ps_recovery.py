@@ -14,7 +14,7 @@ from paramserve.coordinator.checkpoint_manager import CheckpointManager
 from paramserve.coordinator.cluster_coordinator import ClusterCoordinator, CoordinatorConfig
 from paramserve.coordinator.commands.demo import MLP, digits_split, train_step, worker_batches
 from paramserve.coordinator.errors import ParameterServerUnavailableError
-from paramserve.coordinator.ps_recovery import RecoveryPoint, RecoveryPolicy
+from paramserve.coordinator.recovery_policy import RecoveryPoint, RecoveryPolicy
 from paramserve.coordinator.strategies.parameter_server import ParameterServerStrategy
 from paramserve.psserver.partition import FixedShardsPartitioner
 

@@ -1,5 +1,5 @@
-"""The step data plane (psserver/dataplane.py) over real sockets: who gets in, what a bad peer
-gets back, and that the server stays up and unchanged for everyone else."""
+"""The step data plane (psserver/dataplane_server.py, dataplane_client.py) over real sockets: who
+gets in, what a bad peer gets back, and that the server stays up and unchanged for everyone else."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from paramserve.psserver import dataplane
+from paramserve.psserver import dataplane_client, dataplane_server
 from paramserve.psserver.client import ClientConfig, ParameterServerClient
-from paramserve.psserver.dataplane import MAGIC, PREFIX, FrameKind
+from paramserve.psserver.dataplane import MAGIC, PREFIX, FrameKind, TransportError
 from paramserve.psserver.errors import AuthenticationError, VariableNotFoundError
 from paramserve.psserver.optimizer import OptimizerSpec
 from paramserve.psserver.partition import FixedShardsPartitioner
@@ -134,7 +134,7 @@ def test_a_wrong_or_missing_credential_is_refused_before_anything_is_read(start_
         assert closed_by_peer(sock)
         sock.close()
     with pytest.raises(AuthenticationError):
-        dataplane.DataPlaneConnection("127.0.0.1", server.data_port, token="wrong-token-of-32-characters!!!",
+        dataplane_client.DataPlaneConnection("127.0.0.1", server.data_port, token="wrong-token-of-32-characters!!!",
                                       tls=None, timeout=10, max_body_bytes=1 << 20)
     still_serves(server, make_client, TOKEN)
 
@@ -217,7 +217,7 @@ def test_connections_beyond_the_limit_are_closed_at_once(start_ps):
 
 
 def test_a_silent_connection_is_dropped_after_the_handshake_timeout(start_ps, monkeypatch):
-    monkeypatch.setattr(dataplane, "HANDSHAKE_TIMEOUT", 0.3)
+    monkeypatch.setattr(dataplane_server, "HANDSHAKE_TIMEOUT", 0.3)
     server = start_ps()
     sock = connect(server, timeout=10.0)  # waits for the server, far longer than its timeout
 
@@ -242,8 +242,8 @@ def test_a_client_on_the_same_host_takes_the_local_socket_and_others_tcp(start_p
     name = server.data_plane.local_socket
     assert name.startswith("paramserve-dataplane-")
 
-    def connection(local_socket: str) -> dataplane.DataPlaneConnection:
-        return dataplane.DataPlaneConnection("127.0.0.1", server.data_port, token=TOKEN, tls=None, timeout=10,
+    def connection(local_socket: str) -> dataplane_client.DataPlaneConnection:
+        return dataplane_client.DataPlaneConnection("127.0.0.1", server.data_port, token=TOKEN, tls=None, timeout=10,
                                              max_body_bytes=1 << 20, local_socket=local_socket)
 
     same_host, elsewhere = connection(name), connection("paramserve-dataplane-" + "0" * 32)
@@ -251,7 +251,7 @@ def test_a_client_on_the_same_host_takes_the_local_socket_and_others_tcp(start_p
     assert same_host.local, "this process shares the server's host and network namespace"
     assert not elsewhere.local, "a name nobody listens on (another namespace's server) falls back to TCP"
     with pytest.raises(AuthenticationError):
-        dataplane.DataPlaneConnection("127.0.0.1", server.data_port, token=None, tls=None, timeout=10,
+        dataplane_client.DataPlaneConnection("127.0.0.1", server.data_port, token=None, tls=None, timeout=10,
                                       max_body_bytes=1 << 20, local_socket=name)
     same_host.close()
     elsewhere.close()
@@ -274,6 +274,6 @@ def test_under_mutual_tls_the_data_plane_needs_a_client_certificate(start_ps, ma
     plaintext = connect(server)
     plaintext.sendall(frame(FrameKind.HELLO))  # not a TLS handshake
     assert closed_by_peer(plaintext)
-    with pytest.raises(dataplane.TransportError):  # TLS, but no client certificate
-        dataplane.DataPlaneConnection("127.0.0.1", server.data_port, token=None, timeout=10, max_body_bytes=1 << 20,
+    with pytest.raises(TransportError):  # TLS, but no client certificate
+        dataplane_client.DataPlaneConnection("127.0.0.1", server.data_port, token=None, timeout=10, max_body_bytes=1 << 20,
                                       tls=ClientTls(certs.ca))

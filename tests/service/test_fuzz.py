@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from paramserve.psserver.optimizer import OptimizerSpec
-from paramserve.psserver.servicer import IDEMPOTENCY_METADATA_KEY, SERVICE_NAME
+from paramserve.psserver.metadata import IDEMPOTENCY_METADATA_KEY, SERVICE_NAME
 from paramserve.wire.v1 import parameter_server_pb2 as ps_pb2
 from paramserve.wire.v1 import tensor_pb2
 

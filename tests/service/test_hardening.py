@@ -26,10 +26,10 @@ from paramserve.psserver.errors import (
     PermissionDeniedError,
     VariableNotFoundError,
 )
+from paramserve.psserver.metadata import IDEMPOTENCY_METADATA_KEY, SERVICE_NAME, metadata_text, metadata_value
 from paramserve.psserver.optimizer import OptimizerSpec
 from paramserve.psserver.security import AUTH_METADATA_KEY, check_token, confined_path
-from paramserve.psserver.servicer import IDEMPOTENCY_METADATA_KEY, SERVICE_NAME
-from paramserve.psserver.serving import TlsConfig, metadata_text, metadata_value
+from paramserve.psserver.serving import TlsConfig
 from paramserve.wire.v1 import parameter_server_pb2 as ps_pb2
 from paramserve.wire.v1 import tensor_pb2, worker_pb2
 from tests.certificates import make_certificates, needs_openssl
@@ -86,7 +86,7 @@ def test_any_variable_name_gets_its_real_error_and_comes_back_whole(holder, name
 
 
 def raw_delete(address: str, name: str) -> None:
-    from paramserve.psserver.client import typed_error
+    from paramserve.psserver.calls import typed_error
 
     try:
         raw_unary(address, "DeleteVariable", ps_pb2.DeleteVariableRequest(variable=name).SerializeToString())
@@ -108,7 +108,7 @@ def test_long_save_path_errors_stay_within_metadata_limits(start_ps, make_client
     long_path = str(tmp_path / "/".join(["d" * 300] * 12))  # under PATH_MAX; each name over NAME_MAX
     code, details, _ = status_of(lambda: raw_unary(
         server.address, "Save", ps_pb2.SaveRequest(directory=long_path).SerializeToString(),
-        metadata=client._call_options().metadata()))
+        metadata=client._options.metadata()))
     assert code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT), details
 
 
@@ -120,7 +120,7 @@ def test_save_path_with_a_nul_byte_is_invalid(start_ps, make_client):
     client = make_client([server.address], token=TOKEN)
     code, details, _ = status_of(lambda: raw_unary(
         server.address, "Save", ps_pb2.SaveRequest(directory="/tmp/a\x00b").SerializeToString(),
-        metadata=client._call_options().metadata()))
+        metadata=client._options.metadata()))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "NUL" in details
 
 

@@ -9,7 +9,7 @@ import sys
 from grpc_health.v1 import health_pb2
 
 from paramserve.psserver.health_probe import UNREACHABLE, check, main
-from paramserve.psserver.servicer import SERVICE_NAME
+from paramserve.psserver.metadata import SERVICE_NAME
 
 
 def test_a_serving_server_and_its_service_are_serving(start_ps) -> None:

@@ -20,7 +20,7 @@ from paramserve.psserver.errors import (
 )
 from paramserve.psserver.optimizer import OptimizerSpec
 from paramserve.psserver.partition import FixedShardsPartitioner
-from paramserve.psserver.servicer import IDEMPOTENCY_METADATA_KEY, SERVICE_NAME
+from paramserve.psserver.metadata import IDEMPOTENCY_METADATA_KEY, SERVICE_NAME
 from paramserve.psserver.streams import encode_parts, meta_of, tensor_payload
 from paramserve.wire.v1 import parameter_server_pb2 as ps_pb2
 from paramserve.wire.v1 import tensor_pb2

@@ -12,13 +12,14 @@ import grpc
 import pytest
 import torch
 
-from paramserve.psserver import programs
+from paramserve.psserver import dataplane
 from paramserve.psserver.client import ParameterServerClient
 from paramserve.psserver.errors import NonFiniteGradientError, VariableNotFoundError
 from paramserve.psserver.optimizer import OptimizerSpec
 from paramserve.psserver.partition import FixedShardsPartitioner
-from paramserve.psserver.programs import MAX_PROGRAMS, ProgramNumbers
-from paramserve.psserver.servicer import SERVICE_NAME
+from paramserve.psserver.dataplane import MAX_PROGRAMS
+from paramserve.psserver.dataplane_client import ProgramNumbers
+from paramserve.psserver.metadata import SERVICE_NAME
 from paramserve.psserver.streams import encode_step_request
 from paramserve.psserver.types import ShardRef
 from paramserve.wire.v1 import parameter_server_pb2 as ps_pb2
@@ -206,7 +207,7 @@ def test_a_client_trains_through_programs_exactly_as_through_whole_plans(start_p
 
 
 def test_a_step_too_large_for_a_program_is_refused_as_one_and_sent_whole(start_ps, make_client, monkeypatch):
-    monkeypatch.setattr(programs, "MAX_PROGRAM_ENTRIES", 2)
+    monkeypatch.setattr(dataplane, "MAX_PROGRAM_ENTRIES", 2)
     client, sock = serving_w(start_ps, make_client)
     client.create_variable("b", torch.zeros(2), optimizer=SGD)
     plan = ps_pb2.StepPlan(idempotency_key="k", define_program=1, push=[dense_part("w", [4]), dense_part("b", [2])],

@@ -241,3 +241,44 @@ def test_save_rejects_inconsistent_states_before_writing(tmp_path: Path) -> None
     with pytest.raises(InvalidRequestError, match="keep"):
         save_checkpoint(tmp_path, [a], keep=-1)
     assert not tmp_path.exists() or list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------- whole checkpoints only
+
+
+def test_a_whole_save_refuses_states_that_leave_rows_out_and_writes_nothing(tmp_path: Path) -> None:
+    states = _trained_store(num_shards=2).export()
+    first_shard_only = [s for s in states if s.ref.shard == 0]
+    with pytest.raises(CheckpointError, match="do not cover the variable exactly"):
+        save_checkpoint(tmp_path, first_shard_only, require_whole=True)
+    assert latest_checkpoint(tmp_path) is None and not list(tmp_path.glob("ckpt-*"))
+    # A server's own save holds only its shards: allowed without require_whole.
+    partial = save_checkpoint(tmp_path, first_shard_only)
+    assert not checkpoint.is_whole(partial), "a checkpoint missing rows is not whole"
+
+
+def test_latest_skips_a_checkpoint_that_is_not_whole_for_the_newest_whole_one(tmp_path: Path) -> None:
+    states = _trained_store(num_shards=2).export()
+    whole = save_checkpoint(tmp_path, states, require_whole=True)
+    partial = save_checkpoint(tmp_path, [s for s in states if s.ref.shard == 1])  # LATEST names it
+    assert (tmp_path / "LATEST").read_text().strip() == partial.name
+    assert checkpoint.is_whole(whole) and not checkpoint.is_whole(partial)
+    assert latest_checkpoint(tmp_path) == whole and resolve(tmp_path) == whole
+    assert checkpoint.list_checkpoints(tmp_path) == [whole]
+
+
+def test_a_checkpoint_with_a_shard_file_missing_is_not_whole(tmp_path: Path) -> None:
+    path = save_checkpoint(tmp_path, _trained_store(num_shards=2).export(), require_whole=True)
+    assert checkpoint.is_whole(path)
+    next(path.glob("*.shard-1.pt")).unlink()
+    assert not checkpoint.is_whole(path) and latest_checkpoint(tmp_path) is None
+
+
+def test_gaps_name_missing_and_doubled_rows() -> None:
+    shards = lambda *ranges: tuple(checkpoint.SavedShard(i, a, b - a, "", 0) for i, (a, b) in enumerate(ranges))  # noqa: E731
+    variable = lambda *ranges: checkpoint.VariableEntry((10, 2), torch.float32, None, shards(*ranges))  # noqa: E731
+    assert checkpoint.gaps(variable((0, 5), (5, 10))) == []
+    assert checkpoint.gaps(variable((0, 5))) == [(5, 10)]
+    assert checkpoint.gaps(variable((5, 10))) == [(0, 5)]
+    assert checkpoint.gaps(variable((0, 6), (5, 10))) == [(5, 6)]
+    assert checkpoint.gaps(checkpoint.VariableEntry((), torch.float32, None, shards((0, 1)))) == []

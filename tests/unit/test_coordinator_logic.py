@@ -680,6 +680,9 @@ class _StubStrategy:
     def cluster_context(self):
         return self._context
 
+    def attach_coordinator(self, coordinator):
+        return None  # no variables on parameter servers: nothing to recover
+
 
 class _ByFunctionName(_HealthyTransport):
     """A worker double that behaves by the closure's function name: "slow" waits for ``release``,
@@ -721,6 +724,21 @@ def test_join_raises_the_first_error_at_once_while_other_closures_still_run():
         assert not running.done() and failing.done()
         release.set()
         assert running.fetch(timeout=30) == "slow", "a closure running when the error came finishes normally"
+
+
+def test_schedule_never_raises_the_error_of_the_closure_it_queued():
+    """A worker that fails a closure the moment it arrives: schedule() returns its RemoteValue
+    (the error is join()'s to raise), however the dispatch thread and the caller interleave."""
+    from paramserve.coordinator.cluster_coordinator import ClusterCoordinator
+
+    release = threading.Event()
+    with ClusterCoordinator(_StubStrategy(), transport_factory=lambda address: _ByFunctionName(release)) as coordinator:
+        for _ in range(300):
+            value = coordinator.schedule(bad)  # never raises: nothing failed before it was queued
+            with pytest.raises(ClosureError, match="bad input"):
+                coordinator.join(timeout=30)
+            with pytest.raises(ClosureError, match="bad input"):
+                value.fetch(timeout=30)
 
 
 def test_a_dropped_coordinator_stops_its_dispatch_thread():

@@ -99,3 +99,13 @@ def test_metrics_whose_state_does_not_add_up_are_refused_with_the_fix():
     with pytest.raises(ValueError, match="thresholds=200"):
         fit(MLP(16), torch.optim.SGD(MLP(16).parameters(), lr=0.1), LOSS, batches(), verbose=False,
             metrics=[torchmetrics.classification.BinaryAUROC()])
+
+
+def test_torchmetrics_still_says_how_each_state_merges():
+    """metrics.additive_states reads torchmetrics' private ``_reductions`` (no public accessor):
+    a release that drops or renames it must fail here, not as a wrong sum in training."""
+    from torchmetrics.utilities.data import dim_zero_sum
+
+    for metric in (torchmetrics.MeanMetric(), torchmetrics.classification.BinaryAUROC(thresholds=10)):
+        assert set(metric._reductions) == set(metric.metric_state)
+        assert all(metric._reductions[name] is dim_zero_sum for name in metrics.additive_states(metric))

@@ -1,17 +1,19 @@
 """Promises about the project itself: generated code is fresh, dependencies point one way,
-and the servicer implements exactly the service the .proto declares."""
+the client loads none of the server's modules, and the servicer implements exactly the
+service the .proto declares."""
 
 from __future__ import annotations
 
 import ast
 import pathlib
+import subprocess
 import sys
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "proto"))
-import generate  # noqa: E402  (proto/generate.py)
+import generate  # proto/generate.py, importable once proto/ is on the path
 
 LAYERS = {"psserver": 0, "worker": 1, "coordinator": 2}
 
@@ -61,7 +63,8 @@ def _imported_modules(path: pathlib.Path) -> set[str]:
 CORES = [
     "psserver/store.py", "psserver/optimizer.py", "psserver/partition.py", "psserver/idempotency.py",
     "psserver/checkpoint.py", "psserver/errors.py", "psserver/tensors.py", "psserver/types.py",
-    "psserver/atomic_files.py", "worker/core.py", "worker/variables.py", "worker/resources.py",
+    "psserver/atomic_files.py", "psserver/initializers.py", "worker/core.py", "worker/variables.py",
+    "worker/resources.py",
 ]
 
 
@@ -70,6 +73,41 @@ def test_cores_import_no_grpc_and_no_wire_messages(core):
     modules = _imported_modules(ROOT / core)
     assert not any(m.split(".")[0] in {"grpc", "grpc_health"} for m in modules), f"{core} imports grpc"
     assert not any(m.startswith("paramserve.wire") for m in modules), f"{core} imports wire messages"
+
+
+# What a step means and the data plane that carries it speak wire messages (they are not cores),
+# but no grpc: the step engine serves the Step RPC and the data plane alike.
+TRANSPORT_NEUTRAL = [
+    "psserver/steps.py", "psserver/programs.py", "psserver/metadata.py", "psserver/dataplane.py",
+    "psserver/dataplane_server.py", "psserver/dataplane_client.py", "psserver/step_work.py",
+]
+
+
+@pytest.mark.parametrize("module", TRANSPORT_NEUTRAL)
+def test_the_step_engine_and_the_data_plane_import_no_grpc(module):
+    modules = _imported_modules(ROOT / module)
+    assert not any(m.split(".")[0] in {"grpc", "grpc_health"} for m in modules), f"{module} imports grpc"
+
+
+@pytest.mark.parametrize("module", ["psserver/dataplane.py", "psserver/dataplane_server.py"])
+def test_the_data_plane_server_carries_steps_without_knowing_what_they_mean(module):
+    application = {f"paramserve.psserver.{name}" for name in ("steps", "programs", "store", "servicer")}
+    assert _imported_modules(ROOT / module) & application == set()
+
+
+# The parameter server's own modules: a worker or a coordinator that imports the client loads none.
+SERVER_MODULES = [
+    "store", "servicer", "steps", "programs", "checkpoint", "idempotency", "serving", "server", "metrics_http",
+    "cpus", "dataplane_server",
+]
+
+
+def test_importing_the_client_loads_none_of_the_servers_modules():
+    code = "import sys, paramserve.psserver.client; print(' '.join(sorted(sys.modules)))"
+    loaded = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, cwd=ROOT)
+    server_side = {f"paramserve.psserver.{name}" for name in SERVER_MODULES}
+    assert "paramserve.psserver.client" in loaded.stdout.split()
+    assert server_side & set(loaded.stdout.split()) == set()
 
 
 # Every service has its core, servicer, server factory, errors and __main__: those names recur by design.
@@ -85,15 +123,35 @@ def test_no_two_modules_share_a_name():
     assert {name: paths for name, paths in seen.items() if len(paths) > 1} == {}
 
 
+# Classes whose type says which strategy is in use: training code asks the strategy instead.
+STRATEGY_TYPES = ("Strategy", "ServerOptimizer", "ShardedEmbedding", "ServerMetricState")
+
+
 def test_training_asks_the_strategy_and_never_checks_its_type():
     offenders = []
     for path in (ROOT / "coordinator" / "training").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and getattr(node.func, "id", "") in {"isinstance", "type"}:
                 named = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
-                if any(name.endswith("Strategy") for name in named):
+                named |= {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)}
+                if any(name.endswith(STRATEGY_TYPES) for name in named):
                     offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert offenders == [], "ask the strategy (a method of the Strategy API) instead: " + ", ".join(offenders)
+
+
+def test_the_coordinator_declares_what_it_needs_of_a_strategy_instead_of_probing():
+    """The coordinator <-> strategy <-> recovery seam is coordinator/contracts.py's Protocols."""
+    for module in ("cluster_coordinator.py", "ps_recovery.py", "checkpoint_manager.py"):
+        text = (ROOT / "coordinator" / module).read_text()
+        tree = ast.parse(text)
+        probes = [f"{module}:{n.lineno}" for n in ast.walk(tree) if isinstance(n, ast.Call)
+                  and getattr(n.func, "id", "") in {"hasattr", "getattr"}]
+        assert probes == [], f"declare it in coordinator/contracts.py instead: {probes}"
+        assert "type: ignore" not in text, f"{module} silences the type checker on the seam"
+        functions = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        local_imports = [f"{module}:{n.lineno}" for f in functions for n in ast.walk(f) if isinstance(n, ast.ImportFrom)
+                         and (n.module or "").startswith("paramserve.coordinator")]
+        assert local_imports == [], f"a function-level import hides an import cycle: {local_imports}"
 
 
 def test_servicer_implements_every_rpc_of_the_proto():

@@ -64,6 +64,6 @@ def test_an_old_buffer_is_let_go_once_the_connection_uses_another():
 def test_a_program_is_checked_again_when_the_store_changes():
     store = make_store()
     step = program(store)
-    assert step.prepared.generation == store.generation
+    assert step.prepared.catalog_version == store.catalog_version
     store.delete_variable("b")
-    assert step.prepared.generation != store.generation
+    assert step.prepared.catalog_version != store.catalog_version

@@ -186,8 +186,9 @@ class ParameterServerServicer:
 
     def GetDataPlane(self, request, context):
         """Where this server's step data plane listens (psserver/dataplane.py): a TCP port that
-        carries the same StepRequest/StepReply bytes as Step over one long-lived connection per
-        client, without gRPC's per-call machinery. Port 0: this server has none; use Step.
+        carries steps over one long-lived connection per client, without gRPC's per-call
+        machinery: a STEP frame holds a StepPlan header and the pushed bytes, its REPLY a
+        StepOutcome header and the pulled bytes. Port 0: this server has none; use Step.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -98,23 +98,17 @@ class PushPart(_message.Message):
     base_version: int
     def __init__(self, ref: _Optional[_Union[ShardRef, _Mapping]] = ..., values: _Optional[_Union[TensorMeta, _Mapping]] = ..., sparse: _Optional[bool] = ..., num_indices: _Optional[int] = ..., base_version: _Optional[int] = ...) -> None: ...
 
-class EchoPart(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
-
 class PartHeader(_message.Message):
-    __slots__ = ("shard", "pulled", "push", "echo", "payload_bytes")
+    __slots__ = ("shard", "pulled", "push", "payload_bytes")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     PULLED_FIELD_NUMBER: _ClassVar[int]
     PUSH_FIELD_NUMBER: _ClassVar[int]
-    ECHO_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     shard: ShardSpec
     pulled: PulledPart
     push: PushPart
-    echo: EchoPart
     payload_bytes: int
-    def __init__(self, shard: _Optional[_Union[ShardSpec, _Mapping]] = ..., pulled: _Optional[_Union[PulledPart, _Mapping]] = ..., push: _Optional[_Union[PushPart, _Mapping]] = ..., echo: _Optional[_Union[EchoPart, _Mapping]] = ..., payload_bytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, shard: _Optional[_Union[ShardSpec, _Mapping]] = ..., pulled: _Optional[_Union[PulledPart, _Mapping]] = ..., push: _Optional[_Union[PushPart, _Mapping]] = ..., payload_bytes: _Optional[int] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("header", "data")

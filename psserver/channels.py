@@ -1,0 +1,59 @@
+"""gRPC channels to paramserve's servers: their options, and opening one with or without TLS.
+
+Every process that calls a server (the parameter-server client, the coordinator's worker
+transport) opens its channels here, so they all fail fast on a dead peer, reach a restarted one
+within a second, and read large messages in large chunks. What TLS presents and verifies is
+psserver.security's ``ClientTls``; this only puts it on the channel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+
+from paramserve.psserver.security import ClientTls
+
+__all__ = ["TCP_READ_OPTIONS", "channel_options", "open_aio_channel", "open_channel"]
+
+TCP_READ_OPTIONS: list[tuple[str, Any]] = [
+    # gRPC starts reading sockets 8 KiB at a time and grows slowly: a 0.5 MB message then costs
+    # several times the CPU of the bytes (measured: a client receiving 0.47 MB spent 1.1 CPU-ms,
+    # 0.37 with these). Tensor messages are large, so read large chunks from the start.
+    ("grpc.experimental.tcp_read_chunk_size", 1 << 20),
+    ("grpc.experimental.tcp_min_read_chunk_size", 512 << 10),
+    ("grpc.experimental.tcp_max_read_chunk_size", 4 << 20),
+]
+"""Read sizes for both ends of a connection: servers take them too (serving.server_options)."""
+
+
+def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        # Fail fast on a dead peer instead of waiting for TCP timeouts.
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.enable_retries", 0),  # retries are tenacity's job, in one place
+        # A restarted peer is reached within about a second: gRPC's default reconnect backoff
+        # grows to two minutes, which left workers unaware of a restarted server for ~57 s.
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1000),
+        *TCP_READ_OPTIONS,
+    ]
+
+
+def open_channel(address: str, tls: ClientTls | None, options: Sequence[tuple[str, Any]]) -> grpc.Channel:
+    """A channel to ``address``: TLS when ``tls`` is given, plaintext otherwise."""
+    if tls is None:
+        return grpc.insecure_channel(address, options=list(options))
+    return grpc.secure_channel(address, tls.credentials(), options=[*options, *tls.options()])
+
+
+def open_aio_channel(address: str, tls: ClientTls | None, options: Sequence[tuple[str, Any]]) -> grpc.aio.Channel:
+    """``open_channel`` for grpc.aio (create it on the event loop that uses it)."""
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options=list(options))
+    return grpc.aio.secure_channel(address, tls.credentials(), options=[*options, *tls.options()])
