@@ -61,8 +61,10 @@ class MLP(nn.Module):
 def fixed_batch(index: int, sizes: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """One fixed random batch per trainer (seeded by its index), reused every step."""
     generator = torch.Generator().manual_seed(1000 + index)
-    return (torch.randn(BATCH, sizes[0], generator=generator),
-            torch.randint(0, sizes[-1], (BATCH,), generator=generator))
+    return (
+        torch.randn(BATCH, sizes[0], generator=generator),
+        torch.randint(0, sizes[-1], (BATCH,), generator=generator),
+    )
 
 
 # What the training benchmarks' workers run. Workers import these (BENCHMARKS_DIR is on their
@@ -85,12 +87,14 @@ def make_batch(sizes: tuple[int, ...]) -> Callable[..., tuple[torch.Tensor, torc
     """A per-worker resource: each worker builds its own fixed batch from these sizes."""
 
     def batch(context: object) -> tuple[torch.Tensor, torch.Tensor]:
-        return fixed_batch(getattr(context, "worker_index"), sizes)
+        return fixed_batch(context.worker_index, sizes)
 
     return batch
 
 
-def train_step(batch: tuple[torch.Tensor, torch.Tensor], model: nn.Module, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+def train_step(
+    batch: tuple[torch.Tensor, torch.Tensor], model: nn.Module, optimizer: torch.optim.Optimizer
+) -> torch.Tensor:
     x, y = batch
     device = next(model.parameters()).device
     if x.device != device:  # a GPU worker's parameters live on its device
@@ -133,13 +137,14 @@ def print_report(benchmark: str, results: list[Result], as_json: bool) -> None:
     print(f"\n{benchmark}")
     print(f"{'metric'.ljust(width)}  {'value':>12}  {'baseline':>12}  ratio  unit   (baseline)")
     for r in results:
-        print(f"{r.metric.ljust(width)}  {r.value:12.4g}  {r.baseline:12.4g}  {r.ratio:5.2f}  {r.unit:6} ({r.baseline_name})")
+        print(
+            f"{r.metric.ljust(width)}  {r.value:12.4g}  {r.baseline:12.4g}  {r.ratio:5.2f}  {r.unit:6} "
+            f"({r.baseline_name})"
+        )
     if as_json:
         payload = {
             "benchmark": benchmark,
-            "results": [
-                {**{k: v for k, v in asdict(r).items()}, "ratio": r.ratio} for r in results
-            ],
+            "results": [{**{k: v for k, v in asdict(r).items()}, "ratio": r.ratio} for r in results],
         }
         print(json.dumps(payload))
 
@@ -147,7 +152,7 @@ def print_report(benchmark: str, results: list[Result], as_json: bool) -> None:
 # ------------------------------------------------------------------ raw TCP loopback
 
 
-def _tcp_sink(port_queue: "multiprocessing.Queue[int]", total: int) -> None:
+def _tcp_sink(port_queue: multiprocessing.Queue[int], total: int) -> None:
     with socket.create_server(("127.0.0.1", 0)) as server:
         port_queue.put(server.getsockname()[1])
         connection, _ = server.accept()
@@ -186,11 +191,14 @@ def tcp_loopback_gbps(total_bytes: int) -> float:
 # ------------------------------------------------------------------ bare gRPC echo server (another process)
 
 
-def _echo_server(port_queue: "multiprocessing.Queue[int]", max_message: int) -> None:
+def _echo_server(port_queue: multiprocessing.Queue[int], max_message: int) -> None:
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=8),
-        options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", max_message),
-                 ("grpc.max_send_message_length", max_message)],
+        options=[
+            ("grpc.so_reuseport", 0),
+            ("grpc.max_receive_message_length", max_message),
+            ("grpc.max_send_message_length", max_message),
+        ],
     )
     handlers = {
         "Stream": grpc.stream_stream_rpc_method_handler(lambda requests, context: requests),
@@ -242,7 +250,9 @@ class EchoServer:
 # ------------------------------------------------------------------ many workers in few processes
 
 
-def serve_workers(count: int, addresses: "multiprocessing.Queue[list[str]]", stop: "multiprocessing.synchronize.Event") -> None:
+def serve_workers(
+    count: int, addresses: multiprocessing.Queue[list[str]], stop: multiprocessing.synchronize.Event
+) -> None:
     """Runs ``count`` real worker gRPC servers in this process (spawn target) until ``stop``."""
     from paramserve.worker.server import WorkerConfig, build_worker
 

@@ -73,8 +73,15 @@ from paramserve.coordinator import (
 from paramserve.worker.variables import dumps_closure
 
 LR = 0.01
-METRICS = ("closures", "closure_overhead_scale", "closure_pickling", "train_steps_vs_rpc", "train_steps_large_vs_rpc",
-           "train_steps_overlapped", "gpu_worker_steps")
+METRICS = (
+    "closures",
+    "closure_overhead_scale",
+    "closure_pickling",
+    "train_steps_vs_rpc",
+    "train_steps_large_vs_rpc",
+    "train_steps_overlapped",
+    "gpu_worker_steps",
+)
 
 
 def bare_round_trips_per_second(count: int, payload_bytes: int) -> float:
@@ -139,7 +146,9 @@ def closure_overhead_at(ps_address: str, addresses: list[str], closures: int, ma
     return ScalePoint(len(addresses), max_batch, 1e6 * cpu / closures, closures / seconds, threads, rss_mb)
 
 
-def closure_overhead_scale(counts: tuple[int, ...], closures: int, per_process: int = 32) -> dict[int, list[ScalePoint]]:
+def closure_overhead_scale(
+    counts: tuple[int, ...], closures: int, per_process: int = 32
+) -> dict[int, list[ScalePoint]]:
     """The coordinator's cost per closure as the cluster grows: real worker gRPC servers,
     ``per_process`` to a process (so 256 fit on a small machine), one coordinator. Each point
     runs at least ``closures`` closures and 40 per worker. Measured twice: with the default
@@ -163,11 +172,16 @@ def closure_overhead_scale(counts: tuple[int, ...], closures: int, per_process: 
             for count in counts:
                 for max_batch, curve in points.items():
                     total = max(closures, 40 * count)
-                    curve.append(closure_overhead_at(cluster.spec.parameter_servers[0], addresses[:count], total, max_batch))
+                    curve.append(
+                        closure_overhead_at(cluster.spec.parameter_servers[0], addresses[:count], total, max_batch)
+                    )
                     p = curve[-1]
-                    print(f"  {p.workers:4d} workers, max_batch {max_batch}: {p.cpu_us_per_closure:6.0f} coordinator "
-                          f"CPU-us per closure, {p.closures_per_s:6.0f} closures/s, {p.threads} threads, "
-                          f"{p.rss_mb:.0f} MB resident", flush=True)
+                    print(
+                        f"  {p.workers:4d} workers, max_batch {max_batch}: {p.cpu_us_per_closure:6.0f} coordinator "
+                        f"CPU-us per closure, {p.closures_per_s:6.0f} closures/s, {p.threads} threads, "
+                        f"{p.rss_mb:.0f} MB resident",
+                        flush=True,
+                    )
             return points
     finally:
         stop.set()
@@ -219,16 +233,30 @@ class TrainRun:
     """CPU-ms per step of each process (paramserve's side: benchmarks/step_cpu.py prints it)."""
 
 
-def paramserve_steps(sizes: tuple[int, ...], steps: int, warmup: int, device: str | None = None,
-                     steps_per_closure: int = 1, *, overlap_pushes: bool = False, servers: int = 2,
-                     workers: int = 2) -> TrainRun:
+def paramserve_steps(
+    sizes: tuple[int, ...],
+    steps: int,
+    warmup: int,
+    device: str | None = None,
+    steps_per_closure: int = 1,
+    *,
+    overlap_pushes: bool = False,
+    servers: int = 2,
+    workers: int = 2,
+) -> TrainRun:
     """2 ps + 2 workers on 127.0.0.1 (by default), one thread per process, 1 step per closure,
     variables in 2 shards."""
     worker_args = ["--torch-threads", "1"] + (["--device", device] if device else [])
-    with LocalCluster(num_ps=servers, num_workers=workers, env=worker_environment(),
-                      extra_ps_args=["--torch-threads", "1"], extra_worker_args=worker_args) as cluster:
-        strategy = ParameterServerStrategy(cluster.spec, variable_partitioner=FixedShardsPartitioner(2),
-                                           overlap_pushes=overlap_pushes)
+    with LocalCluster(
+        num_ps=servers,
+        num_workers=workers,
+        env=worker_environment(),
+        extra_ps_args=["--torch-threads", "1"],
+        extra_worker_args=worker_args,
+    ) as cluster:
+        strategy = ParameterServerStrategy(
+            cluster.spec, variable_partitioner=FixedShardsPartitioner(2), overlap_pushes=overlap_pushes
+        )
         try:
             torch.manual_seed(0)
             with strategy.scope():
@@ -251,25 +279,37 @@ def paramserve_steps(sizes: tuple[int, ...], steps: int, warmup: int, device: st
         finally:
             strategy.close()
     steps = max(1, steps // steps_per_closure) * steps_per_closure
-    return TrainRun(steps / seconds, 1000 * sum(spent.values()) / steps,
-                    {name: 1000 * cpu / steps for name, cpu in spent.items()})
+    return TrainRun(
+        steps / seconds, 1000 * sum(spent.values()) / steps, {name: 1000 * cpu / steps for name, cpu in spent.items()}
+    )
 
 
-def versus_rpc(name: str, sizes: tuple[int, ...], steps: int, warmup: int, rounds: int, steps_per_closure: int = 1) -> Result:
+def versus_rpc(
+    name: str, sizes: tuple[int, ...], steps: int, warmup: int, rounds: int, steps_per_closure: int = 1
+) -> Result:
     ours: list[TrainRun] = []
     theirs: list[TrainRun] = []
     for round_ in range(rounds):  # the sides take turns, so drifts of a shared machine hit both
         theirs.append(TrainRun(**vars(run_rpc_ps(sizes, LR, steps, warmup))))
         ours.append(paramserve_steps(sizes, steps, warmup, steps_per_closure=steps_per_closure))
-        print(f"  [{name} round {round_ + 1}/{rounds}] paramserve {ours[-1].steps_per_s:.1f} steps/s "
-              f"({ours[-1].cpu_ms_per_step:.1f} CPU-ms/step), torch.distributed.rpc PS {theirs[-1].steps_per_s:.1f} "
-              f"steps/s ({theirs[-1].cpu_ms_per_step:.1f} CPU-ms/step)", flush=True)
+        print(
+            f"  [{name} round {round_ + 1}/{rounds}] paramserve {ours[-1].steps_per_s:.1f} steps/s "
+            f"({ours[-1].cpu_ms_per_step:.1f} CPU-ms/step), torch.distributed.rpc PS {theirs[-1].steps_per_s:.1f} "
+            f"steps/s ({theirs[-1].cpu_ms_per_step:.1f} CPU-ms/step)",
+            flush=True,
+        )
     value = statistics.median(r.steps_per_s for r in ours)
     baseline = statistics.median(r.steps_per_s for r in theirs)
     cpu = statistics.median(r.cpu_ms_per_step for r in ours), statistics.median(r.cpu_ms_per_step for r in theirs)
     print(f"  {name}: CPU-ms per step {cpu[0]:.2f} (paramserve) vs {cpu[1]:.2f} (rpc PS)", flush=True)
     per_closure = f", paramserve {steps_per_closure} steps per closure" if steps_per_closure > 1 else ""
-    return Result(name, value, "steps/s", baseline, f"torch.distributed.rpc PS, 1 PS + 2 trainers, median of {rounds}{per_closure}")
+    return Result(
+        name,
+        value,
+        "steps/s",
+        baseline,
+        f"torch.distributed.rpc PS, 1 PS + 2 trainers, median of {rounds}{per_closure}",
+    )
 
 
 def overlapped_versus_awaited(name: str, servers: int, workers: int, steps: int, warmup: int, rounds: int) -> Result:
@@ -278,14 +318,23 @@ def overlapped_versus_awaited(name: str, servers: int, workers: int, steps: int,
     sides: dict[bool, list[TrainRun]] = {False: [], True: []}
     for round_ in range(rounds):
         for overlap in (False, True):
-            sides[overlap].append(paramserve_steps(SMALL, steps, warmup, overlap_pushes=overlap,
-                                                   servers=servers, workers=workers))
-        print(f"  [{name} round {round_ + 1}/{rounds}] overlapped {sides[True][-1].steps_per_s:.1f} steps/s "
-              f"({sides[True][-1].cpu_ms_per_step:.2f} CPU-ms/step), awaited {sides[False][-1].steps_per_s:.1f} "
-              f"steps/s ({sides[False][-1].cpu_ms_per_step:.2f} CPU-ms/step)", flush=True)
+            sides[overlap].append(
+                paramserve_steps(SMALL, steps, warmup, overlap_pushes=overlap, servers=servers, workers=workers)
+            )
+        print(
+            f"  [{name} round {round_ + 1}/{rounds}] overlapped {sides[True][-1].steps_per_s:.1f} steps/s "
+            f"({sides[True][-1].cpu_ms_per_step:.2f} CPU-ms/step), awaited {sides[False][-1].steps_per_s:.1f} "
+            f"steps/s ({sides[False][-1].cpu_ms_per_step:.2f} CPU-ms/step)",
+            flush=True,
+        )
     value, baseline = (statistics.median(r.steps_per_s for r in sides[o]) for o in (True, False))
-    return Result(name, value, "steps/s", baseline,
-                  f"each push awaited, {servers} ps + {workers} worker{'s' if workers > 1 else ''}, median of {rounds}")
+    return Result(
+        name,
+        value,
+        "steps/s",
+        baseline,
+        f"each push awaited, {servers} ps + {workers} worker{'s' if workers > 1 else ''}, median of {rounds}",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -297,8 +346,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=600, help="timed steps of the small model per side")
     parser.add_argument("--large-steps", type=int, default=60, help="timed steps of the large model per side")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of each training comparison (medians)")
-    parser.add_argument("--steps-per-closure", type=int, default=1,
-                        help="paramserve's steps per closure in the training comparisons (the issue's bar: 1)")
+    parser.add_argument(
+        "--steps-per-closure",
+        type=int,
+        default=1,
+        help="paramserve's steps per closure in the training comparisons (the issue's bar: 1)",
+    )
     args = parser.parse_args(argv)
     wanted = set(args.only or METRICS)
     one_torch_thread()
@@ -316,21 +369,46 @@ def main(argv: list[str] | None = None) -> int:
         for max_batch, points in curves.items():
             base, name = points[0], "closure_overhead_scale" if max_batch > 1 else "closure_overhead_unbatched"
             for point in points[1:]:
-                results.append(Result(f"{name}_{point.workers}", point.cpu_us_per_closure, "CPU-us",
-                                      base.cpu_us_per_closure, f"{base.workers} workers, same run"))
+                results.append(
+                    Result(
+                        f"{name}_{point.workers}",
+                        point.cpu_us_per_closure,
+                        "CPU-us",
+                        base.cpu_us_per_closure,
+                        f"{base.workers} workers, same run",
+                    )
+                )
         points = curves[CoordinatorConfig().max_batch]
-        results.append(Result(f"coordinator_threads_{points[-1].workers}", points[-1].threads, "threads",
-                              points[0].threads, f"{points[0].workers} workers, same run"))
-        results.append(Result(f"coordinator_rss_{points[-1].workers}", points[-1].rss_mb, "MB",
-                              points[0].rss_mb, f"{points[0].workers} workers, same run"))
+        results.append(
+            Result(
+                f"coordinator_threads_{points[-1].workers}",
+                points[-1].threads,
+                "threads",
+                points[0].threads,
+                f"{points[0].workers} workers, same run",
+            )
+        )
+        results.append(
+            Result(
+                f"coordinator_rss_{points[-1].workers}",
+                points[-1].rss_mb,
+                "MB",
+                points[0].rss_mb,
+                f"{points[0].workers} workers, same run",
+            )
+        )
     if "closure_pickling" in wanted:
         by_reference, by_value = closure_pickling_us(500)
         print(f"closure pickling: {by_reference:.0f} us by reference, {by_value:.0f} us by value")
-        results.append(Result("closure_pickling", by_reference, "us", by_value, "the same closure with its code sent by value"))
+        results.append(
+            Result("closure_pickling", by_reference, "us", by_value, "the same closure with its code sent by value")
+        )
     if "train_steps_vs_rpc" in wanted:
         results.append(versus_rpc("train_steps_vs_rpc", SMALL, args.steps, 30, args.rounds, args.steps_per_closure))
     if "train_steps_large_vs_rpc" in wanted:
-        results.append(versus_rpc("train_steps_large_vs_rpc", LARGE, args.large_steps, 5, args.rounds, args.steps_per_closure))
+        results.append(
+            versus_rpc("train_steps_large_vs_rpc", LARGE, args.large_steps, 5, args.rounds, args.steps_per_closure)
+        )
     if "train_steps_overlapped" in wanted:
         results.append(overlapped_versus_awaited("train_steps_overlapped", 2, 2, args.steps, 30, args.rounds))
         results.append(overlapped_versus_awaited("train_steps_overlapped_1w", 1, 1, args.steps, 30, args.rounds))

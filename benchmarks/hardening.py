@@ -55,9 +55,24 @@ def start_ps(directory: pathlib.Path, token: str) -> tuple[subprocess.Popen, str
     (directory / "token").write_text(token)
     port_file = directory / "ps.port.json"
     process = subprocess.Popen(
-        [sys.executable, "-m", "paramserve.coordinator.commands.cli", "ps", "--port", "0", "--port-file", str(port_file),
-         "--token-file", str(directory / "token"), "--checkpoint-root", str(directory / "ckpt"), "--log-level", "ERROR"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            sys.executable,
+            "-m",
+            "paramserve.coordinator.commands.cli",
+            "ps",
+            "--port",
+            "0",
+            "--port-file",
+            str(port_file),
+            "--token-file",
+            str(directory / "token"),
+            "--checkpoint-root",
+            str(directory / "ckpt"),
+            "--log-level",
+            "ERROR",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     deadline = time.monotonic() + 120
     while not port_file.exists():
@@ -80,8 +95,9 @@ def oversized_push(address: str, token: str) -> str:
     from paramserve.psserver.security import bearer_metadata
     from paramserve.wire.v1 import tensor_pb2
 
-    part = tensor_pb2.PushPart(ref=tensor_pb2.ShardRef(variable="w", shard=0),
-                               values=tensor_pb2.TensorMeta(dtype="float32", shape=[3 << 28]))
+    part = tensor_pb2.PushPart(
+        ref=tensor_pb2.ShardRef(variable="w", shard=0), values=tensor_pb2.TensorMeta(dtype="float32", shape=[3 << 28])
+    )
     data = b"\0" * (4 << 20)
 
     def chunks():
@@ -89,8 +105,12 @@ def oversized_push(address: str, token: str) -> str:
         for _ in range(16):
             yield tensor_pb2.Chunk(data=data).SerializeToString()
 
-    return _status(lambda channel: channel.stream_unary(f"{SERVICE}/Push")(
-        chunks(), timeout=60, metadata=[bearer_metadata(token), ("paramserve-idempotency-key", "k")]), address)
+    return _status(
+        lambda channel: channel.stream_unary(f"{SERVICE}/Push")(
+            chunks(), timeout=60, metadata=[bearer_metadata(token), ("paramserve-idempotency-key", "k")]
+        ),
+        address,
+    )
 
 
 def amplified_pull(address: str, token: str) -> str:
@@ -101,16 +121,26 @@ def amplified_pull(address: str, token: str) -> str:
     rows = torch.zeros(1 << 20, dtype=torch.int64).numpy().tobytes()
     item = ps_pb2.PullItem(ref=tensor_pb2.ShardRef(variable="t", shard=0), sparse=True, row_indices=rows)
     request = ps_pb2.PullRequest(items=[item]).SerializeToString()
-    return _status(lambda channel: list(channel.unary_stream(f"{SERVICE}/Pull")(
-        request, timeout=60, metadata=[bearer_metadata(token)])), address)
+    return _status(
+        lambda channel: list(
+            channel.unary_stream(f"{SERVICE}/Pull")(request, timeout=60, metadata=[bearer_metadata(token)])
+        ),
+        address,
+    )
 
 
 def unauthenticated_large_calls(address: str, calls: int = 32, size: int = 60 << 20) -> str:
     body = b"\1" * size
     options = [("grpc.max_send_message_length", 128 << 20)]
     with futures.ThreadPoolExecutor(calls) as pool:
-        statuses = list(pool.map(lambda _: _status(lambda channel: channel.unary_unary(f"{SERVICE}/Step")(
-            body, timeout=120), address, options), range(calls)))
+        statuses = list(
+            pool.map(
+                lambda _: _status(
+                    lambda channel: channel.unary_unary(f"{SERVICE}/Step")(body, timeout=120), address, options
+                ),
+                range(calls),
+            )
+        )
     return ", ".join(sorted(set(statuses)))
 
 
@@ -204,8 +234,13 @@ def continuation_flood(hardened: bool, connections: int) -> dict[str, float]:
         thread.join(60)
     stop.set()
     process.join(60)
-    return {"rss_before_mb": round(before, 1), "rss_held_mb": round(held, 1), "rss_after_12s_mb": round(rss_after, 1),
-            "sockets_held": sockets_held, "sockets_after_12s": sockets_after}
+    return {
+        "rss_before_mb": round(before, 1),
+        "rss_held_mb": round(held, 1),
+        "rss_after_12s_mb": round(rss_after, 1),
+        "sockets_held": sockets_held,
+        "sockets_after_12s": sockets_after,
+    }
 
 
 def main() -> None:
@@ -219,21 +254,36 @@ def main() -> None:
         process, address = start_ps(pathlib.Path(scratch), token)
         try:
             setup_variables(address, token)
-            for name, attack in (("oversized_push", lambda: oversized_push(address, token)),
-                                 ("amplified_pull", lambda: amplified_pull(address, token)),
-                                 ("unauthenticated_large_calls", lambda: unauthenticated_large_calls(address))):
+            for name, attack in (
+                ("oversized_push", lambda: oversized_push(address, token)),
+                ("amplified_pull", lambda: amplified_pull(address, token)),
+                ("unauthenticated_large_calls", lambda: unauthenticated_large_calls(address)),
+            ):
                 baseline = memory_mb(process.pid)
                 status = attack()
-                results.append({"metric": name, "value": round(memory_mb(process.pid) - baseline, 1), "unit": "MB peak growth",
-                                "baseline": round(baseline, 1), "status": status})
+                results.append(
+                    {
+                        "metric": name,
+                        "value": round(memory_mb(process.pid) - baseline, 1),
+                        "unit": "MB peak growth",
+                        "baseline": round(baseline, 1),
+                        "status": status,
+                    }
+                )
         finally:
             process.terminate()
             process.wait(60)
     for hardened in (False, True):
         flood = continuation_flood(hardened, args.flood_connections)
-        results.append({"metric": "continuation_flood_" + ("paramserve_options" if hardened else "grpc_defaults"),
-                        "value": round(flood["rss_held_mb"] - flood["rss_before_mb"], 1), "unit": "MB while held",
-                        "baseline": flood["rss_before_mb"], **flood})
+        results.append(
+            {
+                "metric": "continuation_flood_" + ("paramserve_options" if hardened else "grpc_defaults"),
+                "value": round(flood["rss_held_mb"] - flood["rss_before_mb"], 1),
+                "unit": "MB while held",
+                "baseline": flood["rss_before_mb"],
+                **flood,
+            }
+        )
     for result in results:
         print(json.dumps(result) if args.json else result)
 

@@ -42,8 +42,13 @@ def main() -> int:
     address = f"127.0.0.1:{server.port}"
     bindir = os.path.dirname(sys.executable)
     commands = {
-        "paramserve-health": [shutil.which("paramserve-health", path=bindir) or "paramserve-health",
-                              "--quiet", "--timeout", "2", address],
+        "paramserve-health": [
+            shutil.which("paramserve-health", path=bindir) or "paramserve-health",
+            "--quiet",
+            "--timeout",
+            "2",
+            address,
+        ],
         "paramserve health": [shutil.which("paramserve", path=bindir) or "paramserve", "health", address],
     }
     report = {}

@@ -68,7 +68,10 @@ def global_batches(count: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """A few fixed random batches, cycled (the benchmark measures the system, not learning)."""
     generator = torch.Generator().manual_seed(0)
     return [
-        (torch.randn(GLOBAL_BATCH, 784, generator=generator), torch.randint(0, 10, (GLOBAL_BATCH,), generator=generator))
+        (
+            torch.randn(GLOBAL_BATCH, 784, generator=generator),
+            torch.randint(0, 10, (GLOBAL_BATCH,), generator=generator),
+        )
         for _ in range(count)
     ]
 
@@ -100,8 +103,10 @@ def load_mirrored_strategy() -> type:
     try:
         from paramserve.coordinator.strategies.mirrored import MirroredStrategy
     except ImportError as e:
-        sys.exit(f"mirrored_vs_ddp: MirroredStrategy is not available ({e}); this benchmark needs "
-                 "coordinator/strategies/mirrored.py")
+        sys.exit(
+            f"mirrored_vs_ddp: MirroredStrategy is not available ({e}); this benchmark needs "
+            "coordinator/strategies/mirrored.py"
+        )
     return MirroredStrategy
 
 
@@ -211,8 +216,10 @@ def two_process_rates(target: Callable[..., None], steps: int, repeats: int) -> 
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     port = free_port()
-    processes = [context.Process(target=target, args=(rank, port, steps, repeats, results), daemon=True)
-                 for rank in range(REPLICAS)]
+    processes = [
+        context.Process(target=target, args=(rank, port, steps, repeats, results), daemon=True)
+        for rank in range(REPLICAS)
+    ]
     for process in processes:
         process.start()
     try:
@@ -242,8 +249,10 @@ def main(argv: list[str] | None = None) -> int:
         rates["multi_worker"] += two_process_rates(multi_worker_process, args.steps, args.repeats)
         rates["mirrored"] += mirrored_rates(mirrored_class, args.steps, args.repeats)
     for name, runs in rates.items():
-        print(f"{name:>12}: median {statistics.median(runs):7.1f} steps/s over {len(runs)} runs "
-              f"(min {min(runs):.1f}, max {max(runs):.1f})")
+        print(
+            f"{name:>12}: median {statistics.median(runs):7.1f} steps/s over {len(runs)} runs "
+            f"(min {min(runs):.1f}, max {max(runs):.1f})"
+        )
     ddp, multi_worker, mirrored = (statistics.median(rates[k]) for k in ("ddp", "multi_worker", "mirrored"))
     results = [
         Result("mirrored_steps", mirrored, "steps/s", ddp, DDP_NAME),

@@ -43,7 +43,9 @@ EMBEDDING_DIM = 64
 
 def dense_push_pull_gbps(client: ParameterServerClient, repeats: int) -> float:
     model = torch.randn(DENSE_FLOATS)
-    client.create_variable("dense", model, optimizer=OptimizerSpec("SGD", {"lr": 1e-6}), partitioner=FixedShardsPartitioner(2))
+    client.create_variable(
+        "dense", model, optimizer=OptimizerSpec("SGD", {"lr": 1e-6}), partitioner=FixedShardsPartitioner(2)
+    )
     gradient = torch.randn(DENSE_FLOATS)
 
     def step() -> float:
@@ -70,8 +72,13 @@ def echo_gbps(echo: EchoServer, repeats: int, chunk_bytes: int, overlapped: bool
 
 def sparse_rows_per_second(client: ParameterServerClient, name: str, rows: int, repeats: int) -> float:
     zeros = tensor_pb2.Initializer(kind="zeros")
-    client.create_variable(name, shape=(rows, EMBEDDING_DIM), initializer=zeros,
-                           optimizer=OptimizerSpec("Adagrad", {"lr": 0.1}), partitioner=FixedShardsPartitioner(2))
+    client.create_variable(
+        name,
+        shape=(rows, EMBEDDING_DIM),
+        initializer=zeros,
+        optimizer=OptimizerSpec("Adagrad", {"lr": 0.1}),
+        partitioner=FixedShardsPartitioner(2),
+    )
     generator = torch.Generator().manual_seed(0)
 
     def step() -> float:
@@ -117,8 +124,10 @@ def main(argv: list[str] | None = None) -> int:
         overlapped_rate = echo_gbps(echo, args.repeats, args.chunk_bytes, overlapped=True)
     finally:
         echo.close()
-    print(f"bare gRPC echo of {DENSE_FLOATS * 4 / 1e6:.0f} MB in {args.chunk_bytes} B chunks, "
-          f"upload then download: {echo_rate:.2f} GB/s (overlapped: {overlapped_rate:.2f} GB/s)")
+    print(
+        f"bare gRPC echo of {DENSE_FLOATS * 4 / 1e6:.0f} MB in {args.chunk_bytes} B chunks, "
+        f"upload then download: {echo_rate:.2f} GB/s (overlapped: {overlapped_rate:.2f} GB/s)"
+    )
 
     ps_args = ("--chunk-bytes", str(args.chunk_bytes), "--max-workers", "4")
     with LocalCluster(num_ps=2, num_workers=0, extra_ps_args=ps_args) as cluster:
@@ -134,14 +143,24 @@ def main(argv: list[str] | None = None) -> int:
     for round_ in range(args.rounds):  # the sides take turns, so drifts of a shared machine hit both
         by_default.append(sparse_rows_at(None, 100_000, args.repeats * 4, ps_args, args.chunk_bytes))
         one_thread.append(sparse_rows_at(1, 100_000, args.repeats * 4, ps_args, args.chunk_bytes))
-        print(f"  [sparse_rows_threads round {round_ + 1}/{args.rounds}] default threads {by_default[-1]:.0f} rows/s, "
-              f"one thread per process {one_thread[-1]:.0f} rows/s", flush=True)
+        print(
+            f"  [sparse_rows_threads round {round_ + 1}/{args.rounds}] default threads {by_default[-1]:.0f} rows/s, "
+            f"one thread per process {one_thread[-1]:.0f} rows/s",
+            flush=True,
+        )
 
     results = [
-        Result("dense_push_pull", dense, "GB/s", echo_rate, "bare gRPC echo, identity serializers, upload then download"),
+        Result(
+            "dense_push_pull", dense, "GB/s", echo_rate, "bare gRPC echo, identity serializers, upload then download"
+        ),
         Result("sparse_rows", large, "rows/s", small, "same on a 100k-row table"),
-        Result("sparse_rows_threads", statistics.median(by_default), "rows/s", statistics.median(one_thread),
-               f"one torch thread per process (OMP_NUM_THREADS=1), 100k-row table, median of {args.rounds}"),
+        Result(
+            "sparse_rows_threads",
+            statistics.median(by_default),
+            "rows/s",
+            statistics.median(one_thread),
+            f"one torch thread per process (OMP_NUM_THREADS=1), 100k-row table, median of {args.rounds}",
+        ),
     ]
     print_report("ps_dataplane", results, args.json)
     return 0

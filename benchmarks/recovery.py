@@ -45,8 +45,9 @@ POLL = 0.002
 
 
 def build(cluster: LocalCluster, seed: int = 0):  # type: ignore[no-untyped-def]
-    strategy = ParameterServerStrategy(cluster.spec, variable_partitioner=FixedShardsPartitioner(2),
-                                       reuse_variables=True)
+    strategy = ParameterServerStrategy(
+        cluster.spec, variable_partitioner=FixedShardsPartitioner(2), reuse_variables=True
+    )
     torch.manual_seed(seed)
     with strategy.scope():
         model = MLP(32)
@@ -113,13 +114,34 @@ def main(argv: list[str] | None = None) -> int:
             rounds[interval] = [one_round(interval, Path(tmp) / f"{interval}-{r}") for r in range(args.rounds)]
             print(f"interval {interval}: {rounds[interval]}", file=sys.stderr)
     everything = [r for runs in rounds.values() for r in runs]
-    results.append(Result("ps_recovery_seconds", statistics.median(r["auto"] for r in everything), "s",
-                          statistics.median(r["manual"] for r in everything), "manual_restart_seconds"))
-    results.append(Result("recovery_internal_seconds", statistics.median(r["internal"] for r in everything), "s",
-                          statistics.median(r["auto"] for r in everything), "ps_recovery_seconds"))
+    results.append(
+        Result(
+            "ps_recovery_seconds",
+            statistics.median(r["auto"] for r in everything),
+            "s",
+            statistics.median(r["manual"] for r in everything),
+            "manual_restart_seconds",
+        )
+    )
+    results.append(
+        Result(
+            "recovery_internal_seconds",
+            statistics.median(r["internal"] for r in everything),
+            "s",
+            statistics.median(r["auto"] for r in everything),
+            "ps_recovery_seconds",
+        )
+    )
     for interval, runs in rounds.items():
-        results.append(Result(f"steps_lost_at_interval_{interval}", statistics.median(r["lost"] for r in runs),
-                              "steps", float(interval), "checkpoint_interval"))
+        results.append(
+            Result(
+                f"steps_lost_at_interval_{interval}",
+                statistics.median(r["lost"] for r in runs),
+                "steps",
+                float(interval),
+                "checkpoint_interval",
+            )
+        )
     print_report("recovery", results, args.json)
     return 0
 

@@ -45,8 +45,9 @@ def ps_push(grads: list[torch.Tensor]) -> None:
             param.grad = None
 
 
-def _process(rank: int, port: int, sizes: tuple[int, ...], lr: float, warmup: int, steps: int,
-             barrier: Any, results: Any) -> None:
+def _process(
+    rank: int, port: int, sizes: tuple[int, ...], lr: float, warmup: int, steps: int, barrier: Any, results: Any
+) -> None:
     one_torch_thread()
     os.environ.setdefault("TP_SOCKET_IFNAME", "lo")
     from torch.distributed import rpc
@@ -54,8 +55,9 @@ def _process(rank: int, port: int, sizes: tuple[int, ...], lr: float, warmup: in
     try:
         if rank == 0:
             _ps_init(sizes, lr)
-        options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", num_worker_threads=16,
-                                                  rpc_timeout=RPC_TIMEOUT_S)
+        options = rpc.TensorPipeRpcBackendOptions(
+            init_method=f"tcp://127.0.0.1:{port}", num_worker_threads=16, rpc_timeout=RPC_TIMEOUT_S
+        )
         rpc.init_rpc("ps" if rank == 0 else f"trainer{rank}", rank=rank, world_size=3, rpc_backend_options=options)
         if rank == 0:
             barrier.wait(timeout=RPC_TIMEOUT_S)  # the trainers warmed up
@@ -86,7 +88,7 @@ def _process(rank: int, port: int, sizes: tuple[int, ...], lr: float, warmup: in
             results.put(("trainer", (start, time.monotonic(), steps, time.process_time() - cpu)))
             barrier.wait(timeout=RPC_TIMEOUT_S)
         rpc.shutdown(graceful=True)
-    except BaseException:  # noqa: BLE001 - reported to the parent, then re-raised
+    except BaseException:
         results.put(("error", traceback.format_exc()))
         raise
 
@@ -102,8 +104,12 @@ def run_rpc_ps(sizes: tuple[int, ...], lr: float, steps: int, warmup: int, timeo
     context = multiprocessing.get_context("spawn")
     barrier, results = context.Barrier(3), context.Queue()
     port = free_port()
-    processes = [context.Process(target=_process, args=(rank, port, sizes, lr, warmup, steps // 2, barrier, results),
-                                 daemon=True) for rank in range(3)]
+    processes = [
+        context.Process(
+            target=_process, args=(rank, port, sizes, lr, warmup, steps // 2, barrier, results), daemon=True
+        )
+        for rank in range(3)
+    ]
     for process in processes:
         process.start()
     got: list[tuple[str, Any]] = []

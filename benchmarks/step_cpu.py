@@ -21,9 +21,11 @@ def main() -> None:
     args = parser.parse_args()
     one_torch_thread()
     run = paramserve_steps(SMALL, args.steps, 50, steps_per_closure=args.steps_per_closure)
-    print(f"{run.steps_per_s:.1f} steps/s; CPU-ms per step: "
-          + ", ".join(f"{name} {ms:.2f}" for name, ms in run.cpu_ms_by_process.items())
-          + f"; total {run.cpu_ms_per_step:.2f}")
+    print(
+        f"{run.steps_per_s:.1f} steps/s; CPU-ms per step: "
+        + ", ".join(f"{name} {ms:.2f}" for name, ms in run.cpu_ms_by_process.items())
+        + f"; total {run.cpu_ms_per_step:.2f}"
+    )
 
 
 if __name__ == "__main__":

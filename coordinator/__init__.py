@@ -15,8 +15,8 @@ from paramserve.coordinator.errors import (
     OutOfRangeError,
     ParameterServerUnavailableError,
 )
-from paramserve.coordinator.local_cluster import LocalCluster
 from paramserve.coordinator.failures import FailurePolicy
+from paramserve.coordinator.local_cluster import LocalCluster
 from paramserve.coordinator.recovery_policy import RecoveryPoint, RecoveryPolicy
 from paramserve.coordinator.remote_value import RemoteValue, RemoteValueState
 from paramserve.coordinator.sidecar_evaluator import SidecarEvaluator, load_checkpoint_weights

@@ -55,8 +55,12 @@ class ExportProblem:
 def missing_shards(layouts: Mapping[str, VariableLayout], exported: Sequence[ShardRef]) -> list[tuple[int, ShardRef]]:
     """(server, shard) for each shard of ``layouts`` that ``exported`` lacks: what a server lost."""
     held = set(exported)
-    return [(shard.server, layout.ref(shard)) for layout in layouts.values() for shard in layout.shards
-            if layout.ref(shard) not in held]
+    return [
+        (shard.server, layout.ref(shard))
+        for layout in layouts.values()
+        for shard in layout.shards
+        if layout.ref(shard) not in held
+    ]
 
 
 def changed_servers(before: Sequence[str | None], after: Sequence[str | None]) -> list[int]:
@@ -98,12 +102,18 @@ class CheckpointManager:
             states, problem = self._export()
             if problem is None:
                 break
-            log.warning("checkpoint of step %d: export %d of %d is not whole (%s)", step, attempt, SAVE_ATTEMPTS,
-                        problem.reason)
+            log.warning(
+                "checkpoint of step %d: export %d of %d is not whole (%s)", step, attempt, SAVE_ATTEMPTS, problem.reason
+            )
             if attempt == SAVE_ATTEMPTS or not self._recovered(problem):
                 raise CheckpointError(f"no checkpoint of step {step} was written: {problem.reason}")
-        path = checkpoint.save_checkpoint(self.directory, states, extra={STEP_KEY: int(step), **(extra or {})},
-                                          keep=self.max_to_keep, require_whole=True)
+        path = checkpoint.save_checkpoint(
+            self.directory,
+            states,
+            extra={STEP_KEY: int(step), **(extra or {})},
+            keep=self.max_to_keep,
+            require_whole=True,
+        )
         log.info("checkpoint of step %d written to %s (%d shards)", step, path, len(states))
         self.strategy.checkpoints.record(step, path, time.time())
         return path
@@ -113,8 +123,11 @@ class CheckpointManager:
         from being a whole checkpoint (None when nothing does)."""
         strategy, client = self.strategy, self.strategy.client
         with strategy.state_change(), strategy.quiesced():
-            layouts = {name: layout for name, layout in strategy.created_layouts().items()
-                       if strategy.checkpoint_key(name) is not None}
+            layouts = {
+                name: layout
+                for name, layout in strategy.created_layouts().items()
+                if strategy.checkpoint_key(name) is not None
+            }
             before = self._incarnations()
             try:
                 exported = client.export()
@@ -129,8 +142,12 @@ class CheckpointManager:
             what = f"{len(missing)} shards are missing (e.g. {missing[0][1]})" if missing else "servers restarted"
             return [], ExportProblem(f"{what} on parameter servers {', '.join(servers)}", tuple(servers))
         keys = {name: strategy.checkpoint_key(name) for name in layouts}
-        return [dataclasses.replace(state, ref=ShardRef(keys[state.ref.variable] or "", state.ref.shard))
-                for states in exported.values() for state in states if state.ref.variable in keys], None
+        return [
+            dataclasses.replace(state, ref=ShardRef(keys[state.ref.variable] or "", state.ref.shard))
+            for states in exported.values()
+            for state in states
+            if state.ref.variable in keys
+        ], None
 
     def _incarnations(self) -> list[str | None]:
         client = self.strategy.client
@@ -167,11 +184,15 @@ class CheckpointManager:
         anything changes, when the checkpoint does not match the model or is not whole."""
         resolved = checkpoint.resolve(pathlib.Path(path))
         if not checkpoint.is_whole(resolved):
-            raise CheckpointError(f"checkpoint {resolved} is not whole (shards or files are missing): restore another "
-                                  f"one, e.g. the latest whole one of {resolved.parent}")
+            raise CheckpointError(
+                f"checkpoint {resolved} is not whole (shards or files are missing): restore another "
+                f"one, e.g. the latest whole one of {resolved.parent}"
+            )
         checkpoint.sweep_leftovers(resolved.parent)  # what interrupted saves left beside it
         manifest = checkpoint.read_manifest(resolved)
-        keys = {name: key for name in self.strategy.variables if (key := self.strategy.checkpoint_key(name)) is not None}
+        keys = {
+            name: key for name in self.strategy.variables if (key := self.strategy.checkpoint_key(name)) is not None
+        }
         layouts = {name: layout for name, layout in self.strategy.plan_layouts().items() if name in keys}
         _check_compatible(manifest, {keys[name]: layout for name, layout in layouts.items()}, resolved)
         states: dict[int, list[ShardState]] = defaultdict(list)
@@ -239,13 +260,17 @@ def state_dict(strategy: ParameterServerStrategy, module: nn.Module | None = Non
     return result
 
 
-def export_state_dict(strategy: ParameterServerStrategy, path: str | os.PathLike[str], module: nn.Module | None = None) -> pathlib.Path:
+def export_state_dict(
+    strategy: ParameterServerStrategy, path: str | os.PathLike[str], module: nn.Module | None = None
+) -> pathlib.Path:
     """Writes ``state_dict(strategy, module)`` atomically to ``path`` with torch.save:
     ``Net().load_state_dict(torch.load(path, weights_only=True))`` needs no paramserve."""
     return atomic_torch_save(state_dict(strategy, module), path)
 
 
-def load_state_dict(strategy: ParameterServerStrategy, values: Mapping[str, torch.Tensor], module: nn.Module | None = None) -> None:
+def load_state_dict(
+    strategy: ParameterServerStrategy, values: Mapping[str, torch.Tensor], module: nn.Module | None = None
+) -> None:
     """Sets a model's variables from a plain state_dict (e.g. pretrained weights) before
     training starts. Everything is checked first; on any mismatch nothing changes."""
     if strategy.materialized:

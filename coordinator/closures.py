@@ -151,9 +151,7 @@ class ClosureQueue:
         deadline, CoordinatorClosedError after ``close()``.
         """
         with self._cond:
-            ready = self._cond.wait_for(
-                lambda: self._closed or self._error or len(self._queue) < self._max, timeout
-            )
+            ready = self._cond.wait_for(lambda: self._closed or self._error or len(self._queue) < self._max, timeout)
             if self._closed is not None:
                 raise self._closed
             if self._error is not None:
@@ -280,7 +278,6 @@ class ClosureQueue:
     def idle(self) -> bool:
         with self._cond:
             return self._idle()
-
 
     @property
     def num_queued(self) -> int:

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from paramserve.psserver.tf_config import (
     EXAMPLE_TF_CONFIG,
@@ -112,10 +113,10 @@ class ClusterSpec:
 
         ``argv_flags`` may hold ``ps`` and ``workers`` (a list of addresses or one
         comma-separated string; None means not given), ``chief`` and ``worker_service``
-        (``PARAMSERVE_WORKER_SERVICE`` otherwise); other keys are ignored, so ``vars(argparse_namespace)`` works. ``environ`` defaults
-        to ``os.environ``; an empty variable counts as unset. A TF_CONFIG that is
-        set must be valid even when flags override parts of it. Raises
-        ``ClusterSpecError``.
+        (``PARAMSERVE_WORKER_SERVICE`` otherwise); other keys are ignored, so
+        ``vars(argparse_namespace)`` works. ``environ`` defaults to ``os.environ``; an empty
+        variable counts as unset. A TF_CONFIG that is set must be valid even when flags override
+        parts of it. Raises ``ClusterSpecError``.
         """
         flags = argv_flags or {}
         env = os.environ if environ is None else environ
@@ -141,8 +142,12 @@ class ClusterSpec:
         )
         logger.info(
             "cluster: %d parameter servers from %s, %d workers from %s, worker service %s, chief %s",
-            spec.num_ps(), ps.source if ps else "nowhere", spec.num_workers(),
-            workers.source if workers else "nowhere", spec.worker_service or "none", spec.chief or "none",
+            spec.num_ps(),
+            ps.source if ps else "nowhere",
+            spec.num_workers(),
+            workers.source if workers else "nowhere",
+            spec.worker_service or "none",
+            spec.chief or "none",
         )
         return spec
 
@@ -151,7 +156,8 @@ def _training_jobs(config: TfConfig) -> Mapping[str, tuple[str, ...]]:
     if config.evaluators:
         logger.info(
             "TF_CONFIG: the evaluator job %s is no part of the training cluster; run "
-            "`paramserve evaluator --checkpoint-dir DIR` there", list(config.evaluators),
+            "`paramserve evaluator --checkpoint-dir DIR` there",
+            list(config.evaluators),
         )
     return config.jobs
 
@@ -167,8 +173,7 @@ class _Resolved:
     source: str
 
 
-def _build(ps: _Resolved, workers: _Resolved, chief: _Resolved | None,
-           service: _Resolved | None = None) -> ClusterSpec:
+def _build(ps: _Resolved, workers: _Resolved, chief: _Resolved | None, service: _Resolved | None = None) -> ClusterSpec:
     # Addresses are checked here first so that an error names where the bad one came from.
     for resolved in (ps, workers, chief, service):
         if resolved is not None:
@@ -196,8 +201,12 @@ def _check_addresses(resolved: _Resolved) -> None:
 
 
 def _resolve_addresses(
-    flag: Any, flag_name: str, env_value: str | None, env_name: str,
-    jobs: Mapping[str, tuple[str, ...]] | None, job: str,
+    flag: Any,
+    flag_name: str,
+    env_value: str | None,
+    env_name: str,
+    jobs: Mapping[str, tuple[str, ...]] | None,
+    job: str,
 ) -> _Resolved | None:
     if flag is not None:
         return _Resolved(_split_flag(flag, flag_name), flag_name)
@@ -211,7 +220,7 @@ def _resolve_addresses(
 def _resolve_service(flag: Any, env_value: str | None) -> _Resolved | None:
     if flag is not None:
         if not isinstance(flag, str):
-            raise ClusterSpecError(f"flag worker_service is a {type(flag).__name__}: pass one \"name:port\" string")
+            raise ClusterSpecError(f'flag worker_service is a {type(flag).__name__}: pass one "name:port" string')
         return _Resolved((flag.strip(),), "flag worker_service")
     if env_value is not None and env_value.strip():
         return _Resolved((env_value.strip(),), WORKER_SERVICE_ENV)
@@ -221,7 +230,7 @@ def _resolve_service(flag: Any, env_value: str | None) -> _Resolved | None:
 def _resolve_chief(flag: Any, jobs: Mapping[str, tuple[str, ...]] | None) -> _Resolved | None:
     if flag is not None:
         if not isinstance(flag, str):
-            raise ClusterSpecError(f"flag chief is a {type(flag).__name__}: pass one \"host:port\" string")
+            raise ClusterSpecError(f'flag chief is a {type(flag).__name__}: pass one "host:port" string')
         return _Resolved((flag.strip(),), "flag chief")
     if jobs is not None and "chief" in jobs:
         return _Resolved(_only_chief(jobs), "TF_CONFIG cluster.chief")
@@ -233,8 +242,7 @@ def _split_flag(value: Any, name: str) -> tuple[str, ...]:
         return _split_commas(value, name)
     if not isinstance(value, Sequence) or not all(isinstance(v, str) for v in value):
         raise ClusterSpecError(
-            f"{name} must be a list of \"host:port\" strings or one comma-separated string, "
-            f"got {value!r}"
+            f'{name} must be a list of "host:port" strings or one comma-separated string, got {value!r}'
         )
     return tuple(address for item in value for address in _split_commas(item, name))
 
@@ -243,8 +251,7 @@ def _split_commas(text: str, name: str) -> tuple[str, ...]:
     parts = tuple(part.strip() for part in text.split(","))
     if any(not part for part in parts):
         raise ClusterSpecError(
-            f"{name}={text!r} has an empty entry (a doubled, leading or trailing comma): "
-            'write "host1:port,host2:port"'
+            f'{name}={text!r} has an empty entry (a doubled, leading or trailing comma): write "host1:port,host2:port"'
         )
     return parts
 
@@ -259,11 +266,11 @@ def _only_chief(jobs: Mapping[str, tuple[str, ...]]) -> tuple[str, ...]:
 def _as_address_tuple(value: Any, name: str) -> tuple[str, ...]:
     if isinstance(value, str) or not isinstance(value, Sequence):
         raise ClusterSpecError(
-            f"ClusterSpec.{name} must be a tuple of \"host:port\" strings, got {value!r}: "
+            f'ClusterSpec.{name} must be a tuple of "host:port" strings, got {value!r}: '
             f"wrap a single address as ({value!r},)"
         )
     if not all(isinstance(v, str) for v in value):
-        raise ClusterSpecError(f"ClusterSpec.{name} must hold only \"host:port\" strings, got {value!r}")
+        raise ClusterSpecError(f'ClusterSpec.{name} must hold only "host:port" strings, got {value!r}')
     return tuple(v.strip() for v in value)
 
 
@@ -271,7 +278,7 @@ def _as_service(value: Any) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str):
-        raise ClusterSpecError(f"ClusterSpec.worker_service must be one \"name:port\" string or None, got {value!r}")
+        raise ClusterSpecError(f'ClusterSpec.worker_service must be one "name:port" string or None, got {value!r}')
     try:
         parse_address(value.strip())
     except ClusterSpecError as e:
@@ -291,7 +298,7 @@ def _check_cluster(ps: tuple[str, ...], workers: tuple[str, ...], chief: str | N
             "give at least one host:port, or a worker service name:port"
         )
     if chief is not None and not isinstance(chief, str):
-        raise ClusterSpecError(f"ClusterSpec.chief must be a \"host:port\" string or None, got {chief!r}")
+        raise ClusterSpecError(f'ClusterSpec.chief must be a "host:port" string or None, got {chief!r}')
     tasks = [(f"ps[{i}]", a) for i, a in enumerate(ps)] + [(f"worker[{i}]", a) for i, a in enumerate(workers)]
     if chief is not None:
         tasks.append(("chief", chief))
@@ -311,5 +318,3 @@ def _check_unique(tasks: list[tuple[str, str]]) -> None:
                 "own host:port; change one of them"
             )
         seen[key] = name
-
-

@@ -89,8 +89,9 @@ class CoordinatorConfig:
     """How often a worker service is resolved, and how long a worker missing from it stays."""
 
 
-def _check_workers_authenticate(workers: Sequence[str], *, token: str | None, tls: ClientTls | None,
-                                insecure: bool) -> None:
+def _check_workers_authenticate(
+    workers: Sequence[str], *, token: str | None, tls: ClientTls | None, insecure: bool
+) -> None:
     """Raises ConfigurationError when a worker's replies, which the coordinator unpickles,
     would come from a process nothing authenticates (unless ``insecure``)."""
     exposed = unauthenticated_workers(workers, token=token, tls=tls)
@@ -113,9 +114,14 @@ def _latest_checkpoint_of(recoverable: RecoverableVariables | None) -> Callable[
     return lambda: checkpoints.latest
 
 
-def _stop_dispatch(queue: ClosureQueue, pool: DispatchLoop, timeout: float,
-                   recovery: ParameterServerRecovery | None = None, discovery: WorkerDiscovery | None = None,
-                   telemetry: CoordinatorTelemetry | None = None) -> int:
+def _stop_dispatch(
+    queue: ClosureQueue,
+    pool: DispatchLoop,
+    timeout: float,
+    recovery: ParameterServerRecovery | None = None,
+    discovery: WorkerDiscovery | None = None,
+    telemetry: CoordinatorTelemetry | None = None,
+) -> int:
     """Stops recovering servers and discovering workers, closes the queue (cancelling what
     waits), stops the dispatch thread and the metrics endpoint; returns how many queued
     closures were cancelled."""
@@ -193,13 +199,24 @@ class ClusterCoordinator:
         self._discovery: WorkerDiscovery | None = None
         if strategy.cluster.worker_service is not None:
             self._discovery = WorkerDiscovery(
-                strategy.cluster.worker_service, self._pool, resolver=resolver, policy=self.config.discovery,
+                strategy.cluster.worker_service,
+                self._pool,
+                resolver=resolver,
+                policy=self.config.discovery,
                 static=frozenset(strategy.cluster.workers),
             )
         # Dropped without shutdown() (or alive at interpreter exit): the dispatch thread stops.
         # The callback holds the queue, the loop, recovery and discovery, never the coordinator itself.
-        self._finalizer = weakref.finalize(self, _stop_dispatch, self._queue, self._pool, self.config.shutdown_timeout,
-                                           self.recovery, self._discovery, self.telemetry)
+        self._finalizer = weakref.finalize(
+            self,
+            _stop_dispatch,
+            self._queue,
+            self._pool,
+            self.config.shutdown_timeout,
+            self.recovery,
+            self._discovery,
+            self.telemetry,
+        )
         for address in strategy.cluster.workers:
             self._pool.add_worker(address)
         if self._discovery is not None:
@@ -300,8 +317,9 @@ class ClusterCoordinator:
         until then). Raises ValueError for a worker that is part of the cluster already. Workers
         of a worker service (``ClusterSpec.worker_service``) join and leave by themselves."""
         self._check_open()
-        _check_workers_authenticate([address], token=self.strategy.token, tls=self.strategy.tls,
-                                    insecure=self.config.insecure)
+        _check_workers_authenticate(
+            [address], token=self.strategy.token, tls=self.strategy.tls, insecure=self.config.insecure
+        )
         self._pool.add_worker(address, probe_first=True)
 
     def remove_worker(self, address: str, timeout: float | None = None) -> None:
@@ -336,8 +354,9 @@ class ClusterCoordinator:
                 return
             self._closed = True
         self._finalizer.detach()
-        cancelled = _stop_dispatch(self._queue, self._pool, self.config.shutdown_timeout, self.recovery,
-                                   self._discovery, self.telemetry)
+        cancelled = _stop_dispatch(
+            self._queue, self._pool, self.config.shutdown_timeout, self.recovery, self._discovery, self.telemetry
+        )
         log.info("coordinator shut down (%d queued closures cancelled)", cancelled)
 
     def paused(self, timeout: float | None = None) -> contextlib.AbstractContextManager[None]:
@@ -400,8 +419,12 @@ class ClusterCoordinator:
     def _log_progress(self) -> None:
         flights = self._queue.in_flight()
         running = ", ".join(f"{f.function_name}[{f.closure_id[:8]}] on {f.worker}" for f in flights)
-        log.info("join: waiting for %d closures in flight (%s) and %d queued",
-                 len(flights), running or "none", self._queue.num_queued)
+        log.info(
+            "join: waiting for %d closures in flight (%s) and %d queued",
+            len(flights),
+            running or "none",
+            self._queue.num_queued,
+        )
 
 
 class _ContextSource:

@@ -150,8 +150,9 @@ class RecoverableVariables(Protocol):
         """The optimizer and hyperparameters the servers apply to ``name`` now (the program may
         have changed the learning rate since the checkpoint was written)."""
 
-    def restore_states(self, states_by_server: Mapping[int, Sequence[ShardState]],
-                       layouts: Mapping[str, VariableLayout]) -> None:
+    def restore_states(
+        self, states_by_server: Mapping[int, Sequence[ShardState]], layouts: Mapping[str, VariableLayout]
+    ) -> None:
         """Makes those shards exactly ``states_by_server`` on the servers; workers drop their values."""
 
     def restore_checkpoint(self, path: pathlib.Path) -> None:

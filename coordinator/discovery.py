@@ -172,8 +172,9 @@ class WorkerDiscovery:
         except ResolutionError as err:
             log.warning("worker service %s: %s", self.service, err)
             resolved = None
-        plan = plan_membership(self._clock(), frozenset(self._members), resolved, self._absent_since,
-                               self.policy.removal_grace)
+        plan = plan_membership(
+            self._clock(), frozenset(self._members), resolved, self._absent_since, self.policy.removal_grace
+        )
         self._absent_since = plan.absent_since
         if plan.add or plan.remove:
             log.info("worker service %s: +%s -%s (%s)", self.service, list(plan.add), list(plan.remove), plan.reason)
@@ -211,5 +212,5 @@ class WorkerDiscovery:
         while not self._stop.wait(self.policy.interval):
             try:
                 self.step()
-            except Exception:  # noqa: BLE001 - one bad round must not end discovery; the next may work
+            except Exception:
                 log.exception("worker service %s: discovery round failed", self.service)

@@ -129,7 +129,9 @@ class RpcFailure(Exception):
 class WorkerTransport(Protocol):
     """How a dispatcher reaches its worker (tests substitute a double). Used on the loop."""
 
-    async def run_closures(self, request: worker_pb2.RunClosuresRequest, timeout: float) -> worker_pb2.RunClosuresResponse:
+    async def run_closures(
+        self, request: worker_pb2.RunClosuresRequest, timeout: float
+    ) -> worker_pb2.RunClosuresResponse:
         """Raises RpcFailure when the call fails."""
 
     async def is_serving(self, timeout: float) -> bool:
@@ -163,7 +165,9 @@ class GrpcTransport:
         self._channel: grpc.aio.Channel | None = None
         self._call: Any = None
 
-    async def run_closures(self, request: worker_pb2.RunClosuresRequest, timeout: float) -> worker_pb2.RunClosuresResponse:
+    async def run_closures(
+        self, request: worker_pb2.RunClosuresRequest, timeout: float
+    ) -> worker_pb2.RunClosuresResponse:
         if self._channel is None:
             self._channel = open_aio_channel(self.address, self._tls, self._options)
             self._call = self._channel.unary_unary(
@@ -185,9 +189,12 @@ class GrpcTransport:
             self._reply_key, RUN_CLOSURES_METHOD, nonce, raw, trailers.get(REPLY_SIGNATURE_METADATA_KEY)
         ):
             # Not unpickled: whatever answered does not hold the cluster's token.
-            raise RpcFailure("UNAUTHENTICATED", f"the reply from {self.address} is not signed with the cluster's "
-                             "token; refusing it (is something else listening at that address, or does the worker "
-                             "have another token?)")
+            raise RpcFailure(
+                "UNAUTHENTICATED",
+                f"the reply from {self.address} is not signed with the cluster's "
+                "token; refusing it (is something else listening at that address, or does the worker "
+                "have another token?)",
+            )
         return worker_pb2.RunClosuresResponse.FromString(raw)
 
     async def is_serving(self, timeout: float) -> bool:
@@ -377,9 +384,11 @@ class Dispatcher:
                     pending = []
                     await self._after_failure()
                     return
-                except Exception as exc:  # noqa: BLE001 - e.g. the cluster context could not be built
+                except Exception as exc:
                     for closure in pending:
-                        self._queue.fail(closure, _local_error(closure, self.address, "could not send the closure", exc))
+                        self._queue.fail(
+                            closure, _local_error(closure, self.address, "could not send the closure", exc)
+                        )
                     pending = []
                     return
                 pending, force = self._on_results(pending, request, response)
@@ -410,8 +419,9 @@ class Dispatcher:
         ]
         return batch_to_proto(requests, context.message if context.fingerprint != self._cluster_held else None)
 
-    def _on_results(self, pending: list[Closure], request: worker_pb2.RunClosuresRequest,
-                    response: worker_pb2.RunClosuresResponse) -> tuple[list[Closure], frozenset[str]]:
+    def _on_results(
+        self, pending: list[Closure], request: worker_pb2.RunClosuresRequest, response: worker_pb2.RunClosuresResponse
+    ) -> tuple[list[Closure], frozenset[str]]:
         """Settles the closures the worker answered for; returns those to send again and the
         resources to force. Closures after a failed one did not run: they go back to the queue."""
         for position, (closure, result) in enumerate(zip(pending, response.results)):
@@ -423,8 +433,12 @@ class Dispatcher:
                 continue
             remote = failure_from_proto(result.error)
             decision = decide_on_closure_error(
-                remote, resends=closure.resends, known_resources=self._specs.ids(), policy=self._policy,
-                server_waits=closure.server_waits, servers_recover=self._server_failed is not None,
+                remote,
+                resends=closure.resends,
+                known_resources=self._specs.ids(),
+                policy=self._policy,
+                server_waits=closure.server_waits,
+                servers_recover=self._server_failed is not None,
             )
             self._log_decision(closure, decision)
             if decision.action is Action.AWAIT_SERVER and self._server_failed is not None:
@@ -451,13 +465,18 @@ class Dispatcher:
         self._held = frozenset(result.resources_held)
         if previous is not None and previous != result.worker_incarnation:
             self._cluster_held = ""
-            log.warning("worker %d (%s) restarted (incarnation %s -> %s): its resources are re-sent",
-                        self.index, self.address, previous, result.worker_incarnation)
+            log.warning(
+                "worker %d (%s) restarted (incarnation %s -> %s): its resources are re-sent",
+                self.index,
+                self.address,
+                previous,
+                result.worker_incarnation,
+            )
 
     def _on_result(self, closure: Closure, payload: bytes) -> None:
         try:
             value = cloudpickle.loads(payload)
-        except Exception as exc:  # noqa: BLE001 - e.g. a class the coordinator cannot import
+        except Exception as exc:
             self._queue.fail(closure, _local_error(closure, self.address, "its result could not be unpickled", exc))
             return
         self._queue.succeed(closure, value)
@@ -473,13 +492,16 @@ class Dispatcher:
                 self._observer.closure_retried(closure, failure.code)
                 continue
             assert decision.error_type is not None
-            self._queue.fail(closure, decision.error_type(
-                remote_type=f"grpc.StatusCode.{failure.code}",
-                message=f"{failure.details} ({decision.reason})",
-                function_name=closure.function_name,
-                closure_id=closure.closure_id,
-                worker=self.address,
-            ))
+            self._queue.fail(
+                closure,
+                decision.error_type(
+                    remote_type=f"grpc.StatusCode.{failure.code}",
+                    message=f"{failure.details} ({decision.reason})",
+                    function_name=closure.function_name,
+                    closure_id=closure.closure_id,
+                    worker=self.address,
+                ),
+            )
         self._queue.put_back(retry)
         if failure.code in RETRYABLE_CODES:  # the worker failed, not the request: probe it
             self._mark_down(f"{failure.code} calling it")
@@ -491,14 +513,26 @@ class Dispatcher:
     def _remote_error(self, closure: Closure, decision: Decision, data: ClosureFailure) -> ClosureError:
         assert decision.error_type is not None
         return closure_error_from_remote(
-            decision.error_type, data, function_name=closure.function_name,
-            closure_id=closure.closure_id, worker=self.address, server=data.parameter_server,
+            decision.error_type,
+            data,
+            function_name=closure.function_name,
+            closure_id=closure.closure_id,
+            worker=self.address,
+            server=data.parameter_server,
         )
 
     def _log_decision(self, closure: Closure, decision: Decision, details: str = "") -> None:
         level = logging.INFO if decision.action is Action.RESEND else logging.WARNING
-        log.log(level, "%s on worker %d (%s): %s because %s%s", closure.name, self.index, self.address,
-                decision.action.name, decision.reason, f" [{details}]" if details else "")
+        log.log(
+            level,
+            "%s on worker %d (%s): %s because %s%s",
+            closure.name,
+            self.index,
+            self.address,
+            decision.action.name,
+            decision.reason,
+            f" [{details}]" if details else "",
+        )
 
     # ---------------------------------------------------------------- membership
 
@@ -514,8 +548,11 @@ class Dispatcher:
         stop: tenacity.stop.stop_base = tenacity.stop_never
         if policy.probe_deadline is not None:
             stop = tenacity.stop_after_delay(policy.probe_deadline)
-        wait: tenacity.wait.wait_base = tenacity.wait_fixed(policy.join_probe_interval) if self._joining else \
-            tenacity.wait_exponential(multiplier=policy.probe_initial_backoff, max=policy.probe_max_backoff)
+        wait: tenacity.wait.wait_base = (
+            tenacity.wait_fixed(policy.join_probe_interval)
+            if self._joining
+            else tenacity.wait_exponential(multiplier=policy.probe_initial_backoff, max=policy.probe_max_backoff)
+        )
         retrying = tenacity.AsyncRetrying(
             retry=tenacity.retry_if_result(lambda serving: not serving),
             wait=wait + tenacity.wait_random(0, policy.probe_jitter),
@@ -526,8 +563,9 @@ class Dispatcher:
             self._set_state(WorkerState.UP, "it serves" if self._joining else "it serves again")
             self._joining = False
             return True
-        log.error("worker %d (%s) did not come back within %ss: giving it up",
-                  self.index, self.address, policy.probe_deadline)
+        log.error(
+            "worker %d (%s) did not come back within %ss: giving it up", self.index, self.address, policy.probe_deadline
+        )
         return False
 
     def stop(self, reason: str) -> None:
@@ -695,9 +733,17 @@ class DispatchLoop:
         used = {d.index for d in self._dispatchers.values()}
         index = next(i for i in range(len(used) + 1) if i not in used)
         dispatcher = Dispatcher(
-            address, index, queue=self._queue, specs=self._specs, transport=self._transport_factory(address),
-            cluster_context=self._cluster_context, num_workers=self.num_workers, policy=self._policy,
-            max_value_age=self._max_value_age, overlap_pushes=self._overlap_pushes, sizer=self._sizer,
+            address,
+            index,
+            queue=self._queue,
+            specs=self._specs,
+            transport=self._transport_factory(address),
+            cluster_context=self._cluster_context,
+            num_workers=self.num_workers,
+            policy=self._policy,
+            max_value_age=self._max_value_age,
+            overlap_pushes=self._overlap_pushes,
+            sizer=self._sizer,
             observer=self._observer,
             server_failed=self._server_failed if self._on_server_failure is not None else None,
             probe_first=probe_first,
@@ -794,8 +840,9 @@ class DispatchLoop:
         if task.cancelled() or self._stopped or dispatcher.address not in self._dispatchers:
             return
         if task.exception() is not None:
-            log.error("dispatcher of worker %d (%s) crashed", dispatcher.index, dispatcher.address,
-                      exc_info=task.exception())
+            log.error(
+                "dispatcher of worker %d (%s) crashed", dispatcher.index, dispatcher.address, exc_info=task.exception()
+            )
             return
         if dispatcher.state is WorkerState.DOWN:
             self._start(dispatcher, self._probe(dispatcher))

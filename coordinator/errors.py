@@ -45,9 +45,7 @@ class InvalidTransitionError(RuntimeError):
         """Returns ``to`` when ``current -> to`` is allowed; raises InvalidTransitionError otherwise."""
         if to not in table[current]:
             allowed = ", ".join(sorted(s.name for s in table[current])) or "nothing (terminal)"
-            raise InvalidTransitionError(
-                f"{subject} cannot go from {current.name} to {to.name} (allowed: {allowed})"
-            )
+            raise InvalidTransitionError(f"{subject} cannot go from {current.name} to {to.name} (allowed: {allowed})")
         return to
 
 
@@ -178,7 +176,7 @@ def unpickle_remote_exception(data: RemoteErrorData) -> BaseException | None:
         return None
     try:
         value = cloudpickle.loads(data.pickled)
-    except Exception:  # noqa: BLE001 - a class missing here, a broken __reduce__...: keep the text only
+    except Exception:
         return None
     return value if isinstance(value, BaseException) else None
 

@@ -43,8 +43,9 @@ def make_strategy(name: str) -> Any:
     if name == "multi_worker":
         return ps.MultiWorkerMirroredStrategy()
     if name == "parameter_server":
-        return ps.ParameterServerStrategy(ps.ClusterSpec.from_env(), ps.MinSizePartitioner(max_shards=2),
-                                          token=os.environ.get("PARAMSERVE_TOKEN"))
+        return ps.ParameterServerStrategy(
+            ps.ClusterSpec.from_env(), ps.MinSizePartitioner(max_shards=2), token=os.environ.get("PARAMSERVE_TOKEN")
+        )
     raise ValueError(f"unknown strategy {name!r}; choose one of {', '.join(STRATEGIES)}")
 
 
@@ -80,9 +81,18 @@ def main(argv: list[str] | None = None) -> int:
         model = MLP(64)
         optimizer = torch.optim.Adam(model.parameters(), lr=5e-3)
     _, _, x_test, y_test = digits_split()
-    history = fit(model, optimizer, nn.CrossEntropyLoss(reduction="none"), batches, epochs=args.epochs,
-                  steps_per_epoch=args.steps_per_epoch, validation_data=(x_test, y_test), strategy=strategy,
-                  steps_per_execution=4 if args.strategy == "parameter_server" else 1, verbose=False)
+    history = fit(
+        model,
+        optimizer,
+        nn.CrossEntropyLoss(reduction="none"),
+        batches,
+        epochs=args.epochs,
+        steps_per_epoch=args.steps_per_epoch,
+        validation_data=(x_test, y_test),
+        strategy=strategy,
+        steps_per_execution=4 if args.strategy == "parameter_server" else 1,
+        verbose=False,
+    )
     print(f"{args.strategy}: test accuracy {history.history['val_accuracy'][-1]:.4f}")
     return 0
 

@@ -80,8 +80,13 @@ class FailurePolicy:
     def __post_init__(self) -> None:
         if self.max_attempts < 1 or self.max_resource_resends < 0 or self.max_server_waits < 0:
             raise ValueError("max_attempts must be >= 1, max_resource_resends and max_server_waits >= 0")
-        positive = (self.closure_timeout, self.probe_initial_backoff, self.probe_max_backoff, self.probe_timeout,
-                    self.join_probe_interval)
+        positive = (
+            self.closure_timeout,
+            self.probe_initial_backoff,
+            self.probe_max_backoff,
+            self.probe_timeout,
+            self.join_probe_interval,
+        )
         if min(positive) <= 0 or self.probe_jitter < 0:
             raise ValueError("timeouts and backoffs must be positive, jitter >= 0")
         if self.probe_deadline is not None and self.probe_deadline <= 0:
@@ -157,8 +162,9 @@ def decide_on_closure_error(
         return _decide_on_missing(missing, resends, known_resources, policy)
     if error.needs_cluster:
         if resends >= policy.max_resource_resends:
-            return Decision(Action.RAISE, f"the worker still lacks the cluster context after {resends} resends",
-                            ClosureError)
+            return Decision(
+                Action.RAISE, f"the worker still lacks the cluster context after {resends} resends", ClosureError
+            )
         return Decision(Action.RESEND, "the worker does not hold the cluster context (it restarted?): resending it")
     if error.parameter_server:
         if servers_recover and server_waits < policy.max_server_waits:
@@ -183,9 +189,7 @@ def decide_on_closure_error(
     return Decision(Action.RAISE, f"the closure raised {error.type or 'an exception'}", ClosureError)
 
 
-def _decide_on_missing(
-    missing: list[str], resends: int, known: Collection[str], policy: FailurePolicy
-) -> Decision:
+def _decide_on_missing(missing: list[str], resends: int, known: Collection[str], policy: FailurePolicy) -> Decision:
     unknown = [r for r in missing if r not in known]
     if unknown:
         return Decision(

@@ -30,9 +30,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from paramserve.coordinator.cluster import ClusterSpec
 from paramserve.psserver.cpus import PROCESSES_ENV, torch_threads, usable_cpus
@@ -199,8 +200,9 @@ class LocalCluster:
             self._threads = _SharedThreads.take(self._num[PS] + self._num[WORKER] + 1)
             logger.info("local cluster running: %s", self._spec)
             if self._supervise:
-                self._supervisor = threading.Thread(target=self._supervise_children, name="paramserve-supervisor",
-                                                    daemon=True)
+                self._supervisor = threading.Thread(
+                    target=self._supervise_children, name="paramserve-supervisor", daemon=True
+                )
                 self._supervisor.start()
             return self._spec
 
@@ -350,12 +352,13 @@ class LocalCluster:
                     return
                 exited = [c for c in self._all_children() if c.proc.poll() is not None]
                 for child in exited:
-                    logger.warning("%s exited with %s: restarting it on port %d", child.name,
-                                   child.proc.returncode, child.port)
+                    logger.warning(
+                        "%s exited with %s: restarting it on port %d", child.name, child.proc.returncode, child.port
+                    )
                     try:
                         self._restart(child.role, child.index)
                         self.restarts += 1
-                    except Exception:  # noqa: BLE001 - try again at the next poll
+                    except Exception:
                         logger.exception("could not restart %s", child.name)
 
     # ------------------------------------------------------------------ internals
@@ -377,9 +380,7 @@ class LocalCluster:
 
     def _running_child(self, role: str, index: int) -> _Child:
         if self._state is not ClusterState.RUNNING:
-            raise RuntimeError(
-                f"the local cluster is {self._state.value}, not running: call start() first"
-            )
+            raise RuntimeError(f"the local cluster is {self._state.value}, not running: call start() first")
         count = len(self._children[role])
         if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < count:
             raise IndexError(f"{role} index {index!r} is out of range: the cluster has {count} (0..{count - 1})")
@@ -426,8 +427,13 @@ class LocalCluster:
             log.flush()
             offset = log.tell()
             proc = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                env=self._child_env, start_new_session=True, close_fds=True,
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self._child_env,
+                start_new_session=True,
+                close_fds=True,
             )
         logger.info("launched %s %d (pid %d), port %s, log %s", role, index, proc.pid, port or "any", log_path)
         return _Child(role, index, proc, port_file, log_path, offset, port)
@@ -439,10 +445,7 @@ class LocalCluster:
             report, problem = _read_port_file(child.port_file, child.proc.pid)
             code = child.proc.poll()
             if code is not None:
-                raise LaunchError(
-                    f"{child.name} {_describe_exit(code)} before it was ready; "
-                    f"{_tail_message(child)}"
-                )
+                raise LaunchError(f"{child.name} {_describe_exit(code)} before it was ready; {_tail_message(child)}")
             if report is not None:
                 self._accept_report(child, report)
                 return
@@ -485,7 +488,10 @@ def _read_port_file(path: Path, expected_pid: int | None = None) -> tuple[PortRe
     except ValueError as e:
         return None, f"port file {path}: {e}"
     if expected_pid is not None and report.pid != expected_pid:
-        return None, f"port file {path} was written by pid {report.pid}, not by the process launched (pid {expected_pid})"
+        return (
+            None,
+            f"port file {path} was written by pid {report.pid}, not by the process launched (pid {expected_pid})",
+        )
     return report, ""
 
 
@@ -513,7 +519,9 @@ def _is_port(value: object) -> bool:
 
 def _check_config(num_ps: int, num_workers: int, token: str | None, startup_timeout: float) -> None:
     if not _is_int(num_ps) or num_ps < 1:
-        raise ConfigurationError(f"num_ps={num_ps!r}: a cluster needs at least one parameter server; pass an integer >= 1")
+        raise ConfigurationError(
+            f"num_ps={num_ps!r}: a cluster needs at least one parameter server; pass an integer >= 1"
+        )
     if not _is_int(num_workers) or num_workers < 0:
         # 0 workers is a parameter-server-only cluster (benchmarks, tools); training needs >= 1.
         raise ConfigurationError(f"num_workers={num_workers!r}: pass an integer >= 0")
@@ -537,7 +545,7 @@ class _SharedThreads:
     share: int
 
     @staticmethod
-    def take(processes: int) -> "_SharedThreads | None":
+    def take(processes: int) -> _SharedThreads | None:
         import torch
 
         if os.environ.get("OMP_NUM_THREADS") or torch.get_num_threads() != usable_cpus():
@@ -547,8 +555,13 @@ class _SharedThreads:
             return None
         before = torch.get_num_threads()
         torch.set_num_threads(share)
-        logger.info("this program shares the machine with the cluster's %d processes: torch threads %d -> %d "
-                    "until the cluster stops (set OMP_NUM_THREADS to choose)", processes - 1, before, share)
+        logger.info(
+            "this program shares the machine with the cluster's %d processes: torch threads %d -> %d "
+            "until the cluster stops (set OMP_NUM_THREADS to choose)",
+            processes - 1,
+            before,
+            share,
+        )
         return _SharedThreads(before, share)
 
     def give_back(self) -> None:

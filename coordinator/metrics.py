@@ -221,8 +221,11 @@ def additive_states(metric: torchmetrics.Metric) -> list[str]:
 
 def flatten_states(metric: torchmetrics.Metric, names: Sequence[str]) -> Tensor:
     """The states, flattened into one float64 vector (what steps return and strategies sum)."""
-    return torch.cat([getattr(metric, n).detach().reshape(-1).to(torch.float64) for n in names]) if names else \
-        torch.zeros(0, dtype=torch.float64)
+    return (
+        torch.cat([getattr(metric, n).detach().reshape(-1).to(torch.float64) for n in names])
+        if names
+        else torch.zeros(0, dtype=torch.float64)
+    )
 
 
 def load_states(metric: torchmetrics.Metric, names: Sequence[str], flat: Tensor) -> None:
@@ -230,7 +233,7 @@ def load_states(metric: torchmetrics.Metric, names: Sequence[str], flat: Tensor)
     offset = 0
     for name in names:
         state = getattr(metric, name)
-        part = flat[offset: offset + state.numel()].reshape(state.shape)
+        part = flat[offset : offset + state.numel()].reshape(state.shape)
         setattr(metric, name, part.round().to(state.dtype) if not state.is_floating_point() else part.to(state.dtype))
         offset += state.numel()
     metric._update_count = max(metric._update_count, 1)  # computed as a metric that saw data

@@ -59,4 +59,6 @@ def to_device(structure: Any, device: torch.device) -> Any:
     device's current stream); copies to the host wait for their data, which the host would
     otherwise read before it arrives."""
     non_blocking = torch.device(device).type == "cuda"
-    return map_structure(lambda x: x.to(device, non_blocking=non_blocking) if isinstance(x, torch.Tensor) else x, structure)
+    return map_structure(
+        lambda x: x.to(device, non_blocking=non_blocking) if isinstance(x, torch.Tensor) else x, structure
+    )

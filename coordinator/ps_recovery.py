@@ -162,7 +162,7 @@ class ParameterServerRecovery:
                     if self._stopped.is_set():
                         return
                     self._recover(server)
-            except Exception:  # noqa: BLE001 - the monitor must outlive any one failure
+            except Exception:
                 log.exception("parameter-server recovery failed unexpectedly")
             finally:
                 with self._cond:
@@ -203,8 +203,9 @@ class ParameterServerRecovery:
             with self._variables.state_change():
                 outcome = self._recover_paused(server)
         except TimeoutError:
-            outcome = self._give_up(server, Unrecoverable(
-                f"closures still ran {self._policy.replacement_timeout:g}s after it failed"))
+            outcome = self._give_up(
+                server, Unrecoverable(f"closures still ran {self._policy.replacement_timeout:g}s after it failed")
+            )
         except Unrecoverable as exc:
             outcome = self._give_up(server, exc)
         if self.observer is not None:
@@ -215,9 +216,13 @@ class ParameterServerRecovery:
         log.error("parameter server %s was not recovered: %s", address, exc)
         outcome = RecoveryOutcome(address, "failed", 0.0)
         self.recoveries.append(outcome)  # before the error: whoever sees it sees this too
-        self._queue.abort(ParameterServerUnavailableError(
-            server=address, remote_type="paramserve.ParameterServerUnavailable", message=str(exc),
-        ))
+        self._queue.abort(
+            ParameterServerUnavailableError(
+                server=address,
+                remote_type="paramserve.ParameterServerUnavailable",
+                message=str(exc),
+            )
+        )
         self.loop.release_server_hold()
         return outcome
 
@@ -237,8 +242,12 @@ class ParameterServerRecovery:
             outcome = RecoveryOutcome(address, "intact" if plan.point is None else "restored", self._clock() - answered)
             self.recoveries.append(outcome)  # before training resumes: whoever sees it go on sees this
             self.loop.release_server_hold()
-        log.warning("parameter server %s recovered (%s) in %.2fs after it answered: training resumes",
-                    address, outcome.result, outcome.seconds)
+        log.warning(
+            "parameter server %s recovered (%s) in %.2fs after it answered: training resumes",
+            address,
+            outcome.result,
+            outcome.seconds,
+        )
         return outcome
 
     def _wait_for(self, server: int) -> tuple[str, list[ShardInfo]]:
@@ -250,7 +259,8 @@ class ParameterServerRecovery:
             if self._clock() >= deadline:
                 raise Unrecoverable(
                     f"it did not answer within {self._policy.replacement_timeout:g}s: restart it (Compose, "
-                    "Kubernetes and paramserve launch do), or raise RecoveryPolicy.replacement_timeout")
+                    "Kubernetes and paramserve launch do), or raise RecoveryPolicy.replacement_timeout"
+                )
             self._stopped.wait(self._policy.poll_interval)
         raise Unrecoverable("the coordinator shut down while waiting for it")
 
@@ -267,8 +277,12 @@ class ParameterServerRecovery:
             lost = {name: layout for name, layout in lost.items() if self._variables.checkpoint_key(name) is None}
             if not lost:
                 return
-        states = [self._lost_state(name, layout, shard, plan.checkpoint)
-                  for name, layout in lost.items() for shard in layout.shards if shard.server == server]
+        states = [
+            self._lost_state(name, layout, shard, plan.checkpoint)
+            for name, layout in lost.items()
+            for shard in layout.shards
+            if shard.server == server
+        ]
         self._variables.restore_states({server: states}, dict(lost))
 
     def _lost_state(self, name: str, layout: VariableLayout, shard: ShardPlacement, path: Path | None) -> ShardState:
@@ -286,4 +300,3 @@ def _facts(path: Path) -> CheckpointFacts:
     if not checkpoint.is_whole(path):
         return CheckpointFacts(path, whole=False)
     return CheckpointFacts(path, whole=True, variables=frozenset(checkpoint.variables(path)))
-

@@ -109,8 +109,7 @@ class Verdict:
     reason: str
 
 
-def judge_probe(watch: ServerWatch, probe: Probe, now: float,
-                policy: RecoveryPolicy) -> tuple[ServerWatch, Verdict]:
+def judge_probe(watch: ServerWatch, probe: Probe, now: float, policy: RecoveryPolicy) -> tuple[ServerWatch, Verdict]:
     """What ``probe`` of a server watched as ``watch`` means, at time ``now``."""
     if probe.result is ProbeResult.ANSWERED:
         known = watch.incarnation or probe.incarnation
@@ -121,7 +120,8 @@ def judge_probe(watch: ServerWatch, probe: Probe, now: float,
     if probe.result is ProbeResult.BUSY:
         since = watch.busy_since if watch.busy_since is not None else now
         return replace(watch, misses=0, busy_since=since), Verdict(
-            False, f"it is busy: connected but no answer for {now - since:.1f}s (a slow server is not a lost one)")
+            False, f"it is busy: connected but no answer for {now - since:.1f}s (a slow server is not a lost one)"
+        )
     misses = watch.misses + 1
     after = replace(watch, misses=misses, busy_since=None)
     if misses >= policy.misses_to_suspect:
@@ -132,8 +132,9 @@ def judge_probe(watch: ServerWatch, probe: Probe, now: float,
 # ---------------------------------------------------------------- what to restore, from where
 
 
-def lost_variables(server: int, held: Collection[ShardRef],
-                   layouts: Mapping[str, VariableLayout]) -> dict[str, VariableLayout]:
+def lost_variables(
+    server: int, held: Collection[ShardRef], layouts: Mapping[str, VariableLayout]
+) -> dict[str, VariableLayout]:
     """The variables with a shard placed on ``server`` that it does not hold (``held``)."""
     return {
         name: layout
@@ -165,16 +166,23 @@ class Unrecoverable(Exception):
     """The server cannot be restored; the message says why and what to do."""
 
 
-def plan_restore(lost: Mapping[str, VariableLayout], keys: Mapping[str, str | None],
-                 candidates: Sequence[CheckpointFacts], point: RecoveryPoint) -> RestorePlan:
+def plan_restore(
+    lost: Mapping[str, VariableLayout],
+    keys: Mapping[str, str | None],
+    candidates: Sequence[CheckpointFacts],
+    point: RecoveryPoint,
+) -> RestorePlan:
     """How to restore ``lost`` (variables by name; ``keys``: each one's name in checkpoints, None
     for one no checkpoint holds) from ``candidates`` (best first). Raises Unrecoverable."""
     if not lost:
         return RestorePlan(None, None, "it holds all its shards: nothing to restore")
     needed = sorted(keys[name] or "" for name in lost if keys[name] is not None)
     if not needed:
-        return RestorePlan(RecoveryPoint.LOST_SHARDS, None,
-                           f"{len(lost)} lost variables hold no trained state: back to their initial values")
+        return RestorePlan(
+            RecoveryPoint.LOST_SHARDS,
+            None,
+            f"{len(lost)} lost variables hold no trained state: back to their initial values",
+        )
     for facts in candidates:
         if facts.whole and all(key in facts.variables for key in needed):
             return RestorePlan(point, facts.path, f"{len(lost)} lost variables restored from {facts.path}")
@@ -183,14 +191,20 @@ def plan_restore(lost: Mapping[str, VariableLayout], keys: Mapping[str, str | No
 
 def _no_checkpoint_reason(needed: Sequence[str], candidates: Sequence[CheckpointFacts]) -> str:
     if not candidates:
-        return (f"it restarted without {len(needed)} variables (e.g. {needed[0]!r}) and this program saved no "
-                "checkpoint to restore them from: save checkpoints while training (CheckpointManager, or fit's "
-                "BackupAndRestore / ModelCheckpoint) so that a restarted parameter server can be restored")
+        return (
+            f"it restarted without {len(needed)} variables (e.g. {needed[0]!r}) and this program saved no "
+            "checkpoint to restore them from: save checkpoints while training (CheckpointManager, or fit's "
+            "BackupAndRestore / ModelCheckpoint) so that a restarted parameter server can be restored"
+        )
     whole = [facts for facts in candidates if facts.whole]
     if not whole:
-        return (f"none of the {len(candidates)} checkpoints it could restore from is whole (e.g. {candidates[0].path}: "
-                "shards or files are missing); delete the damaged ones and restart the program, which restores "
-                "the newest whole checkpoint")
+        return (
+            f"none of the {len(candidates)} checkpoints it could restore from is whole (e.g. {candidates[0].path}: "
+            "shards or files are missing); delete the damaged ones and restart the program, which restores "
+            "the newest whole checkpoint"
+        )
     missing = next(key for key in needed if key not in whole[0].variables)
-    return (f"it lost variables the newest whole checkpoint {whole[0].path} does not hold (e.g. {missing!r}, "
-            "built after it was saved): the next checkpoint will hold them; until then such a loss cannot be undone")
+    return (
+        f"it lost variables the newest whole checkpoint {whole[0].path} does not hold (e.g. {missing!r}, "
+        "built after it was saved): the next checkpoint will hold them; until then such a loss cannot be undone"
+    )

@@ -66,10 +66,20 @@ class SidecarEvaluator:
         on_evaluation: called with each Evaluation (e.g. to print it).
     """
 
-    def __init__(self, model: nn.Module, data: Iterable[Any], checkpoint_dir: str | os.PathLike[str], *,
-                 loss_fn: Any = None, metrics: Metrics = ("accuracy",), log_dir: str | os.PathLike[str] | None = None,
-                 steps: int | None = None, max_evaluations: int | None = None, every: float = 10.0,
-                 on_evaluation: Callable[[Evaluation], None] | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        data: Iterable[Any],
+        checkpoint_dir: str | os.PathLike[str],
+        *,
+        loss_fn: Any = None,
+        metrics: Metrics = ("accuracy",),
+        log_dir: str | os.PathLike[str] | None = None,
+        steps: int | None = None,
+        max_evaluations: int | None = None,
+        every: float = 10.0,
+        on_evaluation: Callable[[Evaluation], None] | None = None,
+    ):
         if every <= 0:
             raise ValueError(f"every must be a positive number of seconds, got {every}")
         if max_evaluations is not None and max_evaluations < 1:
@@ -96,8 +106,15 @@ class SidecarEvaluator:
         self._seen.update(_identity(c) for c in fresh)
         weights, step = load_checkpoint_weights(path, self.model)
         self.model.load_state_dict(weights, strict=False)
-        results = evaluate(self.model, self.loss_fn, self.data, steps=self.steps, metrics=self.metrics,
-                           strategy=_default_strategy(), return_dict=True)
+        results = evaluate(
+            self.model,
+            self.loss_fn,
+            self.data,
+            steps=self.steps,
+            metrics=self.metrics,
+            strategy=_default_strategy(),
+            return_dict=True,
+        )
         evaluation = Evaluation(path, step, results)
         self.evaluations.append(evaluation)
         self._write(evaluation)
@@ -158,8 +175,11 @@ def find_checkpoints(directory: pathlib.Path) -> list[pathlib.Path]:
     for path in directory.iterdir():
         if path.name.startswith(".") or path.name.endswith(".tmp"):
             continue
-        if (path.is_file() and path.suffix == ".pt") or (path / server_checkpoint.MANIFEST).is_file() \
-                or server_checkpoint.latest_checkpoint(path) is not None:
+        if (
+            (path.is_file() and path.suffix == ".pt")
+            or (path / server_checkpoint.MANIFEST).is_file()
+            or server_checkpoint.latest_checkpoint(path) is not None
+        ):
             found.append(path)
     return sorted(found, key=lambda p: (_identity(p)[1], p.name))
 
@@ -194,6 +214,8 @@ def _as_state_dict(values: dict[str, torch.Tensor], model: nn.Module) -> dict[st
             result[key] = value
     missing = sorted({name for name, _ in model.named_parameters()} - set(result))
     if missing:
-        raise ValueError(f"the checkpoint holds no values for {missing} of {type(model).__name__}: evaluate it "
-                         "with a model of the class that trained it")
+        raise ValueError(
+            f"the checkpoint holds no values for {missing} of {type(model).__name__}: evaluate it "
+            "with a model of the class that trained it"
+        )
     return result

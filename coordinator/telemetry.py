@@ -90,7 +90,8 @@ class CoordinatorTelemetry:
     """The coordinator's metrics on ``registry`` (a new one by default), fed as its observer.
 
     ``queue_depth`` / ``in_flight`` and ``checkpoint`` are read at scrape time.
-    Parameter-server recovery reports through ``parameter_server_recovered``. ``serve(host, port)`` starts the HTTP endpoint; ``close()`` stops it.
+    Parameter-server recovery reports through ``parameter_server_recovered``.
+    ``serve(host, port)`` starts the HTTP endpoint; ``close()`` stops it.
     """
 
     def __init__(
@@ -104,31 +105,52 @@ class CoordinatorTelemetry:
     ):
         self.registry = registry or CollectorRegistry()
         register_build_info(self.registry, "coordinator")
-        self.scheduled = Counter(f"{PREFIX}closures_scheduled", "Closures queued by schedule().", registry=self.registry)
-        self.finished = Counter(f"{PREFIX}closures_finished", "Closures that reached a final state, by outcome.",
-                                ["outcome"], registry=self.registry)
-        self.retried = Counter(f"{PREFIX}closures_retried",
-                               "Calls of closures that failed at the RPC level and went back to the queue, by gRPC code.",
-                               ["code"], registry=self.registry)
-        self.steps = Counter(f"{PREFIX}steps", "Steps of succeeded closures (rate(): steps per second).",
-                             registry=self.registry)
-        self.membership = Counter(f"{PREFIX}worker_membership_changes", "Workers that joined or left the cluster.",
-                                  ["change"], registry=self.registry)
-        self.ps_recoveries = Counter(f"{PREFIX}ps_recoveries",
-                                     "Parameter servers restored after a restart, by server and result.",
-                                     ["server", "result"], registry=self.registry)
-        self.ps_recovery_seconds = Histogram(f"{PREFIX}ps_recovery_seconds",
-                                             "Seconds from noticing a restarted parameter server to its restore.",
-                                             buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
-                                             registry=self.registry)
+        self.scheduled = Counter(
+            f"{PREFIX}closures_scheduled", "Closures queued by schedule().", registry=self.registry
+        )
+        self.finished = Counter(
+            f"{PREFIX}closures_finished",
+            "Closures that reached a final state, by outcome.",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.retried = Counter(
+            f"{PREFIX}closures_retried",
+            "Calls of closures that failed at the RPC level and went back to the queue, by gRPC code.",
+            ["code"],
+            registry=self.registry,
+        )
+        self.steps = Counter(
+            f"{PREFIX}steps", "Steps of succeeded closures (rate(): steps per second).", registry=self.registry
+        )
+        self.membership = Counter(
+            f"{PREFIX}worker_membership_changes",
+            "Workers that joined or left the cluster.",
+            ["change"],
+            registry=self.registry,
+        )
+        self.ps_recoveries = Counter(
+            f"{PREFIX}ps_recoveries",
+            "Parameter servers restored after a restart, by server and result.",
+            ["server", "result"],
+            registry=self.registry,
+        )
+        self.ps_recovery_seconds = Histogram(
+            f"{PREFIX}ps_recovery_seconds",
+            "Seconds from noticing a restarted parameter server to its restore.",
+            buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
+            registry=self.registry,
+        )
         for outcome in ("succeeded", "failed", "cancelled"):  # every series from the start: rate() needs it
             self.finished.labels(outcome)
         for change in ("joined", "left"):
             self.membership.labels(change)
-        Gauge(f"{PREFIX}queued_closures", "Closures waiting for a worker.",
-              registry=self.registry).set_function(queue_depth)
-        Gauge(f"{PREFIX}closures_in_flight", "Closures running on workers.",
-              registry=self.registry).set_function(in_flight)
+        Gauge(f"{PREFIX}queued_closures", "Closures waiting for a worker.", registry=self.registry).set_function(
+            queue_depth
+        )
+        Gauge(f"{PREFIX}closures_in_flight", "Closures running on workers.", registry=self.registry).set_function(
+            in_flight
+        )
         self._workers = _WorkerStates()
         self.registry.register(self._workers)
         self.registry.register(_CheckpointAge(checkpoint, clock))
@@ -203,8 +225,9 @@ class _WorkerStates(Collector):
         counts = GaugeMetricFamily(f"{PREFIX}workers", "Workers of the cluster by state.", labels=["state"])
         for state in WORKER_STATES:
             counts.add_metric([state], sum(1 for s in states.values() if s == state))
-        up = GaugeMetricFamily(f"{PREFIX}worker_up", "1 when the worker takes closures, 0 when down or stopped.",
-                               labels=["worker"])
+        up = GaugeMetricFamily(
+            f"{PREFIX}worker_up", "1 when the worker takes closures, 0 when down or stopped.", labels=["worker"]
+        )
         for address, state in sorted(states.items()):
             up.add_metric([address], 1.0 if state == "up" else 0.0)
         yield counts

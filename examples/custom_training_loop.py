@@ -33,8 +33,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     # Prepare the dataset, and distribute it: each global batch is split across the replicas
     x_train, y_train, x_test, y_test = digits_split()
     batch_size = 64 * strategy.num_replicas_in_sync
-    train_dataset = DataLoader(TensorDataset(x_train, y_train), batch_size=batch_size, shuffle=True,
-                               generator=torch.Generator().manual_seed(0))
+    train_dataset = DataLoader(
+        TensorDataset(x_train, y_train), batch_size=batch_size, shuffle=True, generator=torch.Generator().manual_seed(0)
+    )
     dist_dataset = strategy.experimental_distribute_dataset(train_dataset)
 
     # Create the model, the optimizer and the metrics within the strategy's scope

@@ -26,7 +26,9 @@ from paramserve.coordinator.commands.demo import digits_split
 def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--workdir", default=None, help="checkpoints, logs and the exported model (default: a temp dir)")
+    parser.add_argument(
+        "--workdir", default=None, help="checkpoints, logs and the exported model (default: a temp dir)"
+    )
     args = parser.parse_args(argv)
     workdir = args.workdir or tempfile.mkdtemp(prefix="fit-mirrored-")
 
@@ -49,8 +51,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     torch.manual_seed(0)
     with strategy.scope():
         model = nn.Sequential(
-            nn.Unflatten(1, (1, 8, 8)), nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.Flatten(),
-            nn.Linear(32 * 8 * 8, 64), nn.ReLU(), nn.Linear(64, 10),
+            nn.Unflatten(1, (1, 8, 8)),
+            nn.Conv2d(1, 32, 3, padding=1),
+            nn.ReLU(),
+            nn.Flatten(),
+            nn.Linear(32 * 8 * 8, 64),
+            nn.ReLU(),
+            nn.Linear(64, 10),
         )
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     loss = nn.CrossEntropyLoss(reduction="none")
@@ -90,8 +97,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     torch.save(model.state_dict(), path)
     strategy.close()
     unreplicated_model = nn.Sequential(
-        nn.Unflatten(1, (1, 8, 8)), nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.Flatten(),
-        nn.Linear(32 * 8 * 8, 64), nn.ReLU(), nn.Linear(64, 10),
+        nn.Unflatten(1, (1, 8, 8)),
+        nn.Conv2d(1, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(32 * 8 * 8, 64),
+        nn.ReLU(),
+        nn.Linear(64, 10),
     )
     unreplicated_model.load_state_dict(torch.load(path, weights_only=True))
     eval_loss, eval_acc = evaluate(unreplicated_model, loss, eval_dataset)

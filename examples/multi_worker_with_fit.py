@@ -39,8 +39,9 @@ KILLED_ENV = "EXAMPLE_KILL_AT_EPOCH"
 def mnist_dataset(batch_size: int) -> DataLoader:
     """The digits training set in global batches, shuffled alike on every worker (same seed)."""
     x_train, y_train, _, _ = digits_split()
-    return DataLoader(TensorDataset(x_train, y_train), batch_size=batch_size, shuffle=True,
-                      generator=torch.Generator().manual_seed(0))
+    return DataLoader(
+        TensorDataset(x_train, y_train), batch_size=batch_size, shuffle=True, generator=torch.Generator().manual_seed(0)
+    )
 
 
 def build_and_compile_model() -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -78,8 +79,16 @@ def worker(args: argparse.Namespace) -> None:
     callback_list: list[callbacks.Callback] = [callbacks.BackupAndRestore(backup_dir=args.backup_dir)]
     if os.environ.get(KILLED_ENV):
         callback_list.append(KillAtEpoch(int(os.environ[KILLED_ENV]), strategy.rank))
-    history = fit(multi_worker_model, optimizer, nn.CrossEntropyLoss(reduction="none"), multi_worker_dataset,
-                  epochs=args.epochs, steps_per_epoch=20, callbacks=callback_list, verbose=False)
+    history = fit(
+        multi_worker_model,
+        optimizer,
+        nn.CrossEntropyLoss(reduction="none"),
+        multi_worker_dataset,
+        epochs=args.epochs,
+        steps_per_epoch=20,
+        callbacks=callback_list,
+        verbose=False,
+    )
 
     _, _, x_test, y_test = digits_split()
     loss, accuracy = evaluate(multi_worker_model, nn.CrossEntropyLoss(reduction="none"), x_test, y_test)
@@ -109,8 +118,17 @@ def run_workers(args: argparse.Namespace, workdir: str, attempt: int, kill_at_ep
         if kill_at_epoch is not None:
             env[KILLED_ENV] = str(kill_at_epoch)
         log = open(os.path.join(workdir, f"worker-{index}-attempt-{attempt}.log"), "w")
-        command = [sys.executable, os.path.abspath(__file__), "--worker", "--epochs", str(args.epochs),
-                   "--backup-dir", os.path.join(workdir, "backup"), "--result", os.path.join(workdir, "result.json")]
+        command = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--worker",
+            "--epochs",
+            str(args.epochs),
+            "--backup-dir",
+            os.path.join(workdir, "backup"),
+            "--result",
+            os.path.join(workdir, "result.json"),
+        ]
         processes.append((subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT), log))
     deadline = time.monotonic() + args.timeout
     try:

@@ -4,7 +4,8 @@ Read it beside the TensorFlow tutorial: the same sections in the same order. The
 
 - default: an in-process-like cluster on 127.0.0.1 (TF: create_in_process_cluster), started here;
 - ``--cluster-from-env``: the one ``paramserve launch`` (or PARAMSERVE_PS/PARAMSERVE_WORKERS, or
-  TF_CONFIG) describes: ``paramserve launch --ps 2 --workers 2 -- python examples/parameter_server_training.py --cluster-from-env``;
+  TF_CONFIG) describes:
+  ``paramserve launch --ps 2 --workers 2 -- python examples/parameter_server_training.py --cluster-from-env``;
 - ``--tf-config``: TensorFlow's way: every task gets a TF_CONFIG naming the cluster and its own
   task; this script starts ``paramserve ps`` and ``paramserve worker`` with theirs (they listen
   where their task says) and runs the coordinator as the chief.
@@ -54,28 +55,51 @@ def in_process_cluster(num_ps: int, num_workers: int) -> Iterator[None]:
     """TF's create_in_process_cluster: servers on this machine, described in the environment."""
     token = secrets.token_hex(16)
     with LocalCluster(num_ps=num_ps, num_workers=num_workers, token=token) as cluster:
-        with _environment(PARAMSERVE_PS=",".join(cluster.spec.parameter_servers),
-                          PARAMSERVE_WORKERS=",".join(cluster.spec.workers), PARAMSERVE_TOKEN=token):
+        with _environment(
+            PARAMSERVE_PS=",".join(cluster.spec.parameter_servers),
+            PARAMSERVE_WORKERS=",".join(cluster.spec.workers),
+            PARAMSERVE_TOKEN=token,
+        ):
             yield
 
 
 @contextlib.contextmanager
 def tf_config_cluster(num_ps: int, num_workers: int, workdir: str) -> Iterator[None]:
     """Every task started with TF_CONFIG: its cluster and its own task; servers take their address from it."""
-    cluster = {"chief": [f"127.0.0.1:{_free_port()}"],
-               "ps": [f"127.0.0.1:{_free_port()}" for _ in range(num_ps)],
-               "worker": [f"127.0.0.1:{_free_port()}" for _ in range(num_workers)]}
+    cluster = {
+        "chief": [f"127.0.0.1:{_free_port()}"],
+        "ps": [f"127.0.0.1:{_free_port()}" for _ in range(num_ps)],
+        "worker": [f"127.0.0.1:{_free_port()}" for _ in range(num_workers)],
+    }
     token = secrets.token_hex(16)
     processes = []
     try:
         for task_type in ("ps", "worker"):
             for index in range(len(cluster[task_type])):
-                env = {**os.environ, "PARAMSERVE_TOKEN": token,
-                       "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": task_type, "index": index}})}
+                env = {
+                    **os.environ,
+                    "PARAMSERVE_TOKEN": token,
+                    "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": task_type, "index": index}}),
+                }
                 port_file = os.path.join(workdir, f"{task_type}-{index}.port")
-                processes.append((port_file, subprocess.Popen(
-                    [sys.executable, "-m", "paramserve.coordinator.commands.cli", task_type, "--port-file", port_file],
-                    env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)))
+                processes.append(
+                    (
+                        port_file,
+                        subprocess.Popen(
+                            [
+                                sys.executable,
+                                "-m",
+                                "paramserve.coordinator.commands.cli",
+                                task_type,
+                                "--port-file",
+                                port_file,
+                            ],
+                            env=env,
+                            stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL,
+                        ),
+                    )
+                )
         for port_file, process in processes:
             _wait_serving(port_file, process)
         chief = json.dumps({"cluster": cluster, "task": {"type": "chief", "index": 0}})
@@ -132,7 +156,7 @@ def dataset_fn(input_context: Any) -> Iterator[tuple[torch.Tensor, torch.Tensor]
     while True:
         order = torch.randperm(len(x), generator=generator)
         for start in range(0, len(order) - batch_size + 1, batch_size):
-            rows = order[start: start + batch_size]
+            rows = order[start : start + batch_size]
             yield x[rows], y[rows]
 
 
@@ -157,8 +181,17 @@ def train(workdir: str, epochs: int) -> dict[str, float]:
         callbacks.ModelCheckpoint(filepath=os.path.join(working_dir, "ckpt", "ckpt-{epoch}")),
         callbacks.BackupAndRestore(backup_dir=os.path.join(working_dir, "backup")),
     ]
-    history = fit(model, optimizer, nn.CrossEntropyLoss(reduction="none"), dataset_fn, epochs=epochs,
-                  steps_per_epoch=20, steps_per_execution=4, callbacks=callback_list, verbose=False)
+    history = fit(
+        model,
+        optimizer,
+        nn.CrossEntropyLoss(reduction="none"),
+        dataset_fn,
+        epochs=epochs,
+        steps_per_epoch=20,
+        steps_per_execution=4,
+        callbacks=callback_list,
+        verbose=False,
+    )
     print("fit:", {k: round(v[-1], 4) for k, v in history.history.items()})
 
     # Training with a custom training loop: a model built now, after fit, in the same scope
@@ -198,16 +231,23 @@ def train(workdir: str, epochs: int) -> dict[str, float]:
 
     # Evaluation: inline on the coordinator, and by a sidecar evaluator reading the checkpoints
     _, inline_accuracy = evaluate(model, nn.CrossEntropyLoss(reduction="none"), x_test, y_test)
-    sidecar = SidecarEvaluator(make_model(), [(x_test, y_test)], os.path.join(working_dir, "ckpt"),
-                               log_dir=os.path.join(working_dir, "log"))
+    sidecar = SidecarEvaluator(
+        make_model(), [(x_test, y_test)], os.path.join(working_dir, "ckpt"), log_dir=os.path.join(working_dir, "log")
+    )
     evaluation = sidecar.evaluate_latest()
     sidecar.close()
     assert evaluation is not None
-    print(f"inline accuracy {inline_accuracy:.3f}, sidecar accuracy {evaluation.results['accuracy']:.3f} "
-          f"of {evaluation.checkpoint.name}")
+    print(
+        f"inline accuracy {inline_accuracy:.3f}, sidecar accuracy {evaluation.results['accuracy']:.3f} "
+        f"of {evaluation.checkpoint.name}"
+    )
     strategy.close()
-    return {"fit_accuracy": history.history["accuracy"][-1], "loop_accuracy": loop_accuracy,
-            "inline_accuracy": inline_accuracy, "sidecar_accuracy": evaluation.results["accuracy"]}
+    return {
+        "fit_accuracy": history.history["accuracy"][-1],
+        "loop_accuracy": loop_accuracy,
+        "inline_accuracy": inline_accuracy,
+        "sidecar_accuracy": evaluation.results["accuracy"],
+    }
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:

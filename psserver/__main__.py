@@ -30,28 +30,63 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser = parser or argparse.ArgumentParser(prog="paramserve ps", description=__doc__)
     add_server_arguments(parser)
     data = parser.add_argument_group("data plane")
-    data.add_argument("--data-port", type=port_number, default=0,
-                      help="TCP port of the step data plane, which carries training steps without gRPC's per-call "
-                           "cost (clients find it through the gRPC port; default: a free one). Open it in firewalls "
-                           "beside the gRPC port, or fix it here to do so")
-    data.add_argument("--no-data-plane", action="store_true",
-                      help="serve training steps over gRPC only (slower; for networks that pass nothing but gRPC)")
-    data.add_argument("--chunk-bytes", type=positive_int, default=DEFAULT_CHUNK_BYTES, help="largest data chunk this server sends (default: %(default)s)")
-    data.add_argument("--max-push-bytes", type=positive_int, default=DEFAULT_MAX_PUSH_BYTES,
-                      help="largest gradient part one push may declare; checked, with the shard's shape and dtype, "
-                           "before its bytes are received (default: %(default)s)")
-    data.add_argument("--max-pull-bytes", type=positive_int, default=DEFAULT_MAX_PULL_BYTES,
-                      help="most tensor bytes one read request may ask for (default: %(default)s)")
-    data.add_argument("--max-shard-bytes", type=positive_int,
-                      help="largest shard (value and optimizer slots) a variable may be created with (default: half "
-                           "this machine's memory)")
-    data.add_argument("--idempotency-capacity", type=positive_int, default=65536, help="push keys remembered per shard for exactly-once updates (default: %(default)s)")
-    data.add_argument("--allow-nonfinite", action="store_true", help="apply gradients holding NaN/Inf instead of rejecting them")
-    data.add_argument("--max-staleness", type=int, help="reject pushes computed more than this many versions ago (default: no bound)")
-    data.add_argument("--checkpoint-root", type=pathlib.Path,
-                      help="Save and Restore act only under this directory (relative paths are taken from it). "
-                           "Default: anywhere this user may write when a token is set; a server without a token "
-                           "refuses Save and Restore unless it has a root")
+    data.add_argument(
+        "--data-port",
+        type=port_number,
+        default=0,
+        help="TCP port of the step data plane, which carries training steps without gRPC's per-call "
+        "cost (clients find it through the gRPC port; default: a free one). Open it in firewalls "
+        "beside the gRPC port, or fix it here to do so",
+    )
+    data.add_argument(
+        "--no-data-plane",
+        action="store_true",
+        help="serve training steps over gRPC only (slower; for networks that pass nothing but gRPC)",
+    )
+    data.add_argument(
+        "--chunk-bytes",
+        type=positive_int,
+        default=DEFAULT_CHUNK_BYTES,
+        help="largest data chunk this server sends (default: %(default)s)",
+    )
+    data.add_argument(
+        "--max-push-bytes",
+        type=positive_int,
+        default=DEFAULT_MAX_PUSH_BYTES,
+        help="largest gradient part one push may declare; checked, with the shard's shape and dtype, "
+        "before its bytes are received (default: %(default)s)",
+    )
+    data.add_argument(
+        "--max-pull-bytes",
+        type=positive_int,
+        default=DEFAULT_MAX_PULL_BYTES,
+        help="most tensor bytes one read request may ask for (default: %(default)s)",
+    )
+    data.add_argument(
+        "--max-shard-bytes",
+        type=positive_int,
+        help="largest shard (value and optimizer slots) a variable may be created with (default: half "
+        "this machine's memory)",
+    )
+    data.add_argument(
+        "--idempotency-capacity",
+        type=positive_int,
+        default=65536,
+        help="push keys remembered per shard for exactly-once updates (default: %(default)s)",
+    )
+    data.add_argument(
+        "--allow-nonfinite", action="store_true", help="apply gradients holding NaN/Inf instead of rejecting them"
+    )
+    data.add_argument(
+        "--max-staleness", type=int, help="reject pushes computed more than this many versions ago (default: no bound)"
+    )
+    data.add_argument(
+        "--checkpoint-root",
+        type=pathlib.Path,
+        help="Save and Restore act only under this directory (relative paths are taken from it). "
+        "Default: anywhere this user may write when a token is set; a server without a token "
+        "refuses Save and Restore unless it has a root",
+    )
     return parser
 
 

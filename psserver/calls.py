@@ -45,9 +45,7 @@ log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 _R = TypeVar("_R")
 
-RETRYABLE_CODES = frozenset(
-    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED}
-)
+RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED})
 """Safe to retry: every paramserve RPC is idempotent (pushes carry idempotency keys)."""
 
 _CODE_ERRORS: dict[grpc.StatusCode, type[ParamServeError]] = {
@@ -81,21 +79,30 @@ class Stub:
         prefix = f"/{SERVICE_NAME}/"
         self._channel = channel
         self._prefix = prefix
-        self._create = channel.stream_unary(prefix + "CreateShards", response_deserializer=ps_pb2.CreateShardsResponse.FromString)
-        self._replace = channel.stream_unary(prefix + "ReplaceShards", response_deserializer=ps_pb2.CreateShardsResponse.FromString)
+        self._create = channel.stream_unary(
+            prefix + "CreateShards", response_deserializer=ps_pb2.CreateShardsResponse.FromString
+        )
+        self._replace = channel.stream_unary(
+            prefix + "ReplaceShards", response_deserializer=ps_pb2.CreateShardsResponse.FromString
+        )
         self._pull = channel.unary_stream(prefix + "Pull", request_serializer=ps_pb2.PullRequest.SerializeToString)
         self._push = channel.stream_unary(prefix + "Push", response_deserializer=ps_pb2.PushResponse.FromString)
         self._step = channel.unary_unary(prefix + "Step")
-        self._export = channel.unary_stream(prefix + "ExportShards", request_serializer=ps_pb2.ExportShardsRequest.SerializeToString)
+        self._export = channel.unary_stream(
+            prefix + "ExportShards", request_serializer=ps_pb2.ExportShardsRequest.SerializeToString
+        )
         self._unary: dict[str, grpc.UnaryUnaryMultiCallable] = {}
 
-    def create_shards(self, make_chunks: Callable[[], Iterator[bytes]], options: CallOptions, *,
-                      replace: bool = False) -> ps_pb2.CreateShardsResponse:
+    def create_shards(
+        self, make_chunks: Callable[[], Iterator[bytes]], options: CallOptions, *, replace: bool = False
+    ) -> ps_pb2.CreateShardsResponse:
         call = self._replace if replace else self._create
         return call(make_chunks(), timeout=options.timeout, metadata=options.metadata())
 
     def push(self, make_chunks: Callable[[], Iterator[bytes]], key: str, options: CallOptions) -> ps_pb2.PushResponse:
-        return self._push(make_chunks(), timeout=options.timeout, metadata=options.metadata((IDEMPOTENCY_METADATA_KEY, key)))
+        return self._push(
+            make_chunks(), timeout=options.timeout, metadata=options.metadata((IDEMPOTENCY_METADATA_KEY, key))
+        )
 
     def pull(self, request: ps_pb2.PullRequest, options: CallOptions) -> Iterator[bytes]:
         """The Pull stream's chunks."""
@@ -148,8 +155,9 @@ class ServerCalls:
     def address(self, server: int) -> str:
         return self._addresses[server]
 
-    def fan_out(self, work: Mapping[int, _T], call: Callable[[int, _T], _R], *,
-                variable: str | None = None) -> dict[int, _R]:
+    def fan_out(
+        self, work: Mapping[int, _T], call: Callable[[int, _T], _R], *, variable: str | None = None
+    ) -> dict[int, _R]:
         """Runs call(server, work) for every server concurrently (the calling thread takes one
         share itself: one thread hand-off less); raises the first typed error."""
         shares = list(work.items())
@@ -182,7 +190,9 @@ class ServerCalls:
         except TransportError as err:
             raise ServerUnavailableError(
                 f"parameter server unreachable (data plane: {err}); check that it runs and the address is right",
-                server=address, variable=variable) from None
+                server=address,
+                variable=variable,
+            ) from None
         except ParamServeError as err:
             err.server = err.server or address
             err.variable = err.variable or variable
@@ -196,8 +206,10 @@ def _with_retries(fn: Callable[[], _T], deadline: float, address: str) -> _T:
         stop=tenacity.stop_after_delay(deadline),
         reraise=True,
         before_sleep=lambda state: log.warning(
-            "retrying call to %s after %s (attempt %d)", address,
-            _describe(state.outcome.exception() if state.outcome else None), state.attempt_number
+            "retrying call to %s after %s (attempt %d)",
+            address,
+            _describe(state.outcome.exception() if state.outcome else None),
+            state.attempt_number,
         ),
     )
     return retrying(fn)

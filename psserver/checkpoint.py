@@ -152,7 +152,9 @@ def _group_by_variable(states: Sequence[ShardState]) -> dict[str, list[ShardStat
         first = group[0]
         for state in group[1:]:
             if (tuple(state.variable_shape), state.value.dtype, state.optimizer) != (
-                tuple(first.variable_shape), first.value.dtype, first.optimizer
+                tuple(first.variable_shape),
+                first.value.dtype,
+                first.optimizer,
             ):
                 raise CheckpointError("shards of one variable disagree on its shape, dtype or optimizer", variable=name)
     return {name: sorted(groups[name], key=lambda state: state.ref.shard) for name in sorted(groups)}
@@ -162,8 +164,12 @@ def _check_whole(groups: Mapping[str, list[ShardState]]) -> None:
     """Raises CheckpointError for a variable whose shards leave rows out or hold some twice."""
     for name, group in groups.items():
         first = group[0]
-        shards = tuple(sorted((SavedShard(s.ref.shard, int(s.row_start), _rows_of(s), "", 0) for s in group),
-                              key=lambda saved: saved.row_start))
+        shards = tuple(
+            sorted(
+                (SavedShard(s.ref.shard, int(s.row_start), _rows_of(s), "", 0) for s in group),
+                key=lambda saved: saved.row_start,
+            )
+        )
         missing = gaps(VariableEntry(tuple(first.variable_shape), first.value.dtype, first.optimizer, shards))
         if missing:
             raise CheckpointError(
@@ -216,12 +222,6 @@ def _compact(tensor: Tensor) -> Tensor:
     if tensor.is_contiguous() and tensor.untyped_storage().nbytes() == tensor.nbytes:
         return tensor
     return tensor.clone(memory_format=torch.contiguous_format)
-
-
-
-
-
-
 
 
 def _write_shard(path: Path, state: ShardState) -> None:
@@ -309,7 +309,9 @@ def _sweep_locked(root: Path) -> int:
     removed = 0
     for child in root.iterdir():
         if child.name.startswith(_LEFTOVER_PREFIXES):
-            shutil.rmtree(child, ignore_errors=True) if child.is_dir() and not child.is_symlink() else child.unlink(missing_ok=True)
+            shutil.rmtree(child, ignore_errors=True) if child.is_dir() and not child.is_symlink() else child.unlink(
+                missing_ok=True
+            )
             removed += 1
     if removed:
         logger.info("removed %d leftovers of interrupted checkpoint saves under %s", removed, root)
@@ -430,8 +432,10 @@ def is_whole(path: Path) -> bool:
         return False
     if manifest.path != Path(path):
         return False
-    return all(not gaps(entry) and all((manifest.path / saved.file).is_file() for saved in entry.shards)
-               for entry in manifest.variables.values())
+    return all(
+        not gaps(entry) and all((manifest.path / saved.file).is_file() for saved in entry.shards)
+        for entry in manifest.variables.values()
+    )
 
 
 def gaps(entry: VariableEntry) -> list[tuple[int, int]]:
@@ -502,8 +506,9 @@ def read_manifest(path: Path) -> Manifest:
     except CheckpointError:
         raise
     except RecursionError:  # a hostile manifest nested too deeply for the JSON reader
-        raise CheckpointError(f"{path / MANIFEST} nests too deeply to be a manifest; it is not a paramserve "
-                              "checkpoint") from None
+        raise CheckpointError(
+            f"{path / MANIFEST} nests too deeply to be a manifest; it is not a paramserve checkpoint"
+        ) from None
     except (OSError, ValueError, KeyError, TypeError, AttributeError, ParamServeError) as exc:
         raise CheckpointError(f"{path / MANIFEST} is unreadable or malformed: {exc!r}") from None
 

@@ -22,7 +22,6 @@ from collections.abc import Mapping, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 
-
 import grpc
 import torch
 
@@ -99,8 +98,10 @@ class ClientConfig:
         client certificate without its key, or TLS client files without a CA bundle."""
         if self.tls_root_certificates is None:
             if self.tls_cert_chain is not None or self.tls_private_key is not None:
-                raise ConfigurationError("a TLS client certificate needs the CA bundle that verifies the servers "
-                                         "too (tls_root_certificates, e.g. --ps-tls-ca)")
+                raise ConfigurationError(
+                    "a TLS client certificate needs the CA bundle that verifies the servers "
+                    "too (tls_root_certificates, e.g. --ps-tls-ca)"
+                )
             return None
         return ClientTls(self.tls_root_certificates, self.tls_cert_chain, self.tls_private_key, self.tls_server_name)
 
@@ -115,8 +116,9 @@ class ParameterServerClient:
         self.config = config or ClientConfig()
         config = self.config
         self._options = CallOptions(config.token, config.call_timeout, config.retry_deadline)
-        self._channels = [open_channel(a, config.client_tls(), channel_options(config.max_message_bytes))
-                          for a in self.addresses]
+        self._channels = [
+            open_channel(a, config.client_tls(), channel_options(config.max_message_bytes)) for a in self.addresses
+        ]
         self._stubs = [Stub(channel) for channel in self._channels]
         self._pool = futures.ThreadPoolExecutor(
             max_workers=min(config.max_parallel_calls, max(2, 2 * len(addresses))),
@@ -132,15 +134,25 @@ class ParameterServerClient:
     def _step_router(self) -> StepRouter:
         """The step's three routes over this client's channels (psserver/step_transport.py)."""
         config = self.config
-        links = DataPlaneLinks(
-            self.addresses, lambda server: self._stubs[server].data_plane_info(self._options), token=config.token,
-            tls=config.client_tls(), timeout=config.call_timeout,
-        ) if config.data_plane else None
+        links = (
+            DataPlaneLinks(
+                self.addresses,
+                lambda server: self._stubs[server].data_plane_info(self._options),
+                token=config.token,
+                tls=config.client_tls(),
+                timeout=config.call_timeout,
+            )
+            if config.data_plane
+            else None
+        )
         unary_limit = config.chunk_bytes if config.max_unary_bytes is None else config.max_unary_bytes
-        return StepRouter(DataPlaneTransport(links) if links is not None else None,
-                          UnaryStepTransport(self._stubs, self._options),
-                          StreamTransport(self._stubs, self._options, config.chunk_bytes),
-                          unary_limit=unary_limit, calls=self._calls)
+        return StepRouter(
+            DataPlaneTransport(links) if links is not None else None,
+            UnaryStepTransport(self._stubs, self._options),
+            StreamTransport(self._stubs, self._options, config.chunk_bytes),
+            unary_limit=unary_limit,
+            calls=self._calls,
+        )
 
     # ------------------------------------------------------------------ layout
 
@@ -162,19 +174,23 @@ class ParameterServerClient:
         """Uses layouts known elsewhere (e.g. sent by the coordinator) instead of discovering them."""
         with self._lock:
             self._layouts.update(layouts)
-            self._next_server = max(self._next_server, sum(len(l.shards) for l in self._layouts.values()))
+            self._next_server = max(self._next_server, sum(len(known.shards) for known in self._layouts.values()))
 
     def discover(self) -> dict[str, VariableLayout]:
         """Rebuilds every variable's layout from the servers' shard lists."""
         infos = self._calls.fan_out(
             {server: None for server in range(len(self.addresses))},
-            lambda server, _: [convert.info_from_proto(i) for i in self._stubs[server].list_shards(self._options).shards],
+            lambda server, _: [
+                convert.info_from_proto(i) for i in self._stubs[server].list_shards(self._options).shards
+            ],
         )
         layouts = layouts_from_infos({server: shard_infos for server, shard_infos in infos.items()})
         self.adopt_layouts(layouts)
         return layouts
 
-    def plan_layout(self, name: str, shape: Sequence[int], dtype: torch.dtype, partitioner: Partitioner | None) -> VariableLayout:
+    def plan_layout(
+        self, name: str, shape: Sequence[int], dtype: torch.dtype, partitioner: Partitioner | None
+    ) -> VariableLayout:
         """Decides shard row ranges and servers for a new variable (round-robin across variables)."""
         shape = tuple(int(d) for d in shape)
         if not shape:
@@ -182,9 +198,7 @@ class ParameterServerClient:
         num_shards = (partitioner or FixedShardsPartitioner(1))(shape, dtype)
         ranges = split_rows(shape[0], num_shards)
         servers = self._take_servers(len(ranges))
-        shards = tuple(
-            ShardPlacement(i, servers[i], r.start, r.stop - r.start) for i, r in enumerate(ranges)
-        )
+        shards = tuple(ShardPlacement(i, servers[i], r.start, r.stop - r.start) for i, r in enumerate(ranges))
         return VariableLayout(name, shape, dtype, shards)
 
     def _take_servers(self, count: int) -> list[int]:
@@ -229,10 +243,20 @@ class ParameterServerClient:
         rows = slice(shard.row_start, shard.row_start + shard.num_rows)
         if value is None:
             shard_shape = (shard.num_rows, *layout.shape[1:]) if layout.shape else ()
-            return convert.initialized_shard_part(ref, layout.shape, shard.row_start, shard_shape, layout.dtype, optimizer, initializer)
+            return convert.initialized_shard_part(
+                ref, layout.shape, shard.row_start, shard_shape, layout.dtype, optimizer, initializer
+            )
         piece = value[rows] if layout.shape else value
-        state = ShardState(ref=ref, variable_shape=layout.shape, row_start=shard.row_start, value=piece,
-                           optimizer=optimizer, slots={}, version=0, applied_keys=[])
+        state = ShardState(
+            ref=ref,
+            variable_shape=layout.shape,
+            row_start=shard.row_start,
+            value=piece,
+            optimizer=optimizer,
+            slots={},
+            version=0,
+            applied_keys=[],
+        )
         return convert.shard_part(state)
 
     def load_states(self, states_by_server: Mapping[int, Sequence[ShardState]], *, replace: bool = False) -> None:
@@ -242,7 +266,9 @@ class ParameterServerClient:
         parts = {server: [convert.shard_part(s) for s in states] for server, states in states_by_server.items()}
         self._create_parts(parts, None, replace=replace)
 
-    def _create_parts(self, parts_by_server: Mapping[int, list], variable: str | None, *, replace: bool = False) -> None:
+    def _create_parts(
+        self, parts_by_server: Mapping[int, list], variable: str | None, *, replace: bool = False
+    ) -> None:
         self._calls.fan_out(
             parts_by_server,
             lambda server, parts: self._stubs[server].create_shards(
@@ -277,8 +303,9 @@ class ParameterServerClient:
         exchange = Exchange()
         for shard, positions in group_rows(layout, unique):
             local = unique[positions] - shard.row_start
-            item = ps_pb2.PullItem(ref=convert.ref_to_proto(layout.ref(shard)), sparse=True,
-                                   row_indices=convert.rows_to_bytes(local))
+            item = ps_pb2.PullItem(
+                ref=convert.ref_to_proto(layout.ref(shard)), sparse=True, row_indices=convert.rows_to_bytes(local)
+            )
             exchange.read(shard.server, ReadEntry(item, RowScatter(rows, positions)))
         _, versions = self._run(exchange, None, name)
         return PullResult({name: rows[inverse].reshape(*indices.shape, *layout.shape[1:])}, versions)
@@ -356,7 +383,9 @@ class ParameterServerClient:
             wire = self._wire[layout.name] = LayoutWire.of(layout)
         return wire
 
-    def _run(self, exchange: Exchange, key: str | None, variable: str | None) -> tuple[list[PushOutcome], dict[ShardRef, int]]:
+    def _run(
+        self, exchange: Exchange, key: str | None, variable: str | None
+    ) -> tuple[list[PushOutcome], dict[ShardRef, int]]:
         """Runs each server's share of ``exchange`` (psserver/step_transport.py: StepRouter)."""
         return self._steps.start(exchange.by_server, key or "", variable).result()
 
@@ -372,7 +401,9 @@ class ParameterServerClient:
     def list_shards(self) -> dict[int, list[ShardInfo]]:
         return self._calls.fan_out(
             {server: None for server in range(len(self.addresses))},
-            lambda server, _: [convert.info_from_proto(i) for i in self._stubs[server].list_shards(self._options).shards],
+            lambda server, _: [
+                convert.info_from_proto(i) for i in self._stubs[server].list_shards(self._options).shards
+            ],
         )
 
     def probe(self, server: int, timeout: float, *, shards: bool = False) -> tuple[str, list[ShardInfo]] | None:
@@ -393,9 +424,16 @@ class ParameterServerClient:
         """Each server saves its shards under ``directory/ps-<i>`` on its own filesystem."""
         return self._calls.fan_out(
             {server: None for server in range(len(self.addresses))},
-            lambda server, _: self._stubs[server].unary(
-                "Save", ps_pb2.SaveRequest(directory=f"{directory}/ps-{server}", keep=keep), ps_pb2.SaveResponse, self._options
-            ).path,
+            lambda server, _: (
+                self._stubs[server]
+                .unary(
+                    "Save",
+                    ps_pb2.SaveRequest(directory=f"{directory}/ps-{server}", keep=keep),
+                    ps_pb2.SaveResponse,
+                    self._options,
+                )
+                .path
+            ),
         )
 
     def restore(self, path: str, layouts: Sequence[VariableLayout]) -> None:
@@ -404,20 +442,28 @@ class ParameterServerClient:
         targets: dict[int, list[ps_pb2.RestoreTarget]] = defaultdict(list)
         for layout in layouts:
             for shard in layout.shards:
-                targets[shard.server].append(ps_pb2.RestoreTarget(ref=convert.ref_to_proto(layout.ref(shard)), row_start=shard.row_start, num_rows=shard.num_rows))
+                targets[shard.server].append(
+                    ps_pb2.RestoreTarget(
+                        ref=convert.ref_to_proto(layout.ref(shard)), row_start=shard.row_start, num_rows=shard.num_rows
+                    )
+                )
         self._calls.fan_out(
             targets,
             lambda server, items: self._stubs[server].unary(
                 "Restore", ps_pb2.RestoreRequest(path=path, targets=items), ps_pb2.RestoreResponse, self._options
             ),
         )
-        self.adopt_layouts({l.name: l for l in layouts})
+        self.adopt_layouts({layout.name: layout for layout in layouts})
 
     def set_hyperparameters(self, values: Mapping[str, float], variable: str | None = None) -> int:
         request = ps_pb2.SetHyperparametersRequest(variable=variable or "", values_json=json.dumps(dict(values)))
         results = self._calls.fan_out(
             {server: None for server in range(len(self.addresses))},
-            lambda server, _: self._stubs[server].unary("SetHyperparameters", request, ps_pb2.SetHyperparametersResponse, self._options).shards_updated,
+            lambda server, _: (
+                self._stubs[server]
+                .unary("SetHyperparameters", request, ps_pb2.SetHyperparametersResponse, self._options)
+                .shards_updated
+            ),
             variable=variable,
         )
         return sum(results.values())
@@ -427,7 +473,12 @@ class ParameterServerClient:
         servers = {s.server: None for s in layout.shards}
         self._calls.fan_out(
             servers,
-            lambda server, _: self._stubs[server].unary("DeleteVariable", ps_pb2.DeleteVariableRequest(variable=name), ps_pb2.DeleteVariableResponse, self._options),
+            lambda server, _: self._stubs[server].unary(
+                "DeleteVariable",
+                ps_pb2.DeleteVariableRequest(variable=name),
+                ps_pb2.DeleteVariableResponse,
+                self._options,
+            ),
             variable=name,
         )
         with self._lock:
@@ -439,7 +490,7 @@ class ParameterServerClient:
         for channel in self._channels:
             channel.close()
 
-    def __enter__(self) -> "ParameterServerClient":
+    def __enter__(self) -> ParameterServerClient:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -111,8 +111,12 @@ def shard_state_from_part(spec: tensor_pb2.ShardSpec, payload: torch.Tensor) -> 
     if spec.HasField("initializer"):
         init = spec.initializer
         value = initial_value(
-            tuple(spec.shard_meta.shape), dtype_from_name(spec.shard_meta.dtype),
-            init.kind, init.a, init.b, init.seed + ref.shard,
+            tuple(spec.shard_meta.shape),
+            dtype_from_name(spec.shard_meta.dtype),
+            init.kind,
+            init.a,
+            init.b,
+            init.seed + ref.shard,
         )
     else:
         value = tensor_from_bytes(payload, spec.shard_meta, 0)

@@ -109,8 +109,9 @@ class Prefix:
     payload_bytes: int
 
 
-def send_frame(sock: socket.socket, kind: FrameKind, header: bytes | memoryview = b"",
-               payload: Sequence[bytes | memoryview] = ()) -> None:
+def send_frame(
+    sock: socket.socket, kind: FrameKind, header: bytes | memoryview = b"", payload: Sequence[bytes | memoryview] = ()
+) -> None:
     """Writes one frame; the pieces go out as they are (no join), except over TLS, which has no
     scatter-gather."""
     size = sum(len(p) for p in payload)
@@ -150,7 +151,9 @@ class FrameReader:
         self._header = bytearray(256)
         self._payload = byte_buffer(0)
 
-    def read_head(self, max_header: int, max_payload: int, allowed: Callable[[FrameKind], bool]) -> tuple[Prefix, memoryview]:
+    def read_head(
+        self, max_header: int, max_payload: int, allowed: Callable[[FrameKind], bool]
+    ) -> tuple[Prefix, memoryview]:
         """The next frame's prefix and header (valid until the next call). Raises TransportError
         for a closed connection or broken framing and MessageTooLargeError for a frame over the
         limits (nothing allocated for it)."""
@@ -214,7 +217,7 @@ def raise_error_frame(header: memoryview) -> NoReturn:
     """Raises the typed error an ERROR frame's header names (TransportError when it does not parse)."""
     try:
         message = ps_pb2.DataPlaneError.FromString(bytes(header))
-    except Exception:  # noqa: BLE001 - protobuf's DecodeError, or worse
+    except Exception:
         raise TransportError("the server sent an ERROR frame that does not parse") from None
     cls = ERROR_TYPES.get(message.error_type, InternalError)
     raise cls(message.message or message.error_type, variable=message.variable or None)

@@ -77,8 +77,17 @@ class DataPlaneConnection:
     Every failure to talk (refused, reset, timed out, broken framing) raises TransportError,
     after which the connection is closed and must be replaced."""
 
-    def __init__(self, host: str, port: int, *, token: str | None, tls: ClientTls | None, timeout: float,
-                 max_body_bytes: int, local_socket: str = ""):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        token: str | None,
+        tls: ClientTls | None,
+        timeout: float,
+        max_body_bytes: int,
+        local_socket: str = "",
+    ):
         self._max_body = max_body_bytes
         self.closed = False
         self.programs = ProgramNumbers()
@@ -187,8 +196,15 @@ class DataPlaneLinks:
     a server whose connection breaks is forgotten, so the next step asks again (a restarted
     server listens on a new port). Thread-safe: concurrent steps take separate connections."""
 
-    def __init__(self, addresses: Sequence[str], discover: Callable[[int], ps_pb2.DataPlaneInfo | None], *,
-                 token: str | None, tls: ClientTls | None, timeout: float):
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        discover: Callable[[int], ps_pb2.DataPlaneInfo | None],
+        *,
+        token: str | None,
+        tls: ClientTls | None,
+        timeout: float,
+    ):
         self._hosts = [_host_of(address) for address in addresses]
         self._discover = discover
         self._token = token
@@ -221,9 +237,15 @@ class DataPlaneLinks:
         info = self._endpoint(server)
         if info is None or not info.port:
             return None
-        return DataPlaneConnection(self._hosts[server], info.port, token=self._token, tls=self._tls,
-                                   timeout=self._timeout, max_body_bytes=info.max_frame_bytes or DEFAULT_FRAME_BYTES,
-                                   local_socket=info.local_socket)
+        return DataPlaneConnection(
+            self._hosts[server],
+            info.port,
+            token=self._token,
+            tls=self._tls,
+            timeout=self._timeout,
+            max_body_bytes=info.max_frame_bytes or DEFAULT_FRAME_BYTES,
+            local_socket=info.local_socket,
+        )
 
     def _endpoint(self, server: int) -> ps_pb2.DataPlaneInfo | None:
         with self._lock:

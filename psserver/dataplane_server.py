@@ -129,8 +129,9 @@ class DataPlaneServer(Generic[_State]):
                 if not refused:
                     self._connections.add(sock)
             if refused:
-                log.warning("data plane: refused a connection from %s (%d open, --max-connections)",
-                            peer, self._max_connections)
+                log.warning(
+                    "data plane: refused a connection from %s (%d open, --max-connections)", peer, self._max_connections
+                )
                 close_socket(sock)
                 continue
             threading.Thread(target=self._serve, args=(sock,), name="paramserve-dataplane", daemon=True).start()
@@ -176,18 +177,22 @@ class DataPlaneServer(Generic[_State]):
             send_frame(sock, FrameKind.WELCOME)
             return True
         reason = "no credential" if not prefix.header_bytes else "a wrong credential"
-        _try_send_error(sock, AuthenticationError(
-            f"a data-plane connection carried {reason}: give the caller the cluster's shared token "
-            "(paramserve --token-file, PARAMSERVE_TOKEN, or ClientConfig(token=...))"
-        ))
+        _try_send_error(
+            sock,
+            AuthenticationError(
+                f"a data-plane connection carried {reason}: give the caller the cluster's shared token "
+                "(paramserve --token-file, PARAMSERVE_TOKEN, or ClientConfig(token=...))"
+            ),
+        )
         return False
 
-    def _step(self, sock: socket.socket, plan: memoryview, payload: torch.Tensor, replies: _ReusedBuffer,
-              state: _State) -> None:
+    def _step(
+        self, sock: socket.socket, plan: memoryview, payload: torch.Tensor, replies: _ReusedBuffer, state: _State
+    ) -> None:
         start = time.perf_counter()
         try:
             outcome, values = self._exchange(plan, payload, replies.get, state)
-        except Exception as exc:  # noqa: BLE001 - a typed error, as at the gRPC boundary
+        except Exception as exc:
             error = exc if isinstance(exc, ParamServeError) else self._error_for(exc)
             self._finish(error, start, len(plan) + payload.numel(), 0)
             send_frame(sock, FrameKind.ERROR, error_header(error))

@@ -23,12 +23,16 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-__all__ = ["computing_on", "cuda_device_count", "resolve_device", "worker_device"]
+__all__ = ["CPU", "computing_on", "cuda_device_count", "resolve_device", "worker_device"]
 
 _DEVICE = re.compile(r"^(?:.*device:)?/?(cpu|gpu|cuda)(?::(\d+))?$", re.IGNORECASE)
 
 LOCAL_RANK_ENV = "LOCAL_RANK"
 VISIBLE_DEVICES_ENV = "CUDA_VISIBLE_DEVICES"
+
+
+CPU = torch.device("cpu")
+"""The host: where a worker computes without a GPU, and where tensors cross the wire."""
 
 
 def cuda_device_count() -> int:

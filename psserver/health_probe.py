@@ -34,9 +34,23 @@ METHOD = b"/grpc.health.v1.Health/Check"
 SERVING_STATUS = {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}
 """grpc.health.v1.HealthCheckResponse.ServingStatus."""
 STATUS_CODES = (
-    "OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND", "ALREADY_EXISTS",
-    "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE",
-    "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED",
+    "OK",
+    "CANCELLED",
+    "UNKNOWN",
+    "INVALID_ARGUMENT",
+    "DEADLINE_EXCEEDED",
+    "NOT_FOUND",
+    "ALREADY_EXISTS",
+    "PERMISSION_DENIED",
+    "RESOURCE_EXHAUSTED",
+    "FAILED_PRECONDITION",
+    "ABORTED",
+    "OUT_OF_RANGE",
+    "UNIMPLEMENTED",
+    "INTERNAL",
+    "UNAVAILABLE",
+    "DATA_LOSS",
+    "UNAUTHENTICATED",
 )
 """gRPC status codes by number."""
 
@@ -79,15 +93,26 @@ def _split(address: str) -> tuple[str, int]:
 
 
 def _request(authority: str, service: str) -> bytes:
-    headers = b"".join(_literal(name, value) for name, value in (
-        (b":method", b"POST"), (b":scheme", b"http"), (b":path", METHOD), (b":authority", authority.encode()),
-        (b"content-type", b"application/grpc"), (b"te", b"trailers"),
-    ))
+    headers = b"".join(
+        _literal(name, value)
+        for name, value in (
+            (b":method", b"POST"),
+            (b":scheme", b"http"),
+            (b":path", METHOD),
+            (b":authority", authority.encode()),
+            (b"content-type", b"application/grpc"),
+            (b"te", b"trailers"),
+        )
+    )
     name = service.encode()
     message = b"\x0a" + _varint(len(name)) + name if name else b""  # HealthCheckRequest.service = 1
     body = b"\x00" + struct.pack(">I", len(message)) + message  # not compressed, length, message
-    return (_PREFACE + _frame(_SETTINGS, 0, 0) + _frame(_HEADERS, _END_HEADERS, _STREAM, headers)
-            + _frame(_DATA, _END_STREAM, _STREAM, body))
+    return (
+        _PREFACE
+        + _frame(_SETTINGS, 0, 0)
+        + _frame(_HEADERS, _END_HEADERS, _STREAM, headers)
+        + _frame(_DATA, _END_STREAM, _STREAM, body)
+    )
 
 
 def _frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
@@ -298,10 +323,10 @@ class _HpackDecoder:
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("address", help="host:port of a parameter server or worker")
-    parser.add_argument("--timeout", type=float, default=3.0,
-                        help="seconds to wait for the answer (default: %(default)s)")
-    parser.add_argument("--service", default="",
-                        help="service name to ask about (default: the whole server)")
+    parser.add_argument(
+        "--timeout", type=float, default=3.0, help="seconds to wait for the answer (default: %(default)s)"
+    )
+    parser.add_argument("--service", default="", help="service name to ask about (default: the whole server)")
     parser.add_argument("--quiet", action="store_true", help="print nothing; the exit status says it")
     return parser
 
@@ -315,8 +340,11 @@ def probe(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = add_arguments(argparse.ArgumentParser(prog="paramserve-health", description=__doc__,
-                                                   formatter_class=argparse.RawDescriptionHelpFormatter))
+    parser = add_arguments(
+        argparse.ArgumentParser(
+            prog="paramserve-health", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        )
+    )
     args = parser.parse_args(argv)
     try:
         return probe(args)

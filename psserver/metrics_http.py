@@ -29,8 +29,10 @@ _CREATED_KINDS = frozenset({"counter", "histogram", "summary", "gaugehistogram"}
 def register_build_info(registry: CollectorRegistry, role: str) -> Gauge:
     """Adds ``paramserve_build_info`` (value 1) for a process of ``role`` (ps, worker, coordinator)."""
     info = Gauge(
-        "paramserve_build_info", "The paramserve build a process runs (always 1).",
-        ["role", "version", "python", "torch", "grpcio"], registry=registry,
+        "paramserve_build_info",
+        "The paramserve build a process runs (always 1).",
+        ["role", "version", "python", "torch", "grpcio"],
+        registry=registry,
     )
     info.labels(role, _version("paramserve"), platform.python_version(), _version("torch"), _version("grpcio")).set(1)
     return info

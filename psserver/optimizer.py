@@ -94,7 +94,7 @@ def _optimizer_class(name: str) -> type[torch.optim.Optimizer]:
 
 
 @functools.cache
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _parameters(name: str) -> dict[str, Any]:
     """The keyword arguments of torch.optim.<name> besides ``params``, with their defaults
     (``inspect.Parameter.empty`` for none)."""
@@ -244,7 +244,7 @@ def _validated_by_torch(spec: OptimizerSpec) -> None:
         optimizer = _build(spec, [probe])
         probe.grad = torch.ones(2)
         optimizer.step()
-    except Exception as exc:  # noqa: BLE001 - any failure of torch on these arguments means they are invalid
+    except Exception as exc:
         raise InvalidRequestError(f"invalid arguments for optimizer {spec.name}: {type(exc).__name__}: {exc}") from None
 
 
@@ -272,7 +272,7 @@ def _slot_layout(
         optimizer.step()
     except (RuntimeError, NotImplementedError) as exc:
         raise DtypeMismatchError(f"optimizer {spec.name} cannot update a {dtype} variable: {exc}") from None
-    except Exception as exc:  # noqa: BLE001 - torch checks some arguments only when it steps (betas' length)
+    except Exception as exc:
         raise InvalidRequestError(
             f"invalid arguments for optimizer {spec.name}: a trial step failed with {type(exc).__name__}: {exc}"
         ) from None
@@ -483,7 +483,7 @@ class ShardOptimizer:
         ``amsgrad`` after Adam has stepped): create a new variable for that.
         """
         if not isinstance(values, Mapping) or not values:
-            raise InvalidRequestError("no hyperparameters given; pass e.g. {\"lr\": 0.01}")
+            raise InvalidRequestError('no hyperparameters given; pass e.g. {"lr": 0.01}')
         known = _hyperparameter_names(self._spec.name)
         for key in values:
             if key not in known:

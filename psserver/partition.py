@@ -144,9 +144,7 @@ def split_rows(num_rows: int, num_shards: int) -> list[RowRange]:
         raise ValueError(f"num_rows must be a non-negative int, got {num_rows!r}")
     _require_positive("num_shards", num_shards, "use a partitioner to choose it")
     if num_shards > max(num_rows, 1):
-        raise ValueError(
-            f"num_shards={num_shards} exceeds num_rows={num_rows}; use at most {max(num_rows, 1)} shards"
-        )
+        raise ValueError(f"num_shards={num_shards} exceeds num_rows={num_rows}; use at most {max(num_rows, 1)} shards")
     base, extra = divmod(num_rows, num_shards)
     ranges: list[RowRange] = []
     start = 0

@@ -41,8 +41,10 @@ __all__ = ["PushSlot", "StepProgram", "StepPrograms", "base_versions", "check_pr
 def check_program_size(entries: int) -> None:
     """Raises InvalidRequestError for a program of more than MAX_PROGRAM_ENTRIES parts and reads."""
     if not fits_a_program(entries):
-        raise InvalidRequestError(f"a step program holds at most {dataplane.MAX_PROGRAM_ENTRIES} push parts and "
-                                  f"reads; this one has {entries}: send it as a plain StepPlan")
+        raise InvalidRequestError(
+            f"a step program holds at most {dataplane.MAX_PROGRAM_ENTRIES} push parts and "
+            f"reads; this one has {entries}: send it as a plain StepPlan"
+        )
 
 
 @dataclass(frozen=True)
@@ -78,8 +80,9 @@ class StepProgram:
         views, which may be kept for the next step in the same buffer (False when a part had to
         be copied to be aligned)."""
         views = [tensor_view(payload, slot.offset, slot.nbytes, slot.dtype, slot.shape) for slot in self.pushes]
-        aligned = all(view.data_ptr() == payload.data_ptr() + slot.offset
-                      for view, slot in zip(views, self.pushes) if slot.nbytes)
+        aligned = all(
+            view.data_ptr() == payload.data_ptr() + slot.offset for view, slot in zip(views, self.pushes) if slot.nbytes
+        )
         dtypes = {slot.dtype for slot in self.pushes}
         flat = None
         if len(dtypes) == 1 and aligned and payload.numel():
@@ -128,7 +131,9 @@ class StepPrograms:
             )
         return program
 
-    def pushed_values(self, program: StepProgram, payload: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    def pushed_values(
+        self, program: StepProgram, payload: torch.Tensor
+    ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """``program.values_in(payload)``, made once per program and payload buffer."""
         pointer, kept = self._payload
         if pointer != payload.data_ptr():

@@ -88,8 +88,13 @@ def check_token(token: str | None, source: str) -> str | None:
             "without authentication on 127.0.0.1 only"
         )
     if len(token) < MIN_TOKEN_CHARS:
-        log.warning("the token from %s has %d characters: one of %d or more random characters resists "
-                    "guessing from a captured credential", source, len(token), MIN_TOKEN_CHARS)
+        log.warning(
+            "the token from %s has %d characters: one of %d or more random characters resists "
+            "guessing from a captured credential",
+            source,
+            len(token),
+            MIN_TOKEN_CHARS,
+        )
     return token
 
 
@@ -157,8 +162,10 @@ def check_exposure(host: str, *, authenticated: bool, insecure: bool) -> str | N
     if authenticated or is_loopback(host):
         return None
     if insecure:
-        return (f"listening on {host} without authentication (--insecure): anyone who can reach this port "
-                "can call it, and a worker runs any code it is sent")
+        return (
+            f"listening on {host} without authentication (--insecure): anyone who can reach this port "
+            "can call it, and a worker runs any code it is sent"
+        )
     raise ConfigurationError(
         f"refusing to listen on {host} without authentication: anyone who can reach it could call this "
         "server (a worker runs any code it is sent). Give the cluster's token (--token-file or "
@@ -218,8 +225,10 @@ class ClientTls:
 
     def __post_init__(self) -> None:
         if (self.cert_chain is None) != (self.private_key is None):
-            raise ConfigurationError("a client certificate needs both its chain and its key (e.g. --tls-cert and "
-                                     "--tls-key); give both or neither")
+            raise ConfigurationError(
+                "a client certificate needs both its chain and its key (e.g. --tls-cert and "
+                "--tls-key); give both or neither"
+            )
 
     def credentials(self) -> grpc.ChannelCredentials:
         """Raises ConfigurationError naming a file that cannot be read."""
@@ -248,8 +257,9 @@ def writable_directory(path: pathlib.Path, flag: str) -> pathlib.Path:
         with tempfile.NamedTemporaryFile(dir=path, prefix=".paramserve-write-check-"):
             pass
     except OSError as err:
-        raise ConfigurationError(f"{flag} {path}: cannot write there ({err.strerror or err}); choose a directory "
-                                 "this user may write") from None
+        raise ConfigurationError(
+            f"{flag} {path}: cannot write there ({err.strerror or err}); choose a directory this user may write"
+        ) from None
     return path
 
 
@@ -269,8 +279,9 @@ def confined_path(root: pathlib.Path | None, requested: str, *, authenticated: b
         raise InvalidRequestError("the checkpoint path contains a NUL byte, which no file name can; remove it")
     size = len(requested.encode("utf-8", "surrogateescape"))
     if size > MAX_PATH_BYTES:
-        raise InvalidRequestError(f"the checkpoint path has {size} bytes; the limit is {MAX_PATH_BYTES}: "
-                                  "choose a shorter path")
+        raise InvalidRequestError(
+            f"the checkpoint path has {size} bytes; the limit is {MAX_PATH_BYTES}: choose a shorter path"
+        )
     if root is None:
         if authenticated:
             return pathlib.Path(os.path.realpath(requested))

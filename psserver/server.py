@@ -76,7 +76,8 @@ class PushMetrics:
         # Every series from the start (rate() needs it), each looked up once: a labels() lookup
         # per shard per step is a measurable part of a small step.
         self._applied, self._duplicate, self._rejected = (
-            self.pushes.labels(result) for result in ("applied", "duplicate", "rejected"))
+            self.pushes.labels(result) for result in ("applied", "duplicate", "rejected")
+        )
         self.staleness = Histogram(
             "paramserve_ps_push_staleness_versions",
             "Shard versions applied between a gradient's pull and its push.",
@@ -106,7 +107,8 @@ class ShardVersions(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         family = GaugeMetricFamily(
-            "paramserve_ps_shard_version", "A shard's version: the pushes applied to it (kept by checkpoints).",
+            "paramserve_ps_shard_version",
+            "A shard's version: the pushes applied to it (kept by checkpoints).",
             labels=["variable", "shard"],
         )
         for info in self._store.list_shards():
@@ -165,24 +167,34 @@ def build_server(config: ServerConfig, registry: CollectorRegistry | None = None
         raise
 
 
-def start_data_plane(config: ServerConfig, steps: StepEngine, servicer: ParameterServerServicer,
-                     metrics: RpcMetrics) -> DataPlaneServer[StepPrograms]:
+def start_data_plane(
+    config: ServerConfig, steps: StepEngine, servicer: ParameterServerServicer, metrics: RpcMetrics
+) -> DataPlaneServer[StepPrograms]:
     """The step data plane beside the gRPC server: same host, token, TLS and message limit, the
     same step engine (each connection's state: its step programs); ``servicer`` then tells
     clients its port. Raises ConfigurationError when its port cannot be bound."""
     assert config.data_port is not None
     try:
         data_plane = DataPlaneServer(
-            steps.run_frames, steps.new_connection, lambda exc: boundary_error("Step", exc),
-            host=config.host, port=config.data_port, max_body_bytes=config.max_message_bytes,
-            max_connections=config.max_connections, token=config.token, tls=config.tls,
+            steps.run_frames,
+            steps.new_connection,
+            lambda exc: boundary_error("Step", exc),
+            host=config.host,
+            port=config.data_port,
+            max_body_bytes=config.max_message_bytes,
+            max_connections=config.max_connections,
+            token=config.token,
+            tls=config.tls,
             on_step=lambda code, seconds, received, sent: metrics.record_call(
-                "DataPlaneStep", code, seconds, received, sent),
+                "DataPlaneStep", code, seconds, received, sent
+            ),
         )
     except OSError as err:
         raise ConfigurationError(
             f"cannot serve the data plane on {config.host}:{config.data_port}: {err.strerror or err}; choose "
-            "another --data-port (0 picks a free one)") from None
-    servicer.data_plane = ps_pb2.DataPlaneInfo(port=data_plane.port, max_frame_bytes=config.max_message_bytes,
-                                               local_socket=data_plane.local_socket)
+            "another --data-port (0 picks a free one)"
+        ) from None
+    servicer.data_plane = ps_pb2.DataPlaneInfo(
+        port=data_plane.port, max_frame_bytes=config.max_message_bytes, local_socket=data_plane.local_socket
+    )
     return data_plane.start()

@@ -126,8 +126,9 @@ class ParameterServerServicer:
         for index, (item, (_, rows)) in enumerate(zip(request.items, reads)):
             yield from self._pulled_chunks(index, item, rows, chunk_bytes)
 
-    def _pulled_chunks(self, index: int, item: ps_pb2.PullItem, rows: torch.Tensor | None,
-                       chunk_bytes: int) -> list[bytes]:
+    def _pulled_chunks(
+        self, index: int, item: ps_pb2.PullItem, rows: torch.Tensor | None, chunk_bytes: int
+    ) -> list[bytes]:
         """One item's chunks. A whole shard is cut into chunks under its lock: the
         chunks are the consistent snapshot, with no clone in between."""
         ref = convert.ref_from_proto(item.ref)
@@ -141,9 +142,7 @@ class ParameterServerServicer:
         request = parse(ps_pb2.ExportShardsRequest, raw)
         refs = [convert.ref_from_proto(r) for r in request.refs] or None
         states = self._store.export(refs)
-        yield from encode_parts(
-            (convert.shard_part(state) for state in states), self._chunk_size(request.chunk_bytes)
-        )
+        yield from encode_parts((convert.shard_part(state) for state in states), self._chunk_size(request.chunk_bytes))
 
     @unary_boundary
     def ListShards(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
@@ -203,9 +202,7 @@ class ParameterServerServicer:
         path = checkpoint.resolve(confined_path(self._root, request.path, authenticated=self._limits.authenticated))
         checkpoint.sweep_leftovers(path.parent)  # what interrupted saves left beside it
         states = [
-            checkpoint.load_rows(
-                path, t.ref.variable, int(t.row_start), int(t.num_rows), convert.ref_from_proto(t.ref)
-            )
+            checkpoint.load_rows(path, t.ref.variable, int(t.row_start), int(t.num_rows), convert.ref_from_proto(t.ref))
             for t in request.targets
         ]
         infos = self._store.replace_shards(states)
@@ -225,7 +222,7 @@ def _hyperparameters(text: str) -> dict[str, float | int | bool | list[float | i
     try:
         values = json.loads(text)
     except RecursionError:
-        raise InvalidRequestError("values_json nests too deeply; send a flat object such as {\"lr\": 0.01}") from None
+        raise InvalidRequestError('values_json nests too deeply; send a flat object such as {"lr": 0.01}') from None
     except ValueError as err:  # JSONDecodeError, and integers beyond Python's digit limit
         raise InvalidRequestError(f"values_json is not a JSON object of numbers: {err}") from None
     if not isinstance(values, dict):
@@ -234,8 +231,7 @@ def _hyperparameters(text: str) -> dict[str, float | int | bool | list[float | i
         items = value if isinstance(value, list) else [value]
         if not all(_is_number(item) for item in items) or (isinstance(value, list) and len(value) > 16):
             raise InvalidRequestError(
-                f"hyperparameter {name!r} must be a number, a boolean or a short list of numbers, "
-                f"got {_preview(value)}"
+                f"hyperparameter {name!r} must be a number, a boolean or a short list of numbers, got {_preview(value)}"
             )
     return values
 

@@ -120,8 +120,9 @@ def _abort_internal(context: grpc.ServicerContext, method: str, exc: BaseExcepti
 def _as_paramserve_error(exc: Exception) -> ParamServeError | None:
     """The client-caused problems that reach the boundary as Python's own errors."""
     if isinstance(exc, MemoryError):
-        return MessageTooLargeError("the server ran out of memory for this request; send smaller requests, "
-                                    "or give the server more memory")
+        return MessageTooLargeError(
+            "the server ran out of memory for this request; send smaller requests, or give the server more memory"
+        )
     if isinstance(exc, RecursionError):
         return InvalidRequestError("the request nests too deeply to be read; flatten it")
     return None
@@ -146,7 +147,7 @@ def unary_boundary(method: Callable[..., _T]) -> Callable[..., _T]:
             return method(self, request, context)
         except ParamServeError as err:
             abort_with(context, err)
-        except Exception as exc:  # noqa: BLE001 - the one place that turns surprises into INTERNAL
+        except Exception as exc:
             if _is_abort(exc, context):
                 raise
             known = _as_paramserve_error(exc)
@@ -167,7 +168,7 @@ def stream_boundary(method: Callable[..., Iterator[_T]]) -> Callable[..., Iterat
             yield from method(self, request, context)
         except ParamServeError as err:
             abort_with(context, err)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             if _is_abort(exc, context):
                 raise
             known = _as_paramserve_error(exc)
@@ -187,10 +188,8 @@ def parse(message_cls: type[_T], raw: bytes) -> _T:
     """Parses a request message; garbage becomes INVALID_ARGUMENT, not INTERNAL."""
     try:
         return message_cls.FromString(raw)  # type: ignore[attr-defined]
-    except Exception as err:  # noqa: BLE001 - DecodeError and friends
-        raise InvalidRequestError(
-            f"malformed {message_cls.__name__} message ({len(raw)} bytes): {err}"
-        ) from None
+    except Exception as err:
+        raise InvalidRequestError(f"malformed {message_cls.__name__} message ({len(raw)} bytes): {err}") from None
 
 
 # ---------------------------------------------------------------- metrics
@@ -205,20 +204,22 @@ class RpcMetrics:
         self.role = role
         register_build_info(registry, role)
         self.rpcs = Counter(
-            "paramserve_rpcs", "RPCs handled, by method and status code.",
-            ["role", "method", "code"], registry=registry,
+            "paramserve_rpcs",
+            "RPCs handled, by method and status code.",
+            ["role", "method", "code"],
+            registry=registry,
         )
         self.latency = Histogram(
-            "paramserve_rpc_duration_seconds", "Time to handle an RPC, including its streams.",
-            ["role", "method"], registry=registry,
+            "paramserve_rpc_duration_seconds",
+            "Time to handle an RPC, including its streams.",
+            ["role", "method"],
+            registry=registry,
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
         )
         self.received = Counter(
             "paramserve_received_bytes", "Message bytes received.", ["role", "method"], registry=registry
         )
-        self.sent = Counter(
-            "paramserve_sent_bytes", "Message bytes sent.", ["role", "method"], registry=registry
-        )
+        self.sent = Counter("paramserve_sent_bytes", "Message bytes sent.", ["role", "method"], registry=registry)
 
     def record(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
         self.record_call(method, code.name, seconds)
@@ -237,7 +238,9 @@ class RpcMetrics:
 # ---------------------------------------------------------------- interceptors
 
 
-def _rebuild_handler(handler: grpc.RpcMethodHandler, wrap: Callable[[Callable, bool, bool], Callable]) -> grpc.RpcMethodHandler:
+def _rebuild_handler(
+    handler: grpc.RpcMethodHandler, wrap: Callable[[Callable, bool, bool], Callable]
+) -> grpc.RpcMethodHandler:
     """A handler of the same kind whose behaviour is wrap(behaviour, request_streaming, response_streaming)."""
     req, resp = handler.request_streaming, handler.response_streaming
     kinds = {
@@ -424,8 +427,9 @@ def read_token_file(path: pathlib.Path, flag: str = "--token-file") -> str:
         text = path.read_text().strip()
     except (OSError, UnicodeDecodeError) as err:
         reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
-        raise ConfigurationError(f"{flag} {path}: cannot read it ({reason}); give a file holding the cluster's "
-                                 "shared token") from None
+        raise ConfigurationError(
+            f"{flag} {path}: cannot read it ({reason}); give a file holding the cluster's shared token"
+        ) from None
     token = check_token(text, f"{flag} {path}")
     assert token is not None
     return token
@@ -462,8 +466,7 @@ class GrpcService:
 
         from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-        warning = check_exposure(host, authenticated=bool(token) or bool(tls and tls.client_ca_file),
-                                 insecure=insecure)
+        warning = check_exposure(host, authenticated=bool(token) or bool(tls and tls.client_ca_file), insecure=insecure)
         if warning:
             log.warning("WARNING: %s", warning)
         self._health_pb2 = health_pb2
@@ -496,7 +499,7 @@ class GrpcService:
         service_names: list[str],
         registry: CollectorRegistry,
         role: str,
-    ) -> "GrpcService":
+    ) -> GrpcService:
         """A service from a server config's common fields (host, port, max_workers,
         max_message_bytes, token, tls, metrics_port), with RPC metrics for ``role``."""
         return cls(
@@ -515,7 +518,7 @@ class GrpcService:
             max_connections=config.max_connections,
         )
 
-    def start(self) -> "GrpcService":
+    def start(self) -> GrpcService:
         self.server.start()
         if self._metrics_port_requested is not None:
             try:
@@ -524,7 +527,8 @@ class GrpcService:
                 self.stop(grace=0)
                 raise ConfigurationError(
                     f"cannot serve metrics on {self.host}:{self._metrics_port_requested}: {err.strerror or err}; "
-                    "choose another --metrics-port (0 picks a free one)") from None
+                    "choose another --metrics-port (0 picks a free one)"
+                ) from None
             self.metrics_port = self._metrics_http.port
         self._set_health(self._health_pb2.HealthCheckResponse.SERVING)
         return self
@@ -572,13 +576,18 @@ class RunningService:
 
 def _bind(server: grpc.Server, address: str, tls: TlsConfig | None) -> int:
     """Adds the listening port; raises ConfigurationError when it cannot be bound."""
-    why = (f"cannot listen on {address}: the port is in use, or the host is not an address of this machine; "
-           "choose another --port (0 picks a free one) or --host")
+    why = (
+        f"cannot listen on {address}: the port is in use, or the host is not an address of this machine; "
+        "choose another --port (0 picks a free one) or --host"
+    )
     if _port_is_taken(address):
         raise ConfigurationError(why)  # before gRPC tries, which logs its own lines about it
     try:
-        port = server.add_insecure_port(address) if tls is None else server.add_secure_port(
-            address, tls.server_credentials())
+        port = (
+            server.add_insecure_port(address)
+            if tls is None
+            else server.add_secure_port(address, tls.server_credentials())
+        )
     except RuntimeError:  # grpc raises RuntimeError("Failed to bind ...") for a busy port
         raise ConfigurationError(why) from None
     if port == 0:
@@ -653,34 +662,80 @@ def _integer(text: str) -> int:
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags every paramserve server takes (parameter server and worker alike)."""
     net = parser.add_argument_group("network")
-    net.add_argument("--host", help=f"address to listen on (default: the host of TF_CONFIG's task, else {DEFAULT_HOST}; "
-                                    "0.0.0.0 for all, which needs a token or client certificates, or --insecure)")
-    net.add_argument("--port", type=port_number, help="gRPC port, 1-65535; 0 picks a free one (default: the port of "
-                                                      "TF_CONFIG's task, else 0)")
-    net.add_argument("--port-file", type=pathlib.Path, help="once serving, atomically write {port, metrics_port, pid} as JSON here")
-    net.add_argument("--metrics-port", type=port_number, help="serve Prometheus metrics over HTTP on this port (0: a free one; default: off)")
+    net.add_argument(
+        "--host",
+        help=f"address to listen on (default: the host of TF_CONFIG's task, else {DEFAULT_HOST}; "
+        "0.0.0.0 for all, which needs a token or client certificates, or --insecure)",
+    )
+    net.add_argument(
+        "--port",
+        type=port_number,
+        help="gRPC port, 1-65535; 0 picks a free one (default: the port of TF_CONFIG's task, else 0)",
+    )
+    net.add_argument(
+        "--port-file", type=pathlib.Path, help="once serving, atomically write {port, metrics_port, pid} as JSON here"
+    )
+    net.add_argument(
+        "--metrics-port",
+        type=port_number,
+        help="serve Prometheus metrics over HTTP on this port (0: a free one; default: off)",
+    )
     net.add_argument("--max-workers", type=positive_int, default=16, help="RPC handler threads (default: %(default)s)")
-    net.add_argument("--max-message-bytes", type=positive_int, default=64 << 20, help="largest gRPC message accepted (default: %(default)s); bulk data is chunked below it")
-    net.add_argument("--max-connections", type=positive_int, default=DEFAULT_MAX_CONNECTIONS,
-                     help="connections accepted at once (default: %(default)s); bounds what HTTP/2 header floods can hold")
-    net.add_argument("--grace-seconds", type=float, default=5.0, help="on SIGTERM, time running RPCs get to finish (default: %(default)s)")
-    parser.add_argument("--torch-threads", type=int,
-                        help="torch intra-op threads (default: this process's share of the CPUs it may use: usable "
-                             "CPUs // PARAMSERVE_PROCESSES_PER_HOST, which local clusters set; see psserver/cpus.py)")
+    net.add_argument(
+        "--max-message-bytes",
+        type=positive_int,
+        default=64 << 20,
+        help="largest gRPC message accepted (default: %(default)s); bulk data is chunked below it",
+    )
+    net.add_argument(
+        "--max-connections",
+        type=positive_int,
+        default=DEFAULT_MAX_CONNECTIONS,
+        help="connections accepted at once (default: %(default)s); bounds what HTTP/2 header floods can hold",
+    )
+    net.add_argument(
+        "--grace-seconds",
+        type=float,
+        default=5.0,
+        help="on SIGTERM, time running RPCs get to finish (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        help="torch intra-op threads (default: this process's share of the CPUs it may use: usable "
+        "CPUs // PARAMSERVE_PROCESSES_PER_HOST, which local clusters set; see psserver/cpus.py)",
+    )
     sec = parser.add_argument_group("security")
-    sec.add_argument("--token-file", type=pathlib.Path, help=f"file holding the cluster's shared token; calls without it get UNAUTHENTICATED (or set {TOKEN_ENV}; an empty one is an error)")
+    sec.add_argument(
+        "--token-file",
+        type=pathlib.Path,
+        help=f"file holding the cluster's shared token; calls without it get UNAUTHENTICATED (or set {TOKEN_ENV}; "
+        "an empty one is an error)",
+    )
     sec.add_argument("--tls-cert", type=pathlib.Path, help="PEM certificate chain: serve TLS (needs --tls-key)")
     sec.add_argument("--tls-key", type=pathlib.Path, help="PEM private key for --tls-cert")
-    sec.add_argument("--tls-client-ca", type=pathlib.Path, help="PEM CA bundle: require client certificates signed by it (mutual TLS)")
-    sec.add_argument("--insecure", action="store_true",
-                     help="allow listening beyond loopback with neither a token nor client certificates (anyone who "
-                          "can reach the port can call it; a worker runs any code it is sent). Logs a warning")
-    parser.add_argument("--log-level", default="INFO", choices=LOG_LEVELS,
-                        help=f"how much to log: {', '.join(LOG_LEVELS)} (default: %(default)s)")
+    sec.add_argument(
+        "--tls-client-ca",
+        type=pathlib.Path,
+        help="PEM CA bundle: require client certificates signed by it (mutual TLS)",
+    )
+    sec.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow listening beyond loopback with neither a token nor client certificates (anyone who "
+        "can reach the port can call it; a worker runs any code it is sent). Logs a warning",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=LOG_LEVELS,
+        help=f"how much to log: {', '.join(LOG_LEVELS)} (default: %(default)s)",
+    )
 
 
-def resolve_address(args: argparse.Namespace, parser: argparse.ArgumentParser, role: str,
-                    environ: Mapping[str, str]) -> tuple[str, int]:
+def resolve_address(
+    args: argparse.Namespace, parser: argparse.ArgumentParser, role: str, environ: Mapping[str, str]
+) -> tuple[str, int]:
     """Where the server listens: ``--host``/``--port``, else TF_CONFIG's task (a ``role`` task:
     "ps" or "worker"), else 127.0.0.1 and a free port. Exits through ``parser.error`` when
     TF_CONFIG is invalid or names another role."""
@@ -724,8 +779,11 @@ def resolve_tls(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Tl
     return TlsConfig(args.tls_cert, args.tls_key, args.tls_client_ca)
 
 
-def run_reporting_errors(runner: Callable[[argparse.Namespace, argparse.ArgumentParser], int],
-                         args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+def run_reporting_errors(
+    runner: Callable[[argparse.Namespace, argparse.ArgumentParser], int],
+    args: argparse.Namespace,
+    parser: argparse.ArgumentParser,
+) -> int:
     """``runner(args, parser)``; a ConfigurationError (a setting the command cannot start with)
     ends it with one line on stderr and exit status 2, with the traceback only under ``--debug``."""
     try:
@@ -742,8 +800,12 @@ def serve_until_signal(server: RunningService, port_file: pathlib.Path | None, g
     stop_requested = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop_requested.set())
-    logging.getLogger(name).info("serving on port %d (metrics port %s, %d torch threads)", server.port,
-                                 server.metrics_port, torch.get_num_threads())
+    logging.getLogger(name).info(
+        "serving on port %d (metrics port %s, %d torch threads)",
+        server.port,
+        server.metrics_port,
+        torch.get_num_threads(),
+    )
     if port_file:  # last: a launcher that sees the file may read everything logged before it
         write_port_file(port_file, server.port, server.metrics_port)
     stop_requested.wait()

@@ -163,8 +163,9 @@ def _frame(work: ServerWork, key: str, programs: ProgramNumbers) -> tuple[bytes,
     number, defined = programs.number(signature)
     if defined:
         bases = [part.base_version for part in work.parts]
-        plan = ps_pb2.StepPlan(run_program=number, idempotency_key=key,
-                               base_versions=bases if any(base >= 0 for base in bases) else ())
+        plan = ps_pb2.StepPlan(
+            run_program=number, idempotency_key=key, base_versions=bases if any(base >= 0 for base in bases) else ()
+        )
     else:
         plan = work.plan(key)
         plan.define_program = number
@@ -181,8 +182,11 @@ def _read_reply(sent: SentStep) -> StepResult:
             outcome = ps_pb2.StepOutcome.FromString(bytes(header))
         except DecodeError as err:
             raise InvalidRequestError(f"the server's StepOutcome does not parse: {err}") from None
-        views, finish = _placement(sent.work, outcome, payload_bytes) if sent.program is None else \
-            _program_placement(sent, outcome, payload_bytes)
+        views, finish = (
+            _placement(sent.work, outcome, payload_bytes)
+            if sent.program is None
+            else _program_placement(sent, outcome, payload_bytes)
+        )
         finished.append(finish)
         return views
 
@@ -190,27 +194,37 @@ def _read_reply(sent: SentStep) -> StepResult:
     return finished[0]()
 
 
-def _program_placement(sent: SentStep, outcome: ps_pb2.StepOutcome,
-                       payload_bytes: int) -> tuple[list[memoryview], Callable[[], StepResult]]:
+def _program_placement(
+    sent: SentStep, outcome: ps_pb2.StepOutcome, payload_bytes: int
+) -> tuple[list[memoryview], Callable[[], StepResult]]:
     """``_placement`` for a step program's reply (``ProgramOutcome``: the results in the
     program's order). Marks the program defined on the connection once the server answered."""
     assert sent.program is not None
     work, (signature, number) = sent.work, sent.program
     result = outcome.program
     parts, reads = len(work.parts), len(work.reads)
-    if not outcome.HasField("program") or (len(result.applied), len(result.versions), len(result.staleness),
-                                            len(result.pulled_versions)) != (parts, parts, parts, reads):
-        raise InvalidRequestError(f"the server's reply does not answer step program {number} "
-                                  f"({parts} pushes, {reads} reads)")
+    if not outcome.HasField("program") or (
+        len(result.applied),
+        len(result.versions),
+        len(result.staleness),
+        len(result.pulled_versions),
+    ) != (parts, parts, parts, reads):
+        raise InvalidRequestError(
+            f"the server's reply does not answer step program {number} ({parts} pushes, {reads} reads)"
+        )
     views = cast(list[memoryview], [read.view for read in work.reads])  # whole shards with a place (signature)
     expected = sum(len(view) for view in views)
     if payload_bytes != expected:
-        raise InvalidRequestError(f"the server's reply holds {payload_bytes} bytes, step program {number} reads {expected}")
+        raise InvalidRequestError(
+            f"the server's reply holds {payload_bytes} bytes, step program {number} reads {expected}"
+        )
     sent.connection.programs.defined(signature, number)
 
     def finish() -> StepResult:
-        pushed = [PushOutcome(cast(ShardWire, part.wire).ref, applied, version, staleness)
-                  for part, applied, version, staleness in zip(work.parts, result.applied, result.versions, result.staleness)]
+        pushed = [
+            PushOutcome(cast(ShardWire, part.wire).ref, applied, version, staleness)
+            for part, applied, version, staleness in zip(work.parts, result.applied, result.versions, result.staleness)
+        ]
         return pushed, {read.shard(): version for read, version in zip(work.reads, result.pulled_versions)}
 
     return [view for view in views if len(view)], finish
@@ -288,8 +302,9 @@ def _receive_pulled(chunks: Iterable[bytes | memoryview], reads: Sequence[ReadEn
 # ---------------------------------------------------------------- replies of whole plans
 
 
-def _placement(work: ServerWork, outcome: ps_pb2.StepOutcome,
-               payload_bytes: int) -> tuple[list[memoryview], Callable[[], StepResult]]:
+def _placement(
+    work: ServerWork, outcome: ps_pb2.StepOutcome, payload_bytes: int
+) -> tuple[list[memoryview], Callable[[], StepResult]]:
     """Where a step reply's pulled bytes go, in order (adding up to ``payload_bytes``), and
     what finishes the step once they are there. A read whose destination is a contiguous range
     (``ReadEntry.view``) or tensor takes its bytes in place, with no copy after the one out of
@@ -343,8 +358,15 @@ def _outcomes(results: Iterable[ps_pb2.PushResult]) -> list[PushOutcome]:
 class StepRouter:
     """Runs each server's share of a step on the route chosen for it (``choose_route``)."""
 
-    def __init__(self, data_plane: DataPlaneTransport | None, unary: StepTransport, streams: StepTransport, *,
-                 unary_limit: int, calls: ServerCalls):
+    def __init__(
+        self,
+        data_plane: DataPlaneTransport | None,
+        unary: StepTransport,
+        streams: StepTransport,
+        *,
+        unary_limit: int,
+        calls: ServerCalls,
+    ):
         self._data_plane = data_plane
         self._transports: dict[Route, StepTransport] = {Route.UNARY: unary, Route.STREAMS: streams}
         if data_plane is not None:
@@ -372,8 +394,11 @@ class StepRouter:
         done, errors = self._receive(steps.sent, steps.variable)
         rest = {server: work for server, work in steps.works.items() if server not in done}
         try:
-            done.update(self._calls.fan_out(rest, lambda server, work: self._attempt(server, work, steps.key),
-                                            variable=steps.variable))
+            done.update(
+                self._calls.fan_out(
+                    rest, lambda server, work: self._attempt(server, work, steps.key), variable=steps.variable
+                )
+            )
         except ParamServeError as err:
             errors.append(err)
         if errors:
@@ -395,8 +420,9 @@ class StepRouter:
         if self._data_plane is not None:
             self._data_plane.close()
 
-    def _receive(self, sent: Sequence[SentStep],
-                 variable: str | None) -> tuple[dict[int, StepResult | None], list[ParamServeError]]:
+    def _receive(
+        self, sent: Sequence[SentStep], variable: str | None
+    ) -> tuple[dict[int, StepResult | None], list[ParamServeError]]:
         """The replies of ``sent``: results by server (None for a typed error, which is in the
         list), leaving out servers whose connection broke (the retrying path runs those)."""
         done: dict[int, StepResult | None] = {}

@@ -79,8 +79,16 @@ class LayoutWire:
             shape = layout.shard_shape(shard)
             start = shard.row_start * row_bytes if layout.shape else 0
             end = start + (shard.num_rows * row_bytes if layout.shape else element)
-            shards.append(ShardWire(ref, ref_proto, ps_pb2.PullItem(ref=ref_proto),
-                                    tensor_pb2.TensorMeta(dtype=dtype_name(layout.dtype), shape=list(shape)), start, end))
+            shards.append(
+                ShardWire(
+                    ref,
+                    ref_proto,
+                    ps_pb2.PullItem(ref=ref_proto),
+                    tensor_pb2.TensorMeta(dtype=dtype_name(layout.dtype), shape=list(shape)),
+                    start,
+                    end,
+                )
+            )
         return LayoutWire(layout, tuple(shards))
 
 
@@ -115,7 +123,9 @@ class PushPart:
     def message(self) -> tensor_pb2.PushPart:
         if self.built is None:
             assert self.wire is not None
-            self.built = tensor_pb2.PushPart(ref=self.wire.ref_proto, values=self.wire.meta, base_version=self.base_version)
+            self.built = tensor_pb2.PushPart(
+                ref=self.wire.ref_proto, values=self.wire.meta, base_version=self.base_version
+            )
         return self.built
 
 
@@ -201,19 +211,23 @@ def read_destination(layout: VariableLayout, given: torch.Tensor | None) -> torc
     if given is None:
         return torch.empty(layout.shape, dtype=layout.dtype)
     if tuple(given.shape) != layout.shape:
-        raise ShapeMismatchError(f"the destination has shape {tuple(given.shape)}, the servers hold {layout.shape}",
-                                 variable=layout.name)
+        raise ShapeMismatchError(
+            f"the destination has shape {tuple(given.shape)}, the servers hold {layout.shape}", variable=layout.name
+        )
     if given.dtype != layout.dtype:
-        raise DtypeMismatchError(f"the destination holds {given.dtype}, the servers hold {layout.dtype}",
-                                 variable=layout.name)
+        raise DtypeMismatchError(
+            f"the destination holds {given.dtype}, the servers hold {layout.dtype}", variable=layout.name
+        )
     if given.device.type != "cpu" or not given.is_contiguous():
-        raise InvalidRequestError(f"a pull destination must be a contiguous host tensor, got one on {given.device}",
-                                  variable=layout.name)
+        raise InvalidRequestError(
+            f"a pull destination must be a contiguous host tensor, got one on {given.device}", variable=layout.name
+        )
     return given
 
 
-def push_parts(wire: LayoutWire, gradient: torch.Tensor | RowGradient,
-               base_versions: Mapping[ShardRef, int]) -> Iterator[tuple[int, PushPart]]:
+def push_parts(
+    wire: LayoutWire, gradient: torch.Tensor | RowGradient, base_versions: Mapping[ShardRef, int]
+) -> Iterator[tuple[int, PushPart]]:
     """(server, part) for every shard a gradient updates: byte ranges of the gradient itself for
     a dense one of the layout's dtype, else converted pieces; the rows each shard holds for a
     row gradient."""
@@ -223,7 +237,9 @@ def push_parts(wire: LayoutWire, gradient: torch.Tensor | RowGradient,
     layout = wire.layout
     gradient = gradient.detach().cpu()
     if tuple(gradient.shape) != layout.shape:
-        raise ShapeMismatchError(f"gradient has shape {tuple(gradient.shape)}, the variable {layout.shape}", variable=layout.name)
+        raise ShapeMismatchError(
+            f"gradient has shape {tuple(gradient.shape)}, the variable {layout.shape}", variable=layout.name
+        )
     if gradient.dtype == layout.dtype and gradient.is_contiguous():  # the common case: byte ranges of one view
         whole = as_byte_view(gradient)
         for shard, shard_wire in zip(layout.shards, wire.shards):
@@ -238,8 +254,9 @@ def push_parts(wire: LayoutWire, gradient: torch.Tensor | RowGradient,
         yield shard.server, PushPart([tensor_payload(piece)], base, built=part)
 
 
-def _row_parts(layout: VariableLayout, gradient: RowGradient,
-               base_versions: Mapping[ShardRef, int]) -> Iterator[tuple[int, PushPart]]:
+def _row_parts(
+    layout: VariableLayout, gradient: RowGradient, base_versions: Mapping[ShardRef, int]
+) -> Iterator[tuple[int, PushPart]]:
     indices = gradient.indices.reshape(-1).to(torch.int64)
     values = gradient.values.reshape(indices.numel(), *layout.shape[1:]).detach().cpu()
     if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= layout.shape[0]):
@@ -250,8 +267,13 @@ def _row_parts(layout: VariableLayout, gradient: RowGradient,
         rows_values = values[positions].contiguous()
         ref = layout.ref(shard)
         base = base_versions.get(ref, -1)
-        part = tensor_pb2.PushPart(ref=convert.ref_to_proto(ref), values=meta_of(rows_values), sparse=True,
-                                   num_indices=local.numel(), base_version=base)
+        part = tensor_pb2.PushPart(
+            ref=convert.ref_to_proto(ref),
+            values=meta_of(rows_values),
+            sparse=True,
+            num_indices=local.numel(),
+            base_version=base,
+        )
         yield shard.server, PushPart([tensor_payload(local), tensor_payload(rows_values)], base, built=part)
 
 

@@ -83,8 +83,13 @@ class StepEngine:
         pushes = self._packed_pushes(plan.push, payload) if plan.push else []
         return self._step(plan, pushes, len(payload), encode_step_reply)
 
-    def run_frames(self, plan_bytes: memoryview, payload: torch.Tensor, reply_buffer: Callable[[int], torch.Tensor],
-                   programs: StepPrograms) -> tuple[bytes, memoryview]:
+    def run_frames(
+        self,
+        plan_bytes: memoryview,
+        payload: torch.Tensor,
+        reply_buffer: Callable[[int], torch.Tensor],
+        programs: StepPrograms,
+    ) -> tuple[bytes, memoryview]:
         """A data-plane step: the StepPlan's bytes and the pushed bytes (a uint8 tensor the pushes
         read in place) -> the StepOutcome's bytes and the pulled bytes, copied under the shards'
         locks into ``reply_buffer(n)``. ``programs``: the connection's (``new_connection``)."""
@@ -131,8 +136,13 @@ class StepEngine:
 
     # -- a plain step
 
-    def _step(self, plan: ps_pb2.StepPlan, pushes: list[ShardPush], payload_bytes: int,
-              reply: Callable[[ps_pb2.StepOutcome, list[memoryview]], _Reply]) -> _Reply:
+    def _step(
+        self,
+        plan: ps_pb2.StepPlan,
+        pushes: list[ShardPush],
+        payload_bytes: int,
+        reply: Callable[[ps_pb2.StepOutcome, list[memoryview]], _Reply],
+    ) -> _Reply:
         """Validates the reads, applies ``pushes`` (exactly once per key), then builds the reply
         with ``reply(outcome, values)`` under the read shards' locks: one consistent read."""
         if plan.define_program or plan.run_program or plan.base_versions:
@@ -153,7 +163,9 @@ class StepEngine:
             values = []
             for index, (ref, _) in enumerate(reads):
                 pulled = rows[index] if index in rows else live[ref]
-                outcome.pulled.append(tensor_pb2.PulledPart(item=index, meta=meta_of(pulled.value), version=pulled.version))
+                outcome.pulled.append(
+                    tensor_pb2.PulledPart(item=index, meta=meta_of(pulled.value), version=pulled.version)
+                )
                 values.append(tensor_payload(pulled.value))
             return reply(outcome, values)
 
@@ -166,20 +178,28 @@ class StepEngine:
                 f"{IDEMPOTENCY_METADATA_KEY!r} metadata of a Push stream"
             )
         return [
-            ps_pb2.PushResult(ref=convert.ref_to_proto(o.ref), applied=o.applied, version=o.version, staleness=o.staleness)
+            ps_pb2.PushResult(
+                ref=convert.ref_to_proto(o.ref), applied=o.applied, version=o.version, staleness=o.staleness
+            )
             for o in self._store.push(pushes, key)
         ]
 
     # -- step programs
 
-    def _program_step(self, plan: ps_pb2.StepPlan, payload: torch.Tensor, reply_buffer: Callable[[int], torch.Tensor],
-                      programs: StepPrograms) -> tuple[bytes, memoryview]:
+    def _program_step(
+        self,
+        plan: ps_pb2.StepPlan,
+        payload: torch.Tensor,
+        reply_buffer: Callable[[int], torch.Tensor],
+        programs: StepPrograms,
+    ) -> tuple[bytes, memoryview]:
         """Defines program ``plan.define_program`` from ``plan`` and runs it, or runs program
         ``plan.run_program`` (checked again first if the store's shards changed since)."""
         program, bases = self._program_of(plan, payload, programs)
         if payload.numel() != program.push_bytes:
-            raise InvalidRequestError(f"the payload holds {payload.numel()} bytes but the step program pushes "
-                                      f"{program.push_bytes}")
+            raise InvalidRequestError(
+                f"the payload holds {payload.numel()} bytes but the step program pushes {program.push_bytes}"
+            )
         pushed = []
         if program.pushes:
             values, flat = programs.pushed_values(program, payload)
@@ -189,25 +209,34 @@ class StepEngine:
             buffer = reply_buffer(program.pull_bytes)
             if pulled:
                 torch._foreach_copy_(programs.reply_views(program, buffer), [p.value for p in pulled])
-            outcome = ps_pb2.StepOutcome(program=ps_pb2.ProgramOutcome(
-                applied=[o.applied for o in pushed], versions=[o.version for o in pushed],
-                staleness=[o.staleness for o in pushed], pulled_versions=[p.version for p in pulled]))
+            outcome = ps_pb2.StepOutcome(
+                program=ps_pb2.ProgramOutcome(
+                    applied=[o.applied for o in pushed],
+                    versions=[o.version for o in pushed],
+                    staleness=[o.staleness for o in pushed],
+                    pulled_versions=[p.version for p in pulled],
+                )
+            )
             return outcome.SerializeToString(), writable_byte_view(buffer)
 
         return self._store.read_prepared(program.prepared, locked)
 
-    def _program_of(self, plan: ps_pb2.StepPlan, payload: torch.Tensor,
-                    programs: StepPrograms) -> tuple[StepProgram, Sequence[int]]:
+    def _program_of(
+        self, plan: ps_pb2.StepPlan, payload: torch.Tensor, programs: StepPrograms
+    ) -> tuple[StepProgram, Sequence[int]]:
         """The program ``plan`` defines or runs, and its push parts' base versions."""
         if plan.define_program:
             if plan.run_program or plan.base_versions:
-                raise InvalidRequestError("a plan defines a step program (its parts carry their base versions) "
-                                          "or runs one, not both")
+                raise InvalidRequestError(
+                    "a plan defines a step program (its parts carry their base versions) or runs one, not both"
+                )
             program = programs.define(plan.define_program, self._compile(plan, payload.numel()))
             return program, [int(part.base_version) for part in plan.push]
         if plan.push or plan.pull:
-            raise InvalidRequestError("run_program sends only its key, base versions and bytes: the parts and "
-                                      "reads were defined with define_program")
+            raise InvalidRequestError(
+                "run_program sends only its key, base versions and bytes: the parts and "
+                "reads were defined with define_program"
+            )
         program = programs.get(plan.run_program)
         if program.prepared.catalog_version != self._store.catalog_version:
             program = programs.define(plan.run_program, self._compile(program.plan, program.push_bytes))
@@ -218,17 +247,21 @@ class StepEngine:
         plain step makes that does not depend on the step's bytes."""
         check_program_size(len(plan.push) + len(plan.pull))
         if any(part.sparse for part in plan.push) or any(item.sparse for item in plan.pull):
-            raise InvalidRequestError("a step program pushes and reads whole shards only: send a step with "
-                                      "sparse rows as a plain StepPlan")
+            raise InvalidRequestError(
+                "a step program pushes and reads whole shards only: send a step with sparse rows as a plain StepPlan"
+            )
         sizes = self._check_parts(plan.push, payload_bytes)
         reads = [convert.ref_from_proto(item.ref) for item in plan.pull]
         self._check_step_reads([(ref, None) for ref in reads])
         slots, offset = [], 0
         for part, size in zip(plan.push, sizes):
-            slots.append(PushSlot(offset, size, dtype_from_name(part.values.dtype), tuple(int(d) for d in part.values.shape)))
+            slots.append(
+                PushSlot(offset, size, dtype_from_name(part.values.dtype), tuple(int(d) for d in part.values.shape))
+            )
             offset += size
-        prepared = self._store.prepare_step([(convert.ref_from_proto(part.ref), slot.dtype, slot.shape)
-                                             for part, slot in zip(plan.push, slots)], reads)
+        prepared = self._store.prepare_step(
+            [(convert.ref_from_proto(part.ref), slot.dtype, slot.shape) for part, slot in zip(plan.push, slots)], reads
+        )
         kept = ps_pb2.StepPlan(push=plan.push, pull=plan.pull)
         return StepProgram(kept, prepared, tuple(slots))
 
@@ -236,8 +269,11 @@ class StepEngine:
 
     def _check_step_reads(self, reads: Sequence[Read]) -> None:
         """A step's reads must fit its reply: one message, with room for its header."""
-        self._check_read_bytes(reads, min(self._limits.max_pull_bytes, self._limits.max_reply_bytes - (1 << 20)),
-                               "the largest message it sends, --max-message-bytes")
+        self._check_read_bytes(
+            reads,
+            min(self._limits.max_pull_bytes, self._limits.max_reply_bytes - (1 << 20)),
+            "the largest message it sends, --max-message-bytes",
+        )
 
     def _check_read_bytes(self, reads: Sequence[Read], limit: int, flag: str) -> None:
         """Refuses, before reading anything, a request whose reply would pass ``limit`` bytes."""
@@ -265,7 +301,9 @@ class StepEngine:
         the frame limit), read in place; the store checks each against its shard before any applies."""
         return self._slice_pushes(parts, self._check_parts(parts, buffer.numel()), buffer)
 
-    def _slice_pushes(self, parts: Sequence[tensor_pb2.PushPart], sizes: list[int], buffer: torch.Tensor) -> list[ShardPush]:
+    def _slice_pushes(
+        self, parts: Sequence[tensor_pb2.PushPart], sizes: list[int], buffer: torch.Tensor
+    ) -> list[ShardPush]:
         pushes, offset = [], 0
         for part, size in zip(parts, sizes):
             pushes.append(self._push_from_part(part, buffer[offset : offset + size]))
@@ -296,7 +334,9 @@ class StepEngine:
 
     def _check_against_shard(self, push: tensor_pb2.PushPart) -> None:
         self._store.check_push_header(
-            convert.ref_from_proto(push.ref), dtype_from_name(push.values.dtype), tuple(push.values.shape),
+            convert.ref_from_proto(push.ref),
+            dtype_from_name(push.values.dtype),
+            tuple(push.values.shape),
             int(push.num_indices) if push.sparse else None,
         )
 
@@ -321,6 +361,8 @@ def _wire_rows(raw: bytes) -> torch.Tensor:
     any amount of data; paramserve's client sends them de-duplicated)."""
     rows = convert.rows_from_bytes(raw)
     if rows.numel() > 1 and torch.unique(rows).numel() != rows.numel():
-        raise InvalidRequestError("a read names some rows more than once; de-duplicate the row indices "
-                                  "(torch.unique(rows, return_inverse=True) restores their order afterwards)")
+        raise InvalidRequestError(
+            "a read names some rows more than once; de-duplicate the row indices "
+            "(torch.unique(rows, return_inverse=True) restores their order afterwards)"
+        )
     return rows

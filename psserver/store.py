@@ -549,7 +549,9 @@ class ShardStore:
         with shard.lock:
             return Pulled(shard.value.index_select(0, rows), shard.version)
 
-    def check_push_header(self, ref: ShardRef, dtype: torch.dtype, shape: Sequence[int], num_indices: int | None) -> None:
+    def check_push_header(
+        self, ref: ShardRef, dtype: torch.dtype, shape: Sequence[int], num_indices: int | None
+    ) -> None:
         """Raises what ``push`` would for a gradient of this dtype and shape (``num_indices`` rows
         of a row-sparse push; None: dense), reading nothing: a server checks a push against its
         shard this way before it receives, or allocates room for, the push's bytes."""
@@ -599,8 +601,9 @@ class ShardStore:
                 self._observer.on_push(outcome)
         return outcomes
 
-    def prepare_step(self, pushes: Sequence[tuple[ShardRef, torch.dtype, tuple[int, ...]]],
-                     reads: Sequence[ShardRef]) -> PreparedStep:
+    def prepare_step(
+        self, pushes: Sequence[tuple[ShardRef, torch.dtype, tuple[int, ...]]], reads: Sequence[ShardRef]
+    ) -> PreparedStep:
         """Resolves a recurring step's shards and checks its dense pushes (ref, dtype, shape) once,
         raising what ``check_push_header`` and ``read_many`` would: each later ``push_prepared`` /
         ``read_prepared`` of it skips the lookups and the checks that cannot change between steps.
@@ -609,26 +612,40 @@ class ShardStore:
         seen: set[ShardRef] = set()
         for ref, dtype, shape in pushes:
             if ref in seen:
-                raise InvalidRequestError(f"shard {ref} appears twice in one push; sum the gradients", variable=ref.variable)
+                raise InvalidRequestError(
+                    f"shard {ref} appears twice in one push; sum the gradients", variable=ref.variable
+                )
             seen.add(ref)
             self.check_push_header(ref, dtype, shape, None)
         push_shards = tuple(self._get(ref) for ref, _, _ in pushes)
         read_shards = tuple(self._get(ref) for ref in reads)
         return PreparedStep(
-            catalog_version, push_shards, tuple(sorted(push_shards, key=lambda shard: shard.ref)),
-            read_shards, tuple(sorted(set(read_shards), key=lambda shard: shard.ref)),
+            catalog_version,
+            push_shards,
+            tuple(sorted(push_shards, key=lambda shard: shard.ref)),
+            read_shards,
+            tuple(sorted(set(read_shards), key=lambda shard: shard.ref)),
             tuple((s.value.dtype, tuple(s.value.shape), s.value.numel() * s.value.element_size()) for s in read_shards),
         )
 
-    def push_prepared(self, step: PreparedStep, values: Sequence[Tensor], base_versions: Sequence[int], key: str,
-                      *, flat: Tensor | None = None) -> list[PushOutcome]:
+    def push_prepared(
+        self,
+        step: PreparedStep,
+        values: Sequence[Tensor],
+        base_versions: Sequence[int],
+        key: str,
+        *,
+        flat: Tensor | None = None,
+    ) -> list[PushOutcome]:
         """``push`` of ``values`` (one per ``step.pushes``, of the checked dtype and shape) with
         their base versions (negative: unknown). ``flat``: the same values back to back as one
         tensor of their dtype, when they are, so that one scan checks them all for NaN and Inf."""
         try:
             self._check_key(key)
-            plan = [(shard, ShardPush(shard.ref, value, None, base))
-                    for shard, value, base in zip(step.pushes, values, base_versions)]
+            plan = [
+                (shard, ShardPush(shard.ref, value, None, base))
+                for shard, value, base in zip(step.pushes, values, base_versions)
+            ]
             if not self._config.allow_nonfinite and not (flat is not None and all_finite(flat)):
                 for shard, push in plan:  # the exact scan, to name the culprit
                     with _about(shard.ref.variable):
@@ -700,8 +717,9 @@ class ShardStore:
                 f"(max_staleness={bound}); pull the variable again and recompute"
             )
 
-    def _apply_all(self, plan: Sequence[tuple[_Shard, ShardPush]], key: str,
-                   lock_order: Sequence[_Shard] | None = None) -> list[PushOutcome]:
+    def _apply_all(
+        self, plan: Sequence[tuple[_Shard, ShardPush]], key: str, lock_order: Sequence[_Shard] | None = None
+    ) -> list[PushOutcome]:
         """Applies a validated push under all its shards' locks (taken in sorted order, as every
         multi-shard lock here is; ``lock_order`` when the caller has it): shards that saw ``key``
         change nothing; dense gradients of one optimizer spec are applied as one torch.optim

@@ -140,7 +140,9 @@ def byte_buffer(nbytes: int) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8)
 
 
-def read_parts(chunks: Iterable[bytes | memoryview], allocate: Allocator) -> Iterator[tuple[tensor_pb2.PartHeader, torch.Tensor]]:
+def read_parts(
+    chunks: Iterable[bytes | memoryview], allocate: Allocator
+) -> Iterator[tuple[tensor_pb2.PartHeader, torch.Tensor]]:
     """Reassembles parts from serialised Chunks, yielding (header, filled uint8 buffer).
 
     ``allocate`` sees each header before any of its payload is stored, so a
@@ -154,9 +156,7 @@ def read_parts(chunks: Iterable[bytes | memoryview], allocate: Allocator) -> Ite
         new_header, data = decode_chunk(raw)
         if new_header is not None:
             if header is not None:
-                raise InvalidRequestError(
-                    f"part ended after {filled} of {header.payload_bytes} payload bytes"
-                )
+                raise InvalidRequestError(f"part ended after {filled} of {header.payload_bytes} payload bytes")
             header, filled = new_header, 0
             if header.payload_bytes < 0:
                 raise InvalidRequestError("payload_bytes must not be negative")
@@ -178,9 +178,7 @@ def read_parts(chunks: Iterable[bytes | memoryview], allocate: Allocator) -> Ite
             yield header, buffer
             header = None
     if header is not None:
-        raise InvalidRequestError(
-            f"stream ended after {filled} of {header.payload_bytes} payload bytes of a part"
-        )
+        raise InvalidRequestError(f"stream ended after {filled} of {header.payload_bytes} payload bytes of a part")
 
 
 # ---------------------------------------------------------------- a plan and one payload
@@ -284,13 +282,14 @@ def tensor_from_bytes(buffer: torch.Tensor, meta: tensor_pb2.TensorMeta, offset:
     nbytes = nbytes_of(shape, dtype)
     if offset + nbytes > buffer.numel():
         raise InvalidRequestError(
-            f"payload holds {buffer.numel() - offset} bytes but a {meta.dtype} tensor of shape "
-            f"{shape} needs {nbytes}"
+            f"payload holds {buffer.numel() - offset} bytes but a {meta.dtype} tensor of shape {shape} needs {nbytes}"
         )
     return tensor_view(buffer, offset, nbytes, dtype, shape)
 
 
-def tensor_view(buffer: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+def tensor_view(
+    buffer: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]
+) -> torch.Tensor:
     """The ``dtype`` tensor of ``shape`` in ``buffer[offset : offset + nbytes]`` (uint8, checked by
     the caller): a view, or a copy where the bytes are not aligned for ``dtype`` (torch views
     need aligned storage)."""

@@ -36,18 +36,14 @@ def dtype_from_name(name: str) -> torch.dtype:
     try:
         return DTYPES[name]
     except KeyError:
-        raise DtypeMismatchError(
-            f"unsupported dtype {name!r}; use one of {', '.join(DTYPES)}"
-        ) from None
+        raise DtypeMismatchError(f"unsupported dtype {name!r}; use one of {', '.join(DTYPES)}") from None
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     try:
         return DTYPE_NAMES[dtype]
     except KeyError:
-        raise DtypeMismatchError(
-            f"unsupported dtype {dtype}; use one of {', '.join(DTYPES)}"
-        ) from None
+        raise DtypeMismatchError(f"unsupported dtype {dtype}; use one of {', '.join(DTYPES)}") from None
 
 
 def check_shape(shape: Sequence[int], what: str) -> None:
@@ -92,8 +88,7 @@ def tensor_from_buffer(buffer: bytearray | memoryview, dtype: torch.dtype, shape
     expected = nbytes_of(shape, dtype)
     if len(buffer) != expected:
         raise InvalidRequestError(
-            f"payload has {len(buffer)} bytes but a {dtype_name(dtype)} tensor of shape "
-            f"{tuple(shape)} needs {expected}"
+            f"payload has {len(buffer)} bytes but a {dtype_name(dtype)} tensor of shape {tuple(shape)} needs {expected}"
         )
     if expected == 0:
         return torch.empty(tuple(shape), dtype=dtype)

@@ -58,14 +58,13 @@ def parse_address(text: str) -> tuple[str, int]:
     """
     if not isinstance(text, str):
         raise ClusterSpecError(
-            f"address {text!r} is a {type(text).__name__}, not a string: "
-            'write it as "host:port", e.g. "10.0.0.5:2222"'
+            f'address {text!r} is a {type(text).__name__}, not a string: write it as "host:port", e.g. "10.0.0.5:2222"'
         )
     stripped = text.strip()
     if not stripped:
         raise ClusterSpecError('empty address: write it as "host:port", e.g. "10.0.0.5:2222"')
     if any(c.isspace() for c in stripped):
-        raise ClusterSpecError(f"address {text!r} contains whitespace: remove it (\"host:port\")")
+        raise ClusterSpecError(f'address {text!r} contains whitespace: remove it ("host:port")')
     if stripped.startswith("["):
         host, port_text = _split_bracketed(stripped)
     else:
@@ -76,12 +75,10 @@ def parse_address(text: str) -> tuple[str, int]:
 def _split_bracketed(text: str) -> tuple[str, str | None]:
     match = _BRACKETED.fullmatch(text)
     if match is None:
-        raise ClusterSpecError(
-            f"address {text!r} is a malformed bracketed IPv6 address: write it as \"[::1]:2222\""
-        )
+        raise ClusterSpecError(f'address {text!r} is a malformed bracketed IPv6 address: write it as "[::1]:2222"')
     host, port_text = match.group(1), match.group(2)
     if not host:
-        raise ClusterSpecError(f"address {text!r} has no host inside the brackets: write e.g. \"[::1]:2222\"")
+        raise ClusterSpecError(f'address {text!r} has no host inside the brackets: write e.g. "[::1]:2222"')
     try:
         ipaddress.IPv6Address(host)
     except ValueError:
@@ -95,9 +92,9 @@ def _split_bracketed(text: str) -> tuple[str, str | None]:
 def _split_plain(text: str) -> tuple[str, str | None]:
     host, sep, port_text = text.rpartition(":")
     if not sep:
-        raise ClusterSpecError(f"address {text!r} has no port: write \"{text}:<port>\", e.g. \"{text}:2222\"")
+        raise ClusterSpecError(f'address {text!r} has no port: write "{text}:<port>", e.g. "{text}:2222"')
     if not host:
-        raise ClusterSpecError(f"address {text!r} has no host: write \"<host>{text}\", e.g. \"10.0.0.5{text}\"")
+        raise ClusterSpecError(f'address {text!r} has no host: write "<host>{text}", e.g. "10.0.0.5{text}"')
     if ":" in host and "/" not in host:
         raise ClusterSpecError(
             f"address {text!r} looks like an IPv6 address without brackets: put the IP in brackets "
@@ -113,11 +110,9 @@ def _split_plain(text: str) -> tuple[str, str | None]:
 
 def _parse_port(port_text: str | None, address: str) -> int:
     if not port_text:
-        raise ClusterSpecError(f"address {address!r} has no port after the host: write e.g. \"host:2222\"")
+        raise ClusterSpecError(f'address {address!r} has no port after the host: write e.g. "host:2222"')
     if not _DIGITS.fullmatch(port_text):
-        raise ClusterSpecError(
-            f"address {address!r}: port {port_text!r} is not an integer: use a number in 1..65535"
-        )
+        raise ClusterSpecError(f"address {address!r}: port {port_text!r} is not an integer: use a number in 1..65535")
     port = int(port_text)
     if port == 0:
         raise ClusterSpecError(
@@ -168,12 +163,10 @@ class TaskSpec:
 
 def _check_task(task_type: Any, index: Any, where: str) -> None:
     if not isinstance(task_type, str) or task_type not in ROLES:
-        raise ClusterSpecError(
-            f"{where} type {task_type!r} is not a role: use one of {', '.join(ROLES)}"
-        )
+        raise ClusterSpecError(f"{where} type {task_type!r} is not a role: use one of {', '.join(ROLES)}")
     if isinstance(index, bool) or not isinstance(index, int) or index < 0:
         raise ClusterSpecError(
-            f"{where} index {index!r} is not a non-negative integer: write a number such as 0 (not \"0\")"
+            f'{where} index {index!r} is not a non-negative integer: write a number such as 0 (not "0")'
         )
 
 
@@ -250,9 +243,7 @@ def _load_json_object(text: str) -> dict[str, Any]:
             f"set it to a JSON object such as {EXAMPLE_TF_CONFIG}"
         ) from None
     if not isinstance(top, dict):
-        raise ClusterSpecError(
-            f"TF_CONFIG must be a JSON object, got a {type(top).__name__}: e.g. {EXAMPLE_TF_CONFIG}"
-        )
+        raise ClusterSpecError(f"TF_CONFIG must be a JSON object, got a {type(top).__name__}: e.g. {EXAMPLE_TF_CONFIG}")
     return top
 
 
@@ -265,7 +256,7 @@ def _job_addresses(role: str, value: Any) -> tuple[str, ...]:
         )
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise ClusterSpecError(
-            f"TF_CONFIG cluster.{role} must be a list of \"host:port\" strings, got {value!r}: "
+            f'TF_CONFIG cluster.{role} must be a list of "host:port" strings, got {value!r}: '
             f'e.g. "{role}": ["10.0.0.2:2222"]'
         )
     return tuple(v.strip() for v in value)
@@ -276,11 +267,11 @@ def _parse_task(task: Any, jobs: Mapping[str, tuple[str, ...]]) -> TaskSpec | No
         return None
     if not isinstance(task, dict):
         raise ClusterSpecError(
-            f"TF_CONFIG task must be a JSON object, got {task!r}: e.g. {{\"type\": \"worker\", \"index\": 0}}"
+            f'TF_CONFIG task must be a JSON object, got {task!r}: e.g. {{"type": "worker", "index": 0}}'
         )
     if "type" not in task:
         raise ClusterSpecError(
-            f"TF_CONFIG task {task!r} has no 'type': add one, e.g. {{\"type\": \"worker\", \"index\": 0}}"
+            f'TF_CONFIG task {task!r} has no \'type\': add one, e.g. {{"type": "worker", "index": 0}}'
         )
     task_type, index = task["type"], task.get("index", 0)  # TensorFlow defaults the index to 0
     _check_task(task_type, index, where="TF_CONFIG task")

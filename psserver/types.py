@@ -184,8 +184,9 @@ class PendingExchange:
     """A ``push_and_pull`` whose requests are on their way (``start_push_and_pull``): exactly one
     of ``result()`` and ``abandon()`` ends it."""
 
-    def __init__(self, finish: Callable[[], tuple[PushSummary, PullResult]], abandon: Callable[[], None], *,
-                 keep: object = None):
+    def __init__(
+        self, finish: Callable[[], tuple[PushSummary, PullResult]], abandon: Callable[[], None], *, keep: object = None
+    ):
         self._finish: Callable[[], tuple[PushSummary, PullResult]] | None = finish
         self._abandon = abandon
         self._keep = keep  # the gradients the requests were made of: a retry sends them again

@@ -29,20 +29,54 @@ def _openssl(*args: str) -> None:
 
 def _ca(directory: pathlib.Path, name: str) -> tuple[pathlib.Path, pathlib.Path]:
     cert, key = directory / f"{name}.pem", directory / f"{name}-key.pem"
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1",
-             "-subj", f"/CN={name}", "-addext", "basicConstraints=critical,CA:TRUE",
-             "-addext", "keyUsage=critical,keyCertSign,cRLSign")
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        str(key),
+        "-out",
+        str(cert),
+        "-days",
+        "1",
+        "-subj",
+        f"/CN={name}",
+        "-addext",
+        "basicConstraints=critical,CA:TRUE",
+        "-addext",
+        "keyUsage=critical,keyCertSign,cRLSign",
+    )
     return cert, key
 
 
-def _leaf(directory: pathlib.Path, name: str, ca: tuple[pathlib.Path, pathlib.Path]) -> tuple[pathlib.Path, pathlib.Path]:
+def _leaf(
+    directory: pathlib.Path, name: str, ca: tuple[pathlib.Path, pathlib.Path]
+) -> tuple[pathlib.Path, pathlib.Path]:
     cert, key, csr = directory / f"{name}.pem", directory / f"{name}-key.pem", directory / f"{name}.csr"
     extensions = directory / f"{name}.ext"
-    extensions.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n"
-                          "extendedKeyUsage=serverAuth,clientAuth\nbasicConstraints=CA:FALSE\n")
+    extensions.write_text(
+        "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth\nbasicConstraints=CA:FALSE\n"
+    )
     _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(csr), "-subj", f"/CN={name}")
-    _openssl("x509", "-req", "-in", str(csr), "-CA", str(ca[0]), "-CAkey", str(ca[1]), "-CAcreateserial",
-             "-out", str(cert), "-days", "1", "-extfile", str(extensions))
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        str(csr),
+        "-CA",
+        str(ca[0]),
+        "-CAkey",
+        str(ca[1]),
+        "-CAcreateserial",
+        "-out",
+        str(cert),
+        "-days",
+        "1",
+        "-extfile",
+        str(extensions),
+    )
     return cert, key
 
 

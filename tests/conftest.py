@@ -49,7 +49,7 @@ def make_client() -> Iterator[Callable[..., ParameterServerClient]]:
 
 
 @pytest.fixture
-def start_cluster() -> Iterator[Callable[..., "LocalCluster"]]:
+def start_cluster() -> Iterator[Callable[..., LocalCluster]]:
     """Starts local clusters of real processes on 127.0.0.1; stops every one afterwards."""
     from paramserve.coordinator.local_cluster import LocalCluster
 

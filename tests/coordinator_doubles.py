@@ -56,7 +56,9 @@ class Gate:
     def wait_for(self, predicate: Callable[[list[int]], bool], timeout: float | None = None) -> list[int]:
         """Blocks until ``predicate(arrivals)`` holds; returns the worker indices that arrived."""
         with self._cond:
-            assert self._cond.wait_for(lambda: predicate(self._arrivals), timeout or self._deadline), f"arrivals: {self._arrivals}"
+            assert self._cond.wait_for(lambda: predicate(self._arrivals), timeout or self._deadline), (
+                f"arrivals: {self._arrivals}"
+            )
             return list(self._arrivals)
 
     def release_one(self) -> None:
@@ -118,4 +120,3 @@ def item_at_gate(iterator: Iterator[Item], gate_address: tuple[str, int]) -> Ite
     item = next(iterator)
     check_in(gate_address, item[0])
     return item
-

@@ -33,7 +33,7 @@ from paramserve.worker.variables import RefreshBeforeForward, ServerOptimizer, m
 ADDRESS = "fake-ps:1"
 
 
-def linear_servers(lr: float) -> "FakeParameterServers":
+def linear_servers(lr: float) -> FakeParameterServers:
     """Servers holding a Linear(3 -> 2) as variables 'w' and 'b' (SGD at ``lr``; torch seed 0)."""
     servers = FakeParameterServers()
     torch.manual_seed(0)
@@ -145,8 +145,12 @@ class FakeParameterServers:
         return PullResult({name: pulled.value[inverse].reshape(shape)}, {ShardRef(name, 0): pulled.version})
 
     def push_and_pull(
-        self, gradients: Mapping[str, torch.Tensor | RowGradient], names: Sequence[str], *,
-        key: str | None = None, base_versions: Mapping[ShardRef, int] | None = None,
+        self,
+        gradients: Mapping[str, torch.Tensor | RowGradient],
+        names: Sequence[str],
+        *,
+        key: str | None = None,
+        base_versions: Mapping[ShardRef, int] | None = None,
         out: Mapping[str, torch.Tensor] | None = None,
     ) -> tuple[PushSummary, PullResult]:
         summary = self.push(gradients, key=key, base_versions=base_versions)
@@ -154,8 +158,12 @@ class FakeParameterServers:
         return summary, self._read(names, out)
 
     def start_push_and_pull(
-        self, gradients: Mapping[str, torch.Tensor | RowGradient], names: Sequence[str], *,
-        key: str | None = None, base_versions: Mapping[ShardRef, int] | None = None,
+        self,
+        gradients: Mapping[str, torch.Tensor | RowGradient],
+        names: Sequence[str],
+        *,
+        key: str | None = None,
+        base_versions: Mapping[ShardRef, int] | None = None,
         out: Mapping[str, torch.Tensor] | None = None,
     ) -> PendingExchange:
         """Applies nothing until ``result()``: the push is in flight until then, as far as the
@@ -163,11 +171,15 @@ class FakeParameterServers:
         self.traffic.started += 1
         return PendingExchange(
             lambda: self.push_and_pull(gradients, names, key=key, base_versions=base_versions, out=out),
-            lambda: None, keep=gradients,
+            lambda: None,
+            keep=gradients,
         )
 
     def push(
-        self, gradients: Mapping[str, torch.Tensor | RowGradient], *, key: str | None = None,
+        self,
+        gradients: Mapping[str, torch.Tensor | RowGradient],
+        *,
+        key: str | None = None,
         base_versions: Mapping[ShardRef, int] | None = None,
     ) -> PushSummary:
         self._check_up()

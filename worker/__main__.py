@@ -30,20 +30,35 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser = parser or argparse.ArgumentParser(prog="paramserve worker", description=__doc__)
     add_server_arguments(parser)
     work = parser.add_argument_group("worker")
-    work.add_argument("--ps-token-file", type=pathlib.Path,
-                      help="token presented to parameter servers (default: the worker's own token)")
-    work.add_argument("--ps-tls-ca", type=pathlib.Path,
-                      help="PEM CA bundle to verify parameter servers that serve TLS (default: plaintext)")
-    work.add_argument("--ps-tls-cert", type=pathlib.Path,
-                      help="PEM client certificate chain presented to parameter servers that require mutual TLS "
-                           "(default: --tls-cert, when --ps-tls-ca is given)")
+    work.add_argument(
+        "--ps-token-file",
+        type=pathlib.Path,
+        help="token presented to parameter servers (default: the worker's own token)",
+    )
+    work.add_argument(
+        "--ps-tls-ca",
+        type=pathlib.Path,
+        help="PEM CA bundle to verify parameter servers that serve TLS (default: plaintext)",
+    )
+    work.add_argument(
+        "--ps-tls-cert",
+        type=pathlib.Path,
+        help="PEM client certificate chain presented to parameter servers that require mutual TLS "
+        "(default: --tls-cert, when --ps-tls-ca is given)",
+    )
     work.add_argument("--ps-tls-key", type=pathlib.Path, help="PEM private key of --ps-tls-cert (default: --tls-key)")
-    work.add_argument("--ps-retry-deadline", type=positive_float, default=60.0,
-                      help="seconds a closure keeps retrying an unreachable parameter server (default: %(default)s)")
-    work.add_argument("--device",
-                      help="where closures compute: 'cpu' or 'cuda:N'. Default, where CUDA is available: GPU "
-                           "LOCAL_RANK (modulo the visible GPUs) when LOCAL_RANK is set, else cuda:0 when "
-                           "CUDA_VISIBLE_DEVICES is set; otherwise the CPU")
+    work.add_argument(
+        "--ps-retry-deadline",
+        type=positive_float,
+        default=60.0,
+        help="seconds a closure keeps retrying an unreachable parameter server (default: %(default)s)",
+    )
+    work.add_argument(
+        "--device",
+        help="where closures compute: 'cpu' or 'cuda:N'. Default, where CUDA is available: GPU "
+        "LOCAL_RANK (modulo the visible GPUs) when LOCAL_RANK is set, else cuda:0 when "
+        "CUDA_VISIBLE_DEVICES is set; otherwise the CPU",
+    )
     return parser
 
 

@@ -28,7 +28,7 @@ import cloudpickle
 import torch
 from torch import nn
 
-from paramserve.psserver.devices import computing_on
+from paramserve.psserver.devices import CPU, computing_on
 from paramserve.psserver.errors import (
     DeadlineExceededError,
     DtypeMismatchError,
@@ -77,8 +77,6 @@ class ResourceSpec:
     resource_id: str
     payload: bytes
     """cloudpickle of ``fn(ctx: WorkerContext) -> object``."""
-
-
 
 
 @dataclass(frozen=True)
@@ -156,16 +154,24 @@ class VariableClient(Protocol):
         """Rows of a variable: shape ``indices.shape + variable.shape[1:]``."""
 
     def push_and_pull(
-        self, gradients: Mapping[str, torch.Tensor | RowGradient], names: Sequence[str], *,
-        key: str | None = None, base_versions: Mapping[ShardRef, int] | None = None,
+        self,
+        gradients: Mapping[str, torch.Tensor | RowGradient],
+        names: Sequence[str],
+        *,
+        key: str | None = None,
+        base_versions: Mapping[ShardRef, int] | None = None,
         out: Mapping[str, torch.Tensor] | None = None,
     ) -> tuple[PushSummary, PullResult]:
         """Applies gradients (host tensors) on the servers (at most once per shard for ``key``),
         then reads ``names`` as the servers hold them once the push is applied (into ``out``)."""
 
     def start_push_and_pull(
-        self, gradients: Mapping[str, torch.Tensor | RowGradient], names: Sequence[str], *,
-        key: str | None = None, base_versions: Mapping[ShardRef, int] | None = None,
+        self,
+        gradients: Mapping[str, torch.Tensor | RowGradient],
+        names: Sequence[str],
+        *,
+        key: str | None = None,
+        base_versions: Mapping[ShardRef, int] | None = None,
         out: Mapping[str, torch.Tensor] | None = None,
     ) -> PendingExchange:
         """``push_and_pull`` sent now, its replies read by the result's ``result()``."""
@@ -181,7 +187,6 @@ class ClosureObserver(Protocol):
     """Told about every closure run (the server's metrics implement it)."""
 
     def on_closure(self, request: ClosureRequest, outcome: ClosureOutcome) -> None: ...
-
 
 
 # ---------------------------------------------------------------- local parameters
@@ -285,7 +290,9 @@ def _check_matches(name: str, parameter: torch.Tensor, value: torch.Tensor) -> N
             variable=name,
         )
     if parameter.dtype != value.dtype:
-        raise DtypeMismatchError(f"the closure was built for {parameter.dtype}, the servers hold {value.dtype}", variable=name)
+        raise DtypeMismatchError(
+            f"the closure was built for {parameter.dtype}, the servers hold {value.dtype}", variable=name
+        )
 
 
 # ---------------------------------------------------------------- one closure's access
@@ -308,8 +315,13 @@ class ClosureAccess:
     so a retried closure sends the same keys and the servers apply each once.
     """
 
-    def __init__(self, variables: LocalVariables, client: VariableClient | None, closure_id: str,
-                 pipeline: PushPipeline | None = None):
+    def __init__(
+        self,
+        variables: LocalVariables,
+        client: VariableClient | None,
+        closure_id: str,
+        pipeline: PushPipeline | None = None,
+    ):
         self._variables = variables
         self._client = client
         self._closure_id = closure_id
@@ -363,7 +375,7 @@ class ClosureAccess:
         if leaf.dtype.is_floating_point:
             leaf.requires_grad_(True)
             flat = indices.reshape(-1).to(torch.int64)
-            self._lookups[name].append(_RowLookup(flat, leaf, tuple(leaf.shape[indices.dim():])))
+            self._lookups[name].append(_RowLookup(flat, leaf, tuple(leaf.shape[indices.dim() :])))
         return leaf
 
     def apply_gradients(self, names: Sequence[str]) -> None:
@@ -431,11 +443,11 @@ class ClosureAccess:
         return gradients
 
     def _row_gradient(self, name: str) -> RowGradient | None:
-        done = [l for l in self._lookups.get(name, ()) if l.leaf.grad is not None]
+        done = [lookup for lookup in self._lookups.get(name, ()) if lookup.leaf.grad is not None]
         if not done:
             return None
-        indices = torch.cat([l.indices for l in done])
-        values = torch.cat([l.row_gradient() for l in done])
+        indices = torch.cat([lookup.indices for lookup in done])
+        values = torch.cat([lookup.row_gradient() for lookup in done])
         return RowGradient(indices, values)
 
     def _forget_rows(self, names: Sequence[str]) -> None:
@@ -447,8 +459,7 @@ class ClosureAccess:
     def _require_client(self) -> VariableClient:
         if self._client is None:
             raise InvalidRequestError(
-                "this closure uses distributed variables but was sent without parameter servers "
-                "in its cluster context"
+                "this closure uses distributed variables but was sent without parameter servers in its cluster context"
             )
         return self._client
 
@@ -466,8 +477,10 @@ class WorkerCore:
     """
 
     def __init__(
-        self, client_factory: ClientFactory, observer: ClosureObserver | None = None,
-        device: torch.device = torch.device("cpu"),
+        self,
+        client_factory: ClientFactory,
+        observer: ClosureObserver | None = None,
+        device: torch.device = CPU,
     ):
         self._client_factory = client_factory
         self.incarnation = uuid.uuid4().hex
@@ -522,7 +535,9 @@ class WorkerCore:
         """
         return self.run_closures([request])[0]
 
-    def _run(self, request: ClosureRequest, pipeline: PushPipeline | None) -> tuple[ClosureOutcome, ClosureAccess | None]:
+    def _run(
+        self, request: ClosureRequest, pipeline: PushPipeline | None
+    ) -> tuple[ClosureOutcome, ClosureAccess | None]:
         """One closure, under the run lock; its last push may still be in ``pipeline``."""
         start = time.perf_counter()
         cluster = self._cluster_for(request)
@@ -561,8 +576,9 @@ class WorkerCore:
             client.close()
 
     def _execute(self, request: ClosureRequest, access: ClosureAccess) -> tuple[bytes | None, ClosureFailure | None]:
-        context = WorkerContext.for_worker(request.worker_index, request.num_workers, self.incarnation,
-                                           device=self._variables.device)
+        context = WorkerContext.for_worker(
+            request.worker_index, request.num_workers, self.incarnation, device=self._variables.device
+        )
         # Gradients left by an earlier (perhaps failed) closure must not leak into this one.
         self._variables.clear_grads()
         try:
@@ -579,7 +595,7 @@ class WorkerCore:
                     result = fn(*args, **kwargs)
             return _dumps_value(result), None
         # SystemExit too: a closure calling sys.exit() must not take the RPC thread down with it.
-        except (Exception, SystemExit) as exc:  # noqa: BLE001 - all of it goes back to the coordinator
+        except (Exception, SystemExit) as exc:
             return None, closure_failure(exc)
 
     def _create_resources(self, specs: Sequence[ResourceSpec], context: WorkerContext) -> None:
@@ -630,7 +646,6 @@ class WorkerCore:
         client.adopt_layouts(cluster.layouts)
         return client
 
-
     def _held(self) -> tuple[str, ...]:
         with self._state_lock:
             return tuple(sorted(self._resources))
@@ -651,7 +666,10 @@ def _blame_failed_push(
 
 def _counted(outcome: ClosureOutcome, access: ClosureAccess | None) -> ClosureOutcome:
     """``outcome`` with its closure's pushes counted once all of them are settled."""
-    if access is None or (outcome.pushes_applied, outcome.pushes_duplicate) == (access.pushes_applied, access.pushes_duplicate):
+    if access is None or (outcome.pushes_applied, outcome.pushes_duplicate) == (
+        access.pushes_applied,
+        access.pushes_duplicate,
+    ):
         return outcome
     return dataclasses.replace(outcome, pushes_applied=access.pushes_applied, pushes_duplicate=access.pushes_duplicate)
 
@@ -743,7 +761,7 @@ def _dumps_value(value: Any) -> bytes:
     try:
         _PlainValuePickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
         return buffer.getvalue()
-    except Exception:  # noqa: BLE001 - anything the standard pickler refuses, cloudpickle may send
+    except Exception:
         buffer = io.BytesIO()
     _ValuePickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
     return buffer.getvalue()
@@ -753,7 +771,9 @@ def closure_failure(exc: BaseException) -> ClosureFailure:
     """What the coordinator learns about an exception raised while running a closure."""
     missing = _in_chain(exc, ResourceMissingError)
     if missing is not None:
-        return ClosureFailure(type=_qualified_name(missing), message=str(missing), missing_resources=missing.resource_ids)
+        return ClosureFailure(
+            type=_qualified_name(missing), message=str(missing), missing_resources=missing.resource_ids
+        )
     server_error = _in_chain(exc, (ServerUnavailableError, DeadlineExceededError))
     if server_error is None:
         lost = _in_chain(exc, VariableNotFoundError)  # every variable asked for is in the cluster context
@@ -785,7 +805,7 @@ def _pickled_exception(exc: BaseException) -> bytes:
         payload = _dumps_value(exc)
         cloudpickle.loads(payload)
         return payload
-    except Exception:  # noqa: BLE001 - any failure means "send the text only"
+    except Exception:
         return b""
 
 
@@ -797,11 +817,21 @@ def _qualified_name(exc: BaseException) -> str:
 def _log_outcome(request: ClosureRequest, outcome: ClosureOutcome) -> None:
     name = request.function_name or "closure"
     if outcome.error is None:
-        log.debug("closure %s (%s, attempt %d) done in %.3fs", request.closure_id, name, request.attempt, outcome.seconds)
+        log.debug(
+            "closure %s (%s, attempt %d) done in %.3fs", request.closure_id, name, request.attempt, outcome.seconds
+        )
     elif outcome.error.missing_resources:
-        log.info("closure %s (%s): missing resources %s", request.closure_id, name, list(outcome.error.missing_resources))
+        log.info(
+            "closure %s (%s): missing resources %s", request.closure_id, name, list(outcome.error.missing_resources)
+        )
     elif outcome.error.needs_cluster:
         log.info("closure %s (%s): asks for the cluster context", request.closure_id, name)
     else:
-        log.info("closure %s (%s, attempt %d) failed: %s: %s", request.closure_id, name, request.attempt,
-                 outcome.error.type, outcome.error.message)
+        log.info(
+            "closure %s (%s, attempt %d) failed: %s: %s",
+            request.closure_id,
+            name,
+            request.attempt,
+            outcome.error.type,
+            outcome.error.message,
+        )

@@ -42,8 +42,9 @@ def request_to_proto(request: ClosureRequest) -> worker_pb2.RunClosureRequest:
     )
 
 
-def batch_to_proto(requests: Sequence[ClosureRequest],
-                   cluster: cluster_pb2.ClusterContext | None = None) -> worker_pb2.RunClosuresRequest:
+def batch_to_proto(
+    requests: Sequence[ClosureRequest], cluster: cluster_pb2.ClusterContext | None = None
+) -> worker_pb2.RunClosuresRequest:
     """One RunClosures call carrying ``requests``. ``cluster``: a context already on the wire (the
     coordinator converts each context once, not once per call), sent with the first request."""
     messages = [request_to_proto(request) for request in requests]
@@ -131,7 +132,9 @@ def outcome_from_proto(message: worker_pb2.RunClosureResponse) -> ClosureOutcome
 
 def info_to_proto(info: WorkerInfo) -> worker_pb2.WorkerInfo:
     return worker_pb2.WorkerInfo(
-        incarnation=info.incarnation, pid=info.pid, resources_held=list(info.resources_held),
+        incarnation=info.incarnation,
+        pid=info.pid,
+        resources_held=list(info.resources_held),
         closures_run=info.closures_run,
     )
 

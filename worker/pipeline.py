@@ -65,7 +65,7 @@ class PushPipeline:
             return
         try:
             in_flight.settled(in_flight.exchange)
-        except Exception as exc:  # noqa: BLE001 - it becomes the owner's error
+        except Exception as exc:
             if self.failure is None:
                 self.failure = (in_flight.owner, exc)
             raise EarlierPushFailed(f"the push of an earlier closure failed: {exc}") from exc

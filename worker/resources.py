@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from paramserve.psserver.devices import CPU
+
 
 @dataclass(frozen=True)
 class InputContext:
@@ -61,7 +63,7 @@ class WorkerContext(InputContext):
 
     @classmethod
     def for_worker(
-        cls, worker_index: int, num_workers: int, incarnation: str, device: torch.device = torch.device("cpu")
+        cls, worker_index: int, num_workers: int, incarnation: str, device: torch.device = CPU
     ) -> WorkerContext:
         """The context of worker ``worker_index`` of ``num_workers`` (input context ``(1, 0, 1)``)."""
         return cls(worker_index=worker_index, num_workers=num_workers, incarnation=incarnation, device=device)

@@ -55,18 +55,19 @@ class ClosureMetrics:
     retried closures and the cluster's size as the coordinator last said it."""
 
     def __init__(self, registry: CollectorRegistry):
-        self.closures = Counter(
-            "paramserve_worker_closures", "Closures run, by result.", ["result"], registry=registry
-        )
+        self.closures = Counter("paramserve_worker_closures", "Closures run, by result.", ["result"], registry=registry)
         self.seconds = Histogram(
-            "paramserve_worker_closure_seconds", "Time to run a closure (all its steps).", registry=registry,
+            "paramserve_worker_closure_seconds",
+            "Time to run a closure (all its steps).",
+            registry=registry,
             buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 60, 300),
         )
         self.pushes = Counter(
             "paramserve_worker_pushes", "Shard pushes sent, by result.", ["result"], registry=registry
         )
         self.steps = Counter(
-            "paramserve_worker_steps", "Steps of closures that succeeded (rate(): this worker's steps/s).",
+            "paramserve_worker_steps",
+            "Steps of closures that succeeded (rate(): this worker's steps/s).",
             registry=registry,
         )
         self.retried = Counter(
@@ -75,11 +76,13 @@ class ClosureMetrics:
             registry=registry,
         )
         self.cluster_workers = Gauge(
-            "paramserve_worker_cluster_workers", "Workers in the cluster, as the last closure's coordinator said.",
+            "paramserve_worker_cluster_workers",
+            "Workers in the cluster, as the last closure's coordinator said.",
             registry=registry,
         )
         self.worker_index = Gauge(
-            "paramserve_worker_index", "This worker's index in the cluster, from the last closure (-1 before one).",
+            "paramserve_worker_index",
+            "This worker's index in the cluster, from the last closure (-1 before one).",
             registry=registry,
         )
         self.worker_index.set(-1)
@@ -145,7 +148,10 @@ def build_worker(config: WorkerConfig, registry: CollectorRegistry | None = None
     registry = registry or CollectorRegistry()
     core = WorkerCore(parameter_server_clients(config), observer=ClosureMetrics(registry), device=config.device)
     service = GrpcService.for_config(
-        config, handlers=[generic_handler(WorkerServicer(core))], service_names=[SERVICE_NAME],
-        registry=registry, role="worker",
+        config,
+        handlers=[generic_handler(WorkerServicer(core))],
+        service_names=[SERVICE_NAME],
+        registry=registry,
+        role="worker",
     )
     return Worker(config, core, service.start(), registry)

@@ -40,5 +40,3 @@ def generic_handler(servicer: WorkerServicer) -> grpc.GenericRpcHandler:
         "GetInfo": grpc.unary_unary_rpc_method_handler(servicer.GetInfo),
     }
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
-
-

@@ -62,8 +62,7 @@ class NoAccess:
 
     def parameter(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
         raise RuntimeError(
-            f"variable {name!r} was sent outside a paramserve closure; run it through "
-            "ClusterCoordinator.schedule()"
+            f"variable {name!r} was sent outside a paramserve closure; run it through ClusterCoordinator.schedule()"
         )
 
     def refresh(self, parameters: Sequence[nn.Parameter]) -> None:
@@ -230,8 +229,12 @@ class ServerOptimizer:
     servers apply the real torch.optim update (``spec``) to their shards."""
 
     def __init__(
-        self, variables: Sequence[str], spec_name: str, spec_kwargs: Mapping[str, Any],
-        home: VariableAccess | None = None, owner: object | None = None,
+        self,
+        variables: Sequence[str],
+        spec_name: str,
+        spec_kwargs: Mapping[str, Any],
+        home: VariableAccess | None = None,
+        owner: object | None = None,
     ):
         self.variables = tuple(variables)
         self.spec_name = spec_name
@@ -270,12 +273,20 @@ def _resolve_parameter(name: str, shape: tuple[int, ...], dtype: torch.dtype) ->
     return current_access().parameter(name, shape, dtype)
 
 
-_REFILLED_MODULE_ATTRIBUTES = frozenset({
-    "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called", "_state_dict_hooks", "_state_dict_pre_hooks",
-    "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks", "_backward_pre_hooks",
-    "_non_persistent_buffers_set",
-})
+_REFILLED_MODULE_ATTRIBUTES = frozenset(
+    {
+        "_forward_pre_hooks",
+        "_forward_pre_hooks_with_kwargs",
+        "_forward_hooks_with_kwargs",
+        "_forward_hooks_always_called",
+        "_state_dict_hooks",
+        "_state_dict_pre_hooks",
+        "_load_state_dict_pre_hooks",
+        "_load_state_dict_post_hooks",
+        "_backward_pre_hooks",
+        "_non_persistent_buffers_set",
+    }
+)
 """Attributes that ``nn.Module.__setstate__`` recreates, empty, when a pickled module lacks them."""
 
 
@@ -288,10 +299,12 @@ def _pickles_plainly(cls: object) -> bool:
     known = _PLAIN_MODULE_CLASSES.get(id(cls))
     if known is not None and known[0] is cls:
         return known[1]
-    plain = bool(getattr(cls, "__reduce_ex__", None) is getattr(object, "__reduce_ex__")
-                 and getattr(cls, "__reduce__", None) is getattr(object, "__reduce__")
-                 and getattr(cls, "__getstate__", None) is getattr(nn.Module, "__getstate__")
-                 and getattr(cls, "__setstate__", None) is getattr(nn.Module, "__setstate__"))
+    plain = bool(
+        getattr(cls, "__reduce_ex__", None) is object.__reduce_ex__
+        and getattr(cls, "__reduce__", None) is object.__reduce__
+        and getattr(cls, "__getstate__", None) is nn.Module.__getstate__
+        and getattr(cls, "__setstate__", None) is nn.Module.__setstate__
+    )
     _PLAIN_MODULE_CLASSES[id(cls)] = (cls, plain)
     return plain
 
@@ -300,8 +313,11 @@ def _trimmed_module(module: nn.Module) -> tuple[Any, ...]:
     """``module``'s state less the empty hook dicts ``nn.Module.__setstate__`` would recreate:
     a module carries about 13 of them, most of the objects a closure pickles (a 3-layer MLP:
     89 of 122), paid at every schedule()."""
-    state = {k: v for k, v in module.__getstate__().items()
-             if not (k in _REFILLED_MODULE_ATTRIBUTES and isinstance(v, (dict, set)) and not v)}
+    state = {
+        k: v
+        for k, v in module.__getstate__().items()
+        if not (k in _REFILLED_MODULE_ATTRIBUTES and isinstance(v, (dict, set)) and not v)
+    }
     return _rebuild_module, (type(module), state)
 
 
@@ -340,7 +356,7 @@ def dumps_closure(obj: Any) -> bytes:
     buffer = io.BytesIO()
     try:
         _ClosurePickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
-    except Exception as err:  # noqa: BLE001 - pickling raises many types
+    except Exception as err:
         raise TypeError(
             f"cannot send this to a worker: {type(err).__name__}: {err}. Closures and their "
             "arguments must be picklable by cloudpickle (no locks, open files, generators, "

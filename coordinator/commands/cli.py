@@ -33,11 +33,24 @@ class Subcommand(NamedTuple):
 SUBCOMMANDS = (
     Subcommand("ps", "paramserve.psserver.__main__", "run", "run a parameter server"),
     Subcommand("worker", "paramserve.worker.__main__", "run", "run a worker"),
-    Subcommand("demo", "paramserve.coordinator.commands.demo", "main", "train an MLP on a local cluster it starts (the quick start)"),
-    Subcommand("launch", "paramserve.coordinator.commands.launch", "main", "run a training script against a local cluster"),
-    Subcommand("health", "paramserve.coordinator.commands.health", "main", "check that a server is SERVING (exit status 0)"),
-    Subcommand("evaluator", "paramserve.coordinator.commands.evaluate", "main",
-               "evaluate each new checkpoint and write TensorBoard summaries (a sidecar evaluator)"),
+    Subcommand(
+        "demo",
+        "paramserve.coordinator.commands.demo",
+        "main",
+        "train an MLP on a local cluster it starts (the quick start)",
+    ),
+    Subcommand(
+        "launch", "paramserve.coordinator.commands.launch", "main", "run a training script against a local cluster"
+    ),
+    Subcommand(
+        "health", "paramserve.coordinator.commands.health", "main", "check that a server is SERVING (exit status 0)"
+    ),
+    Subcommand(
+        "evaluator",
+        "paramserve.coordinator.commands.evaluate",
+        "main",
+        "evaluate each new checkpoint and write TensorBoard summaries (a sidecar evaluator)",
+    ),
 )
 
 
@@ -61,7 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Parameter-server training for PyTorch: run a role of a cluster.",
     )
     parser.add_argument("--version", action="version", version=f"paramserve {version()}")
-    parser.add_argument("--debug", action="store_true", help="show the traceback of a failed start, not only its message")
+    parser.add_argument(
+        "--debug", action="store_true", help="show the traceback of a failed start, not only its message"
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for command in SUBCOMMANDS:
         module = importlib.import_module(command.module)

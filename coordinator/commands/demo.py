@@ -53,10 +53,17 @@ def digits_split(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     x_train, x_test, y_train, y_test = train_test_split(
         features.astype(np.float32) / 16.0, labels, test_size=0.2, random_state=seed, stratify=labels
     )
-    return torch.from_numpy(x_train), torch.from_numpy(y_train).long(), torch.from_numpy(x_test), torch.from_numpy(y_test).long()
+    return (
+        torch.from_numpy(x_train),
+        torch.from_numpy(y_train).long(),
+        torch.from_numpy(x_test),
+        torch.from_numpy(y_test).long(),
+    )
 
 
-def worker_batches(context: WorkerContext, batch_size: int = 32, seed: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def worker_batches(
+    context: WorkerContext, batch_size: int = 32, seed: int = 0
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Runs on a worker: endless shuffled batches of this worker's shard of the training set."""
     x_train, y_train, _, _ = digits_split(seed)
     shard = torch.arange(context.worker_index, len(x_train), context.num_workers)
@@ -101,14 +108,20 @@ def run(args: argparse.Namespace) -> DemoSummary:
     from paramserve.psserver.security import writable_directory
 
     started = time.perf_counter()
-    checkpoint_dir = writable_directory(pathlib.Path(args.checkpoint_dir), "--checkpoint-dir") if args.checkpoint_dir \
+    checkpoint_dir = (
+        writable_directory(pathlib.Path(args.checkpoint_dir), "--checkpoint-dir")
+        if args.checkpoint_dir
         else pathlib.Path(tempfile.mkdtemp(prefix="paramserve-demo-"))
+    )
     _, _, x_test, y_test = digits_split(args.seed)
     with _cluster(args) as (spec, token):
         strategy = ParameterServerStrategy(
-            spec, variable_partitioner=MinSizePartitioner(min_shard_bytes=16 << 10, max_shards=spec.num_ps()), token=token,
-            client_config=ClientConfig(tls_root_certificates=args.tls_ca, tls_cert_chain=args.tls_cert,
-                                       tls_private_key=args.tls_key),
+            spec,
+            variable_partitioner=MinSizePartitioner(min_shard_bytes=16 << 10, max_shards=spec.num_ps()),
+            token=token,
+            client_config=ClientConfig(
+                tls_root_certificates=args.tls_ca, tls_cert_chain=args.tls_cert, tls_private_key=args.tls_key
+            ),
         )
         torch.manual_seed(args.seed)
         with strategy.scope():
@@ -116,10 +129,14 @@ def run(args: argparse.Namespace) -> DemoSummary:
         optimizer = strategy.optimizer(torch.optim.Adam, lr=args.lr)
         manager = CheckpointManager(strategy, checkpoint_dir, max_to_keep=3)
         step = manager.restore_or_initialize() or 0
-        with ClusterCoordinator(strategy, metrics_port=args.metrics_port, metrics_host=args.metrics_host) as coordinator:
+        with ClusterCoordinator(
+            strategy, metrics_port=args.metrics_port, metrics_host=args.metrics_host
+        ) as coordinator:
             batches = iter(coordinator.create_per_worker_dataset(_dataset_fn(args)))
             last = None
-            with tqdm(total=args.steps, initial=min(step, args.steps), unit="step", disable=args.quiet, file=sys.stderr) as bar:
+            with tqdm(
+                total=args.steps, initial=min(step, args.steps), unit="step", disable=args.quiet, file=sys.stderr
+            ) as bar:
                 while step < args.steps:
                     steps = min(args.steps_per_execution, args.steps - step)
                     last = coordinator.schedule(train_step, args=(batches, model, optimizer), steps=steps)
@@ -157,12 +174,19 @@ def _cluster(args: argparse.Namespace) -> Iterator[tuple[Any, str | None]]:
     from paramserve.psserver.serving import TOKEN_ENV, read_token_file
 
     if args.cluster_from_env:
-        token = read_token_file(args.token_file) if args.token_file else check_token(os.environ.get(TOKEN_ENV), TOKEN_ENV)
+        token = (
+            read_token_file(args.token_file) if args.token_file else check_token(os.environ.get(TOKEN_ENV), TOKEN_ENV)
+        )
         yield ClusterSpec.from_env(), token
         return
     token = secrets.token_hex(16)
-    with LocalCluster(num_ps=args.ps, num_workers=args.workers, token=token, extra_ps_args=_tls_args(args, "ps"),
-                      extra_worker_args=_tls_args(args, "worker")) as cluster:
+    with LocalCluster(
+        num_ps=args.ps,
+        num_workers=args.workers,
+        token=token,
+        extra_ps_args=_tls_args(args, "ps"),
+        extra_worker_args=_tls_args(args, "worker"),
+    ) as cluster:
         yield cluster.spec, token
 
 
@@ -184,31 +208,59 @@ def _dataset_fn(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     parser = parser or argparse.ArgumentParser(prog="paramserve demo", description=__doc__)
     parser.add_argument("--steps", type=int, default=1200, help="training steps in all (default: %(default)s)")
-    parser.add_argument("--steps-per-execution", type=int, default=4, help="steps packed into one closure (default: %(default)s)")
+    parser.add_argument(
+        "--steps-per-execution", type=int, default=4, help="steps packed into one closure (default: %(default)s)"
+    )
     parser.add_argument("--batch-size", type=int, default=32, help="per-step batch (default: %(default)s)")
     parser.add_argument("--lr", type=float, default=2e-3, help="Adam learning rate (default: %(default)s)")
     parser.add_argument("--hidden", type=int, default=128, help="hidden units (default: %(default)s)")
     parser.add_argument("--ps", type=int, default=2, help="parameter servers to start (default: %(default)s)")
     parser.add_argument("--workers", type=int, default=2, help="workers to start (default: %(default)s)")
-    parser.add_argument("--checkpoint-dir", help="where checkpoints go; an existing one is resumed (default: a new temp dir)")
-    parser.add_argument("--checkpoint-every", type=int, default=400, help="steps between checkpoints (default: %(default)s)")
-    parser.add_argument("--cluster-from-env", action="store_true",
-                        help="train on the cluster in PARAMSERVE_PS / PARAMSERVE_WORKERS or PARAMSERVE_WORKER_SERVICE / TF_CONFIG "
-                             "(token: --token-file or PARAMSERVE_TOKEN) instead of starting one")
-    parser.add_argument("--token-file", type=pathlib.Path,
-                        help="with --cluster-from-env: file holding the cluster's shared token (a Compose or Kubernetes secret)")
-    parser.add_argument("--metrics-port", type=int,
-                        help="serve the coordinator's Prometheus metrics on this port (0: a free one; default: none)")
-    parser.add_argument("--metrics-host", default="127.0.0.1",
-                        help="address the metrics endpoint listens on (default: %(default)s; 0.0.0.0 in containers, "
-                             "for Prometheus to scrape it)")
-    parser.add_argument("--seed", type=int, default=0,
-                        help="seed of the train/test split, the model's initial weights and the workers' shuffling: "
-                             "the same seed trains the same way up to the asynchrony of the workers (default: %(default)s)")
-    parser.add_argument("--tls-ca", type=pathlib.Path,
-                        help="mutual TLS between every process: the CA bundle that signed --tls-cert (needs both)")
-    parser.add_argument("--tls-cert", type=pathlib.Path,
-                        help="PEM certificate every process presents (valid for 127.0.0.1, as a server and a client)")
+    parser.add_argument(
+        "--checkpoint-dir", help="where checkpoints go; an existing one is resumed (default: a new temp dir)"
+    )
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=400, help="steps between checkpoints (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--cluster-from-env",
+        action="store_true",
+        help="train on the cluster in PARAMSERVE_PS / PARAMSERVE_WORKERS or PARAMSERVE_WORKER_SERVICE / TF_CONFIG "
+        "(token: --token-file or PARAMSERVE_TOKEN) instead of starting one",
+    )
+    parser.add_argument(
+        "--token-file",
+        type=pathlib.Path,
+        help="with --cluster-from-env: file holding the cluster's shared token (a Compose or Kubernetes secret)",
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve the coordinator's Prometheus metrics on this port (0: a free one; default: none)",
+    )
+    parser.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="address the metrics endpoint listens on (default: %(default)s; 0.0.0.0 in containers, "
+        "for Prometheus to scrape it)",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the train/test split, the model's initial weights and the workers' shuffling: "
+        "the same seed trains the same way up to the asynchrony of the workers (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--tls-ca",
+        type=pathlib.Path,
+        help="mutual TLS between every process: the CA bundle that signed --tls-cert (needs both)",
+    )
+    parser.add_argument(
+        "--tls-cert",
+        type=pathlib.Path,
+        help="PEM certificate every process presents (valid for 127.0.0.1, as a server and a client)",
+    )
     parser.add_argument("--tls-key", type=pathlib.Path, help="PEM private key of --tls-cert")
     parser.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -217,8 +269,13 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for name, value in (("--steps", args.steps), ("--steps-per-execution", args.steps_per_execution),
-                        ("--ps", args.ps), ("--workers", args.workers), ("--checkpoint-every", args.checkpoint_every)):
+    for name, value in (
+        ("--steps", args.steps),
+        ("--steps-per-execution", args.steps_per_execution),
+        ("--ps", args.ps),
+        ("--workers", args.workers),
+        ("--checkpoint-every", args.checkpoint_every),
+    ):
         if value < 1:
             parser.error(f"{name} must be at least 1")
     if len({args.tls_ca is None, args.tls_cert is None, args.tls_key is None}) > 1:
@@ -226,8 +283,11 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.tls_ca is not None and args.cluster_from_env:
         parser.error("--tls-* start a cluster with TLS; with --cluster-from-env the cluster's own settings apply")
     summary = run(args)
-    print(f"test accuracy {summary.test_accuracy:.4f} after {summary.steps} steps in {summary.duration_s:.1f}s "
-          f"({summary.workers} workers, {summary.parameter_servers} parameter servers); checkpoints in {summary.checkpoint_dir}")
+    print(
+        f"test accuracy {summary.test_accuracy:.4f} after {summary.steps} steps in {summary.duration_s:.1f}s "
+        f"({summary.workers} workers, {summary.parameter_servers} parameter servers); "
+        f"checkpoints in {summary.checkpoint_dir}"
+    )
     if args.json:
         print(json.dumps(asdict(summary)))
     return 0

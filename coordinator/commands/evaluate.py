@@ -31,7 +31,7 @@ def digits_test_batches(batch_size: int = 128) -> Iterator[tuple[torch.Tensor, t
     from paramserve.coordinator.commands.demo import digits_split
 
     _, _, x_test, y_test = digits_split()
-    return iter([(x_test[i: i + batch_size], y_test[i: i + batch_size]) for i in range(0, len(x_test), batch_size)])
+    return iter([(x_test[i : i + batch_size], y_test[i : i + batch_size]) for i in range(0, len(x_test), batch_size)])
 
 
 def load_callable(spec: str, flag: str, parser: argparse.ArgumentParser) -> Any:
@@ -48,19 +48,33 @@ def load_callable(spec: str, flag: str, parser: argparse.ArgumentParser) -> Any:
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     parser = parser or argparse.ArgumentParser(prog="paramserve evaluator", description=__doc__)
     parser.add_argument("--checkpoint-dir", type=pathlib.Path, required=True, help="where training writes checkpoints")
-    parser.add_argument("--every", type=float, default=10.0,
-                        help="seconds between looks for a new checkpoint (default: %(default)s)")
-    parser.add_argument("--log-dir", type=pathlib.Path,
-                        help="write TensorBoard summaries to LOG_DIR/validation (default: none)")
-    parser.add_argument("--model", default="paramserve.coordinator.commands.demo:MLP",
-                        help="package.module:function returning the model to load checkpoints into (default: %(default)s)")
-    parser.add_argument("--data", default="paramserve.coordinator.commands.evaluate:digits_test_batches",
-                        help="package.module:function returning (inputs, targets) batches (default: %(default)s)")
+    parser.add_argument(
+        "--every", type=float, default=10.0, help="seconds between looks for a new checkpoint (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--log-dir", type=pathlib.Path, help="write TensorBoard summaries to LOG_DIR/validation (default: none)"
+    )
+    parser.add_argument(
+        "--model",
+        default="paramserve.coordinator.commands.demo:MLP",
+        help="package.module:function returning the model to load checkpoints into (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--data",
+        default="paramserve.coordinator.commands.evaluate:digits_test_batches",
+        help="package.module:function returning (inputs, targets) batches (default: %(default)s)",
+    )
     parser.add_argument("--steps", type=int, help="batches per evaluation (default: all)")
-    parser.add_argument("--max-evaluations", type=int, help="stop after this many evaluations (default: run until stopped)")
+    parser.add_argument(
+        "--max-evaluations", type=int, help="stop after this many evaluations (default: run until stopped)"
+    )
     parser.add_argument("--json", action="store_true", help="print each evaluation as a JSON line")
-    parser.add_argument("--log-level", default="INFO", choices=LOG_LEVELS,
-                        help=f"how much to log: {', '.join(LOG_LEVELS)} (default: %(default)s)")
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=LOG_LEVELS,
+        help=f"how much to log: {', '.join(LOG_LEVELS)} (default: %(default)s)",
+    )
     return parser
 
 
@@ -85,11 +99,20 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+
     def report(evaluation: Any) -> None:
         line = {"checkpoint": str(evaluation.checkpoint), "step": evaluation.step, **evaluation.results}
         print(json.dumps(line) if args.json else " ".join(f"{k}={v}" for k, v in line.items()), flush=True)
 
-    evaluator = SidecarEvaluator(model, data, args.checkpoint_dir, log_dir=args.log_dir, steps=args.steps,
-                                 max_evaluations=args.max_evaluations, every=args.every, on_evaluation=report)
+    evaluator = SidecarEvaluator(
+        model,
+        data,
+        args.checkpoint_dir,
+        log_dir=args.log_dir,
+        steps=args.steps,
+        max_evaluations=args.max_evaluations,
+        every=args.every,
+        on_evaluation=report,
+    )
     evaluator.run(stop)
     return 0

@@ -20,16 +20,24 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     parser = parser or argparse.ArgumentParser(prog="paramserve health", description=__doc__)
     parser.add_argument("address", help="host:port of a parameter server or worker")
-    parser.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer (default: %(default)s)")
+    parser.add_argument(
+        "--timeout", type=float, default=3.0, help="seconds to wait for the answer (default: %(default)s)"
+    )
     parser.add_argument("--service", default="", help="service name to ask about (default: the whole server)")
     parser.add_argument("--tls-ca", type=pathlib.Path, help="PEM CA bundle: speak TLS and verify the server with it")
-    parser.add_argument("--tls-cert", type=pathlib.Path, help="PEM client certificate, for a server that requires mutual TLS")
+    parser.add_argument(
+        "--tls-cert", type=pathlib.Path, help="PEM client certificate, for a server that requires mutual TLS"
+    )
     parser.add_argument("--tls-key", type=pathlib.Path, help="PEM private key of --tls-cert")
-    parser.add_argument("--tls-server-name", help="name to check the server's certificate for (default: the address's host)")
+    parser.add_argument(
+        "--tls-server-name", help="name to check the server's certificate for (default: the address's host)"
+    )
     return parser
 
 
-def credentials(ca: pathlib.Path, cert: pathlib.Path | None = None, key: pathlib.Path | None = None) -> grpc.ChannelCredentials:
+def credentials(
+    ca: pathlib.Path, cert: pathlib.Path | None = None, key: pathlib.Path | None = None
+) -> grpc.ChannelCredentials:
     """TLS channel credentials from PEM files. Raises ValueError naming a file that cannot be read."""
     if (cert is None) != (key is None):
         raise ValueError("a client certificate needs both --tls-cert and --tls-key")
@@ -45,16 +53,27 @@ def credentials(ca: pathlib.Path, cert: pathlib.Path | None = None, key: pathlib
     return grpc.ssl_channel_credentials(read(ca, "--tls-ca"), read(key, "--tls-key"), read(cert, "--tls-cert"))
 
 
-def check(address: str, timeout: float, service: str = "", tls: grpc.ChannelCredentials | None = None,
-          server_name: str | None = None) -> str:
+def check(
+    address: str,
+    timeout: float,
+    service: str = "",
+    tls: grpc.ChannelCredentials | None = None,
+    server_name: str | None = None,
+) -> str:
     """The server's health status name, or UNREACHABLE."""
     options = [("grpc.ssl_target_name_override", server_name)] if server_name else []
     channel = grpc.insecure_channel(address) if tls is None else grpc.secure_channel(address, tls, options=options)
     with channel:
         try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout
+            )
         except grpc.RpcError as err:
-            return "UNREACHABLE" if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) else err.code().name
+            return (
+                "UNREACHABLE"
+                if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+                else err.code().name
+            )
     return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 

@@ -335,15 +335,19 @@ def _build_optimizer_class(cls: Any) -> type:
             return (_same, (stand_in,))
         return (_rebuild, (cls, cls.__getstate__(self)))
 
-    return type(cls.__name__, (cls,), {
-        "step": step,
-        "zero_grad": zero_grad,
-        "load_state_dict": load_state_dict,
-        "__reduce_ex__": __reduce_ex__,
-        "__module__": cls.__module__,
-        "__qualname__": cls.__qualname__,
-        "_paramserve_base": cls,
-    })
+    return type(
+        cls.__name__,
+        (cls,),
+        {
+            "step": step,
+            "zero_grad": zero_grad,
+            "load_state_dict": load_state_dict,
+            "__reduce_ex__": __reduce_ex__,
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+            "_paramserve_base": cls,
+        },
+    )
 
 
 def redirect_optimizer(optimizer: torch.optim.Optimizer) -> None:

@@ -1,8 +1,8 @@
 """Replica threads of a strategy and the merge points where they meet in a ``strategy.run``.
 
 ``ReplicaThreads``: one persistent thread per replica, started by a strategy's first
-``run`` and reused by the next ones (``close()`` joins them). One ``Rendezvous`` per run: at a merge point (``optimizer.step()``,
-``ReplicaContext.all_reduce``) every replica deposits its value; the last to
+``run`` and reused by the next ones (``close()`` joins them). One ``Rendezvous`` per run: at a
+merge point (``optimizer.step()``, ``ReplicaContext.all_reduce``) every replica deposits its value; the last to
 arrive combines them once, under the lock, and each replica takes its share.
 A replica that returns or fails can never reach another merge point, so it
 *departs*: replicas waiting (or arriving later) get ReplicaDeparted instead of
@@ -207,7 +207,9 @@ class ReplicaThreads:
                     self._lock.acquire()
         self._stopping = False
         self._threads = [
-            threading.Thread(target=self._serve, args=(r, self._generation), name=f"{self._name}-replica-{r}", daemon=True)
+            threading.Thread(
+                target=self._serve, args=(r, self._generation), name=f"{self._name}-replica-{r}", daemon=True
+            )
             for r in range(self._count)
         ]
         _live.add(self)
@@ -234,7 +236,7 @@ class ReplicaThreads:
                         self._done.notify_all()
 
 
-_live: "weakref.WeakSet[ReplicaThreads]" = weakref.WeakSet()
+_live: weakref.WeakSet[ReplicaThreads] = weakref.WeakSet()
 
 
 def _reset_all_after_fork() -> None:
@@ -267,7 +269,11 @@ def run_replicas(
         reason = "returned"
         _local.strategy, _local.replica = strategy, replica
         try:
-            with replica_thread_context(strategy, replica), torch.set_grad_enabled(grad_enabled), computing_on(devices[replica]):
+            with (
+                replica_thread_context(strategy, replica),
+                torch.set_grad_enabled(grad_enabled),
+                computing_on(devices[replica]),
+            ):
                 results[replica] = body(replica)
         except BaseException as error:
             errors[replica], reason = error, f"failed ({type(error).__name__})"

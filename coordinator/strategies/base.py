@@ -44,7 +44,7 @@ class ReduceOp(enum.Enum):
 class ReplicaContext:
     """The context of one replica while ``strategy.run`` executes it."""
 
-    def __init__(self, strategy: "Strategy", replica_id_in_sync_group: int):
+    def __init__(self, strategy: Strategy, replica_id_in_sync_group: int):
         self.strategy = strategy
         self.replica_id_in_sync_group = replica_id_in_sync_group
 
@@ -55,7 +55,9 @@ class ReplicaContext:
     def all_reduce(self, reduce_op: ReduceOp | str, value: Any) -> Any:
         """Reduces ``value`` (a tensor or a nest of tensors) across all replicas;
         every replica gets the result. All replicas must call it."""
-        return self.strategy._replica_all_reduce(self, ReduceOp(reduce_op) if isinstance(reduce_op, str) else reduce_op, value)
+        return self.strategy._replica_all_reduce(
+            self, ReduceOp(reduce_op) if isinstance(reduce_op, str) else reduce_op, value
+        )
 
     def __repr__(self) -> str:
         return f"ReplicaContext({type(self.strategy).__name__}, replica {self.replica_id_in_sync_group})"
@@ -67,7 +69,7 @@ class Strategy(abc.ABC):
     # ------------------------------------------------------------------ scope and contexts
 
     @contextlib.contextmanager
-    def scope(self) -> Iterator["Strategy"]:
+    def scope(self) -> Iterator[Strategy]:
         """Modules and optimizers created inside become distributed by this strategy."""
         _stack().append(_Entry(self, None))
         try:
@@ -125,8 +127,9 @@ class Strategy(abc.ABC):
         non-chief processes of a multi-process strategy."""
         return True
 
-    def step_runner(self, step: StepFn, train_data: Any, *, steps_per_epoch: int | None,
-                    coordinator: Any = None) -> StepRunner:
+    def step_runner(
+        self, step: StepFn, train_data: Any, *, steps_per_epoch: int | None, coordinator: Any = None
+    ) -> StepRunner:
         """How ``fit`` runs ``step`` over ``train_data`` under this strategy (here: in this
         process, with ``run`` on distributed batches). Raises TypeError/ValueError for data
         this strategy cannot train on."""
@@ -148,8 +151,10 @@ class Strategy(abc.ABC):
         """Raises ValueError when ``optimizer`` updates another strategy's variables (``fit``
         asks before training): a parameter-server optimizer steps only under its strategy."""
         if steps_elsewhere(optimizer, self):
-            raise ValueError("the optimizer comes from ParameterServerStrategy.optimizer(): pass that strategy to "
-                             "fit as strategy= (or call fit inside its scope())")
+            raise ValueError(
+                "the optimizer comes from ParameterServerStrategy.optimizer(): pass that strategy to "
+                "fit as strategy= (or call fit inside its scope())"
+            )
 
     def learning_rate(self, optimizer: Any) -> float:
         """The learning rate ``optimizer`` applies now."""
@@ -183,6 +188,7 @@ class Strategy(abc.ABC):
         """Ends the strategy: stops what it started (threads, connections, process groups) and
         leaves the modules and optimizers built in its scope as plain torch objects, with no
         process-wide hook of its left behind. Idempotent; nothing to do by default."""
+        return None
 
     # ------------------------------------------------------------------ which models are this strategy's
 
@@ -258,10 +264,10 @@ class DefaultStrategy(SingleReplicaStrategy):
     """The no-op strategy current when no other is in scope: ``run(fn)`` simply calls fn.
     A singleton: get it with ``get_strategy()``."""
 
-    _instance: "DefaultStrategy | None" = None
+    _instance: DefaultStrategy | None = None
     _lock = threading.Lock()
 
-    def __new__(cls) -> "DefaultStrategy":
+    def __new__(cls) -> DefaultStrategy:
         with cls._lock:
             if cls._instance is None:
                 cls._instance = super().__new__(cls)
@@ -340,7 +346,5 @@ def replica_thread_context(strategy: Strategy, replica_id: int) -> Iterator[Repl
 def _param_groups(optimizer: Any) -> list[dict[str, Any]]:
     groups = getattr(optimizer, "param_groups", None)
     if not groups:
-        raise TypeError(
-            f"expected a torch.optim optimizer (with param_groups), got {type(optimizer).__name__}"
-        )
+        raise TypeError(f"expected a torch.optim optimizer (with param_groups), got {type(optimizer).__name__}")
     return groups

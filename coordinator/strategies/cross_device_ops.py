@@ -40,7 +40,9 @@ class CrossDeviceOps:
             return result
         return self.broadcast(result, targets)
 
-    def batch_reduce(self, reduce_op: ReduceOp | str, value_destination_pairs: Sequence[tuple[Any, Destinations]]) -> list[Any]:
+    def batch_reduce(
+        self, reduce_op: ReduceOp | str, value_destination_pairs: Sequence[tuple[Any, Destinations]]
+    ) -> list[Any]:
         """``reduce`` for several values at once (implementations may fuse them)."""
         return [self.reduce(reduce_op, value, destinations) for value, destinations in value_destination_pairs]
 

@@ -93,8 +93,11 @@ class SyncOnReadVariable(DistributedValue):
 
     @classmethod
     def from_local_values(
-        cls, local_values: Sequence[torch.Tensor], aggregation: VariableAggregation | str, strategy: Strategy | None = None
-    ) -> "SyncOnReadVariable":
+        cls,
+        local_values: Sequence[torch.Tensor],
+        aggregation: VariableAggregation | str,
+        strategy: Strategy | None = None,
+    ) -> SyncOnReadVariable:
         """Wraps existing per-replica tensors (e.g. each replica's batch-norm running mean)
         without copying them: writes through the variable change those tensors."""
         variable = cls.__new__(cls)

@@ -18,6 +18,7 @@ A batch that does not divide evenly (usually the last one) follows
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -164,7 +165,9 @@ def split_batch(batch: Any, num_replicas: int, partial_batch: str = "split", ind
     """
     sizes = {leaf.shape[0] for leaf in nest.flatten(batch) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0}
     if len(sizes) > 1:
-        raise ValueError(f"batch {index} mixes batch sizes {sorted(sizes)}: every tensor's first dimension must be the batch")
+        raise ValueError(
+            f"batch {index} mixes batch sizes {sorted(sizes)}: every tensor's first dimension must be the batch"
+        )
     size = sizes.pop() if sizes else 0
     if size % num_replicas:
         if partial_batch == "drop":
@@ -181,7 +184,7 @@ def split_batch(batch: Any, num_replicas: int, partial_batch: str = "split", ind
             return torch.tensor_split(leaf, num_replicas, dim=0)[replica]
         return leaf
 
-    return [nest.map_structure(lambda leaf: part(leaf, r), batch) for r in range(num_replicas)]
+    return [nest.map_structure(functools.partial(part, replica=r), batch) for r in range(num_replicas)]
 
 
 def _check_batched(dataset: Any) -> None:

@@ -195,7 +195,9 @@ class OneDeviceStrategy(Strategy):
         op = ReduceOp(reduce_op)
         return detached(nest.map_structure(lambda v: _reduce_plain(op, _single(v), axis), value))
 
-    def experimental_distribute_dataset(self, dataset: Iterable[Any], options: InputOptions | None = None) -> DistributedDataset:
+    def experimental_distribute_dataset(
+        self, dataset: Iterable[Any], options: InputOptions | None = None
+    ) -> DistributedDataset:
         return DistributedDataset(dataset, [self.device], options=options)
 
     def distribute_datasets_from_function(
@@ -268,7 +270,10 @@ class _ReplicatedStrategy(Strategy):
             self._linked.append(optimizer)
             built.append(optimizer)
 
-        with _capture.recording_modules(place_on=self._home_device) as record, _capture.capturing_optimizers(on_optimizer):
+        with (
+            _capture.recording_modules(place_on=self._home_device) as record,
+            _capture.capturing_optimizers(on_optimizer),
+        ):
             yield
         self._adopt(record.roots(), built)
 
@@ -347,7 +352,8 @@ class _ReplicatedStrategy(Strategy):
             self._rendezvous = Rendezvous(self.num_replicas_in_sync)
             try:
                 results = run_replicas(
-                    self, self._devices,
+                    self,
+                    self._devices,
                     lambda r: fn(*self._replica_inputs(args, r), **self._replica_inputs(kwargs, r)),
                     self._rendezvous,
                     self._threads,
@@ -409,7 +415,9 @@ class _ReplicatedStrategy(Strategy):
         return rendezvous.exchange(replica, value, combine)
 
     def _replica_all_reduce(self, context: ReplicaContext, reduce_op: ReduceOp, value: Any) -> Any:
-        return self._merge(context.replica_id_in_sync_group, value, lambda nests: self._all_reduce_nests(reduce_op, nests))
+        return self._merge(
+            context.replica_id_in_sync_group, value, lambda nests: self._all_reduce_nests(reduce_op, nests)
+        )
 
     def _all_reduce_nests(self, op: ReduceOp, nests: list[Any]) -> list[Any]:
         flats = [[torch.as_tensor(leaf) for leaf in nest.flatten(n)] for n in nests]
@@ -422,8 +430,9 @@ class _ReplicatedStrategy(Strategy):
         A replica without a gradient that others have contributes zeros."""
         out: list[list[torch.Tensor | None]] = [[None] * len(grads[0]) for _ in grads]
         present = [i for i in range(len(grads[0])) if any(g[i] is not None for g in grads)]
-        columns = [[_or_zeros(g[i], _first_present(grads, i), self._devices[r]) for r, g in enumerate(grads)]
-                   for i in present]
+        columns = [
+            [_or_zeros(g[i], _first_present(grads, i), self._devices[r]) for r, g in enumerate(grads)] for i in present
+        ]
         for i, mirrored in zip(present, self.cross_device_ops.batch_all_reduce(ReduceOp.SUM, columns)):
             for r in range(len(grads)):
                 out[r][i] = mirrored.values[r]
@@ -454,7 +463,9 @@ class _ReplicatedStrategy(Strategy):
         With ``axis``, MEAN averages over every example along that axis (uneven shares weigh right)."""
         context = get_replica_context()
         if context is not None and context.strategy is self:
-            raise RuntimeError("strategy.reduce is for cross-replica context; inside run use get_replica_context().all_reduce")
+            raise RuntimeError(
+                "strategy.reduce is for cross-replica context; inside run use get_replica_context().all_reduce"
+            )
         op = ReduceOp(reduce_op)
         return detached(nest.map_structure(lambda v: self._reduce_one(op, v, axis), value))
 
@@ -508,13 +519,17 @@ class _ReplicatedStrategy(Strategy):
             variables[name] = SyncOnReadVariable.from_local_values([b[name] for b in per_replica], how, self)
         return variables
 
-    def experimental_distribute_dataset(self, dataset: Iterable[Any], options: InputOptions | None = None) -> DistributedDataset:
+    def experimental_distribute_dataset(
+        self, dataset: Iterable[Any], options: InputOptions | None = None
+    ) -> DistributedDataset:
         return DistributedDataset(dataset, self._devices, options=options)
 
     def distribute_datasets_from_function(
         self, dataset_fn: Callable[[InputContext], Iterable[Any]], options: InputOptions | None = None
     ) -> DistributedDatasetsFromFunction:
-        context = InputContext(num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=self.num_replicas_in_sync)
+        context = InputContext(
+            num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=self.num_replicas_in_sync
+        )
         return DistributedDatasetsFromFunction(dataset_fn, [context], self._devices, options)
 
     # ------------------------------------------------------------------ guards
@@ -522,7 +537,9 @@ class _ReplicatedStrategy(Strategy):
     def _check_module(self, module: nn.Module) -> None:
         if id(module) in self._known_modules:
             return
-        owns_state = any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False))
+        owns_state = any(True for _ in module.parameters(recurse=False)) or any(
+            True for _ in module.buffers(recurse=False)
+        )
         if owns_state:
             raise RuntimeError(
                 f"{type(module).__name__} was not built in {type(self).__name__}.scope(), so all replicas would share "
@@ -565,7 +582,9 @@ class MirroredStrategy(_ReplicatedStrategy):
         ValueError: a device that does not exist, a bad name, or a device listed twice.
     """
 
-    def __init__(self, devices: Sequence[str | torch.device] | None = None, cross_device_ops: CrossDeviceOps | None = None):
+    def __init__(
+        self, devices: Sequence[str | torch.device] | None = None, cross_device_ops: CrossDeviceOps | None = None
+    ):
         names, resolved = _resolve_devices(devices if devices is not None else _local_devices(), "devices")
         super().__init__(names, resolved, cross_device_ops)
 
@@ -638,7 +657,9 @@ def _move_state(replica: torch.optim.Optimizer, original: torch.optim.Optimizer)
 class _MirroredOptimizer:
     """``optimizer.step()`` under MirroredStrategy: sum gradients, same update everywhere."""
 
-    def __init__(self, strategy: MirroredStrategy, optimizer: torch.optim.Optimizer, replicas: list[torch.optim.Optimizer]):
+    def __init__(
+        self, strategy: MirroredStrategy, optimizer: torch.optim.Optimizer, replicas: list[torch.optim.Optimizer]
+    ):
         self.strategy = strategy
         self.optimizer = optimizer
         self.replicas = replicas
@@ -647,8 +668,10 @@ class _MirroredOptimizer:
     def step(self, closure: Callable[[], Any] | None) -> Any:
         replica = self.strategy._replica_id("optimizer.step()")
         if closure is not None:
-            raise ValueError("optimizer.step(closure) is not supported under MirroredStrategy: compute the loss and "
-                             "call backward() before optimizer.step()")
+            raise ValueError(
+                "optimizer.step(closure) is not supported under MirroredStrategy: compute the loss and "
+                "call backward() before optimizer.step()"
+            )
         params = _flat_params(self.replicas[replica])
         if self.strategy._sums_locally():
             # All replicas on the host CPU: the merge only shares the gradients; then each
@@ -721,7 +744,9 @@ class CentralStorageStrategy(_ReplicatedStrategy):
         parameter_device: str | torch.device = "cpu",
         cross_device_ops: CrossDeviceOps | None = None,
     ):
-        names, resolved = _resolve_devices(compute_devices if compute_devices is not None else _local_devices(), "compute_devices")
+        names, resolved = _resolve_devices(
+            compute_devices if compute_devices is not None else _local_devices(), "compute_devices"
+        )
         self.parameter_device_name, self.parameter_device = resolve_device(parameter_device)
         super().__init__(names, resolved, cross_device_ops or ReductionToOneDevice(self.parameter_device))
 
@@ -764,7 +789,10 @@ class CentralStorageStrategy(_ReplicatedStrategy):
                 buffer.copy_(per_replica[0][name])
 
     def __repr__(self) -> str:
-        return f"CentralStorageStrategy(compute_devices={list(self.device_names)}, parameter_device={self.parameter_device_name!r})"
+        return (
+            f"CentralStorageStrategy(compute_devices={list(self.device_names)}, "
+            f"parameter_device={self.parameter_device_name!r})"
+        )
 
 
 class _CentralOptimizer:
@@ -782,8 +810,10 @@ class _CentralOptimizer:
     def step(self, closure: Callable[[], Any] | None) -> Any:
         replica = self.strategy._replica_id("optimizer.step()")
         if closure is not None:
-            raise ValueError("optimizer.step(closure) is not supported under CentralStorageStrategy: compute the loss "
-                             "and call backward() before optimizer.step()")
+            raise ValueError(
+                "optimizer.step(closure) is not supported under CentralStorageStrategy: compute the loss "
+                "and call backward() before optimizer.step()"
+            )
         self.strategy._merge(replica, [p.grad for p in self.replica_params[replica]], self._update)
         return None
 

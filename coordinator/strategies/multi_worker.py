@@ -400,10 +400,16 @@ class MultiWorkerMirroredStrategy(Strategy):
         backend = options.backend(_exchange_gpus(store, resolver.rank, resolver.world_size, _gpu_identity(gpu)))
         if backend == "nccl" and gpu is not None:
             torch.cuda.set_device(gpu)
-        log.info("joining a group of %d (cluster from %s) as rank %d with %s", resolver.world_size,
-                 resolver.source, resolver.rank, backend)
-        dist.init_process_group(backend, store=store, rank=resolver.rank, world_size=resolver.world_size,
-                                timeout=options.timeout())
+        log.info(
+            "joining a group of %d (cluster from %s) as rank %d with %s",
+            resolver.world_size,
+            resolver.source,
+            resolver.rank,
+            backend,
+        )
+        dist.init_process_group(
+            backend, store=store, rank=resolver.rank, world_size=resolver.world_size, timeout=options.timeout()
+        )
         self._setup(options, resolver, backend, _world(), owns_group=True)
         self._store: dist.Store | None = store
 
@@ -435,8 +441,12 @@ class MultiWorkerMirroredStrategy(Strategy):
         return strategy
 
     def _setup(
-        self, options: CommunicationOptions, resolver: ClusterResolver, backend: str,
-        group: dist.ProcessGroup, owns_group: bool,
+        self,
+        options: CommunicationOptions,
+        resolver: ClusterResolver,
+        backend: str,
+        group: dist.ProcessGroup,
+        owns_group: bool,
     ) -> None:
         self.communication_options = options
         self.cluster_resolver = resolver
@@ -455,7 +465,11 @@ class MultiWorkerMirroredStrategy(Strategy):
         )
         log.info(
             "MultiWorkerMirroredStrategy: rank %d of %d (cluster from %s), backend %s, meeting at %s",
-            self._rank, self._world_size, resolver.source, backend, resolver.init_method() or "in memory",
+            self._rank,
+            self._world_size,
+            resolver.source,
+            backend,
+            resolver.init_method() or "in memory",
         )
 
     # ------------------------------------------------------------------ properties
@@ -509,6 +523,7 @@ class MultiWorkerMirroredStrategy(Strategy):
 
     def _forgetter(self, key: int) -> Callable[[Any], None]:
         """Drops ``key`` from the mirrored tensors when its tensor is garbage-collected."""
+
         def forget(_: Any) -> None:
             self._mirrored.pop(key, None)
 
@@ -567,7 +582,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         flat = torch.cat([*parts, present])
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self._live_group)
         reduced = _split_like(flat[: -len(params)], params)
-        for param, grad, flag in zip(params, reduced, flat[-len(params):].tolist()):
+        for param, grad, flag in zip(params, reduced, flat[-len(params) :].tolist()):
             if flag > 0:  # the new gradient is a view of the bucket: no copy back
                 param.grad = grad if grad.device == param.device else grad.to(param.device)
 
@@ -654,13 +669,12 @@ class MultiWorkerMirroredStrategy(Strategy):
             )
         return _ShardedBatches(dataset, self._rank, self._world_size, options or InputOptions(), self.device)
 
-    def distribute_datasets_from_function(
-        self, dataset_fn: Callable[[InputContext], Iterable[Any]]
-    ) -> Iterable[Any]:
+    def distribute_datasets_from_function(self, dataset_fn: Callable[[InputContext], Iterable[Any]]) -> Iterable[Any]:
         """Calls ``dataset_fn`` once, with this process's InputContext (one input pipeline per
         process: ``input_pipeline_id`` = rank); it returns this replica's batches."""
         context = InputContext(
-            num_input_pipelines=self._world_size, input_pipeline_id=self._rank,
+            num_input_pipelines=self._world_size,
+            input_pipeline_id=self._rank,
             num_replicas_in_sync=self._world_size,
         )
         return dataset_fn(context)
@@ -710,13 +724,13 @@ class MultiWorkerMirroredStrategy(Strategy):
     @property
     def _live_group(self) -> dist.ProcessGroup:
         if self._group is None:
-            raise RuntimeError(
-                "this MultiWorkerMirroredStrategy was shut down: create a new one to communicate again"
-            )
+            raise RuntimeError("this MultiWorkerMirroredStrategy was shut down: create a new one to communicate again")
         return self._group
 
     def __repr__(self) -> str:
-        return f"MultiWorkerMirroredStrategy(rank={self._rank}, world_size={self._world_size}, backend={self.backend!r})"
+        return (
+            f"MultiWorkerMirroredStrategy(rank={self._rank}, world_size={self._world_size}, backend={self.backend!r})"
+        )
 
 
 # --------------------------------------------------------------------------- helpers
@@ -753,8 +767,9 @@ def _meeting_store(resolver: ClusterResolver, timeout: datetime.timedelta) -> di
             f"a group of {resolver.world_size} processes needs a master address and port (from {resolver.source})"
         )
     log.info("meeting %d processes at %s as rank %d", resolver.world_size, resolver.init_method(), resolver.rank)
-    return dist.TCPStore(resolver.master_addr, resolver.master_port, resolver.world_size,
-                         is_master=resolver.rank == 0, timeout=timeout)
+    return dist.TCPStore(
+        resolver.master_addr, resolver.master_port, resolver.world_size, is_master=resolver.rank == 0, timeout=timeout
+    )
 
 
 _LEFT_KEY = "paramserve/left/{rank}"
@@ -869,9 +884,7 @@ def _local_component(value: Any) -> Any:
 class _ShardedBatches:
     """Re-iterable: rank's part of every global batch of ``dataset``."""
 
-    def __init__(
-        self, dataset: Iterable[Any], rank: int, world_size: int, options: InputOptions, device: torch.device
-    ):
+    def __init__(self, dataset: Iterable[Any], rank: int, world_size: int, options: InputOptions, device: torch.device):
         self._dataset, self._rank, self._world_size = dataset, rank, world_size
         self._options, self._device = options, device
 

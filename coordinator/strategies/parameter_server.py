@@ -33,11 +33,11 @@ from torch import nn
 from paramserve.coordinator.checkpoint_manager import CheckpointManager
 from paramserve.coordinator.cluster import ClusterSpec
 from paramserve.coordinator.cluster_coordinator import ClusterCoordinator
+from paramserve.coordinator.contracts import CheckpointLog, DispatchControl, RecoverableVariables
 from paramserve.coordinator.strategies import _capture
 from paramserve.coordinator.strategies.base import DefaultStrategy, SingleReplicaStrategy, Strategy
 from paramserve.coordinator.strategies.step_runners import StepFn, StepRunner, add_statistics
 from paramserve.coordinator.strategies.training_state import TrainingCheckpoints
-from paramserve.coordinator.contracts import CheckpointLog, DispatchControl, RecoverableVariables
 from paramserve.psserver import checkpoint
 from paramserve.psserver.client import ClientConfig, ParameterServerClient, layouts_from_infos
 from paramserve.psserver.errors import VariableExistsError
@@ -72,8 +72,6 @@ class Variable:
     table: ShardedEmbedding | None = None  # row variable: never materialised locally
     optimizer: OptimizerSpec | None = None
     checkpointed: bool = True  # a metric's state is not: checkpoints hold the model
-
-
 
 
 class ParameterServerStrategy(SingleReplicaStrategy):
@@ -186,8 +184,11 @@ class ParameterServerStrategy(SingleReplicaStrategy):
             self._linked_optimizers.append(optimizer)
             built.append(optimizer)
 
-        with _capture.recording_modules() as record, _capture.capturing_optimizers(on_optimizer), \
-                registering_tables(self):
+        with (
+            _capture.recording_modules() as record,
+            _capture.capturing_optimizers(on_optimizer),
+            registering_tables(self),
+        ):
             yield
         with self._lock, self._rolled_back_on_error():
             self._adopt(record.roots())
@@ -271,8 +272,14 @@ class ParameterServerStrategy(SingleReplicaStrategy):
                 variable = f"{prefix}.{state}"
                 parameter = nn.Parameter(torch.zeros(tuple(value.shape), dtype=torch.float64))
                 mark_variable(parameter, variable)
-                self._variables[variable] = Variable(variable, tuple(value.shape), torch.float64, parameter=parameter,
-                                                     optimizer=METRIC_OPTIMIZER, checkpointed=False)
+                self._variables[variable] = Variable(
+                    variable,
+                    tuple(value.shape),
+                    torch.float64,
+                    parameter=parameter,
+                    optimizer=METRIC_OPTIMIZER,
+                    checkpointed=False,
+                )
                 parameters[state] = parameter
             if self._materialized:
                 self._existing_on_servers([variable_name(p) or "" for p in parameters.values()])
@@ -300,7 +307,9 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         """A per-worker dataset: ``dataset_fn(ctx)`` runs on every worker (needs a ClusterCoordinator)."""
         coordinator = self.coordinator
         if coordinator is None:
-            raise RuntimeError("create a ClusterCoordinator(strategy) first: it runs the dataset function on the workers")
+            raise RuntimeError(
+                "create a ClusterCoordinator(strategy) first: it runs the dataset function on the workers"
+            )
         return coordinator.create_per_worker_dataset(dataset_fn)
 
     @property
@@ -337,7 +346,9 @@ class ParameterServerStrategy(SingleReplicaStrategy):
 
     # ------------------------------------------------------------------ optimizer
 
-    def optimizer(self, optimizer_cls: type[torch.optim.Optimizer] | str, params: Iterable[Any] | None = None, **kwargs: Any) -> ServerOptimizer:
+    def optimizer(
+        self, optimizer_cls: type[torch.optim.Optimizer] | str, params: Iterable[Any] | None = None, **kwargs: Any
+    ) -> ServerOptimizer:
         """Declares the optimizer the parameter servers run for ``params``
         (default: every variable without one). Returns the object a step calls."""
         name = optimizer_cls if isinstance(optimizer_cls, str) else optimizer_cls.__name__
@@ -405,7 +416,11 @@ class ParameterServerStrategy(SingleReplicaStrategy):
                 for name, v in self._variables.items()
             }
 
-    def materialize(self, states_by_server: dict[int, list[ShardState]] | None = None, layouts: dict[str, VariableLayout] | None = None) -> None:
+    def materialize(
+        self,
+        states_by_server: dict[int, list[ShardState]] | None = None,
+        layouts: dict[str, VariableLayout] | None = None,
+    ) -> None:
         """Creates the variables not yet on the servers: from initial values, or (before training
         starts) from restored shard states (a checkpoint) laid out by ``layouts``. Cheap when
         there is nothing new; models built after training started get their variables here.
@@ -421,7 +436,9 @@ class ParameterServerStrategy(SingleReplicaStrategy):
                 self._create_all(new)
             self._materialized = True
 
-    def restore_states(self, states_by_server: Mapping[int, Sequence[ShardState]], layouts: Mapping[str, VariableLayout]) -> None:
+    def restore_states(
+        self, states_by_server: Mapping[int, Sequence[ShardState]], layouts: Mapping[str, VariableLayout]
+    ) -> None:
         """Makes the variables of ``layouts`` exactly ``states_by_server`` on the servers (values,
         optimizer slots, versions, idempotency windows), live or fresh; other variables are left
         alone. Workers then drop the values they hold (a new generation of the cluster context).
@@ -444,8 +461,13 @@ class ParameterServerStrategy(SingleReplicaStrategy):
                 self._create(variable)
             self._created.add(variable.name)
         self._context = None  # workers must learn the new layouts
-        log.info("%d variables on %d parameter servers (%d created, %d reused)", len(self._created),
-                 self.cluster.num_ps(), len(variables) - len(existing), len(existing))
+        log.info(
+            "%d variables on %d parameter servers (%d created, %d reused)",
+            len(self._created),
+            self.cluster.num_ps(),
+            len(variables) - len(existing),
+            len(existing),
+        )
 
     def _existing_on_servers(self, names: list[str]) -> set[str]:
         """Which of ``names`` the servers hold already; they are reused (their layouts adopted)
@@ -472,7 +494,8 @@ class ParameterServerStrategy(SingleReplicaStrategy):
             if (layout.shape, layout.dtype) != (variable.shape, variable.dtype):
                 raise VariableExistsError(
                     f"the servers hold it as {layout.shape} {layout.dtype}, the model builds {variable.shape} "
-                    f"{variable.dtype}: it belongs to another model; use a new run_name for this one", variable=name,
+                    f"{variable.dtype}: it belongs to another model; use a new run_name for this one",
+                    variable=name,
                 )
         return layouts
 
@@ -490,8 +513,11 @@ class ParameterServerStrategy(SingleReplicaStrategy):
             stale = self._held_by_servers(new)
             if stale:
                 self.client.adopt_layouts(stale)
-                log.warning("%d variables of this program exist on the parameter servers from an earlier run "
-                            "that left no checkpoint: they start again from their initial values", len(stale))
+                log.warning(
+                    "%d variables of this program exist on the parameter servers from an earlier run "
+                    "that left no checkpoint: they start again from their initial values",
+                    len(stale),
+                )
             for name in stale:
                 self.client.delete_variable(name)
             self.materialize()
@@ -518,7 +544,7 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         variable = self._variables.get(name)
         if variable is not None and not variable.checkpointed:
             return None
-        return name[len(self._namespace):] if self._namespace and name.startswith(self._namespace) else name
+        return name[len(self._namespace) :] if self._namespace and name.startswith(self._namespace) else name
 
     def initial_state(self, name: str, layout: VariableLayout, shard: ShardPlacement) -> ShardState:
         """Shard ``shard`` of dense variable ``name`` at its initial value (a metric's state, which
@@ -549,12 +575,22 @@ class ParameterServerStrategy(SingleReplicaStrategy):
             kind = table.initializer
             a, b = (0.0, table.init_std) if kind == "normal" else (-table.init_std, table.init_std)
             init = tensor_pb2.Initializer(kind=kind, a=a, b=b, seed=table.seed)
-            self.client.create_variable(variable.name, shape=variable.shape, dtype=variable.dtype, initializer=init,
-                                        optimizer=variable.optimizer, partitioner=self.variable_partitioner)
+            self.client.create_variable(
+                variable.name,
+                shape=variable.shape,
+                dtype=variable.dtype,
+                initializer=init,
+                optimizer=variable.optimizer,
+                partitioner=self.variable_partitioner,
+            )
             return
         assert variable.parameter is not None
-        self.client.create_variable(variable.name, variable.parameter.detach(), optimizer=variable.optimizer,
-                                    partitioner=self.variable_partitioner)
+        self.client.create_variable(
+            variable.name,
+            variable.parameter.detach(),
+            optimizer=variable.optimizer,
+            partitioner=self.variable_partitioner,
+        )
 
     def cluster_context(self) -> ClusterContext:
         """What every closure carries so a (restarted) worker can reach the variables (creates
@@ -564,8 +600,9 @@ class ParameterServerStrategy(SingleReplicaStrategy):
             self.materialize()
             if self._context is None:
                 layouts = self.client.layouts
-                self._context = ClusterContext(self.cluster.parameter_servers,
-                                               {name: layouts[name] for name in self._created}, self._generation)
+                self._context = ClusterContext(
+                    self.cluster.parameter_servers, {name: layouts[name] for name in self._created}, self._generation
+                )
             return self._context
 
     def set_server_hyperparameters(self, values: Mapping[str, float], params: Iterable[Any] | None = None) -> None:
@@ -574,8 +611,11 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         (not the metrics' states, whose sums need their rate of 1). Recorded, so that a
         parameter server restored from an older checkpoint gets them too."""
         with self._lock:
-            names = [n for n, v in self._variables.items() if v.checkpointed and v.optimizer is not None] \
-                if params is None else self._variable_names(params)
+            names = (
+                [n for n, v in self._variables.items() if v.checkpointed and v.optimizer is not None]
+                if params is None
+                else self._variable_names(params)
+            )
         for name in names:
             self.client.set_hyperparameters(dict(values), variable=name)
             with self._lock:
@@ -585,8 +625,9 @@ class ParameterServerStrategy(SingleReplicaStrategy):
 
     # ------------------------------------------------------------------ what fit and its callbacks ask
 
-    def step_runner(self, step: StepFn, train_data: Any, *, steps_per_epoch: int | None,
-                    coordinator: Any = None) -> StepRunner:
+    def step_runner(
+        self, step: StepFn, train_data: Any, *, steps_per_epoch: int | None, coordinator: Any = None
+    ) -> StepRunner:
         """Steps run on the workers: ``train_data`` is a dataset function each worker runs
         (``dataset_fn(ctx)`` yielding endless batches); K steps make one closure."""
         _check_training_data(train_data, steps_per_epoch)
@@ -674,8 +715,9 @@ class ServerMetricState:
         self.states = additive_states(template)
         self.parameters = strategy._register_metric(name, {n: getattr(template, n) for n in self.states})
         names = [variable_name(p) or "" for p in self.parameters.values()]
-        self.optimizer = ServerOptimizer(names, METRIC_OPTIMIZER.name, dict(METRIC_OPTIMIZER.kwargs),
-                                         home=strategy._access, owner=strategy)
+        self.optimizer = ServerOptimizer(
+            names, METRIC_OPTIMIZER.name, dict(METRIC_OPTIMIZER.kwargs), home=strategy._access, owner=strategy
+        )
 
     def update(self, *args: Any, **kwargs: Any) -> None:
         batch = copy.deepcopy(self.template)
@@ -746,8 +788,10 @@ def _server_optimizer(optimizer: Any) -> ServerOptimizer:
 
 def _check_training_data(train_data: Any, steps_per_epoch: int | None) -> None:
     if steps_per_epoch is None:
-        raise ValueError("steps_per_epoch is required under ParameterServerStrategy (the workers' datasets "
-                         "have no end): pass steps_per_epoch=")
+        raise ValueError(
+            "steps_per_epoch is required under ParameterServerStrategy (the workers' datasets "
+            "have no end): pass steps_per_epoch="
+        )
     if not callable(train_data):
         raise TypeError(
             f"under ParameterServerStrategy train_data must be a dataset function run on each worker, "
@@ -773,8 +817,13 @@ class ParameterServerStepRunner:
     """``fit``'s steps as closures a ClusterCoordinator schedules on the workers (the one given,
     or one of its own, shut down by ``close``). Statistics come back at the epoch's end."""
 
-    def __init__(self, strategy: ParameterServerStrategy, step: StepFn, dataset_fn: Callable[..., Any],
-                 coordinator: ClusterCoordinator | None):
+    def __init__(
+        self,
+        strategy: ParameterServerStrategy,
+        step: StepFn,
+        dataset_fn: Callable[..., Any],
+        coordinator: ClusterCoordinator | None,
+    ):
         self._strategy = strategy
         self._owned = coordinator is None
         self._coordinator = coordinator if coordinator is not None else ClusterCoordinator(strategy)

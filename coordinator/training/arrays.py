@@ -32,7 +32,9 @@ def as_tensor(value: Any, what: str) -> Tensor:
         raise TypeError(f"{what} must be a tensor or an array, got {type(value).__name__}: {err}") from None
 
 
-def split_validation(x: Tensor, y: Tensor, fraction: float) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor] | None]:
+def split_validation(
+    x: Tensor, y: Tensor, fraction: float
+) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor] | None]:
     """Holds out the last ``fraction`` of the examples (before any shuffling, as Keras does)."""
     if not 0.0 <= fraction < 1.0:
         raise ValueError(f"validation_split must be in [0, 1), got {fraction}")
@@ -75,5 +77,5 @@ class ArrayData:
 
     def _batches(self, order: Tensor) -> Iterator[tuple[Tensor, Tensor]]:
         for start in range(0, len(order), self.batch_size):
-            rows = order[start: start + self.batch_size]
+            rows = order[start : start + self.batch_size]
             yield self.x[rows], self.y[rows]

@@ -121,7 +121,9 @@ class CallbackList:
         self.callbacks = list(callbacks)
         for callback in self.callbacks:
             if not isinstance(callback, Callback):
-                raise TypeError(f"callbacks must be Callback instances, got {type(callback).__name__}: subclass Callback")
+                raise TypeError(
+                    f"callbacks must be Callback instances, got {type(callback).__name__}: subclass Callback"
+                )
             callback.bind(state)
 
     def on_train_begin(self, logs: Logs) -> None:
@@ -148,7 +150,7 @@ class CallbackList:
         for callback in self.callbacks:
             try:
                 callback.close()
-            except Exception:  # noqa: BLE001 - one failing close must not skip the others
+            except Exception:
                 log.exception("closing %s failed", type(callback).__name__)
 
 
@@ -182,8 +184,13 @@ class ProgressBar(Callback):
 
         self.close()
         self._last_step = self.state.step
-        self._bar = tqdm(total=self.state.steps_per_epoch, unit="step", desc=f"epoch {epoch + 1}/{self.state.epochs}",
-                         file=self._file or sys.stderr, leave=True)
+        self._bar = tqdm(
+            total=self.state.steps_per_epoch,
+            unit="step",
+            desc=f"epoch {epoch + 1}/{self.state.epochs}",
+            file=self._file or sys.stderr,
+            leave=True,
+        )
 
     def on_train_batch_end(self, step: int, logs: Logs | None = None) -> None:
         if self._bar is None:
@@ -237,9 +244,17 @@ class ModelCheckpoint(Callback):
     chief writes.
     """
 
-    def __init__(self, filepath: str | os.PathLike[str], monitor: str = "val_loss", verbose: int = 0,
-                 save_best_only: bool = False, save_weights_only: bool = False, mode: str = "auto",
-                 save_freq: str | int = "epoch", keep: int | None = None):
+    def __init__(
+        self,
+        filepath: str | os.PathLike[str],
+        monitor: str = "val_loss",
+        verbose: int = 0,
+        save_best_only: bool = False,
+        save_weights_only: bool = False,
+        mode: str = "auto",
+        save_freq: str | int = "epoch",
+        keep: int | None = None,
+    ):
         if mode not in ("auto", "min", "max"):
             raise ValueError(f"mode must be 'auto', 'min' or 'max', got {mode!r}")
         if save_freq != "epoch" and not (isinstance(save_freq, int) and save_freq >= 1):
@@ -266,8 +281,12 @@ class ModelCheckpoint(Callback):
     def _save(self, epoch: int, logs: Logs) -> None:
         if self.save_best_only:
             if self.monitor not in logs:
-                log.warning("ModelCheckpoint(save_best_only=True) monitors %r, which is not in the logs %s: "
-                            "skipping the checkpoint", self.monitor, sorted(logs))
+                log.warning(
+                    "ModelCheckpoint(save_best_only=True) monitors %r, which is not in the logs %s: "
+                    "skipping the checkpoint",
+                    self.monitor,
+                    sorted(logs),
+                )
                 return
             if not improved(float(logs[self.monitor]), self.best, 0.0, self.maximize):
                 return
@@ -289,8 +308,10 @@ class ModelCheckpoint(Callback):
         try:
             return pathlib.Path(self.filepath.format(epoch=epoch + 1, **logs))
         except (KeyError, IndexError) as err:
-            raise KeyError(f"ModelCheckpoint filepath {self.filepath!r} names {err}, which is not in the logs "
-                           f"{sorted(logs)}: use epoch or one of those") from None
+            raise KeyError(
+                f"ModelCheckpoint filepath {self.filepath!r} names {err}, which is not in the logs "
+                f"{sorted(logs)}: use epoch or one of those"
+            ) from None
 
 
 CHECKPOINT_INDEX = "checkpoint"
@@ -371,12 +392,18 @@ class BackupAndRestore(Callback):
             return
         extra = checkpoints.restore(latest, self.state.model, self.state.optimizer)
         self.state.initial_epoch, self.state.step = int(extra.get("epoch", 0)), int(extra.get("step", 0))
-        log.info("resuming at epoch %d (step %d) from the backup in %s", self.state.initial_epoch, self.state.step,
-                 self.backup_dir)
+        log.info(
+            "resuming at epoch %d (step %d) from the backup in %s",
+            self.state.initial_epoch,
+            self.state.step,
+            self.backup_dir,
+        )
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
         if self.state.is_chief:
-            self._checkpoints().save(self._NAME, self.state.model, self.state.optimizer, _progress(self.state, epoch + 1))
+            self._checkpoints().save(
+                self._NAME, self.state.model, self.state.optimizer, _progress(self.state, epoch + 1)
+            )
 
     def on_train_end(self, logs: Logs | None = None) -> None:
         if self.state.is_chief:
@@ -442,8 +469,14 @@ class EarlyStopping(Callback):
     Raises KeyError at the first epoch end when the logs have no ``monitor``.
     """
 
-    def __init__(self, monitor: str = "val_loss", patience: int = 0, min_delta: float = 0.0, mode: str = "auto",
-                 restore_best_weights: bool = False):
+    def __init__(
+        self,
+        monitor: str = "val_loss",
+        patience: int = 0,
+        min_delta: float = 0.0,
+        mode: str = "auto",
+        restore_best_weights: bool = False,
+    ):
         if patience < 0:
             raise ValueError(f"patience must be >= 0, got {patience}")
         if mode not in ("auto", "min", "max"):
@@ -462,8 +495,8 @@ class EarlyStopping(Callback):
     def on_train_begin(self, logs: Logs | None = None) -> None:
         if self.restore_best_weights and not self.state.strategy.can_restore_model_weights:
             raise ValueError(
-                f"EarlyStopping(restore_best_weights=True) is not supported under {type(self.state.strategy).__name__}: "
-                "use ModelCheckpoint and restore the checkpoint you want"
+                "EarlyStopping(restore_best_weights=True) is not supported under "
+                f"{type(self.state.strategy).__name__}: use ModelCheckpoint and restore the checkpoint you want"
             )
         self.best, self.best_epoch, self.stopped_epoch, self._wait = None, None, None, 0
 
@@ -505,8 +538,9 @@ def improved(value: float, best: float | None, min_delta: float, maximize: bool)
 def _monitored(name: str, logs: Mapping[str, float]) -> float:
     if name not in logs:
         hint = " (pass validation_data to fit)" if name.startswith("val_") else ""
-        raise KeyError(f"EarlyStopping monitors {name!r}, which is not in the logs {sorted(logs)}{hint}: "
-                       "monitor one of those")
+        raise KeyError(
+            f"EarlyStopping monitors {name!r}, which is not in the logs {sorted(logs)}{hint}: monitor one of those"
+        )
     return float(logs[name])
 
 
@@ -538,7 +572,11 @@ class TensorBoard(Callback):
             self._writers = {run: summary_writer(self.log_dir / run) for run in ("train", "validation")}
 
     def on_train_batch_end(self, step: int, logs: Logs | None = None) -> None:
-        if not self._writers or not isinstance(self.update_freq, int) or step - self._last_batch_step < self.update_freq:
+        if (
+            not self._writers
+            or not isinstance(self.update_freq, int)
+            or step - self._last_batch_step < self.update_freq
+        ):
             return
         self._last_batch_step = step
         for key, value in (logs or {}).items():
@@ -583,4 +621,3 @@ def with_defaults(callbacks: Sequence[Callback], verbose: bool) -> tuple[list[Ca
         history = History()
         result.append(history)
     return result, history
-

@@ -34,8 +34,8 @@ Data:
 ``validation_data`` and the ``data`` of ``evaluate`` are iterables of
 ``(inputs, targets)`` batches or one ``(inputs, targets)`` pair of tensors (one batch).
 
-Metrics (default ``("accuracy",)``; ``metrics=()`` for none): names (``"accuracy"``) or functions ``metric(outputs, targets) ->
-Tensor`` of per-example values (or a batch mean), reported as their mean
+Metrics (default ``("accuracy",)``; ``metrics=()`` for none): names (``"accuracy"``) or
+functions ``metric(outputs, targets) -> Tensor`` of per-example values (or a batch mean), reported as their mean
 over all examples; pass a mapping to name functions. Logs hold ``loss``, each
 metric, and ``val_``-prefixed ones after validation.
 """
@@ -108,7 +108,7 @@ def _logs(totals: Tensor | None, metrics: _Named, prefix: str = "") -> Logs:
     logs = {f"{prefix}loss": float(totals[0]) / float(totals[1])}
     offset = 2
     for metric in metrics:
-        logs[f"{prefix}{metric.name}"] = metric.value(totals[offset: offset + metric.size])
+        logs[f"{prefix}{metric.name}"] = metric.value(totals[offset : offset + metric.size])
         offset += metric.size
     return logs
 
@@ -191,14 +191,29 @@ def fit(
         validation_data = held_out if held_out is not None else validation_data
         steps_per_epoch = steps_per_epoch or len(train_data)
     elif batch_size is not None or validation_split:
-        raise ValueError("batch_size and validation_split cut in-memory inputs: pass fit(model, optimizer, loss, x, y, "
-                         "batch_size=...), or batch train_data yourself")
+        raise ValueError(
+            "batch_size and validation_split cut in-memory inputs: pass fit(model, optimizer, loss, x, y, "
+            "batch_size=...), or batch train_data yourself"
+        )
     _check_fit_arguments(optimizer, loss_fn, train_data, epochs, steps_per_epoch, steps_per_execution)
     strategy.check_optimizer(optimizer)
-    loop = Loop(epochs, steps_per_epoch, steps_per_execution, loss_fn, resolve_metrics(metrics), validation_data,
-                validation_steps, tuple(callbacks), verbose)
-    runner = strategy.step_runner(TrainStep(model, optimizer, loss_fn, loop.metrics), train_data,
-                                  steps_per_epoch=steps_per_epoch, coordinator=coordinator)
+    loop = Loop(
+        epochs,
+        steps_per_epoch,
+        steps_per_execution,
+        loss_fn,
+        resolve_metrics(metrics),
+        validation_data,
+        validation_steps,
+        tuple(callbacks),
+        verbose,
+    )
+    runner = strategy.step_runner(
+        TrainStep(model, optimizer, loss_fn, loop.metrics),
+        train_data,
+        steps_per_epoch=steps_per_epoch,
+        coordinator=coordinator,
+    )
     try:
         with strategy.scope():
             state = TrainingState(model, optimizer, strategy, epochs, steps_per_epoch or runner.epoch_length())
@@ -207,8 +222,9 @@ def fit(
         runner.close()
 
 
-def _in_memory(x: Any, y: Any, batch_size: int | None, validation_split: float,
-               shuffle: bool) -> tuple[ArrayData, ArrayData | None]:
+def _in_memory(
+    x: Any, y: Any, batch_size: int | None, validation_split: float, shuffle: bool
+) -> tuple[ArrayData, ArrayData | None]:
     """Keras' ``fit(x, y, batch_size, validation_split)``: batches of the arrays, and the held-out part."""
     size = batch_size or 32
     (x_train, y_train), held = split_validation(as_tensor(x, "x"), as_tensor(y, "y"), validation_split)
@@ -278,8 +294,15 @@ def _execution_size(done: int, steps_per_epoch: int | None, steps_per_execution:
 
 
 def _validate(state: TrainingState, loop: Loop) -> Logs:
-    results = evaluate(state.model, loop.loss_fn, loop.validation_data, steps=loop.validation_steps,
-                       metrics=loop.metrics, strategy=state.strategy, return_dict=True)
+    results = evaluate(
+        state.model,
+        loop.loss_fn,
+        loop.validation_data,
+        steps=loop.validation_steps,
+        metrics=loop.metrics,
+        strategy=state.strategy,
+        return_dict=True,
+    )
     return {f"val_{key}": value for key, value in results.items()}
 
 
@@ -309,8 +332,9 @@ def resolve_strategy(model: nn.Module, strategy: Strategy | None) -> Strategy:
     return chosen
 
 
-def _check_fit_arguments(optimizer: Any, loss_fn: LossFn, train_data: Any, epochs: int,
-                         steps_per_epoch: int | None, steps_per_execution: int) -> None:
+def _check_fit_arguments(
+    optimizer: Any, loss_fn: LossFn, train_data: Any, epochs: int, steps_per_epoch: int | None, steps_per_execution: int
+) -> None:
     if epochs < 1:
         raise ValueError(f"epochs must be >= 1, got {epochs}")
     if steps_per_epoch is not None and steps_per_epoch < 1:
@@ -324,22 +348,18 @@ def _check_fit_arguments(optimizer: Any, loss_fn: LossFn, train_data: Any, epoch
             f"reduction='none', e.g. {type(loss_fn).__name__}(reduction='none')"
         )
     if _is_pair_of_tensors(train_data):
-        raise TypeError("train_data is an (inputs, targets) pair of tensors: pass them as fit(model, optimizer, "
-                        "loss_fn, x, y, batch_size=64), or batch them, e.g. DataLoader(TensorDataset(x, y), "
-                        "batch_size=64, shuffle=True)")
+        raise TypeError(
+            "train_data is an (inputs, targets) pair of tensors: pass them as fit(model, optimizer, "
+            "loss_fn, x, y, batch_size=64), or batch them, e.g. DataLoader(TensorDataset(x, y), "
+            "batch_size=64, shuffle=True)"
+        )
 
 
 def _is_pair_of_tensors(data: Any) -> bool:
     return isinstance(data, (tuple, list)) and len(data) == 2 and all(isinstance(t, Tensor) for t in data)
 
 
-
-
 # ------------------------------------------------------------------ evaluate and predict
-
-
-
-
 
 
 def _batches(data: Any, steps: int | None) -> Iterator[Any]:
@@ -351,9 +371,18 @@ def _batches(data: Any, steps: int | None) -> Iterator[Any]:
         yield batch
 
 
-def evaluate(model: nn.Module, loss_fn: LossFn, data: Any, y: Any = None, *, batch_size: int | None = None,
-             steps: int | None = None, metrics: Metrics | Sequence[StepMetric] = ("accuracy",),
-             strategy: Any = None, return_dict: bool = False) -> Any:
+def evaluate(
+    model: nn.Module,
+    loss_fn: LossFn,
+    data: Any,
+    y: Any = None,
+    *,
+    batch_size: int | None = None,
+    steps: int | None = None,
+    metrics: Metrics | Sequence[StepMetric] = ("accuracy",),
+    strategy: Any = None,
+    return_dict: bool = False,
+) -> Any:
     """The mean loss and metrics of ``model`` over ``data`` (at most ``steps`` batches).
 
     ``data``: an iterable of ``(inputs, targets)`` batches or one such pair of tensors; or,
@@ -385,8 +414,9 @@ def evaluate(model: nn.Module, loss_fn: LossFn, data: Any, y: Any = None, *, bat
     return results["loss"] if len(results) == 1 else list(results.values())
 
 
-def predict(model: nn.Module, data: Any, *, batch_size: int | None = None, steps: int | None = None,
-            strategy: Any = None) -> Tensor:
+def predict(
+    model: nn.Module, data: Any, *, batch_size: int | None = None, steps: int | None = None, strategy: Any = None
+) -> Tensor:
     """``model``'s outputs for every example of ``data``, concatenated along the batch axis.
 
     ``data``: an iterable of batches (a tensor of inputs, or a tuple whose first
@@ -395,7 +425,7 @@ def predict(model: nn.Module, data: Any, *, batch_size: int | None = None, steps
     """
     if batch_size is not None:
         inputs = as_tensor(data, "x")
-        data = [inputs[start: start + batch_size] for start in range(0, len(inputs), batch_size)]
+        data = [inputs[start : start + batch_size] for start in range(0, len(inputs), batch_size)]
     local = resolve_strategy(model, strategy).evaluation_strategy()
 
     def step(batch: Any) -> Tensor:
@@ -435,4 +465,3 @@ class _eval_mode:
 
     def __exit__(self, *exc_info: object) -> None:
         self._model.train(self._was_training)
-

@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Union
+from typing import Any
 
 import torch
 import torchmetrics
@@ -32,8 +32,8 @@ from paramserve.coordinator.metrics import (
 __all__ = ["MetricFn", "Metrics", "StepMetric", "resolve_metrics"]
 
 MetricFn = Callable[[Tensor, Tensor], Tensor]
-MetricLike = Union[str, MetricFn, Metric, torchmetrics.Metric]
-Metrics = Union[Sequence[MetricLike], Mapping[str, Union[MetricFn, Metric, torchmetrics.Metric]]]
+MetricLike = str | MetricFn | Metric | torchmetrics.Metric
+Metrics = Sequence[MetricLike] | Mapping[str, MetricFn | Metric | torchmetrics.Metric]
 
 
 class StepMetric:
@@ -65,8 +65,10 @@ class StepMetric:
         load_states(metric, self.states, flat)
         result = metric.compute()
         if result.numel() != 1:
-            raise ValueError(f"metric {self.name!r} computes {tuple(result.shape)} values: fit logs one number per "
-                             "metric; configure it to average (e.g. average='micro')")
+            raise ValueError(
+                f"metric {self.name!r} computes {tuple(result.shape)} values: fit logs one number per "
+                "metric; configure it to average (e.g. average='micro')"
+            )
         return float(result)
 
     def _copy(self, device: torch.device) -> torchmetrics.Metric:
@@ -104,8 +106,10 @@ def _same(*args: Any) -> tuple[Any, ...]:
 def _one(name: str | None, metric: Any) -> StepMetric:
     if isinstance(metric, str):
         if metric not in ("accuracy", "acc"):
-            raise ValueError(f"unknown metric {metric!r}: use 'accuracy', a paramserve.coordinator.metrics "
-                             "metric, a torchmetrics metric or a function")
+            raise ValueError(
+                f"unknown metric {metric!r}: use 'accuracy', a paramserve.coordinator.metrics "
+                "metric, a torchmetrics metric or a function"
+            )
         return StepMetric(name or "accuracy", _ArgmaxMatches(), _same)
     if isinstance(metric, Metric):
         return StepMetric(name or metric.name, metric.template, metric.prepare)

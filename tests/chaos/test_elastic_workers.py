@@ -29,6 +29,7 @@ TOKEN = "elastic-secret"
 DEADLINE = 60.0
 SERVICE = "worker.test:6000"
 
+
 class Dns:
     """What the worker service's name resolves to now."""
 

@@ -63,8 +63,9 @@ def train(cluster, tmp_path, *, kill_ps: int | None, recovery: RecoveryPolicy | 
         for chunk in range(chunks):
             if chunk == max(KILL_IN_CHUNK + 2, chunks - FINE_TUNE_CHUNKS):
                 strategy.set_learning_rate(optimizer, FINE_TUNE_LR)
-            values = [coordinator.schedule(train_step, args=(batches, model, optimizer))
-                      for _ in range(CHECKPOINT_EVERY)]
+            values = [
+                coordinator.schedule(train_step, args=(batches, model, optimizer)) for _ in range(CHECKPOINT_EVERY)
+            ]
             if chunk == KILL_IN_CHUNK and kill_ps is not None:
                 values[CHECKPOINT_EVERY // 4].fetch(timeout=120)  # mid-chunk: closures run and queue
                 cluster.kill_ps(kill_ps)
@@ -82,16 +83,19 @@ def train(cluster, tmp_path, *, kill_ps: int | None, recovery: RecoveryPolicy | 
 def assert_no_push_applied_twice(shards):
     for ref, state in shards.items():
         assert len(set(state.applied_keys)) == len(state.applied_keys), f"{ref}: a key recorded twice"
-        assert state.version == len(state.applied_keys), f"{ref}: {state.version} updates for " \
-            f"{len(state.applied_keys)} distinct pushes"
+        assert state.version == len(state.applied_keys), (
+            f"{ref}: {state.version} updates for {len(state.applied_keys)} distinct pushes"
+        )
 
 
 @pytest.mark.timeout(600)  # two trainings of 900 steps
 def test_a_killed_parameter_server_is_restored_and_training_ends_as_well_as_a_clean_run(start_cluster, tmp_path):
-    clean_accuracy, clean_shards, _ = train(start_cluster(2, 2, extra_worker_args=WORKER_ARGS), tmp_path / "clean",
-                                            kill_ps=None)
-    chaos_accuracy, shards, recoveries = train(start_cluster(2, 2, extra_worker_args=WORKER_ARGS),
-                                               tmp_path / "chaos", kill_ps=1)
+    clean_accuracy, clean_shards, _ = train(
+        start_cluster(2, 2, extra_worker_args=WORKER_ARGS), tmp_path / "clean", kill_ps=None
+    )
+    chaos_accuracy, shards, recoveries = train(
+        start_cluster(2, 2, extra_worker_args=WORKER_ARGS), tmp_path / "chaos", kill_ps=1
+    )
 
     assert [r.result for r in recoveries] == ["restored"], recoveries
     assert abs(chaos_accuracy - clean_accuracy) <= 0.01, (chaos_accuracy, clean_accuracy)
@@ -109,13 +113,19 @@ def test_a_killed_parameter_server_is_restored_and_training_ends_as_well_as_a_cl
 @pytest.mark.timeout(300)
 def test_recovery_to_the_checkpoint_everywhere_keeps_the_servers_consistent(start_cluster, tmp_path):
     cluster = start_cluster(2, 2, extra_worker_args=WORKER_ARGS)
-    _, shards, recoveries = train(cluster, tmp_path, kill_ps=1, steps=(KILL_IN_CHUNK + 1) * CHECKPOINT_EVERY,
-                                  recovery=RecoveryPolicy(recovery_point=RecoveryPoint.ALL))
+    _, shards, recoveries = train(
+        cluster,
+        tmp_path,
+        kill_ps=1,
+        steps=(KILL_IN_CHUNK + 1) * CHECKPOINT_EVERY,
+        recovery=RecoveryPolicy(recovery_point=RecoveryPoint.ALL),
+    )
     assert [r.result for r in recoveries] == ["restored"]
     assert_no_push_applied_twice(shards)
     versions = {s.version for s in shards.values()}
-    assert len(versions) == 1 and versions.pop() < (KILL_IN_CHUNK + 1) * CHECKPOINT_EVERY, \
+    assert len(versions) == 1 and versions.pop() < (KILL_IN_CHUNK + 1) * CHECKPOINT_EVERY, (
         "every server went back to the same checkpoint"
+    )
 
 
 def test_without_recovery_a_dead_parameter_server_is_a_typed_error_at_once(start_cluster):

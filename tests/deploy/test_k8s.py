@@ -14,7 +14,8 @@ import yaml
 from paramserve.coordinator.commands.cli import build_parser
 
 kubernetes_validate = pytest.importorskip(
-    "kubernetes_validate", reason="kubernetes-validate is not installed: pip install -e '.[test]' brings it")
+    "kubernetes_validate", reason="kubernetes-validate is not installed: pip install -e '.[test]' brings it"
+)
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
@@ -34,9 +35,12 @@ def by_kind(kind: str, name: str) -> dict[str, Any]:
 
 def containers() -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
     """(workload name, pod spec, container) of every workload."""
-    return [(d["metadata"]["name"], d["spec"]["template"]["spec"], c)
-            for d in manifests() if d["kind"] in ("StatefulSet", "Deployment", "Job")
-            for c in d["spec"]["template"]["spec"]["containers"]]
+    return [
+        (d["metadata"]["name"], d["spec"]["template"]["spec"], c)
+        for d in manifests()
+        if d["kind"] in ("StatefulSet", "Deployment", "Job")
+        for c in d["spec"]["template"]["spec"]["containers"]
+    ]
 
 
 def test_every_file_is_listed_and_every_manifest_is_valid_strictly() -> None:
@@ -62,10 +66,13 @@ def test_the_kustomize_base_renders_every_manifest_and_the_token_secret(tmp_path
     base = tmp_path / "k8s"
     shutil.copytree(K8S, base)
     (base / "paramserve_token.txt").write_text("0123456789abcdef\n")  # what the README has you write
-    rendered = subprocess.run(["kubectl", "kustomize", str(base)], capture_output=True, text=True, timeout=60, check=True)
+    rendered = subprocess.run(
+        ["kubectl", "kustomize", str(base)], capture_output=True, text=True, timeout=60, check=True
+    )
     docs = [d for d in yaml.safe_load_all(rendered.stdout) if d]
     assert sorted((d["kind"], d["metadata"]["name"]) for d in docs) == sorted(
-        [(d["kind"], d["metadata"]["name"]) for d in manifests()] + [("Secret", "paramserve-token")])
+        [(d["kind"], d["metadata"]["name"]) for d in manifests()] + [("Secret", "paramserve-token")]
+    )
     [secret] = [d for d in docs if d["kind"] == "Secret"]
     assert set(secret["data"]) == {"token"}
     for doc in docs:
@@ -77,7 +84,9 @@ def test_parameter_servers_are_a_statefulset_behind_a_headless_service_named_in_
     ps, service = by_kind("StatefulSet", "ps"), by_kind("Service", "ps")
     assert ps["spec"]["serviceName"] == "ps" and service["spec"]["clusterIP"] == "None"
     assert service["spec"]["selector"] == ps["spec"]["template"]["metadata"]["labels"]
-    env = {e["name"]: e["value"] for e in by_kind("Job", "coordinator")["spec"]["template"]["spec"]["containers"][0]["env"]}
+    env = {
+        e["name"]: e["value"] for e in by_kind("Job", "coordinator")["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
     assert env["PARAMSERVE_PS"] == ",".join(f"ps-{i}.ps:5000" for i in range(ps["spec"]["replicas"]))
     assert env["PARAMSERVE_WORKER_SERVICE"] == "worker:6000"
 
@@ -109,7 +118,9 @@ def test_every_container_is_non_root_has_requests_native_grpc_probes_and_the_tok
         assert {"cpu", "memory"} <= set(container["resources"]["requests"]), name
         args = parser.parse_args(container["args"])
         assert str(args.token_file) == f"{TOKEN_DIR}/token" and args.metrics_port == 9100, name
-        token_volumes = [v["name"] for v in pod["volumes"] if v.get("secret", {}).get("secretName") == "paramserve-token"]
+        token_volumes = [
+            v["name"] for v in pod["volumes"] if v.get("secret", {}).get("secretName") == "paramserve-token"
+        ]
         assert [m["mountPath"] for m in container["volumeMounts"] if m["name"] in token_volumes] == [TOKEN_DIR]
         if name != "coordinator":
             port = args.port

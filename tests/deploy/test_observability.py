@@ -26,7 +26,9 @@ OBSERVABILITY = ROOT / "deploy" / "observability"
 DASHBOARD = OBSERVABILITY / "grafana" / "dashboards" / "paramserve.json"
 SCHEMA = pathlib.Path(__file__).with_name("grafana-dashboard.schema.json")
 PROMTOOL = shutil.which("promtool")
-needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool is not installed (Debian: apt-get install prometheus)")
+needs_promtool = pytest.mark.skipif(
+    PROMTOOL is None, reason="promtool is not installed (Debian: apt-get install prometheus)"
+)
 METRIC = re.compile(r"\b(paramserve_[a-z0-9_]+|up)\b")
 
 
@@ -40,9 +42,11 @@ def endpoints() -> Iterator[dict[str, str]]:
     worker = build_worker(WorkerConfig(host="127.0.0.1", port=0, metrics_port=0))
     telemetry = CoordinatorTelemetry(queue_depth=lambda: 0, in_flight=lambda: 0)
     try:
-        yield {"ps": f"http://127.0.0.1:{ps.metrics_port}/metrics",
-               "worker": f"http://127.0.0.1:{worker.metrics_port}/metrics",
-               "coordinator": f"http://127.0.0.1:{telemetry.serve('127.0.0.1', 0)}/metrics"}
+        yield {
+            "ps": f"http://127.0.0.1:{ps.metrics_port}/metrics",
+            "worker": f"http://127.0.0.1:{worker.metrics_port}/metrics",
+            "coordinator": f"http://127.0.0.1:{telemetry.serve('127.0.0.1', 0)}/metrics",
+        }
     finally:
         telemetry.close()
         worker.stop(grace=0)
@@ -82,7 +86,9 @@ def test_every_role_serves_build_info_and_no_created_series(endpoints: dict[str,
 @needs_promtool
 def test_promtool_accepts_a_live_scrape_of_every_role(endpoints: dict[str, str]) -> None:
     for role, url in endpoints.items():
-        done = subprocess.run([PROMTOOL, "check", "metrics"], input=scrape(url), capture_output=True, text=True, timeout=60)
+        done = subprocess.run(
+            [PROMTOOL, "check", "metrics"], input=scrape(url), capture_output=True, text=True, timeout=60
+        )
         assert done.returncode == 0, f"{role}: {done.stdout}{done.stderr}"
 
 
@@ -92,15 +98,30 @@ def test_promtool_accepts_a_live_scrape_of_every_role(endpoints: dict[str, str])
 @needs_promtool
 @pytest.mark.parametrize("config", ["prometheus.yml", "prometheus-k8s.yml"])
 def test_promtool_accepts_the_scrape_configurations(config: str) -> None:
-    done = subprocess.run([PROMTOOL, "check", "config", str(OBSERVABILITY / config)], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [PROMTOOL, "check", "config", str(OBSERVABILITY / config)], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-@pytest.mark.parametrize("config, services", [
-    ("prometheus.yml", lambda: set(yaml.safe_load((ROOT / "deploy/compose/docker-compose.yml").read_text())["services"])),
-    ("prometheus-k8s.yml", lambda: {d["metadata"]["name"] for f in (ROOT / "deploy/k8s").glob("*.yaml")
-                                    for d in yaml.safe_load_all(f.read_text()) if d and d["kind"] == "Service"}),
-])
+@pytest.mark.parametrize(
+    "config, services",
+    [
+        (
+            "prometheus.yml",
+            lambda: set(yaml.safe_load((ROOT / "deploy/compose/docker-compose.yml").read_text())["services"]),
+        ),
+        (
+            "prometheus-k8s.yml",
+            lambda: {
+                d["metadata"]["name"]
+                for f in (ROOT / "deploy/k8s").glob("*.yaml")
+                for d in yaml.safe_load_all(f.read_text())
+                if d and d["kind"] == "Service"
+            },
+        ),
+    ],
+)
 def test_every_scrape_job_finds_a_service_of_its_deployment_on_the_metrics_port(config: str, services: Any) -> None:
     jobs = yaml.safe_load((OBSERVABILITY / config).read_text())["scrape_configs"]
     assert {job["job_name"] for job in jobs} == {"paramserve-ps", "paramserve-worker", "paramserve-coordinator"}
@@ -154,20 +175,37 @@ def test_every_query_reads_metrics_paramserve_serves(dashboard: dict[str, Any]) 
 
 def test_the_dashboard_shows_what_the_issue_asks_for(dashboard: dict[str, Any]) -> None:
     exprs = " ".join(expr for _, expr in targets(dashboard))
-    for needed in ("paramserve_coordinator_steps_total", "paramserve_received_bytes_total", "paramserve_sent_bytes_total",
-                   "paramserve_ps_push_staleness_versions_bucket", "paramserve_rpc_duration_seconds_bucket",
-                   'code!="OK"', "paramserve_coordinator_workers", "paramserve_ps_shard_version",
-                   "paramserve_coordinator_ps_recoveries_total", "paramserve_coordinator_queued_closures",
-                   "paramserve_coordinator_checkpoint_age_seconds", "paramserve_build_info"):
+    for needed in (
+        "paramserve_coordinator_steps_total",
+        "paramserve_received_bytes_total",
+        "paramserve_sent_bytes_total",
+        "paramserve_ps_push_staleness_versions_bucket",
+        "paramserve_rpc_duration_seconds_bucket",
+        'code!="OK"',
+        "paramserve_coordinator_workers",
+        "paramserve_ps_shard_version",
+        "paramserve_coordinator_ps_recoveries_total",
+        "paramserve_coordinator_queued_closures",
+        "paramserve_coordinator_checkpoint_age_seconds",
+        "paramserve_build_info",
+    ):
         assert needed in exprs, needed
     assert "histogram_quantile(0.5," in exprs and "histogram_quantile(0.99," in exprs
 
 
 @needs_promtool
 def test_promtool_parses_every_query(dashboard: dict[str, Any], tmp_path: pathlib.Path) -> None:
-    rules = {"groups": [{"name": "dashboard", "rules": [
-        {"record": f"paramserve:dashboard_query_{i}", "expr": expr.replace("$job", ".*")}
-        for i, (_, expr) in enumerate(targets(dashboard))]}]}
+    rules = {
+        "groups": [
+            {
+                "name": "dashboard",
+                "rules": [
+                    {"record": f"paramserve:dashboard_query_{i}", "expr": expr.replace("$job", ".*")}
+                    for i, (_, expr) in enumerate(targets(dashboard))
+                ],
+            }
+        ]
+    }
     path = tmp_path / "queries.yml"
     path.write_text(yaml.safe_dump(rules))
     done = subprocess.run([PROMTOOL, "check", "rules", str(path)], capture_output=True, text=True, timeout=60)

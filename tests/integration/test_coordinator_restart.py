@@ -78,9 +78,16 @@ def keras_fit(checkpoint_dir: str) -> None:
 
     strategy, model, optimizer = build()
     with strategy.scope():
-        fit(model, optimizer, nn.CrossEntropyLoss(reduction="none"), functools.partial(worker_batches, batch_size=32),
-            epochs=EPOCHS, steps_per_epoch=STEPS_PER_EPOCH, verbose=False,
-            callbacks=[BackupAndRestore(checkpoint_dir), Report()])
+        fit(
+            model,
+            optimizer,
+            nn.CrossEntropyLoss(reduction="none"),
+            functools.partial(worker_batches, batch_size=32),
+            epochs=EPOCHS,
+            steps_per_epoch=STEPS_PER_EPOCH,
+            verbose=False,
+            callbacks=[BackupAndRestore(checkpoint_dir), Report()],
+        )
     strategy.close()
 
 
@@ -91,12 +98,21 @@ class Program:
     """A training program run as a child process; its stdout lines are read as they come."""
 
     def __init__(self, mode: str, checkpoint_dir: Path, cluster, seed: int, log: Path):
-        env = {**os.environ, "PARAMSERVE_PS": ",".join(cluster.spec.parameter_servers),
-               "PARAMSERVE_WORKERS": ",".join(cluster.spec.workers), "SEED": str(seed)}
+        env = {
+            **os.environ,
+            "PARAMSERVE_PS": ",".join(cluster.spec.parameter_servers),
+            "PARAMSERVE_WORKERS": ",".join(cluster.spec.workers),
+            "SEED": str(seed),
+        }
         env.pop("PARAMSERVE_TOKEN", None)
         self.log = log.open("w")
-        self.proc = subprocess.Popen([sys.executable, __file__, mode, str(checkpoint_dir)], env=env,
-                                     stdout=subprocess.PIPE, stderr=self.log, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, mode, str(checkpoint_dir)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+        )
         self.lines: list[str] = []
         self._changed = threading.Condition()
         threading.Thread(target=self._read, daemon=True).start()

@@ -20,9 +20,11 @@ from paramserve.coordinator.strategies import compute_average_loss
 def mirrored_steps(strategy, model, optimizer, steps):
     x_train, y_train, _, _ = digits_split()
     loss_fn = nn.CrossEntropyLoss(reduction="none")
-    batches = iter(strategy.experimental_distribute_dataset(
-        [(x_train[i : i + 64], y_train[i : i + 64]) for i in range(0, 64 * steps, 64)]
-    ))
+    batches = iter(
+        strategy.experimental_distribute_dataset(
+            [(x_train[i : i + 64], y_train[i : i + 64]) for i in range(0, 64 * steps, 64)]
+        )
+    )
 
     def step(x, y):
         optimizer.zero_grad()

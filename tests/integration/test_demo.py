@@ -40,9 +40,22 @@ def demo(tmp_path, *args):
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         # -X faulthandler: a demo that hangs dumps every thread's stack on SIGABRT (see below).
-        return subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", "paramserve.coordinator.commands.cli",
-                                 "demo", "--quiet", *args],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-X",
+                "faulthandler",
+                "-m",
+                "paramserve.coordinator.commands.cli",
+                "demo",
+                "--quiet",
+                *args,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
     finally:
         signal.signal(signal.SIGINT, previous)
 
@@ -59,9 +72,24 @@ def test_demo_trains_reports_json_and_stops_every_process(tmp_path):
 
     # The sidecar evaluator reads the parameter servers' checkpoints from the files alone.
     evaluator = subprocess.run(
-        [sys.executable, "-m", "paramserve.coordinator.commands.cli", "evaluator", "--checkpoint-dir",
-         str(tmp_path / "ckpt"), "--max-evaluations", "1", "--every", "0.1", "--json", "--log-dir", str(tmp_path / "logs")],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "paramserve.coordinator.commands.cli",
+            "evaluator",
+            "--checkpoint-dir",
+            str(tmp_path / "ckpt"),
+            "--max-evaluations",
+            "1",
+            "--every",
+            "0.1",
+            "--json",
+            "--log-dir",
+            str(tmp_path / "logs"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert evaluator.returncode == 0, evaluator.stderr
     evaluation = json.loads(evaluator.stdout.strip().splitlines()[-1])

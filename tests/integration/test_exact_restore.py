@@ -21,7 +21,9 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot im
 
 
 def build(cluster, hidden=32):
-    strategy = ParameterServerStrategy(cluster.spec, variable_partitioner=FixedShardsPartitioner(2), reuse_variables=True)
+    strategy = ParameterServerStrategy(
+        cluster.spec, variable_partitioner=FixedShardsPartitioner(2), reuse_variables=True
+    )
     torch.manual_seed(0)
     with strategy.scope():
         model = MLP(hidden)

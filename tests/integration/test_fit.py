@@ -59,8 +59,13 @@ def in_process(make_strategy: Callable[[], Any]) -> Setup:
     with strategy.scope():
         model = MLP(64)
         optimizer = torch.optim.Adam(model.parameters(), lr=5e-3)
-    data = DataLoader(TensorDataset(x_train, y_train), batch_size=BATCH, shuffle=True, drop_last=True,
-                      generator=torch.Generator().manual_seed(0))
+    data = DataLoader(
+        TensorDataset(x_train, y_train),
+        batch_size=BATCH,
+        shuffle=True,
+        drop_last=True,
+        generator=torch.Generator().manual_seed(0),
+    )
     return Setup(strategy, model, optimizer, data)
 
 
@@ -105,8 +110,12 @@ STRATEGIES = [
     pytest.param("central_storage", id="central_storage-2-cpu"),
     pytest.param("parameter_server", id="parameter_server-2ps-2workers", marks=pytest.mark.timeout(300)),
 ]
-IN_PROCESS = {"default": default_strategy, "one_device": one_device, "mirrored": mirrored,
-              "central_storage": central_storage}
+IN_PROCESS = {
+    "default": default_strategy,
+    "one_device": one_device,
+    "mirrored": mirrored,
+    "central_storage": central_storage,
+}
 
 
 class RaiseAtEpoch(Callback):
@@ -127,7 +136,9 @@ class AccuracyAtBegin(Callback):
         self.data, self.accuracy = data, None
 
     def on_train_begin(self, logs=None):
-        self.accuracy = evaluate(self.model, LOSS, self.data, strategy=self.state.strategy, return_dict=True)["accuracy"]
+        self.accuracy = evaluate(self.model, LOSS, self.data, strategy=self.state.strategy, return_dict=True)[
+            "accuracy"
+        ]
 
 
 def make_setup(name: str, start_cluster: Callable[..., Any]) -> Setup:
@@ -142,9 +153,16 @@ def test_the_same_fit_call_trains_digits_under_every_strategy(name, start_cluste
     setup = make_setup(name, start_cluster)
 
     history = fit(
-        setup.model, setup.optimizer, LOSS, setup.train_data,
-        epochs=EPOCHS, steps_per_epoch=STEPS_PER_EPOCH, steps_per_execution=STEPS_PER_EXECUTION,
-        validation_data=(x_test, y_test), strategy=setup.strategy, verbose=False,
+        setup.model,
+        setup.optimizer,
+        LOSS,
+        setup.train_data,
+        epochs=EPOCHS,
+        steps_per_epoch=STEPS_PER_EPOCH,
+        steps_per_execution=STEPS_PER_EXECUTION,
+        validation_data=(x_test, y_test),
+        strategy=setup.strategy,
+        verbose=False,
         callbacks=[
             LearningRateScheduler(lambda epoch, lr: 5e-3 * 0.8**epoch),
             ModelCheckpoint(tmp_path / "checkpoints" / "epoch-{epoch:04d}.pt", keep=2),
@@ -199,16 +217,26 @@ def test_two_replicas_make_the_update_of_one_device_also_on_an_uneven_last_batch
         torch.testing.assert_close(two[key], one[key], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("make_strategy", [one_device, mirrored, central_storage],
-                         ids=["one_device", "mirrored", "central_storage"])
+@pytest.mark.parametrize(
+    "make_strategy", [one_device, mirrored, central_storage], ids=["one_device", "mirrored", "central_storage"]
+)
 def test_an_interrupted_fit_resumes_from_its_backup_under_in_process_strategies(make_strategy, tmp_path):
     _, _, x_test, y_test = digits_split()
 
     def run(extra: list[Callback]) -> Any:
         setup = in_process(make_strategy)
-        return fit(setup.model, setup.optimizer, LOSS, setup.train_data, epochs=4, steps_per_epoch=25,
-                   validation_data=(x_test, y_test), strategy=setup.strategy, verbose=False,
-                   callbacks=[BackupAndRestore(tmp_path / "backup"), *extra])
+        return fit(
+            setup.model,
+            setup.optimizer,
+            LOSS,
+            setup.train_data,
+            epochs=4,
+            steps_per_epoch=25,
+            validation_data=(x_test, y_test),
+            strategy=setup.strategy,
+            verbose=False,
+            callbacks=[BackupAndRestore(tmp_path / "backup"), *extra],
+        )
 
     first, second = AccuracyAtBegin((x_test, y_test)), AccuracyAtBegin((x_test, y_test))
     with pytest.raises(RuntimeError, match="injected failure at epoch 2"):
@@ -229,9 +257,18 @@ def test_parameter_server_fit_resumes_from_its_backup_on_a_new_cluster(start_clu
         setup = parameter_server(start_cluster(num_ps=2, num_workers=2))
         try:
             with setup.strategy.scope():  # no strategy=: fit takes the strategy in scope
-                return fit(setup.model, setup.optimizer, LOSS, setup.train_data, epochs=4, steps_per_epoch=40,
-                           steps_per_execution=STEPS_PER_EXECUTION, validation_data=(x_test, y_test),
-                           verbose=False, callbacks=[BackupAndRestore(backup), *extra])
+                return fit(
+                    setup.model,
+                    setup.optimizer,
+                    LOSS,
+                    setup.train_data,
+                    epochs=4,
+                    steps_per_epoch=40,
+                    steps_per_execution=STEPS_PER_EXECUTION,
+                    validation_data=(x_test, y_test),
+                    verbose=False,
+                    callbacks=[BackupAndRestore(backup), *extra],
+                )
         finally:
             setup.strategy.close()
 
@@ -262,16 +299,33 @@ def multi_worker_rank(out_path: str, checkpoint_dir: str) -> None:
     setup = in_process(MultiWorkerMirroredStrategy)
     _, _, x_test, y_test = digits_split()
     history = fit(
-        setup.model, setup.optimizer, LOSS, setup.train_data,
-        epochs=EPOCHS, steps_per_epoch=STEPS_PER_EPOCH, steps_per_execution=STEPS_PER_EXECUTION,
-        validation_data=(x_test, y_test), strategy=setup.strategy, verbose=False,
-        callbacks=[LearningRateScheduler(lambda epoch, lr: 5e-3 * 0.8**epoch), ModelCheckpoint(os.path.join(checkpoint_dir, "epoch-{epoch:04d}.pt"), keep=2)],
+        setup.model,
+        setup.optimizer,
+        LOSS,
+        setup.train_data,
+        epochs=EPOCHS,
+        steps_per_epoch=STEPS_PER_EPOCH,
+        steps_per_execution=STEPS_PER_EXECUTION,
+        validation_data=(x_test, y_test),
+        strategy=setup.strategy,
+        verbose=False,
+        callbacks=[
+            LearningRateScheduler(lambda epoch, lr: 5e-3 * 0.8**epoch),
+            ModelCheckpoint(os.path.join(checkpoint_dir, "epoch-{epoch:04d}.pt"), keep=2),
+        ],
     )
     group = weakref.ref(torch.distributed.group.WORLD)
     setup.strategy.shutdown()
     # A group still referenced keeps gloo's threads alive into the interpreter's exit, where they abort it.
-    torch.save({"rank": setup.strategy.rank, "history": history.history, "state": setup.model.state_dict(),
-                "group_released": group() is None}, out_path)
+    torch.save(
+        {
+            "rank": setup.strategy.rank,
+            "history": history.history,
+            "state": setup.model.state_dict(),
+            "group_released": group() is None,
+        },
+        out_path,
+    )
 
 
 def free_port() -> int:
@@ -284,13 +338,25 @@ def run_ranks(tmp_path: Any, deadline_s: float = 200.0) -> list[dict]:
     port, base = free_port(), {k: v for k, v in os.environ.items() if k not in _CLUSTER_VARS}
     processes, outputs, logs = [], [], []
     for rank in range(WORLD_SIZE):
-        env = {**base, "RANK": str(rank), "WORLD_SIZE": str(WORLD_SIZE), "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        env = {
+            **base,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(WORLD_SIZE),
+            "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
         outputs.append(tmp_path / f"rank-{rank}.pt")
         logs.append(tmp_path / f"rank-{rank}.log")
         with logs[-1].open("w") as log:  # a file, not a pipe: a chatty rank never blocks
-            processes.append(subprocess.Popen([sys.executable, __file__, str(outputs[-1]), str(tmp_path / "checkpoints")],
-                                              env=env, stdout=log, stderr=subprocess.STDOUT))
+            processes.append(
+                subprocess.Popen(
+                    [sys.executable, __file__, str(outputs[-1]), str(tmp_path / "checkpoints")],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
     deadline = time.monotonic() + deadline_s
     try:
         for process in processes:
@@ -301,7 +367,9 @@ def run_ranks(tmp_path: Any, deadline_s: float = 200.0) -> list[dict]:
                 process.kill()
                 process.wait()
     for rank, process in enumerate(processes):
-        assert process.returncode == 0, f"rank {rank} exited with {process.returncode}:\n{logs[rank].read_text()[-4000:]}"
+        assert process.returncode == 0, (
+            f"rank {rank} exited with {process.returncode}:\n{logs[rank].read_text()[-4000:]}"
+        )
     return [torch.load(out, weights_only=True) for out in outputs]
 
 
@@ -316,10 +384,23 @@ def test_the_same_fit_call_trains_digits_under_multi_worker_mirrored_on_two_proc
     assert first["history"]["val_accuracy"][-1] >= 0.9
     for name, tensor in first["state"].items():
         assert torch.equal(tensor, second["state"][name]), name
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["checkpoint", "epoch-0002.pt", "epoch-0003.pt"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "checkpoint",
+        "epoch-0002.pt",
+        "epoch-0003.pt",
+    ]
     one = in_process(default_strategy)  # one process on the whole global batches: the same training
-    fit(one.model, one.optimizer, LOSS, one.train_data, epochs=EPOCHS, steps_per_epoch=STEPS_PER_EPOCH,
-        strategy=one.strategy, verbose=False, callbacks=[LearningRateScheduler(lambda epoch, lr: 5e-3 * 0.8**epoch)])
+    fit(
+        one.model,
+        one.optimizer,
+        LOSS,
+        one.train_data,
+        epochs=EPOCHS,
+        steps_per_epoch=STEPS_PER_EPOCH,
+        strategy=one.strategy,
+        verbose=False,
+        callbacks=[LearningRateScheduler(lambda epoch, lr: 5e-3 * 0.8**epoch)],
+    )
     for name, tensor in one.model.state_dict().items():
         torch.testing.assert_close(first["state"][name], tensor, rtol=1e-4, atol=1e-5, msg=name)
 

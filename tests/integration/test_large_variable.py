@@ -15,7 +15,8 @@ from paramserve.psserver.client import ClientConfig, ParameterServerClient
 from paramserve.psserver.optimizer import OptimizerSpec
 
 pytestmark = pytest.mark.skipif(
-    os.environ.get("PARAMSERVE_SLOW_TESTS") != "1", reason="opt-in: set PARAMSERVE_SLOW_TESTS=1 (needs ~10 GB of memory)"
+    os.environ.get("PARAMSERVE_SLOW_TESTS") != "1",
+    reason="opt-in: set PARAMSERVE_SLOW_TESTS=1 (needs ~10 GB of memory)",
 )
 
 

@@ -17,8 +17,8 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import pytest
 
@@ -33,7 +33,7 @@ from paramserve.coordinator.local_cluster import (
 
 FAKE_MODULE = "paramserve_fake_server"
 FAKE_SERVER = textwrap.dedent(
-    '''
+    """
     import argparse, json, os, signal, socket, stat, sys
 
     def main():
@@ -77,7 +77,7 @@ FAKE_SERVER = textwrap.dedent(
             conn.close()
 
     main()
-    '''
+    """
 )
 
 
@@ -124,7 +124,12 @@ def make_cluster(fake_env: dict[str, str], tmp_path: Path) -> Iterator[Callable[
         kwargs.setdefault("startup_timeout", 30.0)
         env = {**fake_env, **kwargs.pop("env", {})}  # type: ignore[dict-item]
         cluster = LocalCluster(
-            num_ps, num_workers, env=env, ps_module=FAKE_MODULE, worker_module=FAKE_MODULE, **kwargs  # type: ignore[arg-type]
+            num_ps,
+            num_workers,
+            env=env,
+            ps_module=FAKE_MODULE,
+            worker_module=FAKE_MODULE,
+            **kwargs,  # type: ignore[arg-type]
         )
         made.append(cluster)
         return cluster
@@ -174,7 +179,7 @@ def test_exception_in_with_block_stops_every_process(make_cluster: Callable[...,
     with pytest.raises(ZeroDivisionError):
         with make_cluster() as cluster:
             pids = [p.pid for p in cluster.processes]
-            1 / 0
+            raise ZeroDivisionError("the program fails")
     assert len(pids) == 4 and not any(is_alive(pid) for pid in pids)
 
 
@@ -351,7 +356,7 @@ def test_constructor_rejects_bad_config() -> None:
 # ------------------------------------------------------------------ the parent goes away
 
 PARENT = textwrap.dedent(
-    '''
+    """
     import json, signal, sys, threading
     from pathlib import Path
     from paramserve.coordinator.local_cluster import LocalCluster
@@ -366,7 +371,7 @@ PARENT = textwrap.dedent(
     elif mode == "error":
         raise RuntimeError("the user's program failed")
     # mode "exit": end without stop(); the atexit hook must stop the cluster
-    '''
+    """
 )
 
 
@@ -374,7 +379,10 @@ PARENT = textwrap.dedent(
 def test_parent_ending_without_stop_stops_the_cluster(mode: str, fake_env: dict[str, str], tmp_path: Path) -> None:
     parent = subprocess.Popen(
         [sys.executable, "-c", PARENT, mode, FAKE_MODULE, str(tmp_path / "run")],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, **fake_env}, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, **fake_env},
+        text=True,
     )
     pids: list[int] = []
     try:
@@ -405,8 +413,14 @@ def test_parent_ending_without_stop_stops_the_cluster(mode: str, fake_env: dict[
 def test_parse_port_report() -> None:
     assert parse_port_report('{"port": 5, "metrics_port": null, "pid": 9}') == PortReport(5, None, 9)
     assert parse_port_report('{"port": 5, "metrics_port": 6, "pid": 9}') == PortReport(5, 6, 9)
-    for bad in ('{"port": 5', "[5]", '{"port": 0, "pid": 9}', '{"port": "5", "pid": 9}',
-                '{"port": 5, "metrics_port": 70000, "pid": 9}', '{"port": 5, "pid": true}'):
+    for bad in (
+        '{"port": 5',
+        "[5]",
+        '{"port": 0, "pid": 9}',
+        '{"port": "5", "pid": 9}',
+        '{"port": 5, "metrics_port": 70000, "pid": 9}',
+        '{"port": 5, "pid": true}',
+    ):
         with pytest.raises(ValueError, match="contract"):
             parse_port_report(bad)
 

@@ -34,9 +34,11 @@ def server(tmp_path):
 
 def test_hostile_requests_keep_the_server_memory_bounded(server):
     process, address = server
-    for attack, status in ((lambda: oversized_push(address, TOKEN), "RESOURCE_EXHAUSTED"),
-                           (lambda: amplified_pull(address, TOKEN), "INVALID_ARGUMENT"),
-                           (lambda: unauthenticated_large_calls(address, calls=8), "UNAUTHENTICATED")):
+    for attack, status in (
+        (lambda: oversized_push(address, TOKEN), "RESOURCE_EXHAUSTED"),
+        (lambda: amplified_pull(address, TOKEN), "INVALID_ARGUMENT"),
+        (lambda: unauthenticated_large_calls(address, calls=8), "UNAUTHENTICATED"),
+    ):
         baseline = memory_mb(process.pid)
         assert attack() == status
         growth = memory_mb(process.pid) - baseline

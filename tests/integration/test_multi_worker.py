@@ -91,7 +91,9 @@ def rank_main(mode: str, out_path: str) -> None:
     if mode == "process_group":
         _import_dynamo_before_the_group()  # as the strategy does before forming its own group
         dist.init_process_group(
-            "gloo", init_method=os.environ["TEST_INIT_METHOD"], rank=int(os.environ["TEST_RANK"]),
+            "gloo",
+            init_method=os.environ["TEST_INIT_METHOD"],
+            rank=int(os.environ["TEST_RANK"]),
             world_size=WORLD_SIZE,
         )
         strategy = MultiWorkerMirroredStrategy.from_process_group()
@@ -107,9 +109,13 @@ def rank_main(mode: str, out_path: str) -> None:
         batches = strategy.experimental_distribute_dataset(global_batches())
     else:
         batches = strategy.distribute_datasets_from_function(
-            lambda context: [(x.tensor_split(context.num_input_pipelines)[context.input_pipeline_id],
-                              y.tensor_split(context.num_input_pipelines)[context.input_pipeline_id])
-                             for x, y in global_batches()]
+            lambda context: [
+                (
+                    x.tensor_split(context.num_input_pipelines)[context.input_pipeline_id],
+                    y.tensor_split(context.num_input_pipelines)[context.input_pipeline_id],
+                )
+                for x, y in global_batches()
+            ]
         )
     losses = []
     for (x, y), (global_x, _) in zip(batches, global_batches(), strict=True):
@@ -149,8 +155,12 @@ def aggregates_across_processes(strategy: MultiWorkerMirroredStrategy, rank: int
         mean.update_state(torch.full((rank + 1,), float(rank)))
 
     strategy.run(replica_fn)
-    return {"sync_on_read_sum": total.read_value().item(), "sync_on_read_mean": average.read_value().item(),
-            "sync_on_read_first": first.read_value().item(), "metric_mean": mean.result().item()}
+    return {
+        "sync_on_read_sum": total.read_value().item(),
+        "sync_on_read_mean": average.read_value().item(),
+        "sync_on_read_first": first.read_value().item(),
+        "metric_mean": mean.result().item(),
+    }
 
 
 def nccl_on_a_shared_gpu(out_path: str) -> None:
@@ -180,10 +190,14 @@ def run_ranks(mode: str, rank_envs: list[dict[str, str]], tmp_path: Path) -> lis
         outputs.append(tmp_path / f"rank-{rank}.pt")
         logs.append(tmp_path / f"rank-{rank}.log")
         with logs[-1].open("w") as log:  # a file, not a pipe: a chatty rank can never block on it
-            processes.append(subprocess.Popen(
-                [sys.executable, __file__, mode, str(outputs[-1])], env={**base_env, **extra},
-                stdout=log, stderr=subprocess.STDOUT,
-            ))
+            processes.append(
+                subprocess.Popen(
+                    [sys.executable, __file__, mode, str(outputs[-1])],
+                    env={**base_env, **extra},
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
     deadline = time.monotonic() + PROCESS_DEADLINE  # one deadline for all: the test stays under pytest-timeout
     try:
         for process in processes:
@@ -231,15 +245,25 @@ def assert_matches_single_process(results: list[dict]) -> None:
 
 def test_tf_config_cluster_trains_like_one_process(tmp_path):
     cluster = {"worker": [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]}
-    envs = [{"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}})}
-            for i in range(WORLD_SIZE)]
+    envs = [
+        {"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}})}
+        for i in range(WORLD_SIZE)
+    ]
     assert_matches_single_process(run_ranks("tf_config", envs, tmp_path))
 
 
 def test_torchrun_environment_trains_like_one_process(tmp_path):
     port = free_port()
-    envs = [{"RANK": str(r), "WORLD_SIZE": str(WORLD_SIZE), "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1",
-             "MASTER_PORT": str(port)} for r in range(WORLD_SIZE)]
+    envs = [
+        {
+            "RANK": str(r),
+            "WORLD_SIZE": str(WORLD_SIZE),
+            "LOCAL_RANK": str(r),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+        for r in range(WORLD_SIZE)
+    ]
     assert_matches_single_process(run_ranks("torchrun", envs, tmp_path))
 
 
@@ -253,8 +277,10 @@ def test_existing_process_group_is_adopted(tmp_path):
 
 
 def test_tf_config_ranks_chief_first_then_workers_and_meets_at_the_first_task():
-    config = {"cluster": {"worker": ["127.0.0.1:2001", "127.0.0.1:2002"], "chief": ["127.0.0.1:2000"]},
-              "task": {"type": "worker", "index": 1}}
+    config = {
+        "cluster": {"worker": ["127.0.0.1:2001", "127.0.0.1:2002"], "chief": ["127.0.0.1:2000"]},
+        "task": {"type": "worker", "index": 1},
+    }
     resolver = ClusterResolver.from_env({"TF_CONFIG": json.dumps(config), "RANK": "0"})
     assert (resolver.rank, resolver.world_size, resolver.init_method()) == (2, 3, "tcp://127.0.0.1:2000")
 
@@ -275,10 +301,13 @@ def test_backend_choice():
         CommunicationOptions("TREE")
 
 
-@pytest.mark.parametrize(("gpus", "reason"), [
-    (["GPU-a", "GPU-a"], "ranks 0 and 1 share GPU GPU-a"),  # two ranks, one GPU
-    (["GPU-a", None], r"rank\(s\) \[1\] have no GPU of their own"),  # LOCAL_RANK 1 on a one-GPU machine
-])
+@pytest.mark.parametrize(
+    ("gpus", "reason"),
+    [
+        (["GPU-a", "GPU-a"], "ranks 0 and 1 share GPU GPU-a"),  # two ranks, one GPU
+        (["GPU-a", None], r"rank\(s\) \[1\] have no GPU of their own"),  # LOCAL_RANK 1 on a one-GPU machine
+    ],
+)
 def test_processes_without_a_gpu_each_get_gloo_under_auto_and_a_clear_error_under_nccl(gpus, reason):
     auto, nccl = CollectiveCommunication.AUTO, CollectiveCommunication.NCCL
     assert select_backend(auto, cuda_available=True, nccl_available=True, gpus=["GPU-a", "GPU-b"]) == "nccl"
@@ -310,8 +339,16 @@ def test_every_process_learns_every_gpu_of_the_group_before_choosing():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_nccl_for_two_processes_on_one_gpu_is_refused_by_both_before_training(tmp_path):
     port = free_port()
-    envs = [{"RANK": str(r), "WORLD_SIZE": str(WORLD_SIZE), "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-             "MASTER_PORT": str(port)} for r in range(WORLD_SIZE)]
+    envs = [
+        {
+            "RANK": str(r),
+            "WORLD_SIZE": str(WORLD_SIZE),
+            "LOCAL_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+        for r in range(WORLD_SIZE)
+    ]
     results = run_ranks("nccl_on_a_shared_gpu", envs, tmp_path)
     assert sorted(r["rank"] for r in results) == [0, 1]
     for result in results:
@@ -337,15 +374,26 @@ def test_shutdown_lets_go_of_the_group_and_metrics_read_locally_after():
     ("environ", "message"),
     [
         ({"TF_CONFIG": "{not json"}, "not valid JSON"),
-        ({"TF_CONFIG": '{"cluster": {"worker": ["127.0.0.1:1"]}, "task": {"type": "worker", "index": 3}}'},
-         "out of range"),
-        ({"TF_CONFIG": '{"cluster": {"worker": ["127.0.0.1:1"]}, "task": {"type": "chief", "index": 0}}'},
-         "not a job of its cluster"),
+        (
+            {"TF_CONFIG": '{"cluster": {"worker": ["127.0.0.1:1"]}, "task": {"type": "worker", "index": 3}}'},
+            "out of range",
+        ),
+        (
+            {"TF_CONFIG": '{"cluster": {"worker": ["127.0.0.1:1"]}, "task": {"type": "chief", "index": 0}}'},
+            "not a job of its cluster",
+        ),
         ({"TF_CONFIG": '{"cluster": {"worker": ["127.0.0.1:1"]}}'}, "no task"),
-        ({"TF_CONFIG": '{"cluster": {"worker": ["127.0.0.1:1"], "ps": ["127.0.0.1:2"]}, '
-                       '"task": {"type": "worker", "index": 0}}'}, "no parameter servers"),
-        ({"TF_CONFIG": '{"cluster": {"worker": ["127.0.0.1"]}, "task": {"type": "worker", "index": 0}}'},
-         "has no port"),
+        (
+            {
+                "TF_CONFIG": '{"cluster": {"worker": ["127.0.0.1:1"], "ps": ["127.0.0.1:2"]}, '
+                '"task": {"type": "worker", "index": 0}}'
+            },
+            "no parameter servers",
+        ),
+        (
+            {"TF_CONFIG": '{"cluster": {"worker": ["127.0.0.1"]}, "task": {"type": "worker", "index": 0}}'},
+            "has no port",
+        ),
         ({"RANK": "0", "WORLD_SIZE": "2"}, "MASTER_ADDR, MASTER_PORT unset"),
         ({"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}, "not in 0..1"),
     ],

@@ -45,8 +45,9 @@ def test_metrics_updated_on_workers_count_on_the_coordinator(start_cluster, tmp_
     try:
         with ClusterCoordinator(strategy) as coordinator:
             batches = iter(coordinator.create_per_worker_dataset(functools.partial(worker_batches, batch_size=16)))
-            results = [coordinator.schedule(step, args=(batches, model, optimizer, accuracy, seen), steps=2)
-                       for _ in range(10)]
+            results = [
+                coordinator.schedule(step, args=(batches, model, optimizer, accuracy, seen), steps=2) for _ in range(10)
+            ]
             coordinator.join()
         assert float(seen._state.merged().weight) == 10 * 2 * 16, "every step of every worker counted once"
         correct = sum(int(r.fetch()[0]) for r in results)  # the last step of each closure
@@ -77,10 +78,18 @@ def test_fit_reports_metric_objects_under_parameter_servers(start_cluster):
         optimizer = torch.optim.Adam(model.parameters(), lr=5e-3)
     _, _, x_test, y_test = digits_split()
     try:
-        history = fit(model, optimizer, nn.CrossEntropyLoss(reduction="none"),
-                      functools.partial(worker_batches, batch_size=32), epochs=2, steps_per_epoch=20,
-                      steps_per_execution=4, validation_data=(x_test, y_test), verbose=False,
-                      metrics=[metrics.Accuracy(), metrics.AUC(from_logits=True)])
+        history = fit(
+            model,
+            optimizer,
+            nn.CrossEntropyLoss(reduction="none"),
+            functools.partial(worker_batches, batch_size=32),
+            epochs=2,
+            steps_per_epoch=20,
+            steps_per_execution=4,
+            validation_data=(x_test, y_test),
+            verbose=False,
+            metrics=[metrics.Accuracy(), metrics.AUC(from_logits=True)],
+        )
         assert history.history["val_accuracy"][-1] > 0.7
         assert history.history["auc"][-1] > 0.9 and history.history["val_auc"][-1] > 0.9
     finally:

@@ -40,9 +40,23 @@ def two_servers(tmp_path):
     for index in range(2):
         port_file = tmp_path / f"ps-{index}.json"
         process = subprocess.Popen(
-            [sys.executable, "-m", "paramserve.coordinator.commands.cli", "ps", "--port", "0", "--port-file", str(port_file),
-             "--metrics-port", "0", "--chunk-bytes", "65536"],
-            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            [
+                sys.executable,
+                "-m",
+                "paramserve.coordinator.commands.cli",
+                "ps",
+                "--port",
+                "0",
+                "--port-file",
+                str(port_file),
+                "--metrics-port",
+                "0",
+                "--chunk-bytes",
+                "65536",
+            ],
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         processes.append(process)
         infos.append(wait_for_port_file(port_file, process, deadline))
@@ -59,13 +73,16 @@ def test_partitioned_variable_served_by_two_processes(two_servers):
     addresses = [f"127.0.0.1:{info['port']}" for info in infos]
     embedding = torch.randn(1000, 16)
     with ParameterServerClient(addresses, ClientConfig(chunk_bytes=65536)) as client:
-        client.create_variable("emb", embedding, optimizer=OptimizerSpec("Adagrad", {"lr": 0.1}),
-                               partitioner=FixedShardsPartitioner(4))
+        client.create_variable(
+            "emb", embedding, optimizer=OptimizerSpec("Adagrad", {"lr": 0.1}), partitioner=FixedShardsPartitioner(4)
+        )
         client.create_variable("bias", torch.zeros(16), optimizer=OptimizerSpec("Adam", {"lr": 0.01}))
         pulled = client.pull(["emb", "bias"])
         assert torch.equal(pulled.tensors["emb"], embedding)
-        client.push({"emb": RowGradient(torch.tensor([1, 999]), torch.ones(2, 16)), "bias": torch.ones(16)},
-                    base_versions=pulled.versions)
+        client.push(
+            {"emb": RowGradient(torch.tensor([1, 999]), torch.ones(2, 16)), "bias": torch.ones(16)},
+            base_versions=pulled.versions,
+        )
         after = client.pull(["emb", "bias"]).tensors
     changed = (after["emb"] != embedding).any(dim=1).nonzero().reshape(-1).tolist()
     assert changed == [1, 999]

@@ -17,10 +17,34 @@ def test_the_demo_trains_over_mutual_tls(tmp_path):
     certs = make_certificates(tmp_path / "certs")
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     demo = subprocess.run(
-        [sys.executable, "-m", "paramserve.coordinator.commands.cli", "demo", "--quiet", "--json", "--steps", "200",
-         "--ps", "1", "--workers", "1", "--checkpoint-every", "100", "--checkpoint-dir", str(tmp_path / "ckpt"),
-         "--tls-ca", str(certs.ca), "--tls-cert", str(certs.cert), "--tls-key", str(certs.key)],
-        capture_output=True, text=True, timeout=600, env=env,
+        [
+            sys.executable,
+            "-m",
+            "paramserve.coordinator.commands.cli",
+            "demo",
+            "--quiet",
+            "--json",
+            "--steps",
+            "200",
+            "--ps",
+            "1",
+            "--workers",
+            "1",
+            "--checkpoint-every",
+            "100",
+            "--checkpoint-dir",
+            str(tmp_path / "ckpt"),
+            "--tls-ca",
+            str(certs.ca),
+            "--tls-cert",
+            str(certs.cert),
+            "--tls-key",
+            str(certs.key),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
     )
     assert demo.returncode == 0, demo.stderr[-3000:]
     summary = json.loads(demo.stdout.strip().splitlines()[-1])
@@ -33,15 +57,35 @@ def test_health_speaks_tls_to_a_mutual_tls_server(tmp_path):
     certs = make_certificates(tmp_path / "certs")
     port_file = tmp_path / "ps.port.json"
     server = subprocess.Popen(
-        [sys.executable, "-m", "paramserve.coordinator.commands.cli", "ps", "--port", "0", "--port-file", str(port_file),
-         "--tls-cert", str(certs.cert), "--tls-key", str(certs.key), "--tls-client-ca", str(certs.ca)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "paramserve.coordinator.commands.cli",
+            "ps",
+            "--port",
+            "0",
+            "--port-file",
+            str(port_file),
+            "--tls-cert",
+            str(certs.cert),
+            "--tls-key",
+            str(certs.key),
+            "--tls-client-ca",
+            str(certs.ca),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         address = f"127.0.0.1:{wait_for_port(port_file, server)}"
         health = [sys.executable, "-m", "paramserve.coordinator.commands.cli", "health", address, "--timeout", "10"]
-        secure = subprocess.run([*health, "--tls-ca", str(certs.ca), "--tls-cert", str(certs.cert),
-                                 "--tls-key", str(certs.key)], capture_output=True, text=True, timeout=120)
+        secure = subprocess.run(
+            [*health, "--tls-ca", str(certs.ca), "--tls-cert", str(certs.cert), "--tls-key", str(certs.key)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert secure.returncode == 0 and "SERVING" in secure.stdout, secure.stderr
         plain = subprocess.run([*health, "--timeout", "2"], capture_output=True, text=True, timeout=120)
         assert plain.returncode == 1 and "UNREACHABLE" in plain.stdout

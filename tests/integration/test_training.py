@@ -142,7 +142,9 @@ def test_scheduled_steps_may_call_strategy_run_and_reduce(start_cluster):
     assert strategy.num_replicas_in_sync == 1
     with ClusterCoordinator(strategy) as coordinator:
         batches = iter(strategy.distribute_datasets_from_function(worker_batches))
-        loss, replica, replicas = coordinator.schedule(replica_step, args=(strategy, batches, model, optimizer)).fetch(timeout=120)
+        loss, replica, replicas = coordinator.schedule(replica_step, args=(strategy, batches, model, optimizer)).fetch(
+            timeout=120
+        )
     assert torch.isfinite(loss) and (replica, replicas) == (0, 1)
     assert {i.version for infos in strategy.client.list_shards().values() for i in infos} == {1}
     strategy.close()

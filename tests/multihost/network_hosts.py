@@ -40,8 +40,27 @@ def missing_requirements() -> str | None:
     if made.returncode != 0:
         return f"cannot create a network namespace: {made.stderr.strip()}"
     try:
-        rule = subprocess.run(["ip", "netns", "exec", probe, "iptables", "-A", "OUTPUT", "-m", "statistic",
-                               "--mode", "random", "--probability", "0.5", "-j", "DROP"], capture_output=True, text=True)
+        rule = subprocess.run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                probe,
+                "iptables",
+                "-A",
+                "OUTPUT",
+                "-m",
+                "statistic",
+                "--mode",
+                "random",
+                "--probability",
+                "0.5",
+                "-j",
+                "DROP",
+            ],
+            capture_output=True,
+            text=True,
+        )
         if rule.returncode != 0:
             return f"iptables' statistic match does not work here: {rule.stderr.strip()}"
     finally:
@@ -102,8 +121,21 @@ class NetworkHosts:
             self._add_namespace(namespace)
             inside, outside = f"eth{index}", f"port{index}"
             # The pair is made straight between the two namespaces: nothing appears in the root one.
-            run("ip", "link", "add", inside, "netns", namespace, "type", "veth", "peer", "name", outside,
-                "netns", self._bridge)
+            run(
+                "ip",
+                "link",
+                "add",
+                inside,
+                "netns",
+                namespace,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                outside,
+                "netns",
+                self._bridge,
+            )
             run("ip", "-n", self._bridge, "link", "set", outside, "master", "br0")
             run("ip", "-n", self._bridge, "link", "set", outside, "up")
             run("ip", "-n", namespace, "addr", "add", f"{address}/{self.subnet.prefixlen}", "dev", inside)
@@ -127,11 +159,17 @@ class NetworkHosts:
 
     # ---------------------------------------------------------------- using it
 
-    def start(self, host: str, argv: Sequence[str], log: IO[bytes], env: dict[str, str] | None = None
-              ) -> subprocess.Popen[bytes]:
+    def start(
+        self, host: str, argv: Sequence[str], log: IO[bytes], env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
         """Starts ``argv`` on ``host`` (``ip netns exec`` execs it: the pid is the program's)."""
-        process = subprocess.Popen(["ip", "netns", "exec", self.namespace(host), *argv], stdout=log,
-                                   stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        process = subprocess.Popen(
+            ["ip", "netns", "exec", self.namespace(host), *argv],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
         self._processes.append(process)
         return process
 
@@ -141,8 +179,22 @@ class NetworkHosts:
     def drop_outgoing(self, probability: float) -> None:
         """Every host drops this share of the packets it sends to the subnet, at random."""
         for host in self.addresses:
-            self.exec(host, "iptables", "-A", "OUTPUT", "-d", str(self.subnet), "-m", "statistic",
-                      "--mode", "random", "--probability", f"{probability:.4f}", "-j", "DROP")
+            self.exec(
+                host,
+                "iptables",
+                "-A",
+                "OUTPUT",
+                "-d",
+                str(self.subnet),
+                "-m",
+                "statistic",
+                "--mode",
+                "random",
+                "--probability",
+                f"{probability:.4f}",
+                "-j",
+                "DROP",
+            )
 
     def dropped_packets(self) -> int:
         total = 0
@@ -157,7 +209,11 @@ class NetworkHosts:
         """Segments TCP sent again, over every host (each namespace counts its own)."""
         total = 0
         for host in self.addresses:
-            lines = [line.split() for line in self.exec(host, "cat", "/proc/net/snmp").splitlines() if line.startswith("Tcp:")]
+            lines = [
+                line.split()
+                for line in self.exec(host, "cat", "/proc/net/snmp").splitlines()
+                if line.startswith("Tcp:")
+            ]
             total += int(lines[1][lines[0].index("RetransSegs")])
         return total
 
@@ -181,7 +237,9 @@ class NetworkHosts:
                 process.wait(10)
         for namespace in reversed(self._namespaces):
             # Anything still inside a namespace made here was started here (a child's child).
-            for pid in subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True).stdout.split():
+            for pid in subprocess.run(
+                ["ip", "netns", "pids", namespace], capture_output=True, text=True
+            ).stdout.split():
                 try:
                     os.kill(int(pid), signal.SIGKILL)
                 except ProcessLookupError:

@@ -25,8 +25,13 @@ from paramserve.psserver import checkpoint
 pytestmark = pytest.mark.timeout(420)
 
 SUBNET = "10.254.213.0/24"  # private; the test refuses to run if this machine routes it already
-HOSTS = {"ps0": "10.254.213.11", "ps1": "10.254.213.12", "w0": "10.254.213.21", "w1": "10.254.213.22",
-         "coord": "10.254.213.31"}
+HOSTS = {
+    "ps0": "10.254.213.11",
+    "ps1": "10.254.213.12",
+    "w0": "10.254.213.21",
+    "w1": "10.254.213.22",
+    "coord": "10.254.213.31",
+}
 WORKER_SERVICE = "workers.multihost.test"
 STEPS = 400
 LOSS = 0.01
@@ -67,23 +72,55 @@ def test_the_demo_trains_across_hosts_through_loss_and_a_cut_link(requirements: 
             for host in ("ps0", "ps1", "w0", "w1"):
                 role, port = ("ps", "5000") if host.startswith("ps") else ("worker", "6000")
                 port_files[host] = tmp_path / f"{host}.port"
-                servers[host] = hosts.start(host, paramserve(
-                    role, "--host", HOSTS[host], "--port", port, "--metrics-port", "9100", "--token-file", str(token),
-                    "--port-file", str(port_files[host]), "--grace-seconds", "1",
-                ), log=(tmp_path / f"{host}.log").open("wb"), env=env)
+                servers[host] = hosts.start(
+                    host,
+                    paramserve(
+                        role,
+                        "--host",
+                        HOSTS[host],
+                        "--port",
+                        port,
+                        "--metrics-port",
+                        "9100",
+                        "--token-file",
+                        str(token),
+                        "--port-file",
+                        str(port_files[host]),
+                        "--grace-seconds",
+                        "1",
+                    ),
+                    log=(tmp_path / f"{host}.log").open("wb"),
+                    env=env,
+                )
             wait_for_port_files(port_files, servers, time.monotonic() + 120)
 
             hosts.drop_outgoing(LOSS)
             retransmitted_before = hosts.tcp_retransmissions()
             started = time.monotonic()
             coordinator_log = tmp_path / "coordinator.log"
-            coordinator = hosts.start("coord", paramserve(
-                "demo", "--cluster-from-env", "--token-file", str(token), "--checkpoint-dir", str(checkpoints),
-                "--steps", str(STEPS), "--checkpoint-every", "100", "--quiet", "--json",
-            ), log=coordinator_log.open("wb"), env={
-                **env, "PARAMSERVE_PS": f"{HOSTS['ps0']}:5000,{HOSTS['ps1']}:5000",
-                "PARAMSERVE_WORKER_SERVICE": f"{WORKER_SERVICE}:6000",
-            })
+            coordinator = hosts.start(
+                "coord",
+                paramserve(
+                    "demo",
+                    "--cluster-from-env",
+                    "--token-file",
+                    str(token),
+                    "--checkpoint-dir",
+                    str(checkpoints),
+                    "--steps",
+                    str(STEPS),
+                    "--checkpoint-every",
+                    "100",
+                    "--quiet",
+                    "--json",
+                ),
+                log=coordinator_log.open("wb"),
+                env={
+                    **env,
+                    "PARAMSERVE_PS": f"{HOSTS['ps0']}:5000,{HOSTS['ps1']}:5000",
+                    "PARAMSERVE_WORKER_SERVICE": f"{WORKER_SERVICE}:6000",
+                },
+            )
 
             # Once the first checkpoint exists training runs: cut a worker's link, then restore it.
             while checkpoint.latest_checkpoint(checkpoints) is None if checkpoints.exists() else True:
@@ -98,9 +135,11 @@ def test_the_demo_trains_across_hosts_through_loss_and_a_cut_link(requirements: 
             seconds = time.monotonic() - started
             summary = json.loads(coordinator_log.read_text().strip().splitlines()[-1])
             dropped, retransmitted = hosts.dropped_packets(), hosts.tcp_retransmissions() - retransmitted_before
-            print(f"\nmultihost: {STEPS} steps in {seconds:.1f} s across 5 hosts, {LOSS:.0%} of packets dropped "
-                  f"({dropped} packets, {retransmitted} TCP segments sent again), w1 cut for {CUT_SECONDS:g} s; "
-                  f"test accuracy {summary['test_accuracy']:.4f}")
+            print(
+                f"\nmultihost: {STEPS} steps in {seconds:.1f} s across 5 hosts, {LOSS:.0%} of packets dropped "
+                f"({dropped} packets, {retransmitted} TCP segments sent again), w1 cut for {CUT_SECONDS:g} s; "
+                f"test accuracy {summary['test_accuracy']:.4f}"
+            )
         assert not hosts.leftovers(), hosts.leftovers()
     finally:
         hosts.close()

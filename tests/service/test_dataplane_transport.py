@@ -32,7 +32,9 @@ def make_client() -> Iterator[Callable[..., ParameterServerClient]]:
     clients: list[ParameterServerClient] = []
 
     def make(addresses: list[str], **overrides: object) -> ParameterServerClient:
-        client = ParameterServerClient(addresses, ClientConfig(**{"call_timeout": 10.0, "retry_deadline": 10.0, **overrides}))  # type: ignore[arg-type]
+        client = ParameterServerClient(
+            addresses, ClientConfig(**{"call_timeout": 10.0, "retry_deadline": 10.0, **overrides})
+        )  # type: ignore[arg-type]
         clients.append(client)
         return client
 
@@ -98,8 +100,12 @@ def still_serves(server, make_client, token: str | None = None) -> None:
 
 
 def steps_on_data_plane(server) -> float:
-    return server.registry.get_sample_value(
-        "paramserve_rpcs_total", {"role": "ps", "method": "DataPlaneStep", "code": "OK"}) or 0.0
+    return (
+        server.registry.get_sample_value(
+            "paramserve_rpcs_total", {"role": "ps", "method": "DataPlaneStep", "code": "OK"}
+        )
+        or 0.0
+    )
 
 
 def test_a_client_steps_on_the_data_plane_and_gets_typed_errors_back(start_ps, make_client):
@@ -117,8 +123,12 @@ def test_a_client_steps_on_the_data_plane_and_gets_typed_errors_back(start_ps, m
     assert summary.applied == 2
     assert torch.equal(pulled.tensors["w"], torch.full((6, 2), -0.5))
     assert steps_on_data_plane(server) == 1
-    assert server.registry.get_sample_value(
-        "paramserve_rpcs_total", {"role": "ps", "method": "DataPlaneStep", "code": "NOT_FOUND"}) == 1
+    assert (
+        server.registry.get_sample_value(
+            "paramserve_rpcs_total", {"role": "ps", "method": "DataPlaneStep", "code": "NOT_FOUND"}
+        )
+        == 1
+    )
     assert server.data_plane.connections == 1, "the connection survives a typed error and is reused"
 
 
@@ -134,8 +144,14 @@ def test_a_wrong_or_missing_credential_is_refused_before_anything_is_read(start_
         assert closed_by_peer(sock)
         sock.close()
     with pytest.raises(AuthenticationError):
-        dataplane_client.DataPlaneConnection("127.0.0.1", server.data_port, token="wrong-token-of-32-characters!!!",
-                                      tls=None, timeout=10, max_body_bytes=1 << 20)
+        dataplane_client.DataPlaneConnection(
+            "127.0.0.1",
+            server.data_port,
+            token="wrong-token-of-32-characters!!!",
+            tls=None,
+            timeout=10,
+            max_body_bytes=1 << 20,
+        )
     still_serves(server, make_client, TOKEN)
 
 
@@ -171,8 +187,14 @@ def test_a_malformed_plan_gets_invalid_argument_and_changes_nothing(start_ps, ma
     client = make_client([server.address])
     client.create_variable("w", torch.zeros(4), optimizer=SGD)
     sock = admitted(server)
-    plan = ps_pb2.StepPlan(idempotency_key="k", push=[tensor_pb2.PushPart(
-        ref=tensor_pb2.ShardRef(variable="w", shard=0), values=tensor_pb2.TensorMeta(dtype="float32", shape=[4]))])
+    plan = ps_pb2.StepPlan(
+        idempotency_key="k",
+        push=[
+            tensor_pb2.PushPart(
+                ref=tensor_pb2.ShardRef(variable="w", shard=0), values=tensor_pb2.TensorMeta(dtype="float32", shape=[4])
+            )
+        ],
+    )
 
     sock.sendall(frame(FrameKind.STEP, b"\xff\xff\xff"))  # not a StepPlan
     bad_plan = read_frame(sock)
@@ -190,8 +212,14 @@ def test_a_step_whose_reply_was_lost_is_applied_once_when_retried(start_ps, make
     server = start_ps()
     client = make_client([server.address])
     client.create_variable("w", torch.zeros(4), optimizer=SGD)
-    plan = ps_pb2.StepPlan(idempotency_key="step-7", push=[tensor_pb2.PushPart(
-        ref=tensor_pb2.ShardRef(variable="w", shard=0), values=tensor_pb2.TensorMeta(dtype="float32", shape=[4]))])
+    plan = ps_pb2.StepPlan(
+        idempotency_key="step-7",
+        push=[
+            tensor_pb2.PushPart(
+                ref=tensor_pb2.ShardRef(variable="w", shard=0), values=tensor_pb2.TensorMeta(dtype="float32", shape=[4])
+            )
+        ],
+    )
     sock = admitted(server)
     sock.sendall(frame(FrameKind.STEP, plan.SerializeToString(), torch.ones(4).numpy().tobytes()))
     kind, _, _ = read_frame(sock)  # applied; the client then vanishes before it can act on the reply
@@ -233,8 +261,9 @@ def test_a_server_without_a_data_plane_is_served_by_the_step_rpc(start_ps, make_
 
     assert summary.applied == 1 and torch.equal(pulled.tensors["w"], torch.full((4,), -0.5))
     assert server.data_port is None
-    assert server.registry.get_sample_value(
-        "paramserve_rpcs_total", {"role": "ps", "method": "Step", "code": "OK"}) == 1
+    assert (
+        server.registry.get_sample_value("paramserve_rpcs_total", {"role": "ps", "method": "Step", "code": "OK"}) == 1
+    )
 
 
 def test_a_client_on_the_same_host_takes_the_local_socket_and_others_tcp(start_ps, make_client):
@@ -243,16 +272,24 @@ def test_a_client_on_the_same_host_takes_the_local_socket_and_others_tcp(start_p
     assert name.startswith("paramserve-dataplane-")
 
     def connection(local_socket: str) -> dataplane_client.DataPlaneConnection:
-        return dataplane_client.DataPlaneConnection("127.0.0.1", server.data_port, token=TOKEN, tls=None, timeout=10,
-                                             max_body_bytes=1 << 20, local_socket=local_socket)
+        return dataplane_client.DataPlaneConnection(
+            "127.0.0.1",
+            server.data_port,
+            token=TOKEN,
+            tls=None,
+            timeout=10,
+            max_body_bytes=1 << 20,
+            local_socket=local_socket,
+        )
 
     same_host, elsewhere = connection(name), connection("paramserve-dataplane-" + "0" * 32)
 
     assert same_host.local, "this process shares the server's host and network namespace"
     assert not elsewhere.local, "a name nobody listens on (another namespace's server) falls back to TCP"
     with pytest.raises(AuthenticationError):
-        dataplane_client.DataPlaneConnection("127.0.0.1", server.data_port, token=None, tls=None, timeout=10,
-                                      max_body_bytes=1 << 20, local_socket=name)
+        dataplane_client.DataPlaneConnection(
+            "127.0.0.1", server.data_port, token=None, tls=None, timeout=10, max_body_bytes=1 << 20, local_socket=name
+        )
     same_host.close()
     elsewhere.close()
     still_serves(server, make_client, TOKEN)
@@ -263,8 +300,9 @@ def test_under_mutual_tls_the_data_plane_needs_a_client_certificate(start_ps, ma
     certs = make_certificates(tmp_path / "certs")
     server = start_ps(tls=TlsConfig(certs.cert, certs.key, certs.ca))
     assert server.data_plane.local_socket == "", "no way around TLS, which may be what authenticates"
-    client = make_client([server.address], tls_root_certificates=certs.ca, tls_cert_chain=certs.cert,
-                         tls_private_key=certs.key)
+    client = make_client(
+        [server.address], tls_root_certificates=certs.ca, tls_cert_chain=certs.cert, tls_private_key=certs.key
+    )
     client.create_variable("w", torch.zeros(4), optimizer=SGD)
 
     summary, pulled = client.push_and_pull({"w": torch.ones(4)}, ["w"], key="k")
@@ -275,5 +313,6 @@ def test_under_mutual_tls_the_data_plane_needs_a_client_certificate(start_ps, ma
     plaintext.sendall(frame(FrameKind.HELLO))  # not a TLS handshake
     assert closed_by_peer(plaintext)
     with pytest.raises(TransportError):  # TLS, but no client certificate
-        dataplane_client.DataPlaneConnection("127.0.0.1", server.data_port, token=None, timeout=10, max_body_bytes=1 << 20,
-                                      tls=ClientTls(certs.ca))
+        dataplane_client.DataPlaneConnection(
+            "127.0.0.1", server.data_port, token=None, timeout=10, max_body_bytes=1 << 20, tls=ClientTls(certs.ca)
+        )

@@ -38,16 +38,26 @@ def test_nothing_listening_or_nothing_answering_is_unreachable() -> None:
 
 def test_the_command_exits_0_when_serving_and_prints_the_status(start_ps) -> None:
     ps = start_ps()
-    done = subprocess.run([sys.executable, "-m", "paramserve.psserver.health_probe", ps.address],
-                          capture_output=True, text=True, timeout=30)
+    done = subprocess.run(
+        [sys.executable, "-m", "paramserve.psserver.health_probe", ps.address],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert (done.returncode, done.stdout.strip()) == (0, f"{ps.address}: SERVING")
-    bad = subprocess.run([sys.executable, "-m", "paramserve.psserver.health_probe", "no-port"],
-                         capture_output=True, text=True, timeout=30)
+    bad = subprocess.run(
+        [sys.executable, "-m", "paramserve.psserver.health_probe", "no-port"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert bad.returncode == 2 and "not host:port" in bad.stderr
 
 
 def test_the_probe_imports_neither_torch_nor_grpc() -> None:
-    code = ("import sys, paramserve.psserver.health_probe; "
-            "print(sorted(m for m in ('torch', 'grpc', 'google.protobuf', 'numpy') if m in sys.modules))")
+    code = (
+        "import sys, paramserve.psserver.health_probe; "
+        "print(sorted(m for m in ('torch', 'grpc', 'google.protobuf', 'numpy') if m in sys.modules))"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=True)
     assert done.stdout.strip() == "[]"

@@ -18,9 +18,9 @@ from paramserve.psserver.errors import (
     ShapeMismatchError,
     VariableNotFoundError,
 )
+from paramserve.psserver.metadata import IDEMPOTENCY_METADATA_KEY, SERVICE_NAME
 from paramserve.psserver.optimizer import OptimizerSpec
 from paramserve.psserver.partition import FixedShardsPartitioner
-from paramserve.psserver.metadata import IDEMPOTENCY_METADATA_KEY, SERVICE_NAME
 from paramserve.psserver.streams import encode_parts, meta_of, tensor_payload
 from paramserve.wire.v1 import parameter_server_pb2 as ps_pb2
 from paramserve.wire.v1 import tensor_pb2
@@ -137,7 +137,9 @@ def test_health_needs_no_token(start_ps):
 
     server = start_ps(token="s3cret")
     with grpc.insecure_channel(server.address) as channel:
-        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=5)
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=5
+        )
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
@@ -228,8 +230,9 @@ def test_a_step_whose_read_is_bad_applies_none_of_its_push(cluster):
     good_push = [push_part("w", 0, torch.ones(3, 4))]
     for bad_read in (
         ps_pb2.PullItem(ref=tensor_pb2.ShardRef(variable="nope", shard=0)),  # no such variable
-        ps_pb2.PullItem(ref=tensor_pb2.ShardRef(variable="w", shard=1), sparse=True,
-                        row_indices=torch.tensor([7]).numpy().tobytes()),  # row out of range
+        ps_pb2.PullItem(
+            ref=tensor_pb2.ShardRef(variable="w", shard=1), sparse=True, row_indices=torch.tensor([7]).numpy().tobytes()
+        ),  # row out of range
     ):
         with pytest.raises(grpc.RpcError) as caught:
             raw_step(server.address, step_request(good_push, "k", [bad_read]))

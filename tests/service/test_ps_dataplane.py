@@ -86,7 +86,9 @@ def test_retried_push_with_the_same_key_is_applied_once(start_ps, make_client):
 def test_server_side_initializer_fills_a_table_without_sending_it(start_ps, make_client):
     client = make_client([start_ps().address, start_ps().address])
     init = tensor_pb2.Initializer(kind="normal", a=0.0, b=0.01, seed=3)
-    client.create_variable("big", shape=(1000, 16), initializer=init, optimizer=SGD, partitioner=FixedShardsPartitioner(2))
+    client.create_variable(
+        "big", shape=(1000, 16), initializer=init, optimizer=SGD, partitioner=FixedShardsPartitioner(2)
+    )
 
     rows = client.pull_rows("big", torch.arange(0, 1000, 7)).tensors["big"]
 

@@ -14,12 +14,12 @@ import torch
 
 from paramserve.psserver import dataplane
 from paramserve.psserver.client import ParameterServerClient
-from paramserve.psserver.errors import NonFiniteGradientError, VariableNotFoundError
-from paramserve.psserver.optimizer import OptimizerSpec
-from paramserve.psserver.partition import FixedShardsPartitioner
 from paramserve.psserver.dataplane import MAX_PROGRAMS
 from paramserve.psserver.dataplane_client import ProgramNumbers
+from paramserve.psserver.errors import NonFiniteGradientError, VariableNotFoundError
 from paramserve.psserver.metadata import SERVICE_NAME
+from paramserve.psserver.optimizer import OptimizerSpec
+from paramserve.psserver.partition import FixedShardsPartitioner
 from paramserve.psserver.streams import encode_step_request
 from paramserve.psserver.types import ShardRef
 from paramserve.wire.v1 import parameter_server_pb2 as ps_pb2
@@ -32,8 +32,11 @@ SGD = OptimizerSpec("SGD", {"lr": 0.5})
 
 
 def dense_part(variable: str, shape: list[int], base_version: int = -1) -> tensor_pb2.PushPart:
-    return tensor_pb2.PushPart(ref=tensor_pb2.ShardRef(variable=variable, shard=0),
-                               values=tensor_pb2.TensorMeta(dtype="float32", shape=shape), base_version=base_version)
+    return tensor_pb2.PushPart(
+        ref=tensor_pb2.ShardRef(variable=variable, shard=0),
+        values=tensor_pb2.TensorMeta(dtype="float32", shape=shape),
+        base_version=base_version,
+    )
 
 
 def read_item(variable: str) -> ps_pb2.PullItem:
@@ -63,8 +66,10 @@ def refused(reply: tuple[FrameKind, bytes, bytes], error_type: str, *words: str)
 
 
 def data_plane_bytes(server) -> float:
-    return server.registry.get_sample_value(
-        "paramserve_received_bytes_total", {"role": "ps", "method": "DataPlaneStep"}) or 0.0
+    return (
+        server.registry.get_sample_value("paramserve_received_bytes_total", {"role": "ps", "method": "DataPlaneStep"})
+        or 0.0
+    )
 
 
 def serving_w(start_ps, make_client) -> tuple[ParameterServerClient, socket.socket]:
@@ -80,8 +85,12 @@ def test_a_program_is_defined_once_then_run_by_number_with_the_same_results(star
     make_client([server.address]).create_variable("w", torch.zeros(4), optimizer=SGD)
     make_client([server.address]).create_variable("b", torch.zeros(2), optimizer=SGD)
     sock = admitted(server)
-    define = ps_pb2.StepPlan(idempotency_key="k1", define_program=3,
-                             push=[dense_part("w", [4]), dense_part("b", [2])], pull=[read_item("b"), read_item("w")])
+    define = ps_pb2.StepPlan(
+        idempotency_key="k1",
+        define_program=3,
+        push=[dense_part("w", [4]), dense_part("b", [2])],
+        pull=[read_item("b"), read_item("w")],
+    )
     payload = torch.cat([torch.ones(4), torch.full((2,), 2.0)]).numpy().tobytes()
 
     first = step(sock, define, payload)
@@ -113,17 +122,28 @@ def test_bad_program_frames_get_specific_errors_and_change_nothing(start_ps, mak
     ones = torch.ones(4).numpy().tobytes()
 
     undefined = step(sock, ps_pb2.StepPlan(idempotency_key="k", run_program=7), ones)
-    out_of_range = step(sock, ps_pb2.StepPlan(idempotency_key="k", define_program=MAX_PROGRAMS + 1,
-                                              push=[dense_part("w", [4])]), ones)
-    sparse = step(sock, ps_pb2.StepPlan(idempotency_key="k", define_program=1, pull=[ps_pb2.PullItem(
-        ref=tensor_pb2.ShardRef(variable="w", shard=0), sparse=True, row_indices=b"")]))
-    both = step(sock, ps_pb2.StepPlan(idempotency_key="k", define_program=1, run_program=1,
-                                      push=[dense_part("w", [4])]), ones)
+    out_of_range = step(
+        sock, ps_pb2.StepPlan(idempotency_key="k", define_program=MAX_PROGRAMS + 1, push=[dense_part("w", [4])]), ones
+    )
+    sparse = step(
+        sock,
+        ps_pb2.StepPlan(
+            idempotency_key="k",
+            define_program=1,
+            pull=[ps_pb2.PullItem(ref=tensor_pb2.ShardRef(variable="w", shard=0), sparse=True, row_indices=b"")],
+        ),
+    )
+    both = step(
+        sock, ps_pb2.StepPlan(idempotency_key="k", define_program=1, run_program=1, push=[dense_part("w", [4])]), ones
+    )
     defined = outcome_of(step(sock, ps_pb2.StepPlan(define_program=2, pull=[read_item("w")])))  # a read-only program
     with_parts = step(sock, ps_pb2.StepPlan(idempotency_key="k", run_program=2, push=[dense_part("w", [4])]), ones)
     short = step(sock, ps_pb2.StepPlan(idempotency_key="k", run_program=2), ones)
-    step(sock, ps_pb2.StepPlan(idempotency_key="k0", define_program=5, push=[dense_part("w", [4])]),
-         torch.zeros(4).numpy().tobytes())
+    step(
+        sock,
+        ps_pb2.StepPlan(idempotency_key="k0", define_program=5, push=[dense_part("w", [4])]),
+        torch.zeros(4).numpy().tobytes(),
+    )
     versions = step(sock, ps_pb2.StepPlan(idempotency_key="k", run_program=5, base_versions=[0, 0]), ones)
     no_key = step(sock, ps_pb2.StepPlan(run_program=5), ones)
 
@@ -194,8 +214,9 @@ def test_a_client_trains_through_programs_exactly_as_through_whole_plans(start_p
         before = data_plane_bytes(server)
         _, by_program = fast.push_and_pull(gradient, ["w", "b"], key=f"f{index}")
         received.append(data_plane_bytes(server) - before)
-        _, by_plan = plain.push_and_pull({f"{n}_plain": g for n, g in gradient.items()}, ["w_plain", "b_plain"],
-                                         key=f"p{index}")
+        _, by_plan = plain.push_and_pull(
+            {f"{n}_plain": g for n, g in gradient.items()}, ["w_plain", "b_plain"], key=f"p{index}"
+        )
         assert torch.equal(by_program.tensors["w"], by_plan.tensors["w_plain"])
         assert torch.equal(by_program.tensors["b"], by_plan.tensors["b_plain"])
         assert set(by_program.versions.values()) == {index + 1}
@@ -210,13 +231,16 @@ def test_a_step_too_large_for_a_program_is_refused_as_one_and_sent_whole(start_p
     monkeypatch.setattr(dataplane, "MAX_PROGRAM_ENTRIES", 2)
     client, sock = serving_w(start_ps, make_client)
     client.create_variable("b", torch.zeros(2), optimizer=SGD)
-    plan = ps_pb2.StepPlan(idempotency_key="k", define_program=1, push=[dense_part("w", [4]), dense_part("b", [2])],
-                           pull=[read_item("w")])
+    plan = ps_pb2.StepPlan(
+        idempotency_key="k", define_program=1, push=[dense_part("w", [4]), dense_part("b", [2])], pull=[read_item("w")]
+    )
 
     refused(step(sock, plan, torch.zeros(6).numpy().tobytes()), "InvalidRequestError", "at most 2", "plain StepPlan")
     _, pulled = client.push_and_pull({"w": torch.ones(4), "b": torch.ones(2)}, ["w", "b"], key="k1")
 
-    assert torch.equal(pulled.tensors["w"], torch.full((4,), -0.5)) and torch.equal(pulled.tensors["b"], torch.full((2,), -0.5))
+    assert torch.equal(pulled.tensors["w"], torch.full((4,), -0.5)) and torch.equal(
+        pulled.tensors["b"], torch.full((2,), -0.5)
+    )
 
 
 def test_the_step_rpc_refuses_program_fields(start_ps):
@@ -247,7 +271,8 @@ def test_program_numbers_are_reused_least_recently_used_first():
 
 
 def test_a_started_exchange_is_applied_while_the_caller_computes_and_an_abandoned_one_at_most_once(
-        start_ps, make_client):
+    start_ps, make_client
+):
     """start_push_and_pull returns once the requests are sent; the server applies them meanwhile.
     An exchange dropped unread leaves its push applied or not, and the retry under its key
     applies it at most once, on a fresh connection."""

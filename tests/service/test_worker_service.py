@@ -56,7 +56,14 @@ def start_worker():
     started = []
 
     def start(**overrides: object):
-        options = {"host": "127.0.0.1", "port": 0, "max_workers": 4, "ps_call_timeout": 10.0, "ps_retry_deadline": 10.0, **overrides}
+        options = {
+            "host": "127.0.0.1",
+            "port": 0,
+            "max_workers": 4,
+            "ps_call_timeout": 10.0,
+            "ps_retry_deadline": 10.0,
+            **overrides,
+        }
         worker = build_worker(WorkerConfig(**options))  # type: ignore[arg-type]
         started.append(worker)
         return worker
@@ -100,8 +107,13 @@ def stub_for():
         channel.close()
 
 
-def run_request(fn, *args, closure_id="c1", cluster=ClusterContext()) -> worker_pb2.RunClosureRequest:
-    request = ClosureRequest(closure_id=closure_id, payload=dumps_closure((fn, args, {})), function_name=fn.__name__, cluster=cluster)
+NO_VARIABLES = ClusterContext()
+
+
+def run_request(fn, *args, closure_id="c1", cluster=NO_VARIABLES) -> worker_pb2.RunClosureRequest:
+    request = ClosureRequest(
+        closure_id=closure_id, payload=dumps_closure((fn, args, {})), function_name=fn.__name__, cluster=cluster
+    )
     return request_to_proto(request)
 
 
@@ -194,8 +206,14 @@ def test_malformed_requests_get_invalid_argument_and_the_server_stays_up(start_w
             raw_run(b"\xff\xff\xff\xff", timeout=30)
     bad_cluster = cluster_pb2.ClusterContext(  # a shard on a server the cluster does not have
         parameter_servers=["127.0.0.1:1"],
-        variables=[cluster_pb2.VariableLayout(name="w", shape=[2], dtype="float32", shards=[
-            cluster_pb2.ShardPlacement(index=0, server=3, row_start=0, num_rows=2)])],
+        variables=[
+            cluster_pb2.VariableLayout(
+                name="w",
+                shape=[2],
+                dtype="float32",
+                shards=[cluster_pb2.ShardPlacement(index=0, server=3, row_start=0, num_rows=2)],
+            )
+        ],
     )
     requests = [
         worker_pb2.RunClosureRequest(payload=b"x"),  # no closure_id
@@ -228,7 +246,9 @@ def test_stop_leaves_no_worker_threads(start_ps, make_client):
     worker = build_worker(WorkerConfig(port=0, max_workers=2))
     with grpc.insecure_channel(worker.address) as channel:
         stub = WorkerStubOfOne(channel)
-        assert stub.RunClosure(run_request(descend, weight, ServerOptimizer(["w"], "SGD", {}), cluster=cluster), timeout=30).HasField("result")
+        assert stub.RunClosure(
+            run_request(descend, weight, ServerOptimizer(["w"], "SGD", {}), cluster=cluster), timeout=30
+        ).HasField("result")
     started = {t.name for t in set(threading.enumerate()) - before}
     # The worker's client overlaps its servers' steps on their data planes in its own thread; the
     # servers serve its connections on theirs.
@@ -241,15 +261,20 @@ def test_stop_leaves_no_worker_threads(start_ps, make_client):
         if thread.name.startswith("paramserve-dataplane"):
             thread.join(timeout=10)
     left = [t.name for t in set(threading.enumerate()) - before if t.is_alive()]
-    assert not [n for n in left if n.startswith(("paramserve-worker", "paramserve-client", "paramserve-dataplane"))], left
+    assert not [n for n in left if n.startswith(("paramserve-worker", "paramserve-client", "paramserve-dataplane"))], (
+        left
+    )
 
 
 def test_a_batch_runs_in_order_and_stops_at_the_first_failure(start_worker, stub_for):
     stub = stub_for(start_worker())
-    batch = worker_pb2.RunClosuresRequest(closures=[
-        run_request(answer, closure_id="a"), run_request(failing_user_code, closure_id="b"),
-        run_request(answer, closure_id="c"),
-    ])
+    batch = worker_pb2.RunClosuresRequest(
+        closures=[
+            run_request(answer, closure_id="a"),
+            run_request(failing_user_code, closure_id="b"),
+            run_request(answer, closure_id="c"),
+        ]
+    )
 
     results = stub.RunClosures(batch, timeout=30).results
 

@@ -62,7 +62,10 @@ def _full_value(store: ShardStore) -> torch.Tensor:
 def _restore(path: Path, num_shards: int) -> ShardStore:
     store = ShardStore(StoreConfig())
     store.create_shards(
-        [load_rows(path, EMBEDDING, r.start, len(r), ShardRef(EMBEDDING, index)) for index, r in enumerate(split_rows(ROWS, num_shards))]
+        [
+            load_rows(path, EMBEDDING, r.start, len(r), ShardRef(EMBEDDING, index))
+            for index, r in enumerate(split_rows(ROWS, num_shards))
+        ]
     )
     return store
 
@@ -88,7 +91,11 @@ def test_round_trip(tmp_path: Path) -> None:
         assert torch.equal(loaded.value, state.value)
         assert loaded.slots.keys() == state.slots.keys()
         assert all(torch.equal(loaded.slots[k], state.slots[k]) for k in state.slots)
-        assert (loaded.version, loaded.applied_keys, loaded.optimizer) == (state.version, state.applied_keys, state.optimizer)
+        assert (loaded.version, loaded.applied_keys, loaded.optimizer) == (
+            state.version,
+            state.applied_keys,
+            state.optimizer,
+        )
 
 
 def test_two_shards_restore_onto_three_with_slots(tmp_path: Path) -> None:
@@ -124,7 +131,10 @@ def test_restore_mixes_shards_with_and_without_state(tmp_path: Path) -> None:
     path = save_checkpoint(tmp_path, store.export())
     whole = load_rows(path, EMBEDDING, 0, ROWS, ShardRef(EMBEDDING, 0))
     assert whole.slots["exp_avg"].shape == (ROWS, COLS)
-    assert torch.count_nonzero(whole.slots["exp_avg"][5:]) == 0 and torch.count_nonzero(whole.slots["exp_avg"][:5]) == 5 * COLS
+    assert (
+        torch.count_nonzero(whole.slots["exp_avg"][5:]) == 0
+        and torch.count_nonzero(whole.slots["exp_avg"][:5]) == 5 * COLS
+    )
     assert whole.version == 1 and whole.applied_keys == ["only-shard-0"]
     assert float(whole.slots["step"]) == 1.0
     ShardStore(StoreConfig()).create_shards([whole])  # a valid state for the store

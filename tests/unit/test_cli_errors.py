@@ -40,25 +40,31 @@ def run_in_process(args: list[str], capsys) -> tuple[int, str]:
     return status, capsys.readouterr().err
 
 
-@pytest.mark.parametrize("args, env, says", [
-    (["ps", "--token-file", "/nonexistent/token"], {}, "--token-file /nonexistent/token: cannot read it"),
-    (["ps"], {"PARAMSERVE_TOKEN": ""}, "PARAMSERVE_TOKEN is empty"),
-    (["worker"], {"PARAMSERVE_TOKEN": " "}, "PARAMSERVE_TOKEN is empty"),
-    (["ps", "--max-workers", "0"], {}, "--max-workers: 0 is not allowed"),
-    (["ps", "--port", "70000"], {}, "70000 is not a port"),
-    (["ps", "--port", "-5"], {}, "-5 is not a port"),
-    (["worker", "--metrics-port", "65536"], {}, "65536 is not a port"),
-    (["ps", "--host", "0.0.0.0"], {}, "--insecure"),
-    (["worker", "--host", "0.0.0.0"], {}, "--insecure"),
-    (["ps"], {"TF_CONFIG": "{not json"}, "TF_CONFIG"),
-    (["launch", "--ps", "0", "--", "true"], {}, "--ps"),
-    (["demo", "--cluster-from-env"], {"PARAMSERVE_PS": "not an address", "PARAMSERVE_WORKERS": "127.0.0.1:1"},
-     "PARAMSERVE_PS"),
-    (["demo", "--checkpoint-dir", "/proc/paramserve-cannot-write"], {}, "--checkpoint-dir"),
-    (["ps", "--checkpoint-root", "/proc/paramserve-cannot-write"], {}, "--checkpoint-root"),
-    (["worker", "--ps-retry-deadline", "0"], {}, "--ps-retry-deadline"),
-    (["demo", "--tls-ca", "ca.pem"], {}, "--tls-ca, --tls-cert and --tls-key together"),
-])
+@pytest.mark.parametrize(
+    "args, env, says",
+    [
+        (["ps", "--token-file", "/nonexistent/token"], {}, "--token-file /nonexistent/token: cannot read it"),
+        (["ps"], {"PARAMSERVE_TOKEN": ""}, "PARAMSERVE_TOKEN is empty"),
+        (["worker"], {"PARAMSERVE_TOKEN": " "}, "PARAMSERVE_TOKEN is empty"),
+        (["ps", "--max-workers", "0"], {}, "--max-workers: 0 is not allowed"),
+        (["ps", "--port", "70000"], {}, "70000 is not a port"),
+        (["ps", "--port", "-5"], {}, "-5 is not a port"),
+        (["worker", "--metrics-port", "65536"], {}, "65536 is not a port"),
+        (["ps", "--host", "0.0.0.0"], {}, "--insecure"),
+        (["worker", "--host", "0.0.0.0"], {}, "--insecure"),
+        (["ps"], {"TF_CONFIG": "{not json"}, "TF_CONFIG"),
+        (["launch", "--ps", "0", "--", "true"], {}, "--ps"),
+        (
+            ["demo", "--cluster-from-env"],
+            {"PARAMSERVE_PS": "not an address", "PARAMSERVE_WORKERS": "127.0.0.1:1"},
+            "PARAMSERVE_PS",
+        ),
+        (["demo", "--checkpoint-dir", "/proc/paramserve-cannot-write"], {}, "--checkpoint-dir"),
+        (["ps", "--checkpoint-root", "/proc/paramserve-cannot-write"], {}, "--checkpoint-root"),
+        (["worker", "--ps-retry-deadline", "0"], {}, "--ps-retry-deadline"),
+        (["demo", "--tls-ca", "ca.pem"], {}, "--tls-ca, --tls-cert and --tls-key together"),
+    ],
+)
 def test_bad_configurations_end_in_one_line_and_status_2(args, env, says, capsys, monkeypatch):
     for name, value in env.items():
         monkeypatch.setenv(name, value)
@@ -73,8 +79,13 @@ def test_a_busy_port_is_one_line_naming_the_flag_not_grpc():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        result = subprocess.run([*CLI, "ps", "--port", str(taken.getsockname()[1])], capture_output=True, text=True,
-                                timeout=300, env={**os.environ, "GRPC_VERBOSITY": "ERROR"})
+        result = subprocess.run(
+            [*CLI, "ps", "--port", str(taken.getsockname()[1])],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "GRPC_VERBOSITY": "ERROR"},
+        )
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert [line for line in result.stderr.splitlines() if line.strip()] == error_lines(result.stderr)
     assert "cannot listen on 127.0.0.1" in result.stderr and "--port" in result.stderr

@@ -131,12 +131,10 @@ def test_cluster_spec_is_frozen_hashable_and_takes_lists() -> None:
         (("Host.Example:7",), ("host.example:7",), None, "appears twice", "change one of them"),
         (("p:0",), ("w:1",), None, "ps[0]: address 'p:0'", "port the server actually listens on"),
         ("p:1", ("w:1",), None, "must be a tuple", "('p:1',)"),
-        (("p:1",), ("w:1", 7), None, "only \"host:port\" strings", "ClusterSpec.workers"),
+        (("p:1",), ("w:1", 7), None, 'only "host:port" strings', "ClusterSpec.workers"),
     ],
 )
-def test_cluster_spec_rejects_with_fix(
-    ps: object, workers: object, chief: str | None, problem: str, fix: str
-) -> None:
+def test_cluster_spec_rejects_with_fix(ps: object, workers: object, chief: str | None, problem: str, fix: str) -> None:
     with pytest.raises(ClusterSpecError) as info:
         ClusterSpec(ps, workers, chief)  # type: ignore[arg-type]
     assert problem in str(info.value)
@@ -190,32 +188,61 @@ def test_task_is_optional() -> None:
         (tf_config({"ps": "p:1", "worker": ["w:1"]}), "cluster.ps must be a list", '"ps": ["10.0.0.2:2222"]'),
         (tf_config({"ps": ["p:1"], "worker": [2222]}), "cluster.worker must be a list", "e.g."),
         (tf_config({"ps": ["p:1"], "worker": {"0": "w:1"}}), "cluster.worker must be a list", "e.g."),
-        (tf_config({"ps": ["p:1"], "worker": ["w:1"], "trainer": ["t:1"]}), "unknown role 'trainer'",
-         "allowed roles are chief, worker, ps, evaluator"),
-        (tf_config({"ps": ["p:1"], "worker": ["w:1"], "master": ["m:1"]}), "unknown role 'master'",
-         "called 'chief'"),
-        (tf_config({"ps": ["p:1"], "worker": ["w:1"], "chief": ["c:1", "c:2"]}), "chief has 2 entries",
-         "move the others to cluster.worker"),
+        (
+            tf_config({"ps": ["p:1"], "worker": ["w:1"], "trainer": ["t:1"]}),
+            "unknown role 'trainer'",
+            "allowed roles are chief, worker, ps, evaluator",
+        ),
+        (tf_config({"ps": ["p:1"], "worker": ["w:1"], "master": ["m:1"]}), "unknown role 'master'", "called 'chief'"),
+        (
+            tf_config({"ps": ["p:1"], "worker": ["w:1"], "chief": ["c:1", "c:2"]}),
+            "chief has 2 entries",
+            "move the others to cluster.worker",
+        ),
         (tf_config({"worker": ["w:1"]}), "no parameter servers", "TF_CONFIG cluster.ps"),
         (tf_config({"ps": ["p:1"], "worker": []}), "no workers", "TF_CONFIG cluster.worker"),
-        (tf_config({"ps": ["p:1"], "worker": ["w:1", "w:x"]}), "TF_CONFIG cluster.worker[1]",
-         "fix it in TF_CONFIG cluster.worker"),
+        (
+            tf_config({"ps": ["p:1"], "worker": ["w:1", "w:x"]}),
+            "TF_CONFIG cluster.worker[1]",
+            "fix it in TF_CONFIG cluster.worker",
+        ),
         (tf_config({"ps": ["p:1"], "worker": ["p:1"]}), "appears twice", "change one of them"),
-        (tf_config({"ps": ["p:1"], "worker": ["w:1"]}, {"type": "ps", "index": 1}),
-         "index 1 is out of range for job 'ps'", "fix task.index or add the address to cluster.ps"),
-        (tf_config({"ps": ["p:1"], "worker": ["w:1"]}, {"type": "chief", "index": 0}),
-         "task type 'chief' is not a job of its cluster", "add cluster.chief or fix task.type"),
-        (tf_config({"ps": ["p:1"], "worker": ["w:1"]}, {"type": "boss", "index": 0}),
-         "type 'boss' is not a role", "use one of chief, worker, ps, evaluator"),
-        (tf_config({"ps": ["p:1"], "worker": ["w:1"]}, {"type": "worker", "index": -1}),
-         "index -1 is not a non-negative integer", "write a number such as 0"),
-        (tf_config({"ps": ["p:1"], "worker": ["w:1"]}, {"type": "worker", "index": "0"}),
-         "index '0' is not a non-negative integer", "(not \"0\")"),
-        (tf_config({"ps": ["p:1"], "worker": ["w:1"]}, {"type": "worker", "index": True}),
-         "index True is not a non-negative integer", "write a number"),
+        (
+            tf_config({"ps": ["p:1"], "worker": ["w:1"]}, {"type": "ps", "index": 1}),
+            "index 1 is out of range for job 'ps'",
+            "fix task.index or add the address to cluster.ps",
+        ),
+        (
+            tf_config({"ps": ["p:1"], "worker": ["w:1"]}, {"type": "chief", "index": 0}),
+            "task type 'chief' is not a job of its cluster",
+            "add cluster.chief or fix task.type",
+        ),
+        (
+            tf_config({"ps": ["p:1"], "worker": ["w:1"]}, {"type": "boss", "index": 0}),
+            "type 'boss' is not a role",
+            "use one of chief, worker, ps, evaluator",
+        ),
+        (
+            tf_config({"ps": ["p:1"], "worker": ["w:1"]}, {"type": "worker", "index": -1}),
+            "index -1 is not a non-negative integer",
+            "write a number such as 0",
+        ),
+        (
+            tf_config({"ps": ["p:1"], "worker": ["w:1"]}, {"type": "worker", "index": "0"}),
+            "index '0' is not a non-negative integer",
+            '(not "0")',
+        ),
+        (
+            tf_config({"ps": ["p:1"], "worker": ["w:1"]}, {"type": "worker", "index": True}),
+            "index True is not a non-negative integer",
+            "write a number",
+        ),
         (tf_config({"ps": ["p:1"], "worker": ["w:1"]}, {"index": 0}), "has no 'type'", "add one"),
-        (tf_config({"ps": ["p:1"], "worker": ["w:1"]}, ["worker", 0]), "task must be a JSON object",
-         '{"type": "worker", "index": 0}'),
+        (
+            tf_config({"ps": ["p:1"], "worker": ["w:1"]}, ["worker", 0]),
+            "task must be a JSON object",
+            '{"type": "worker", "index": 0}',
+        ),
     ],
 )
 def test_from_tf_config_rejects_with_fix(text: str, problem: str, fix: str) -> None:
@@ -242,8 +269,9 @@ def test_task_spec_from_env() -> None:
 
 ENV_PS = "envps:1,envps:2"
 ENV_WORKERS = "envw:1"
-TF_TEXT = tf_config({"ps": ["tfps:1"], "worker": ["tfw:1", "tfw:2"], "chief": ["tfchief:1"]},
-                    {"type": "chief", "index": 0})
+TF_TEXT = tf_config(
+    {"ps": ["tfps:1"], "worker": ["tfw:1", "tfw:2"], "chief": ["tfchief:1"]}, {"type": "chief", "index": 0}
+)
 
 
 def test_flags_win_over_env_and_tf_config() -> None:
@@ -292,24 +320,48 @@ def test_flag_lists_may_hold_comma_separated_items() -> None:
     "flags, environ, problem, fix",
     [
         ({}, {}, "no cluster description", "set PARAMSERVE_PS and PARAMSERVE_WORKERS"),
-        ({}, {"PARAMSERVE_PS": "p:1"}, "no workers (looked in flag workers, PARAMSERVE_WORKERS, PARAMSERVE_WORKER_SERVICE or TF_CONFIG",
-         "give at least one host:port"),
-        ({}, {"PARAMSERVE_WORKERS": "w:1"}, "no parameter servers (looked in flag ps, PARAMSERVE_PS",
-         "give at least one host:port"),
+        (
+            {},
+            {"PARAMSERVE_PS": "p:1"},
+            "no workers (looked in flag workers, PARAMSERVE_WORKERS, PARAMSERVE_WORKER_SERVICE or TF_CONFIG",
+            "give at least one host:port",
+        ),
+        (
+            {},
+            {"PARAMSERVE_WORKERS": "w:1"},
+            "no parameter servers (looked in flag ps, PARAMSERVE_PS",
+            "give at least one host:port",
+        ),
         ({"ps": [], "workers": ["w:1"]}, {}, "no parameter servers (looked in flag ps)", "at least one"),
-        ({}, {"PARAMSERVE_PS": "p:1,,p:2", "PARAMSERVE_WORKERS": "w:1"}, "PARAMSERVE_PS='p:1,,p:2' has an empty entry",
-         'write "host1:port,host2:port"'),
+        (
+            {},
+            {"PARAMSERVE_PS": "p:1,,p:2", "PARAMSERVE_WORKERS": "w:1"},
+            "PARAMSERVE_PS='p:1,,p:2' has an empty entry",
+            'write "host1:port,host2:port"',
+        ),
         ({}, {"PARAMSERVE_PS": "p:1", "PARAMSERVE_WORKERS": "w:1,"}, "empty entry", "host1:port,host2:port"),
-        ({}, {"PARAMSERVE_PS": "p:1,p:70000", "PARAMSERVE_WORKERS": "w:1"}, "PARAMSERVE_PS[1]",
-         "fix it in PARAMSERVE_PS"),
+        (
+            {},
+            {"PARAMSERVE_PS": "p:1,p:70000", "PARAMSERVE_WORKERS": "w:1"},
+            "PARAMSERVE_PS[1]",
+            "fix it in PARAMSERVE_PS",
+        ),
         ({"ps": ["p:1"], "workers": ["w"]}, {}, "flag workers[0]", "fix it in flag workers"),
         ({"ps": 5, "workers": ["w:1"]}, {}, "flag ps must be a list", "comma-separated string"),
-        ({"ps": ["p:1"], "workers": ["w:1"], "chief": ["c:1"]}, {}, "flag chief is a list", "one \"host:port\""),
+        ({"ps": ["p:1"], "workers": ["w:1"], "chief": ["c:1"]}, {}, "flag chief is a list", 'one "host:port"'),
         ({}, {"PARAMSERVE_PS": "p:1", "PARAMSERVE_WORKERS": "p:1"}, "appears twice", "change one of them"),
-        ({"ps": ["p:1"], "workers": ["w:1"]}, {"TF_CONFIG": "{oops"}, "TF_CONFIG is not valid JSON",
-         "set it to a JSON object"),
-        ({}, {"PARAMSERVE_PS": "p:1", "TF_CONFIG": tf_config({"ps": ["x:1"]})}, "no workers",
-         "TF_CONFIG cluster.worker"),
+        (
+            {"ps": ["p:1"], "workers": ["w:1"]},
+            {"TF_CONFIG": "{oops"},
+            "TF_CONFIG is not valid JSON",
+            "set it to a JSON object",
+        ),
+        (
+            {},
+            {"PARAMSERVE_PS": "p:1", "TF_CONFIG": tf_config({"ps": ["x:1"]})},
+            "no workers",
+            "TF_CONFIG cluster.worker",
+        ),
     ],
 )
 def test_from_env_rejects_with_fix(flags: dict, environ: dict, problem: str, fix: str) -> None:

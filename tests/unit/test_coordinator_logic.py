@@ -109,16 +109,21 @@ def test_parameter_server_failures_raise_a_typed_error_naming_the_server():
     error = ErrorData(type="paramserve.psserver.errors.ServerUnavailableError", parameter_server="10.0.0.1:2222")
     decision = decide_on_closure_error(error, resends=0, known_resources=(), policy=POLICY)
     assert decision.action is Action.RAISE and decision.error_type is ParameterServerUnavailableError
-    built = closure_error_from_remote(decision.error_type, error, function_name="step", closure_id="c1",
-                                      worker="w:1", server=error.parameter_server)
+    built = closure_error_from_remote(
+        decision.error_type, error, function_name="step", closure_id="c1", worker="w:1", server=error.parameter_server
+    )
     assert isinstance(built, ClosureError) and built.server == "10.0.0.1:2222"
     assert "10.0.0.1:2222" in str(built)
 
 
 def test_with_recovery_a_parameter_server_failure_waits_for_it_a_bounded_number_of_times():
     error = ErrorData(type="paramserve.psserver.errors.VariableNotFoundError", parameter_server="10.0.0.1:2222")
-    waits = [decide_on_closure_error(error, resends=0, known_resources=(), policy=POLICY, server_waits=n,
-                                     servers_recover=True) for n in range(POLICY.max_server_waits + 1)]
+    waits = [
+        decide_on_closure_error(
+            error, resends=0, known_resources=(), policy=POLICY, server_waits=n, servers_recover=True
+        )
+        for n in range(POLICY.max_server_waits + 1)
+    ]
     assert [d.action for d in waits[:-1]] == [Action.AWAIT_SERVER] * POLICY.max_server_waits
     assert "10.0.0.1:2222" in waits[0].reason
     assert waits[-1].action is Action.RAISE and waits[-1].error_type is ParameterServerUnavailableError
@@ -130,17 +135,27 @@ def test_a_dispatcher_puts_closures_back_and_reports_the_server_when_recovery_is
         queue.put(Closure(name, b""), timeout=1)
     batch = queue.take("w:1", 2)
     reported: list[str] = []
-    failure = worker_pb2.ClosureFailure(type="paramserve.psserver.errors.ServerUnavailableError", message="gone",
-                                        parameter_server="10.0.0.1:2222")
+    failure = worker_pb2.ClosureFailure(
+        type="paramserve.psserver.errors.ServerUnavailableError", message="gone", parameter_server="10.0.0.1:2222"
+    )
 
     class Failing(_HealthyTransport):
         async def run_closures(self, request, timeout):
             return worker_pb2.RunClosuresResponse(
-                results=[worker_pb2.RunClosureResponse(error=failure, worker_incarnation="inc")])
+                results=[worker_pb2.RunClosureResponse(error=failure, worker_incarnation="inc")]
+            )
 
-    dispatcher = Dispatcher("w:1", 0, queue=queue, specs=ResourceSpecs(), transport=Failing(),
-                            cluster_context=lambda: CONTEXT,
-                            num_workers=lambda: 1, policy=POLICY, server_failed=reported.append)
+    dispatcher = Dispatcher(
+        "w:1",
+        0,
+        queue=queue,
+        specs=ResourceSpecs(),
+        transport=Failing(),
+        cluster_context=lambda: CONTEXT,
+        num_workers=lambda: 1,
+        policy=POLICY,
+        server_failed=reported.append,
+    )
     asyncio.run(dispatcher.run(batch))
 
     assert reported == ["10.0.0.1:2222"]
@@ -150,7 +165,9 @@ def test_a_dispatcher_puts_closures_back_and_reports_the_server_when_recovery_is
 
 
 def test_stop_iteration_is_out_of_range_and_user_errors_are_closure_errors():
-    stop = decide_on_closure_error(ErrorData(type="builtins.StopIteration"), resends=0, known_resources=(), policy=POLICY)
+    stop = decide_on_closure_error(
+        ErrorData(type="builtins.StopIteration"), resends=0, known_resources=(), policy=POLICY
+    )
     assert stop.error_type is OutOfRangeError and issubclass(OutOfRangeError, ClosureError)
     user = decide_on_closure_error(ErrorData(), resends=0, known_resources=(), policy=POLICY)
     assert user.action is Action.RAISE and user.error_type is ClosureError
@@ -184,7 +201,9 @@ def test_closure_error_shows_everything_and_chains_the_original():
 
 
 def test_an_exception_that_does_not_unpickle_keeps_the_text():
-    error = closure_error_from_remote(ClosureError, ErrorData(pickled=b"garbage"), function_name="f", closure_id="c", worker="w")
+    error = closure_error_from_remote(
+        ClosureError, ErrorData(pickled=b"garbage"), function_name="f", closure_id="c", worker="w"
+    )
     assert error.remote_exception is None and error.__cause__ is None and "boom" in str(error)
 
 
@@ -390,7 +409,9 @@ class _HealthyTransport:
 
 
 def _ok(value, incarnation="inc-1", held=()):
-    return worker_pb2.RunClosureResponse(result=cloudpickle.dumps(value), worker_incarnation=incarnation, resources_held=list(held))
+    return worker_pb2.RunClosureResponse(
+        result=cloudpickle.dumps(value), worker_incarnation=incarnation, resources_held=list(held)
+    )
 
 
 CONTEXT = WireContext("fingerprint-1", cluster_pb2.ClusterContext(parameter_servers=["ps:1"]))
@@ -398,8 +419,14 @@ CONTEXT = WireContext("fingerprint-1", cluster_pb2.ClusterContext(parameter_serv
 
 def _dispatcher(transport, queue, specs=None, policy=POLICY):
     return Dispatcher(
-        "w:0", 0, queue=queue, specs=specs or ResourceSpecs(), transport=transport,
-        cluster_context=lambda: CONTEXT, num_workers=lambda: 2, policy=policy,
+        "w:0",
+        0,
+        queue=queue,
+        specs=specs or ResourceSpecs(),
+        transport=transport,
+        cluster_context=lambda: CONTEXT,
+        num_workers=lambda: 2,
+        policy=policy,
     )
 
 
@@ -434,8 +461,16 @@ def test_a_cluster_context_that_cannot_be_built_fails_the_batch_instead_of_hangi
 
     queue, transport = ClosureQueue(10), FakeTransport([])
     closures = _queued(queue, _closure("a"), _closure("b"))
-    dispatcher = Dispatcher("w:0", 0, queue=queue, specs=ResourceSpecs(), transport=transport,
-                            cluster_context=broken, num_workers=lambda: 2, policy=POLICY)
+    dispatcher = Dispatcher(
+        "w:0",
+        0,
+        queue=queue,
+        specs=ResourceSpecs(),
+        transport=transport,
+        cluster_context=broken,
+        num_workers=lambda: 2,
+        policy=POLICY,
+    )
     _run(dispatcher, queue)
     assert transport.requests == [] and queue.num_in_flight == 0
     with pytest.raises(ClosureError, match="another layout"):
@@ -443,9 +478,13 @@ def test_a_cluster_context_that_cannot_be_built_fails_the_batch_instead_of_hangi
 
 
 def test_the_cluster_context_travels_once_per_worker_incarnation():
-    needs = worker_pb2.RunClosureResponse(error=worker_pb2.ClosureFailure(needs_cluster=True), worker_incarnation="inc-2")
+    needs = worker_pb2.RunClosureResponse(
+        error=worker_pb2.ClosureFailure(needs_cluster=True), worker_incarnation="inc-2"
+    )
     queue = ClosureQueue(10)
-    transport = FakeTransport([[_ok(1)], [_ok(2)], [needs], [_ok(3, incarnation="inc-2")], [_ok(4, incarnation="inc-2")]])
+    transport = FakeTransport(
+        [[_ok(1)], [_ok(2)], [needs], [_ok(3, incarnation="inc-2")], [_ok(4, incarnation="inc-2")]]
+    )
     dispatcher = _dispatcher(transport, queue)
     closures = _queued(queue, *(_closure() for _ in range(4)))
 
@@ -468,9 +507,14 @@ def test_a_worker_failure_puts_the_batch_back_first_marks_the_worker_down_then_p
     specs = ResourceSpecs()
     specs.add("r1", b"make-it")
     queue = ClosureQueue(10)
-    transport = FakeTransport([[_ok(1, held=["r1"])], RpcFailure("UNAVAILABLE", "connection reset"),
-                               [_ok(2, held=["r1"]), _ok(3, held=["r1"])]],
-                              serving=[False, True])
+    transport = FakeTransport(
+        [
+            [_ok(1, held=["r1"])],
+            RpcFailure("UNAVAILABLE", "connection reset"),
+            [_ok(2, held=["r1"]), _ok(3, held=["r1"])],
+        ],
+        serving=[False, True],
+    )
     dispatcher = _dispatcher(transport, queue, specs)
     first, second, third, fourth = _queued(queue, *(_closure(n, frozenset({"r1"})) for n in ("1", "2", "3", "4")))
     _run(dispatcher, queue, limit=1)  # first: creates r1
@@ -520,8 +564,11 @@ def test_missing_resources_are_resent_on_the_same_worker_in_one_batch():
 
 
 def test_a_user_error_fails_the_closure_and_cancels_the_rest_of_its_batch():
-    reply = worker_pb2.RunClosureResponse(error=worker_pb2.ClosureFailure(
-        type="builtins.ZeroDivisionError", message="division by zero", traceback="in train_step"))
+    reply = worker_pb2.RunClosureResponse(
+        error=worker_pb2.ClosureFailure(
+            type="builtins.ZeroDivisionError", message="division by zero", traceback="in train_step"
+        )
+    )
     queue = ClosureQueue(10)
     done, failing, not_run = _queued(queue, _closure("a"), _closure("train_step"), _closure("c"))
     _run(_dispatcher(FakeTransport([[_ok(1), reply]]), queue), queue)
@@ -604,7 +651,6 @@ def test_closures_shorter_than_a_call_are_batched_even_while_workers_are_free():
     assert sizer.call_overhead == 0.0005
 
 
-
 class AnsweringTransport(_HealthyTransport):
     """A worker that answers every closure with its own id, after yielding to the loop."""
 
@@ -625,8 +671,14 @@ def test_one_thread_dispatches_to_a_hundred_workers_in_bounded_batches():
         return transports[address]
 
     threads_before = {t.ident for t in threading.enumerate()}
-    loop = DispatchLoop(queue=queue, specs=ResourceSpecs(), policy=POLICY, transport_factory=connect,
-                        cluster_context=lambda: CONTEXT, max_batch=4)
+    loop = DispatchLoop(
+        queue=queue,
+        specs=ResourceSpecs(),
+        policy=POLICY,
+        transport_factory=connect,
+        cluster_context=lambda: CONTEXT,
+        max_batch=4,
+    )
     try:
         for i in range(100):
             loop.add_worker(f"w:{i}")
@@ -647,8 +699,13 @@ def test_a_worker_added_with_probe_first_gets_closures_only_once_it_serves():
     queue = ClosureQueue(10)
     fast = FailurePolicy(max_attempts=3, probe_initial_backoff=0.01, probe_max_backoff=0.02, probe_jitter=0.0)
     transport = FakeTransport([[_ok("a")]], serving=[False, False, True])
-    loop = DispatchLoop(queue=queue, specs=ResourceSpecs(), policy=fast, transport_factory=lambda address: transport,
-                        cluster_context=lambda: CONTEXT)
+    loop = DispatchLoop(
+        queue=queue,
+        specs=ResourceSpecs(),
+        policy=fast,
+        transport_factory=lambda address: transport,
+        cluster_context=lambda: CONTEXT,
+    )
     try:
         [closure] = _queued(queue, _closure("a"))
         dispatcher = loop.add_worker("w:0", probe_first=True)

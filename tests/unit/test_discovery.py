@@ -73,8 +73,14 @@ def test_discovery_keeps_membership_equal_to_the_answer_but_leaves_static_worker
     now = [0.0]
     dns, members = FakeDns(A, B), FakeMembership()
     members.workers.add(C)  # listed in the ClusterSpec
-    discovery = WorkerDiscovery("worker:6000", members, resolver=dns, static=frozenset({C}),
-                                policy=DiscoveryPolicy(interval=1, removal_grace=2), clock=lambda: now[0])
+    discovery = WorkerDiscovery(
+        "worker:6000",
+        members,
+        resolver=dns,
+        static=frozenset({C}),
+        policy=DiscoveryPolicy(interval=1, removal_grace=2),
+        clock=lambda: now[0],
+    )
     discovery.step()
     assert members.workers == {A, B, C} and discovery.members == {A, B}
     dns.answer = frozenset({A, C})  # B went away; C is static, not discovery's

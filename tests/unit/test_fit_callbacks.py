@@ -33,8 +33,13 @@ def digits():
 
 def loader(digits, rows=512, batch_size=64):
     x, y, _, _ = digits
-    return DataLoader(TensorDataset(x[:rows], y[:rows]), batch_size=batch_size, shuffle=True, drop_last=True,
-                      generator=torch.Generator().manual_seed(0))
+    return DataLoader(
+        TensorDataset(x[:rows], y[:rows]),
+        batch_size=batch_size,
+        shuffle=True,
+        drop_last=True,
+        generator=torch.Generator().manual_seed(0),
+    )
 
 
 def model_and_optimizer(lr=5e-3, seed=0):
@@ -80,15 +85,17 @@ def test_fit_trains_and_validates_under_the_default_strategy(digits):
     _, _, x_test, y_test = digits
     model, optimizer = model_and_optimizer()
 
-    history = fit(model, optimizer, LOSS, loader(digits, rows=1024), epochs=3, validation_data=(x_test, y_test),
-                  verbose=False)
+    history = fit(
+        model, optimizer, LOSS, loader(digits, rows=1024), epochs=3, validation_data=(x_test, y_test), verbose=False
+    )
 
     assert history.epoch == [0, 1, 2]
     assert set(history.history) == {"loss", "accuracy", "val_loss", "val_accuracy"}
     assert history.history["loss"][-1] < history.history["loss"][0]
     assert history.history["val_accuracy"][-1] >= 0.8
     assert evaluate(model, LOSS, (x_test, y_test), return_dict=True)["accuracy"] == pytest.approx(
-        history.history["val_accuracy"][-1])
+        history.history["val_accuracy"][-1]
+    )
 
 
 def test_backup_and_restore_resumes_an_interrupted_fit_at_the_epoch_it_stopped(digits, tmp_path):
@@ -96,14 +103,22 @@ def test_backup_and_restore_resumes_an_interrupted_fit_at_the_epoch_it_stopped(d
     model, optimizer = model_and_optimizer()
     first = Record()
     with pytest.raises(RuntimeError, match="injected failure at epoch 2"):
-        fit(model, optimizer, LOSS, loader(digits), epochs=4, callbacks=[BackupAndRestore(backup), first, RaiseAtEpoch(2)],
-            verbose=False)
+        fit(
+            model,
+            optimizer,
+            LOSS,
+            loader(digits),
+            epochs=4,
+            callbacks=[BackupAndRestore(backup), first, RaiseAtEpoch(2)],
+            verbose=False,
+        )
     assert (backup / "backup.pt").exists(), "the backup must survive the failure"
 
     model, optimizer = model_and_optimizer(seed=1)  # a new process: fresh weights
     second = Record()
-    history = fit(model, optimizer, LOSS, loader(digits), epochs=4, callbacks=[BackupAndRestore(backup), second],
-                  verbose=False)
+    history = fit(
+        model, optimizer, LOSS, loader(digits), epochs=4, callbacks=[BackupAndRestore(backup), second], verbose=False
+    )
 
     assert history.epoch == [2, 3]
     assert same_weights(second.begin_weights, first.epoch_weights[1]), "must resume from epoch 1's weights"
@@ -118,8 +133,16 @@ def test_early_stopping_stops_when_val_loss_stops_improving(digits):
     frozen = torch.optim.SGD(model.parameters(), lr=0.0)  # val_loss never improves after epoch 0
     stopper = EarlyStopping(monitor="val_loss", patience=1)
 
-    history = fit(model, frozen, LOSS, loader(digits, rows=128), epochs=10, validation_data=(x_test, y_test),
-                  callbacks=[stopper], verbose=False)
+    history = fit(
+        model,
+        frozen,
+        LOSS,
+        loader(digits, rows=128),
+        epochs=10,
+        validation_data=(x_test, y_test),
+        callbacks=[stopper],
+        verbose=False,
+    )
 
     assert history.epoch == [0, 1, 2]
     assert (stopper.best_epoch, stopper.stopped_epoch) == (0, 2)
@@ -132,8 +155,16 @@ def test_early_stopping_restores_the_best_weights(digits):
     stopper = EarlyStopping(patience=0, restore_best_weights=True)
     record = Record()
 
-    fit(model, diverging, LOSS, loader(digits, rows=128), epochs=6, validation_data=(x_test, y_test),
-        callbacks=[record, stopper], verbose=False)
+    fit(
+        model,
+        diverging,
+        LOSS,
+        loader(digits, rows=128),
+        epochs=6,
+        validation_data=(x_test, y_test),
+        callbacks=[record, stopper],
+        verbose=False,
+    )
 
     assert stopper.stopped_epoch is not None and stopper.best_epoch < stopper.stopped_epoch
     assert same_weights(model.state_dict(), record.epoch_weights[stopper.best_epoch])
@@ -156,8 +187,15 @@ def test_improved_is_strict_by_min_delta(value, best, maximize, expected):
 def test_learning_rate_scheduler_sets_every_param_group_and_logs_the_rate(digits):
     model, optimizer = model_and_optimizer(lr=0.1)
 
-    history = fit(model, optimizer, LOSS, loader(digits, rows=128), epochs=3,
-                  callbacks=[LearningRateScheduler(lambda epoch, lr: 0.1 * 0.5**epoch)], verbose=False)
+    history = fit(
+        model,
+        optimizer,
+        LOSS,
+        loader(digits, rows=128),
+        epochs=3,
+        callbacks=[LearningRateScheduler(lambda epoch, lr: 0.1 * 0.5**epoch)],
+        verbose=False,
+    )
 
     assert history.history["lr"] == pytest.approx([0.1, 0.05, 0.025])
     assert [group["lr"] for group in optimizer.param_groups] == pytest.approx([0.025])
@@ -166,8 +204,15 @@ def test_learning_rate_scheduler_sets_every_param_group_and_logs_the_rate(digits
 def test_model_checkpoint_writes_loadable_files_and_keeps_the_last_ones(digits, tmp_path):
     model, optimizer = model_and_optimizer()
 
-    fit(model, optimizer, LOSS, loader(digits, rows=128), epochs=3,
-        callbacks=[ModelCheckpoint(tmp_path / "epoch-{epoch:04d}.pt", keep=2)], verbose=False)
+    fit(
+        model,
+        optimizer,
+        LOSS,
+        loader(digits, rows=128),
+        epochs=3,
+        callbacks=[ModelCheckpoint(tmp_path / "epoch-{epoch:04d}.pt", keep=2)],
+        verbose=False,
+    )
 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint", "epoch-0002.pt", "epoch-0003.pt"]
     saved = torch.load(tmp_path / "epoch-0003.pt", weights_only=True)
@@ -182,8 +227,16 @@ def test_steps_per_execution_calls_batch_callbacks_once_per_execution(digits):
     model, optimizer = model_and_optimizer()
     record = Record()
 
-    fit(model, optimizer, LOSS, loader(digits, rows=448), epochs=2, steps_per_execution=3, callbacks=[record],
-        verbose=False)
+    fit(
+        model,
+        optimizer,
+        LOSS,
+        loader(digits, rows=448),
+        epochs=2,
+        steps_per_execution=3,
+        callbacks=[record],
+        verbose=False,
+    )
 
     assert record.steps == [3, 6, 7, 10, 13, 14]  # 7 batches an epoch: 3 + 3 + 1
 
@@ -192,8 +245,9 @@ def test_steps_per_epoch_iterates_on_across_epochs_and_restarts_the_data(digits)
     model, optimizer = model_and_optimizer()
     record = Record()
 
-    history = fit(model, optimizer, LOSS, loader(digits, rows=192), epochs=3, steps_per_epoch=2,
-                  callbacks=[record], verbose=False)  # 3 batches of data, 6 steps
+    history = fit(
+        model, optimizer, LOSS, loader(digits, rows=192), epochs=3, steps_per_epoch=2, callbacks=[record], verbose=False
+    )  # 3 batches of data, 6 steps
 
     assert history.epoch == [0, 1, 2] and record.steps == [1, 2, 3, 4, 5, 6]
 
@@ -205,8 +259,13 @@ def test_metric_functions_are_averaged_over_examples(digits):
     def always_one(outputs, targets):
         return torch.ones(len(targets))
 
-    results = evaluate(model, LOSS, DataLoader(TensorDataset(x_test, y_test), batch_size=50),
-                       metrics={"one": always_one, "acc": lambda o, t: (o.argmax(-1) == t).float()}, return_dict=True)
+    results = evaluate(
+        model,
+        LOSS,
+        DataLoader(TensorDataset(x_test, y_test), batch_size=50),
+        metrics={"one": always_one, "acc": lambda o, t: (o.argmax(-1) == t).float()},
+        return_dict=True,
+    )
 
     assert results["one"] == 1.0
     assert results["acc"] == pytest.approx(evaluate(model, LOSS, (x_test, y_test), return_dict=True)["accuracy"])

@@ -11,13 +11,16 @@ from paramserve.psserver import health_probe as hp
 NOT_FOUND_TRAILERS = bytes.fromhex("400b677270632d7374617475730135000c677270632d6d65737361676500")
 RESPONSE_HEADERS = bytes.fromhex(
     "88400c636f6e74656e742d74797065106170706c69636174696f6e2f677270634014677270632d6163636570742d656e636f"
-    "64696e67176964656e746974792c206465666c6174652c20677a6970")
+    "64696e67176964656e746974792c206465666c6174652c20677a6970"
+)
 
 
 def test_hpack_reads_literal_and_indexed_fields() -> None:
     decoder = hp._HpackDecoder()
     assert decoder.decode(RESPONSE_HEADERS) == {
-        b"content-type": b"application/grpc", b"grpc-accept-encoding": b"identity, deflate, gzip"}
+        b"content-type": b"application/grpc",
+        b"grpc-accept-encoding": b"identity, deflate, gzip",
+    }
     assert decoder.decode(NOT_FOUND_TRAILERS) == {b"grpc-status": b"5", b"grpc-message": b""}
     # grpc-message came without indexing: 0xbe indexes entry 62, the newest added (grpc-status),
     # 0xc0 entry 64, the first (content-type).
@@ -31,8 +34,10 @@ def test_hpack_skips_huffman_strings_and_refuses_unknown_indices() -> None:
         hp._HpackDecoder().decode(bytes([0xFF, 0x00]))  # index 127 + 0: no such entry
 
 
-@pytest.mark.parametrize("message, status", [
-    (bytes.fromhex("00000000020801"), 1), (bytes.fromhex("00000000020802"), 2), (bytes.fromhex("0000000000"), 0)])
+@pytest.mark.parametrize(
+    "message, status",
+    [(bytes.fromhex("00000000020801"), 1), (bytes.fromhex("00000000020802"), 2), (bytes.fromhex("0000000000"), 0)],
+)
 def test_serving_status_comes_from_field_1(message: bytes, status: int) -> None:
     assert hp._serving_status(message) == status
 

@@ -13,7 +13,9 @@ from paramserve.psserver.initializers import initial_value
 def test_initial_value_kinds() -> None:
     assert torch.equal(initial_value((2, 2), torch.float32, "zeros"), torch.zeros(2, 2))
     assert torch.equal(initial_value((2,), torch.int64, "ones"), torch.ones(2, dtype=torch.int64))
-    assert torch.equal(initial_value((3,), torch.float64, "constant", a=2.5), torch.full((3,), 2.5, dtype=torch.float64))
+    assert torch.equal(
+        initial_value((3,), torch.float64, "constant", a=2.5), torch.full((3,), 2.5, dtype=torch.float64)
+    )
     uniform = initial_value((1000,), torch.float32, "uniform", a=-1.0, b=2.0, seed=3)
     assert float(uniform.min()) >= -1.0 and float(uniform.max()) < 2.0
     normal = initial_value((10000,), torch.float32, "normal", a=5.0, b=0.1, seed=3)

@@ -49,8 +49,16 @@ def test_a_schedule_of_the_epoch_alone_or_of_epoch_and_rate(arrays):
     model, optimizer = build()
     history = fit(model, optimizer, LOSS, x, y, epochs=3, verbose=False, callbacks=[LearningRateScheduler(decay)])
     assert history.history["lr"] == pytest.approx([1e-3, 1e-4, 1e-5])
-    history = fit(model, optimizer, LOSS, x, y, epochs=2, verbose=False,
-                  callbacks=[LearningRateScheduler(lambda epoch, lr: lr * 0.5)])
+    history = fit(
+        model,
+        optimizer,
+        LOSS,
+        x,
+        y,
+        epochs=2,
+        verbose=False,
+        callbacks=[LearningRateScheduler(lambda epoch, lr: lr * 0.5)],
+    )
     assert history.history["lr"] == pytest.approx([5e-6, 2.5e-6])
 
 
@@ -69,8 +77,9 @@ def test_fit_on_arrays_with_batch_size_and_validation_split(arrays):
     x, y, _, _ = arrays
     model, optimizer = build(lr=5e-3)
     seen = Seen()
-    history = fit(model, optimizer, LOSS, x, y, batch_size=64, validation_split=0.25, epochs=2, verbose=False,
-                  callbacks=[seen])
+    history = fit(
+        model, optimizer, LOSS, x, y, batch_size=64, validation_split=0.25, epochs=2, verbose=False, callbacks=[seen]
+    )
     assert seen.steps == [math.ceil(240 / 64) * (epoch + 1) for epoch in range(2)]
     assert {"loss", "accuracy", "val_loss", "val_accuracy"} <= set(history.history)
     assert seen.model is model, "callback.model, as in Keras"
@@ -98,8 +107,16 @@ def test_model_checkpoint_formats_the_filepath_and_latest_checkpoint_finds_the_n
     x, y, _, _ = arrays
     model, optimizer = build()
     assert latest_checkpoint(tmp_path) is None
-    fit(model, optimizer, LOSS, x, y, epochs=3, verbose=False,
-        callbacks=[ModelCheckpoint(tmp_path / "ckpt-{epoch:02d}.pt", save_weights_only=True)])
+    fit(
+        model,
+        optimizer,
+        LOSS,
+        x,
+        y,
+        epochs=3,
+        verbose=False,
+        callbacks=[ModelCheckpoint(tmp_path / "ckpt-{epoch:02d}.pt", save_weights_only=True)],
+    )
     assert sorted(p.name for p in tmp_path.glob("*.pt")) == ["ckpt-01.pt", "ckpt-02.pt", "ckpt-03.pt"]
     assert latest_checkpoint(tmp_path) == str(tmp_path / "ckpt-03.pt")
     fresh = MLP(16)
@@ -122,8 +139,16 @@ def test_save_best_only_writes_when_the_monitored_value_improves(tmp_path):
 def test_keep_bounds_the_checkpoints_kept(arrays, tmp_path, keep):
     x, y, _, _ = arrays
     model, optimizer = build()
-    fit(model, optimizer, LOSS, x, y, epochs=3, verbose=False,
-        callbacks=[ModelCheckpoint(tmp_path / "ckpt-{epoch}.pt", keep=keep)])
+    fit(
+        model,
+        optimizer,
+        LOSS,
+        x,
+        y,
+        epochs=3,
+        verbose=False,
+        callbacks=[ModelCheckpoint(tmp_path / "ckpt-{epoch}.pt", keep=keep)],
+    )
     assert [p.name for p in tmp_path.glob("*.pt")] == ["ckpt-3.pt"]
 
 
@@ -132,8 +157,17 @@ def test_tensorboard_writes_keras_runs_and_tags(arrays, tmp_path):
 
     x, y, _, _ = arrays
     model, optimizer = build()
-    fit(model, optimizer, LOSS, np.asarray(x), np.asarray(y), epochs=2, validation_split=0.2, verbose=False,
-        callbacks=[TensorBoard(tmp_path)])
+    fit(
+        model,
+        optimizer,
+        LOSS,
+        np.asarray(x),
+        np.asarray(y),
+        epochs=2,
+        validation_split=0.2,
+        verbose=False,
+        callbacks=[TensorBoard(tmp_path)],
+    )
     tags = {}
     for run in ("train", "validation"):
         events = EventAccumulator(str(tmp_path / run))

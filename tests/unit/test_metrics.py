@@ -33,9 +33,11 @@ def reference(model, data):
     return float(accuracy.compute()), float(auc.compute())
 
 
-@pytest.mark.parametrize("make", [get_strategy, lambda: OneDeviceStrategy("cpu"),
-                                  lambda: MirroredStrategy(["cpu:0", "cpu:1"])],
-                         ids=["default", "one_device", "mirrored"])
+@pytest.mark.parametrize(
+    "make",
+    [get_strategy, lambda: OneDeviceStrategy("cpu"), lambda: MirroredStrategy(["cpu:0", "cpu:1"])],
+    ids=["default", "one_device", "mirrored"],
+)
 def test_metrics_updated_in_every_replica_count_when_read(make):
     strategy = make()
     try:
@@ -85,8 +87,16 @@ def test_fit_takes_metric_objects_torchmetrics_names_and_functions():
     def correct(outputs, targets):
         return (outputs.argmax(-1) == targets).float()
 
-    history = fit(model, optimizer, LOSS, batches(), epochs=2, verbose=False, validation_data=(x[:200], y[:200]),
-                  metrics=["accuracy", metrics.AUC(name="auc_of_0", from_logits=True), f1, correct])
+    history = fit(
+        model,
+        optimizer,
+        LOSS,
+        batches(),
+        epochs=2,
+        verbose=False,
+        validation_data=(x[:200], y[:200]),
+        metrics=["accuracy", metrics.AUC(name="auc_of_0", from_logits=True), f1, correct],
+    )
     for name in ("accuracy", "auc_of_0", "multiclass_f1_score", "correct"):
         assert name in history.history and f"val_{name}" in history.history
     assert history.history["val_accuracy"] == pytest.approx(history.history["val_correct"])
@@ -97,8 +107,14 @@ def test_fit_takes_metric_objects_torchmetrics_names_and_functions():
 
 def test_metrics_whose_state_does_not_add_up_are_refused_with_the_fix():
     with pytest.raises(ValueError, match="thresholds=200"):
-        fit(MLP(16), torch.optim.SGD(MLP(16).parameters(), lr=0.1), LOSS, batches(), verbose=False,
-            metrics=[torchmetrics.classification.BinaryAUROC()])
+        fit(
+            MLP(16),
+            torch.optim.SGD(MLP(16).parameters(), lr=0.1),
+            LOSS,
+            batches(),
+            verbose=False,
+            metrics=[torchmetrics.classification.BinaryAUROC()],
+        )
 
 
 def test_torchmetrics_still_says_how_each_state_merges():

@@ -235,7 +235,12 @@ def test_set_hyperparameters_matches_changing_the_param_group() -> None:
 
 @pytest.mark.parametrize(
     "values, match",
-    [({"momentum": 0.9}, "no hyperparameter"), ({"lr": -1.0}, "learning rate"), ({}, "no hyperparameters"), ({"fused": True}, "no hyperparameter")],
+    [
+        ({"momentum": 0.9}, "no hyperparameter"),
+        ({"lr": -1.0}, "learning rate"),
+        ({}, "no hyperparameters"),
+        ({"fused": True}, "no hyperparameter"),
+    ],
 )
 def test_set_hyperparameters_rejects_bad_values(values: dict, match: str) -> None:
     optimizer = ShardOptimizer(OptimizerSpec("Adam", {"lr": 0.01}), _initial())
@@ -341,7 +346,14 @@ def test_grouped_steps_are_bit_for_bit_one_step_per_shard(name):
 def test_only_stateless_sgd_is_stepped_as_an_in_place_add():
     assert in_place_sgd_rate(OptimizerSpec("SGD", {"lr": 0.25})) == 0.25
     assert in_place_sgd_rate(OptimizerSpec("SGD", {"lr": 0.25, "momentum": 0, "dampening": 0.1})) == 0.25
-    assert in_place_sgd_rate(OptimizerSpec("SGD", {})) == torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))]).defaults["lr"]
-    for spec in (OptimizerSpec("SGD", {"lr": 0.25, "momentum": 0.9}), OptimizerSpec("SGD", {"lr": 0.25, "weight_decay": 0.1}),
-                 OptimizerSpec("SGD", {"lr": 0.25, "maximize": True}), OptimizerSpec("Adam", {"lr": 0.25})):
+    assert (
+        in_place_sgd_rate(OptimizerSpec("SGD", {}))
+        == torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))]).defaults["lr"]
+    )
+    for spec in (
+        OptimizerSpec("SGD", {"lr": 0.25, "momentum": 0.9}),
+        OptimizerSpec("SGD", {"lr": 0.25, "weight_decay": 0.1}),
+        OptimizerSpec("SGD", {"lr": 0.25, "maximize": True}),
+        OptimizerSpec("Adam", {"lr": 0.25}),
+    ):
         assert in_place_sgd_rate(spec) is None, spec

@@ -37,8 +37,12 @@ def distributed_linear() -> tuple[nn.Linear, ServerOptimizer]:
 
 def request(servers, fn, *args, closure_id: str, overlap: bool = True) -> ClosureRequest:
     return ClosureRequest(
-        closure_id=closure_id, payload=dumps_closure((fn, args, {})), function_name=fn.__name__,
-        cluster=servers.cluster, max_value_age=3600.0, overlap_pushes=overlap,
+        closure_id=closure_id,
+        payload=dumps_closure((fn, args, {})),
+        function_name=fn.__name__,
+        cluster=servers.cluster,
+        max_value_age=3600.0,
+        overlap_pushes=overlap,
     )
 
 
@@ -47,8 +51,9 @@ def test_each_step_computes_from_values_that_miss_the_workers_own_push_in_flight
     x, y = torch.randn(4, 3), torch.randn(4, 2)
     local = servers.local_linear()
 
-    outcomes = core.run_closures([request(servers, train_step, model, optimizer, x, y, closure_id=f"c{i}")
-                                  for i in range(4)])
+    outcomes = core.run_closures(
+        [request(servers, train_step, model, optimizer, x, y, closure_id=f"c{i}") for i in range(4)]
+    )
 
     def gradients_at(weight: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.no_grad():
@@ -82,8 +87,9 @@ def test_each_step_computes_from_values_that_miss_the_workers_own_push_in_flight
 def test_without_overlap_every_push_is_applied_before_the_next_step(core, servers):
     model, optimizer = distributed_linear()
     x, y = torch.randn(4, 3), torch.randn(4, 2)
-    outcomes = core.run_closures([request(servers, train_step, model, optimizer, x, y, closure_id=f"c{i}",
-                                          overlap=False) for i in range(3)])
+    outcomes = core.run_closures(
+        [request(servers, train_step, model, optimizer, x, y, closure_id=f"c{i}", overlap=False) for i in range(3)]
+    )
     assert [o.pushes_applied for o in outcomes] == [2] * 3
     assert servers.traffic.started == 0 and servers.version("w") == 3
 
@@ -93,11 +99,13 @@ def test_a_push_that_fails_is_its_own_closures_error_and_the_next_closure_is_not
     x, y = torch.randn(4, 3), torch.randn(4, 2)
     before = servers.value("w").clone()
 
-    outcomes = core.run_closures([
-        request(servers, train_step, model, optimizer, torch.full((4, 3), float("nan")), y, closure_id="nan"),
-        request(servers, train_step, model, optimizer, x, y, closure_id="next"),
-        request(servers, train_step, model, optimizer, x, y, closure_id="never"),
-    ])
+    outcomes = core.run_closures(
+        [
+            request(servers, train_step, model, optimizer, torch.full((4, 3), float("nan")), y, closure_id="nan"),
+            request(servers, train_step, model, optimizer, x, y, closure_id="next"),
+            request(servers, train_step, model, optimizer, x, y, closure_id="never"),
+        ]
+    )
 
     assert len(outcomes) == 1, "the closure after the failed push stopped at its own push: not run"
     assert outcomes[0].result is None and "NaN or Inf" in outcomes[0].error.message
@@ -110,11 +118,13 @@ def test_a_user_error_after_an_overlapped_push_leaves_that_push_applied(core, se
     model, optimizer = distributed_linear()
     x, y = torch.randn(4, 3), torch.randn(4, 2)
 
-    outcomes = core.run_closures([
-        request(servers, train_step, model, optimizer, x, y, closure_id="ok"),
-        request(servers, explode, closure_id="bad"),
-        request(servers, train_step, model, optimizer, x, y, closure_id="cancelled"),
-    ])
+    outcomes = core.run_closures(
+        [
+            request(servers, train_step, model, optimizer, x, y, closure_id="ok"),
+            request(servers, explode, closure_id="bad"),
+            request(servers, train_step, model, optimizer, x, y, closure_id="cancelled"),
+        ]
+    )
 
     assert [o.error is None for o in outcomes] == [True, False]
     assert outcomes[0].pushes_applied == 2 and cloudpickle.loads(outcomes[0].result) > 0

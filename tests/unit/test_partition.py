@@ -57,7 +57,11 @@ class TestMinSizePartitioner:
 
     @pytest.mark.parametrize(
         "kwargs, name",
-        [({"min_shard_bytes": 0}, "min_shard_bytes"), ({"max_shards": 0}, "max_shards"), ({"bytes_per_string": -1}, "bytes_per_string")],
+        [
+            ({"min_shard_bytes": 0}, "min_shard_bytes"),
+            ({"max_shards": 0}, "max_shards"),
+            ({"bytes_per_string": -1}, "bytes_per_string"),
+        ],
     )
     def test_rejects_bad_arguments(self, kwargs: dict, name: str) -> None:
         with pytest.raises(ValueError, match=name):

@@ -69,7 +69,8 @@ SCRIPT = textwrap.dedent(
             report["during"][name + " (scope open)"] = snapshot()["optimizer_init"] != before["optimizer_init"]
         if name != "parameter_server":  # a parameter-server step needs servers; its hooks exist without one
             strategy.run(step, args=(model, optimizer))
-        report["during"][name] = snapshot() != before or type(model) is not Net or type(optimizer) is not torch.optim.SGD
+        swapped = type(model) is not Net or type(optimizer) is not torch.optim.SGD
+        report["during"][name] = snapshot() != before or swapped
         strategy.close()
         strategy.close()  # idempotent
         report["classes"][name] = [type(model) is Net, type(optimizer) is torch.optim.SGD,
@@ -91,11 +92,16 @@ def report() -> dict:
 def test_strategies_do_patch_while_open(report):
     # The comparison below is only meaningful if the strategies really patched something.
     assert report["during"] == {
-        "one_device (scope open)": False, "one_device": False,  # nothing process-wide at all
-        "mirrored (scope open)": True, "mirrored": True,  # Optimizer.__init__; guards and class swaps
-        "central_storage (scope open)": True, "central_storage": True,
-        "multi_worker (scope open)": False, "multi_worker": True,  # its optimizer step pre-hook
-        "parameter_server (scope open)": True, "parameter_server": True,  # Optimizer.__init__; optimizer class
+        "one_device (scope open)": False,
+        "one_device": False,  # nothing process-wide at all
+        "mirrored (scope open)": True,
+        "mirrored": True,  # Optimizer.__init__; guards and class swaps
+        "central_storage (scope open)": True,
+        "central_storage": True,
+        "multi_worker (scope open)": False,
+        "multi_worker": True,  # its optimizer step pre-hook
+        "parameter_server (scope open)": True,
+        "parameter_server": True,  # Optimizer.__init__; optimizer class
     }
 
 

@@ -13,7 +13,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "proto"))
-import generate  # proto/generate.py, importable once proto/ is on the path
+import generate  # noqa: E402  (proto/generate.py, importable once proto/ is on the path)
 
 LAYERS = {"psserver": 0, "worker": 1, "coordinator": 2}
 
@@ -61,9 +61,18 @@ def _imported_modules(path: pathlib.Path) -> set[str]:
 
 
 CORES = [
-    "psserver/store.py", "psserver/optimizer.py", "psserver/partition.py", "psserver/idempotency.py",
-    "psserver/checkpoint.py", "psserver/errors.py", "psserver/tensors.py", "psserver/types.py",
-    "psserver/atomic_files.py", "psserver/initializers.py", "worker/core.py", "worker/variables.py",
+    "psserver/store.py",
+    "psserver/optimizer.py",
+    "psserver/partition.py",
+    "psserver/idempotency.py",
+    "psserver/checkpoint.py",
+    "psserver/errors.py",
+    "psserver/tensors.py",
+    "psserver/types.py",
+    "psserver/atomic_files.py",
+    "psserver/initializers.py",
+    "worker/core.py",
+    "worker/variables.py",
     "worker/resources.py",
 ]
 
@@ -78,8 +87,13 @@ def test_cores_import_no_grpc_and_no_wire_messages(core):
 # What a step means and the data plane that carries it speak wire messages (they are not cores),
 # but no grpc: the step engine serves the Step RPC and the data plane alike.
 TRANSPORT_NEUTRAL = [
-    "psserver/steps.py", "psserver/programs.py", "psserver/metadata.py", "psserver/dataplane.py",
-    "psserver/dataplane_server.py", "psserver/dataplane_client.py", "psserver/step_work.py",
+    "psserver/steps.py",
+    "psserver/programs.py",
+    "psserver/metadata.py",
+    "psserver/dataplane.py",
+    "psserver/dataplane_server.py",
+    "psserver/dataplane_client.py",
+    "psserver/step_work.py",
 ]
 
 
@@ -97,8 +111,17 @@ def test_the_data_plane_server_carries_steps_without_knowing_what_they_mean(modu
 
 # The parameter server's own modules: a worker or a coordinator that imports the client loads none.
 SERVER_MODULES = [
-    "store", "servicer", "steps", "programs", "checkpoint", "idempotency", "serving", "server", "metrics_http",
-    "cpus", "dataplane_server",
+    "store",
+    "servicer",
+    "steps",
+    "programs",
+    "checkpoint",
+    "idempotency",
+    "serving",
+    "server",
+    "metrics_http",
+    "cpus",
+    "dataplane_server",
 ]
 
 
@@ -144,13 +167,20 @@ def test_the_coordinator_declares_what_it_needs_of_a_strategy_instead_of_probing
     for module in ("cluster_coordinator.py", "ps_recovery.py", "checkpoint_manager.py"):
         text = (ROOT / "coordinator" / module).read_text()
         tree = ast.parse(text)
-        probes = [f"{module}:{n.lineno}" for n in ast.walk(tree) if isinstance(n, ast.Call)
-                  and getattr(n.func, "id", "") in {"hasattr", "getattr"}]
+        probes = [
+            f"{module}:{n.lineno}"
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Call) and getattr(n.func, "id", "") in {"hasattr", "getattr"}
+        ]
         assert probes == [], f"declare it in coordinator/contracts.py instead: {probes}"
         assert "type: ignore" not in text, f"{module} silences the type checker on the seam"
         functions = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
-        local_imports = [f"{module}:{n.lineno}" for f in functions for n in ast.walk(f) if isinstance(n, ast.ImportFrom)
-                         and (n.module or "").startswith("paramserve.coordinator")]
+        local_imports = [
+            f"{module}:{n.lineno}"
+            for f in functions
+            for n in ast.walk(f)
+            if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("paramserve.coordinator")
+        ]
         assert local_imports == [], f"a function-level import hides an import cycle: {local_imports}"
 
 

@@ -97,8 +97,10 @@ def test_lost_variables_are_those_with_a_shard_placed_on_the_server_that_it_lack
     held_by_1 = {LAYOUTS["a"].ref(LAYOUTS["a"].shards[1])}  # restarted holding a's shard only
     assert set(lost_variables(1, held_by_1, LAYOUTS)) == {"b"}
     assert set(lost_variables(1, set(), LAYOUTS)) == {"a", "b"}
-    assert lost_variables(0, {LAYOUTS["a"].ref(LAYOUTS["a"].shards[0]), LAYOUTS["c"].ref(LAYOUTS["c"].shards[0])},
-                          LAYOUTS) == {}
+    assert (
+        lost_variables(0, {LAYOUTS["a"].ref(LAYOUTS["a"].shards[0]), LAYOUTS["c"].ref(LAYOUTS["c"].shards[0])}, LAYOUTS)
+        == {}
+    )
 
 
 def _facts(name, whole=True, variables=("a", "b")):
@@ -127,15 +129,19 @@ def test_variables_no_checkpoint_holds_need_no_checkpoint():
     assert plan.point is RecoveryPoint.LOST_SHARDS and plan.checkpoint is None and "initial values" in plan.reason
 
 
-@pytest.mark.parametrize(("candidates", "says"), [
-    ([], "saved no checkpoint"),
-    ([_facts("ckpt-2", whole=False)], "is whole"),
-    ([_facts("ckpt-2", variables=("a",))], "does not hold (e.g. 'b'"),
-])
+@pytest.mark.parametrize(
+    ("candidates", "says"),
+    [
+        ([], "saved no checkpoint"),
+        ([_facts("ckpt-2", whole=False)], "is whole"),
+        ([_facts("ckpt-2", variables=("a",))], "does not hold (e.g. 'b'"),
+    ],
+)
 def test_an_unrecoverable_loss_says_why_and_what_to_do(candidates, says):
     with pytest.raises(Unrecoverable, match=says.replace("(", r"\(")):
-        plan_restore({"a": LAYOUTS["a"], "b": LAYOUTS["b"]}, {"a": "a", "b": "b"}, candidates,
-                     RecoveryPoint.LOST_SHARDS)
+        plan_restore(
+            {"a": LAYOUTS["a"], "b": LAYOUTS["b"]}, {"a": "a", "b": "b"}, candidates, RecoveryPoint.LOST_SHARDS
+        )
 
 
 def test_the_checkpoint_log_offers_the_latest_then_the_older_ones_of_its_directories(tmp_path):

@@ -28,8 +28,16 @@ def test_each_new_checkpoint_is_evaluated_once_and_summarised(tmp_path, weights_
     evaluator = SidecarEvaluator(MLP(16), [(x_test, y_test)], tmp_path / "ckpts", log_dir=tmp_path / "logs")
     assert evaluator.evaluate_latest() is None, "nothing to evaluate yet"
 
-    fit(model, optimizer, LOSS, x, y, epochs=2, verbose=False,
-        callbacks=[ModelCheckpoint(tmp_path / "ckpts" / "ckpt-{epoch:02d}.pt", save_weights_only=weights_only)])
+    fit(
+        model,
+        optimizer,
+        LOSS,
+        x,
+        y,
+        epochs=2,
+        verbose=False,
+        callbacks=[ModelCheckpoint(tmp_path / "ckpts" / "ckpt-{epoch:02d}.pt", save_weights_only=weights_only)],
+    )
     evaluation = evaluator.evaluate_latest()
 
     assert evaluation is not None and evaluation.checkpoint.name == "ckpt-02.pt"
@@ -49,8 +57,9 @@ def test_run_stops_on_request_and_after_max_evaluations(tmp_path):
     assert [e.checkpoint.name for e in evaluator.run()] == ["a.pt"]
 
     stop = threading.Event()
-    waiting = SidecarEvaluator(MLP(16), [(x_test, y_test)], tmp_path / "empty", every=0.01,
-                               on_evaluation=lambda e: None)
+    waiting = SidecarEvaluator(
+        MLP(16), [(x_test, y_test)], tmp_path / "empty", every=0.01, on_evaluation=lambda e: None
+    )
     thread = threading.Thread(target=waiting.run, args=(stop,), name="test-evaluator")
     thread.start()
     stop.set()

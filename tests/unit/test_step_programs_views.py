@@ -19,7 +19,9 @@ W, B = ShardRef("w", 0), ShardRef("b", 0)
 
 def program(store: ShardStore) -> StepProgram:
     prepared = store.prepare_step([(W, torch.float32, (2, 3)), (B, torch.float32, (3,))], [W, B])
-    return StepProgram(ps_pb2.StepPlan(), prepared, (PushSlot(0, 24, torch.float32, (2, 3)), PushSlot(24, 12, torch.float32, (3,))))
+    return StepProgram(
+        ps_pb2.StepPlan(), prepared, (PushSlot(0, 24, torch.float32, (2, 3)), PushSlot(24, 12, torch.float32, (3,)))
+    )
 
 
 def make_store() -> ShardStore:
@@ -39,7 +41,9 @@ def test_views_are_made_once_per_buffer_and_read_its_current_bytes():
     again, _ = programs.pushed_values(step, buffer)
 
     assert again is first and flat is not None and flat.numel() == 9
-    assert torch.equal(first[0], torch.arange(6.0).reshape(2, 3)) and torch.equal(first[1], torch.tensor([6.0, 7.0, 8.0]))
+    assert torch.equal(first[0], torch.arange(6.0).reshape(2, 3)) and torch.equal(
+        first[1], torch.tensor([6.0, 7.0, 8.0])
+    )
     assert programs.pushed_values(step, torch.zeros(36, dtype=torch.uint8))[0] is not first  # another buffer
 
 

@@ -87,8 +87,13 @@ def calls():
 def test_a_step_writes_every_data_plane_request_before_reading_a_reply_and_retries_the_rest_under_its_key(calls):
     events: list[tuple] = []
     data_plane = FakeDataPlane(events, {0: 8 * MB, 1: 8 * MB, 2: None, 3: None}, broken={1})
-    router = StepRouter(data_plane, FakeTransport(Route.UNARY, events), FakeTransport(Route.STREAMS, events),
-                        unary_limit=MB, calls=calls)
+    router = StepRouter(
+        data_plane,
+        FakeTransport(Route.UNARY, events),
+        FakeTransport(Route.STREAMS, events),
+        unary_limit=MB,
+        calls=calls,
+    )
     works = {0: work_of(100), 1: work_of(100), 2: work_of(100), 3: work_of(2 * MB)}
 
     in_flight = router.start(works, "key-1", None)
@@ -96,8 +101,11 @@ def test_a_step_writes_every_data_plane_request_before_reading_a_reply_and_retri
     outcomes, _ = in_flight.result()
 
     assert events[2:4] == [("receive", 0), ("receive", 1)]
-    assert set(events[4:]) == {("run", Route.DATA_PLANE, 1, "key-1"),  # its reply was lost: again, same key
-                               ("run", Route.UNARY, 2, "key-1"), ("run", Route.STREAMS, 3, "key-1")}
+    assert set(events[4:]) == {
+        ("run", Route.DATA_PLANE, 1, "key-1"),  # its reply was lost: again, same key
+        ("run", Route.UNARY, 2, "key-1"),
+        ("run", Route.STREAMS, 3, "key-1"),
+    }
     assert sorted(o.ref.shard for o in outcomes) == [0, 1, 2, 3]
 
 
@@ -109,8 +117,13 @@ def test_a_typed_error_of_one_server_is_raised_once_every_share_has_ended(calls)
             self.events.append(("receive", sent.server))
             raise VariableNotFoundError("gone", variable="w")
 
-    router = StepRouter(Refusing(events, {0: 8 * MB}), FakeTransport(Route.UNARY, events),
-                        FakeTransport(Route.STREAMS, events), unary_limit=MB, calls=calls)
+    router = StepRouter(
+        Refusing(events, {0: 8 * MB}),
+        FakeTransport(Route.UNARY, events),
+        FakeTransport(Route.STREAMS, events),
+        unary_limit=MB,
+        calls=calls,
+    )
 
     with pytest.raises(VariableNotFoundError) as raised:
         router.start({0: work_of(10), 1: work_of(10)}, "k", None).result()
@@ -121,8 +134,9 @@ def test_a_typed_error_of_one_server_is_raised_once_every_share_has_ended(calls)
 
 def test_without_a_data_plane_nothing_is_sent_ahead(calls):
     events: list[tuple] = []
-    router = StepRouter(None, FakeTransport(Route.UNARY, events), FakeTransport(Route.STREAMS, events),
-                        unary_limit=MB, calls=calls)
+    router = StepRouter(
+        None, FakeTransport(Route.UNARY, events), FakeTransport(Route.STREAMS, events), unary_limit=MB, calls=calls
+    )
 
     in_flight = router.start({0: work_of(10)}, "k", None)
     assert events == []

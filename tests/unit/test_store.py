@@ -28,7 +28,9 @@ SGD = OptimizerSpec("SGD", {"lr": 0.5})
 W0, W1 = ShardRef("layers.0.weight", 0), ShardRef("layers.0.weight", 1)
 
 
-def _state(ref: ShardRef = W0, rows: int = 4, row_start: int = 0, optimizer: OptimizerSpec | None = SGD, **kwargs) -> ShardState:
+def _state(
+    ref: ShardRef = W0, rows: int = 4, row_start: int = 0, optimizer: OptimizerSpec | None = SGD, **kwargs
+) -> ShardState:
     value = torch.arange(rows * 3, dtype=torch.float32).reshape(rows, 3) + row_start * 3
     return ShardState(ref, (8, 3), row_start, value, optimizer, **kwargs)
 
@@ -135,13 +137,26 @@ def test_a_restore_replaces_values_slots_versions_and_windows_exactly() -> None:
     assert store.push([ShardPush(W0, torch.ones(4, 3))], "live-1")[0].applied, "keys after the checkpoint are gone"
 
 
-@pytest.mark.parametrize("restored, error, words", [
-    ([ShardState(W0, (20, 3), 0, torch.zeros(4, 3), SGD), ShardState(W1, (20, 3), 4, torch.zeros(4, 3), SGD)],
-     ShapeMismatchError, "(20, 3)"),
-    ([ShardState(W0, (8, 3), 0, torch.zeros(4, 3, dtype=torch.float64), SGD),
-      ShardState(W1, (8, 3), 4, torch.zeros(4, 3, dtype=torch.float64), SGD)], DtypeMismatchError, "float64"),
-    ([_state(W0)], InvalidRequestError, "also holds shards [1]"),
-], ids=["shape", "dtype", "half_a_variable"])
+@pytest.mark.parametrize(
+    "restored, error, words",
+    [
+        (
+            [ShardState(W0, (20, 3), 0, torch.zeros(4, 3), SGD), ShardState(W1, (20, 3), 4, torch.zeros(4, 3), SGD)],
+            ShapeMismatchError,
+            "(20, 3)",
+        ),
+        (
+            [
+                ShardState(W0, (8, 3), 0, torch.zeros(4, 3, dtype=torch.float64), SGD),
+                ShardState(W1, (8, 3), 4, torch.zeros(4, 3, dtype=torch.float64), SGD),
+            ],
+            DtypeMismatchError,
+            "float64",
+        ),
+        ([_state(W0)], InvalidRequestError, "also holds shards [1]"),
+    ],
+    ids=["shape", "dtype", "half_a_variable"],
+)
 def test_a_restore_that_does_not_fit_the_live_variable_changes_nothing(restored, error, words) -> None:
     store = _store()
     store.push([ShardPush(W0, torch.ones(4, 3))], "k")
@@ -170,9 +185,19 @@ def test_an_optimizer_whose_step_would_fail_is_refused_at_creation() -> None:
         (ShardState(ShardRef("v", 0), (4, 3), 0, torch.zeros(4, 3), OptimizerSpec("Nope", {})), InvalidRequestError),
         (ShardState(ShardRef("v", 0), (4, 3), 0, torch.zeros(4, 3, dtype=torch.int64), SGD), DtypeMismatchError),
         (ShardState(ShardRef("v", 0), (4, 3), 0, torch.zeros(4, 3, dtype=torch.complex64), None), DtypeMismatchError),
-        (ShardState(ShardRef("v", 0), (4, 3), 0, torch.zeros(4, 3), None, {"sum": torch.zeros(4, 3)}), InvalidRequestError),
         (
-            ShardState(ShardRef("v", 0), (4, 3), 0, torch.zeros(4, 3), OptimizerSpec("Adagrad", {}), {"sum": torch.zeros(3, 3), "step": torch.tensor(0.0)}),
+            ShardState(ShardRef("v", 0), (4, 3), 0, torch.zeros(4, 3), None, {"sum": torch.zeros(4, 3)}),
+            InvalidRequestError,
+        ),
+        (
+            ShardState(
+                ShardRef("v", 0),
+                (4, 3),
+                0,
+                torch.zeros(4, 3),
+                OptimizerSpec("Adagrad", {}),
+                {"sum": torch.zeros(3, 3), "step": torch.tensor(0.0)},
+            ),
             ShapeMismatchError,
         ),
         (ShardState(ShardRef("v", 0), (), 0, torch.zeros(2), None), ShapeMismatchError),
@@ -231,12 +256,15 @@ def test_pull_rows_in_request_order_with_duplicates() -> None:
     assert pulled.version == 0
 
 
-@pytest.mark.parametrize("rows, error, match", [
-    (torch.tensor([0, 4]), IndexOutOfRangeError, r"row index 4 .*\[0, 4\)"),
-    (torch.tensor([-1]), IndexOutOfRangeError, "row index -1"),
-    (torch.tensor([0], dtype=torch.int32), InvalidRequestError, "int64"),
-    (torch.tensor([[0]]), InvalidRequestError, "1-d"),
-])
+@pytest.mark.parametrize(
+    "rows, error, match",
+    [
+        (torch.tensor([0, 4]), IndexOutOfRangeError, r"row index 4 .*\[0, 4\)"),
+        (torch.tensor([-1]), IndexOutOfRangeError, "row index -1"),
+        (torch.tensor([0], dtype=torch.int32), InvalidRequestError, "int64"),
+        (torch.tensor([[0]]), InvalidRequestError, "1-d"),
+    ],
+)
 def test_pull_rows_rejects_bad_rows(rows: torch.Tensor, error: type[Exception], match: str) -> None:
     with pytest.raises(error, match=match):
         _store().pull_rows(W0, rows)
@@ -319,10 +347,22 @@ def _bad_pushes() -> list[tuple[str, Callable[[], list[ShardPush]], type[Excepti
         ("dense shape", lambda: [ok, ShardPush(W1, torch.ones(4, 2), None, 0)], ShapeMismatchError),
         ("sparse shape", lambda: [ok, ShardPush(W1, torch.ones(3, 3), torch.tensor([0, 1]), 0)], ShapeMismatchError),
         ("row range", lambda: [ok, ShardPush(W1, torch.ones(1, 3), torch.tensor([4]), 0)], IndexOutOfRangeError),
-        ("row dtype", lambda: [ok, ShardPush(W1, torch.ones(1, 3), torch.tensor([0], dtype=torch.int32), 0)], InvalidRequestError),
+        (
+            "row dtype",
+            lambda: [ok, ShardPush(W1, torch.ones(1, 3), torch.tensor([0], dtype=torch.int32), 0)],
+            InvalidRequestError,
+        ),
         ("nan", lambda: [ok, ShardPush(W1, torch.full((4, 3), float("nan")), None, 0)], NonFiniteGradientError),
-        ("inf rows", lambda: [ok, ShardPush(W1, torch.tensor([[float("inf"), 0, 0]]), torch.tensor([0]), 0)], NonFiniteGradientError),
-        ("unknown shard", lambda: [ok, ShardPush(ShardRef("nope", 0), torch.ones(4, 3), None, 0)], VariableNotFoundError),
+        (
+            "inf rows",
+            lambda: [ok, ShardPush(W1, torch.tensor([[float("inf"), 0, 0]]), torch.tensor([0]), 0)],
+            NonFiniteGradientError,
+        ),
+        (
+            "unknown shard",
+            lambda: [ok, ShardPush(ShardRef("nope", 0), torch.ones(4, 3), None, 0)],
+            VariableNotFoundError,
+        ),
         ("same shard twice", lambda: [ok, ok], InvalidRequestError),
         ("non-int base", lambda: [ok, ShardPush(W1, torch.ones(4, 3), None, 1.5)], InvalidRequestError),
     ]
@@ -381,7 +421,9 @@ def test_concurrent_pushes_to_two_shards() -> None:
         except BaseException as exc:  # surfaced below
             errors.append(exc)
 
-    threads = [threading.Thread(target=worker, args=(ref, t), name=f"pusher-{ref}-{t}") for ref in (W0, W1) for t in range(2)]
+    threads = [
+        threading.Thread(target=worker, args=(ref, t), name=f"pusher-{ref}-{t}") for ref in (W0, W1) for t in range(2)
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -466,8 +508,14 @@ def test_all_finite_fast_path_agrees_with_the_exact_scan():
 def test_a_push_whose_later_step_fails_leaves_no_part_applied() -> None:
     store = ShardStore()
     adam, embedding = OptimizerSpec("Adam", {"lr": 0.1}), ShardRef("table", 0)
-    store.create_shards([_state(W0), _state(W1, row_start=4), ShardState(ShardRef("b", 0), (3,), 0, torch.ones(3), adam),
-                         ShardState(embedding, (6, 2), 0, torch.zeros(6, 2), OptimizerSpec("Adagrad", {"lr": 0.1}))])
+    store.create_shards(
+        [
+            _state(W0),
+            _state(W1, row_start=4),
+            ShardState(ShardRef("b", 0), (3,), 0, torch.ones(3), adam),
+            ShardState(embedding, (6, 2), 0, torch.zeros(6, 2), OptimizerSpec("Adagrad", {"lr": 0.1})),
+        ]
+    )
     store.push([ShardPush(ShardRef("b", 0), torch.ones(3))], "warm")  # Adam state exists: it must come back too
     before = _snapshot(store)
     real, calls = store._grouped.apply_dense, []
@@ -479,8 +527,12 @@ def test_a_push_whose_later_step_fails_leaves_no_part_applied() -> None:
             raise MemoryError("out of memory")
 
     store._grouped.apply_dense = fail_after_adam
-    pushes = [ShardPush(W0, torch.ones(4, 3)), ShardPush(W1, torch.ones(4, 3)), ShardPush(ShardRef("b", 0), torch.ones(3)),
-              ShardPush(embedding, torch.ones(2, 2), rows=torch.tensor([1, 4]))]
+    pushes = [
+        ShardPush(W0, torch.ones(4, 3)),
+        ShardPush(W1, torch.ones(4, 3)),
+        ShardPush(ShardRef("b", 0), torch.ones(3)),
+        ShardPush(embedding, torch.ones(2, 2), rows=torch.tensor([1, 4])),
+    ]
     with pytest.raises(ParamServeError, match="undone"):
         store.push(pushes, "k")
     assert calls == ["Adam"], "plain SGD (in place, not copied) runs last: after a failure it never starts"
@@ -492,7 +544,9 @@ def test_plain_sgd_steps_are_bit_for_bit_torch_optim_sgd() -> None:
     torch.manual_seed(0)
     values = [torch.randn(4, 3), torch.randn(5)]
     specs = [OptimizerSpec("SGD", {"lr": 0.37}), OptimizerSpec("SGD", {"lr": 0.37, "momentum": 0.0, "dampening": 0.5})]
-    store.create_shards([ShardState(ShardRef(f"v{i}", 0), tuple(v.shape), 0, v.clone(), specs[i]) for i, v in enumerate(values)])
+    store.create_shards(
+        [ShardState(ShardRef(f"v{i}", 0), tuple(v.shape), 0, v.clone(), specs[i]) for i, v in enumerate(values)]
+    )
     params = [torch.nn.Parameter(v.clone()) for v in values]
     reference = torch.optim.SGD(params, lr=0.37)
     for step in range(3):

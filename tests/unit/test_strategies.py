@@ -241,8 +241,13 @@ def test_contexts_inside_scope_and_run():
 
         def probe():
             context = get_replica_context()
-            return (get_strategy() is strategy, in_cross_replica_context(), context.replica_id_in_sync_group,
-                    context.num_replicas_in_sync, threading.current_thread().name)
+            return (
+                get_strategy() is strategy,
+                in_cross_replica_context(),
+                context.replica_id_in_sync_group,
+                context.num_replicas_in_sync,
+                threading.current_thread().name,
+            )
 
         same_strategy, cross, replica_id, count, thread = strategy.run(probe)  # a tuple of per-replica parts
     assert not has_strategy() and torch.optim.Optimizer.__init__ is optimizer_init
@@ -263,7 +268,10 @@ def test_replica_all_reduce_and_per_replica_arguments():
     assert [float(t) for t in total.values] == [9.0, 9.0, 9.0]
     assert [float(t) for t in mean["v"].values] == [6.0, 6.0, 6.0]
     assert float(strategy.reduce("MEAN", values)) == 3.0
-    assert float(strategy.reduce("SUM", PerReplica([torch.ones(2, 3), torch.ones(1, 3), torch.ones(0, 3)]), axis=0).sum()) == 9.0
+    assert (
+        float(strategy.reduce("SUM", PerReplica([torch.ones(2, 3), torch.ones(1, 3), torch.ones(0, 3)]), axis=0).sum())
+        == 9.0
+    )
     with pytest.raises(ValueError, match="2 per-replica components for 3 replicas"):
         strategy.run(fn, args=(PerReplica([torch.tensor(1.0)] * 2),))
 
@@ -340,11 +348,14 @@ def test_central_storage_gathers_batch_norm_statistics_into_the_central_module(d
 # ------------------------------------------------------------------ clear errors
 
 
-@pytest.mark.parametrize("factory", [
-    lambda: MirroredStrategy(devices=["cuda:3"]),
-    lambda: OneDeviceStrategy("cuda:3"),
-    lambda: CentralStorageStrategy(compute_devices=["cpu:0"], parameter_device="cuda:7"),
-])
+@pytest.mark.parametrize(
+    "factory",
+    [
+        lambda: MirroredStrategy(devices=["cuda:3"]),
+        lambda: OneDeviceStrategy("cuda:3"),
+        lambda: CentralStorageStrategy(compute_devices=["cpu:0"], parameter_device="cuda:7"),
+    ],
+)
 def test_a_device_this_machine_lacks_is_refused_at_construction(factory):
     if torch.cuda.device_count() > 7:
         pytest.skip("this machine has that many GPUs")

@@ -205,12 +205,15 @@ def per_example_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torc
 
 
 @needs_gpu
-@pytest.mark.parametrize("make_strategy", [
-    pytest.param(lambda: MirroredStrategy(["cuda:0"]), id="mirrored-cuda"),
-    pytest.param(lambda: CentralStorageStrategy(["cuda:0"]), id="central-cuda"),
-    pytest.param(lambda: MirroredStrategy(["cuda:0", "cpu:0"]), id="mirrored-cuda-cpu"),
-    pytest.param(lambda: OneDeviceStrategy("cuda:0"), id="one-device-cuda"),
-])
+@pytest.mark.parametrize(
+    "make_strategy",
+    [
+        pytest.param(lambda: MirroredStrategy(["cuda:0"]), id="mirrored-cuda"),
+        pytest.param(lambda: CentralStorageStrategy(["cuda:0"]), id="central-cuda"),
+        pytest.param(lambda: MirroredStrategy(["cuda:0", "cpu:0"]), id="mirrored-cuda-cpu"),
+        pytest.param(lambda: OneDeviceStrategy("cuda:0"), id="one-device-cuda"),
+    ],
+)
 def test_run_with_cpu_tensors_trains_on_a_gpu_like_one_cpu(make_strategy):
     torch.manual_seed(0)
     reference = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))

@@ -38,7 +38,12 @@ def test_scope_names_variables_after_the_model_and_its_tables(strategy):
         Net()
         lonely = ShardedEmbedding(10, 2)
     assert list(strategy.variables) == [
-        "net.body.0.weight", "net.body.0.bias", "net.body.2.weight", "net.body.2.bias", "net.table", "embedding",
+        "net.body.0.weight",
+        "net.body.0.bias",
+        "net.body.2.weight",
+        "net.body.2.bias",
+        "net.table",
+        "embedding",
     ]
     assert lonely.variable == "embedding"
     assert strategy.variables["net.table"].shape == (100, 4)

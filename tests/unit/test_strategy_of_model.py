@@ -44,8 +44,11 @@ def make_multi_worker():
     return MultiWorkerMirroredStrategy(cluster_resolver=ClusterResolver(0, 1))
 
 
-@pytest.mark.parametrize("make", [lambda: MirroredStrategy(["cpu:0", "cpu:1"]), make_multi_worker,
-                                  lambda: OneDeviceStrategy("cpu")], ids=["mirrored", "multi_worker", "one_device"])
+@pytest.mark.parametrize(
+    "make",
+    [lambda: MirroredStrategy(["cpu:0", "cpu:1"]), make_multi_worker, lambda: OneDeviceStrategy("cpu")],
+    ids=["mirrored", "multi_worker", "one_device"],
+)
 def test_fit_outside_the_scope_without_strategy_uses_the_models_strategy(make):
     strategy = make()
     try:
@@ -89,9 +92,11 @@ def test_the_replica_step_error_names_strategy_equals():
         strategy.close()
 
 
-@pytest.mark.parametrize("make", [get_strategy, lambda: OneDeviceStrategy("cpu"),
-                                  lambda: MirroredStrategy(["cpu:0", "cpu:1"]), make_multi_worker],
-                         ids=["default", "one_device", "mirrored", "multi_worker"])
+@pytest.mark.parametrize(
+    "make",
+    [get_strategy, lambda: OneDeviceStrategy("cpu"), lambda: MirroredStrategy(["cpu:0", "cpu:1"]), make_multi_worker],
+    ids=["default", "one_device", "mirrored", "multi_worker"],
+)
 def test_reduced_values_are_detached_so_a_running_total_keeps_no_graph(make):
     strategy = make()
     try:

@@ -23,9 +23,13 @@ from paramserve.wire.v1 import tensor_pb2
 
 def _plan() -> tuple[ps_pb2.StepPlan, list[memoryview]]:
     grads = [torch.arange(12, dtype=torch.float32).reshape(3, 4), torch.ones(5, dtype=torch.float64)]
-    plan = ps_pb2.StepPlan(idempotency_key="key-1", pull=[ps_pb2.PullItem(ref=tensor_pb2.ShardRef(variable="b", shard=1))])
+    plan = ps_pb2.StepPlan(
+        idempotency_key="key-1", pull=[ps_pb2.PullItem(ref=tensor_pb2.ShardRef(variable="b", shard=1))]
+    )
     for index, grad in enumerate(grads):
-        plan.push.append(tensor_pb2.PushPart(ref=tensor_pb2.ShardRef(variable=f"v{index}", shard=0), values=meta_of(grad)))
+        plan.push.append(
+            tensor_pb2.PushPart(ref=tensor_pb2.ShardRef(variable=f"v{index}", shard=0), values=meta_of(grad))
+        )
     return plan, [tensor_payload(g) for g in grads]
 
 
@@ -48,7 +52,9 @@ def test_a_step_request_written_by_protobuf_decodes_the_same():
 
 
 def test_a_step_reply_round_trips():
-    outcome = ps_pb2.StepOutcome(pushed=[ps_pb2.PushResult(ref=tensor_pb2.ShardRef(variable="v", shard=0), applied=True, version=3)])
+    outcome = ps_pb2.StepOutcome(
+        pushed=[ps_pb2.PushResult(ref=tensor_pb2.ShardRef(variable="v", shard=0), applied=True, version=3)]
+    )
     value = torch.randn(4, 2)
     outcome.pulled.append(tensor_pb2.PulledPart(item=0, meta=meta_of(value), version=3))
     decoded, payload = decode_step_reply(encode_step_reply(outcome, [tensor_payload(value)]))

@@ -85,7 +85,7 @@ def test_the_endpoint_serves_build_info_and_no_created_series() -> None:
     finally:
         t.close()
     assert t.port is None
-    assert 'paramserve_build_info{' in text and 'role="coordinator"' in text
+    assert "paramserve_build_info{" in text and 'role="coordinator"' in text
     assert "paramserve_coordinator_closures_scheduled_total 0.0" in text
     assert "_created" not in text
 

@@ -343,7 +343,9 @@ def test_paramserve_worker_flags_build_the_config(tmp_path):
     (tmp_path / "ps-token").write_text("for-servers\n")
     parser = cli.build_parser()
     shared = parser.parse_args(["worker", "--token-file", str(tmp_path / "token")])
-    split = parser.parse_args(["worker", "--token-file", str(tmp_path / "token"), "--ps-token-file", str(tmp_path / "ps-token")])
+    split = parser.parse_args(
+        ["worker", "--token-file", str(tmp_path / "token"), "--ps-token-file", str(tmp_path / "ps-token")]
+    )
 
     shared_config = worker_main.config_from_args(shared, shared.subparser)
     split_config = worker_main.config_from_args(split, split.subparser)

@@ -34,7 +34,7 @@ needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CU
 Batch = collections.namedtuple("Batch", ["x", "y"])
 
 
-# ---------------------------------------------------------------- closures and resource functions (pickled by reference)
+# ---------------------------------------------------------------- closures and resource functions (by reference)
 
 
 def train_step(model: nn.Module, optimizer: ServerOptimizer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -82,8 +82,10 @@ def first_entry(values: list):  # type: ignore[no-untyped-def]
 
 
 def two_batches(ctx: WorkerContext) -> list:
-    return [Batch(torch.ones(2, 3), {"y": torch.zeros(2), "tag": "first"}),
-            Batch(torch.ones(1, 3), {"y": torch.zeros(1), "tag": "second"})]
+    return [
+        Batch(torch.ones(2, 3), {"y": torch.zeros(2), "tag": "first"}),
+        Batch(torch.ones(1, 3), {"y": torch.zeros(1), "tag": "second"}),
+    ]
 
 
 # ---------------------------------------------------------------- helpers
@@ -99,9 +101,14 @@ def distributed_linear() -> tuple[nn.Linear, ServerOptimizer]:
 
 def request(servers, fn, *args, closure_id="c1", steps=1, resources=()) -> ClosureRequest:  # type: ignore[no-untyped-def]
     return ClosureRequest(
-        closure_id=closure_id, payload=dumps_closure((fn, args, {})), function_name=fn.__name__,
-        resources=tuple(resources), cluster=servers.cluster if servers is not None else None, steps=steps,
-        worker_index=0, num_workers=1,
+        closure_id=closure_id,
+        payload=dumps_closure((fn, args, {})),
+        function_name=fn.__name__,
+        resources=tuple(resources),
+        cluster=servers.cluster if servers is not None else None,
+        steps=steps,
+        worker_index=0,
+        num_workers=1,
     )
 
 
@@ -130,12 +137,15 @@ def test_a_cpu_worker_pulls_straight_into_its_parameters_and_pushes_what_it_comp
     core = WorkerCore(servers.factory)
     model, optimizer = distributed_linear()
     try:
-        result_of(core.run_closure(request(servers, train_step, model, optimizer, torch.randn(4, 3), torch.randn(4, 2))))
+        result_of(
+            core.run_closure(request(servers, train_step, model, optimizer, torch.randn(4, 3), torch.randn(4, 2)))
+        )
     finally:
         core.close()
     assert servers.traffic.pulled and servers.traffic.read_back
-    assert servers.traffic.destinations and not any(pinned for _, pinned in servers.traffic.destinations), \
+    assert servers.traffic.destinations and not any(pinned for _, pinned in servers.traffic.destinations), (
         "no pinned buffers on the CPU: the parameters themselves are the destinations"
+    )
     assert set(servers.traffic.pushed_from) == {CPU}
 
 
@@ -229,8 +239,16 @@ def test_a_gpu_workers_overlapped_pushes_end_where_a_cpu_workers_do():
         servers = servers_with_linear()
         core = WorkerCore(servers.factory, device=device)
         model, optimizer = distributed_linear()
-        batch = [ClosureRequest(**{**request(servers, train_step, model, optimizer, x, y, closure_id=f"c{i}").__dict__,
-                                   "overlap_pushes": True, "max_value_age": 3600.0}) for i in range(4)]
+        batch = [
+            ClosureRequest(
+                **{
+                    **request(servers, train_step, model, optimizer, x, y, closure_id=f"c{i}").__dict__,
+                    "overlap_pushes": True,
+                    "max_value_age": 3600.0,
+                }
+            )
+            for i in range(4)
+        ]
         try:
             outcomes = core.run_closures(batch)
         finally:
@@ -286,7 +304,9 @@ def test_a_gpu_workers_embedding_lookup_returns_device_rows_and_pushes_host_row_
     embedding = ShardedEmbedding(100, 8, name="table")
     optimizer = ServerOptimizer(["table"], "SGD", {"lr": LR})
     try:
-        device = result_of(core.run_closure(request(servers, embed_and_step, embedding, optimizer, torch.tensor([3, 3, 7]))))
+        device = result_of(
+            core.run_closure(request(servers, embed_and_step, embedding, optimizer, torch.tensor([3, 3, 7])))
+        )
     finally:
         core.close()
     assert device == GPU
