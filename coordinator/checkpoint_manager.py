@@ -122,7 +122,7 @@ class CheckpointManager:
         """This strategy's checkpointed shards, named without the run name, and what keeps them
         from being a whole checkpoint (None when nothing does)."""
         strategy, client = self.strategy, self.strategy.client
-        with strategy.state_change(), strategy.quiesced():
+        with strategy.quiesced(), strategy.state_change():  # paused first: a recovery may need the drain
             layouts = {
                 name: layout
                 for name, layout in strategy.created_layouts().items()
@@ -151,8 +151,7 @@ class CheckpointManager:
 
     def _incarnations(self) -> list[str | None]:
         client = self.strategy.client
-        answers = [client.probe(server, timeout=5.0) for server in range(len(client.addresses))]
-        return [answer[0] if answer is not None else None for answer in answers]
+        return [client.probe(server, timeout=5.0).incarnation for server in range(len(client.addresses))]
 
     def _recovered(self, problem: ExportProblem) -> bool:
         """Has the servers of ``problem`` recovered; False when no coordinator recovers them."""
@@ -202,7 +201,7 @@ class CheckpointManager:
                 rows = shard.num_rows if layout.shape else 1
                 state = checkpoint.load_rows(resolved, keys[name], shard.row_start, rows, layout.ref(shard))
                 states[shard.server].append(dataclasses.replace(state, optimizer=live) if live is not None else state)
-        with self.strategy.state_change(), self.strategy.quiesced():
+        with self.strategy.quiesced(), self.strategy.state_change():
             self.strategy.restore_states(dict(states), layouts)
         self.strategy.materialize()  # variables the checkpoint does not hold (none, once checked)
         step = int(manifest.extra.get(STEP_KEY, 0))

@@ -36,6 +36,7 @@ import concurrent.futures
 import contextlib
 import enum
 import logging
+import random
 import threading
 import time
 from collections.abc import Callable, Collection, Coroutine, Iterator, Mapping, Sequence
@@ -56,6 +57,7 @@ from paramserve.coordinator.failures import (
     FailurePolicy,
     decide_on_closure_error,
     decide_on_rpc_failure,
+    probe_delay,
 )
 from paramserve.coordinator.telemetry import NO_OBSERVER, CoordinatorObserver
 from paramserve.psserver.channels import channel_options, open_aio_channel
@@ -439,6 +441,7 @@ class Dispatcher:
                 policy=self._policy,
                 server_waits=closure.server_waits,
                 servers_recover=self._server_failed is not None,
+                restored_since_sent=request.closures[0].cluster_fingerprint != self._cluster_context().fingerprint,
             )
             self._log_decision(closure, decision)
             if decision.action is Action.AWAIT_SERVER and self._server_failed is not None:
@@ -548,14 +551,13 @@ class Dispatcher:
         stop: tenacity.stop.stop_base = tenacity.stop_never
         if policy.probe_deadline is not None:
             stop = tenacity.stop_after_delay(policy.probe_deadline)
-        wait: tenacity.wait.wait_base = (
-            tenacity.wait_fixed(policy.join_probe_interval)
-            if self._joining
-            else tenacity.wait_exponential(multiplier=policy.probe_initial_backoff, max=policy.probe_max_backoff)
-        )
+        joining = self._joining
         retrying = tenacity.AsyncRetrying(
             retry=tenacity.retry_if_result(lambda serving: not serving),
-            wait=wait + tenacity.wait_random(0, policy.probe_jitter),
+            wait=lambda state: (
+                probe_delay(policy, joining=joining, attempt=state.attempt_number)
+                + random.uniform(0, policy.probe_jitter)
+            ),
             stop=stop,
             retry_error_callback=lambda _state: False,
         )

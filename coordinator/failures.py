@@ -28,6 +28,7 @@ __all__ = [
     "RETRYABLE_CODES",
     "decide_on_closure_error",
     "decide_on_rpc_failure",
+    "probe_delay",
 ]
 
 
@@ -150,12 +151,15 @@ def decide_on_closure_error(
     policy: FailurePolicy,
     server_waits: int = 0,
     servers_recover: bool = False,
+    restored_since_sent: bool = False,
 ) -> Decision:
     """What to do when a worker ran the closure and replied with an error.
 
     ``resends`` counts earlier RESEND of this closure and ``server_waits`` its earlier
     AWAIT_SERVER; ``known_resources`` are the resource ids the coordinator can send;
-    ``servers_recover``: failed parameter servers are recovered (else such a failure raises).
+    ``servers_recover``: failed parameter servers are recovered (else such a failure raises);
+    ``restored_since_sent``: variables were restored after the closure was sent (a recovery
+    finished while it ran), so a server failure it met may be the one already repaired.
     """
     missing = list(error.missing_resources)
     if missing:
@@ -167,6 +171,12 @@ def decide_on_closure_error(
             )
         return Decision(Action.RESEND, "the worker does not hold the cluster context (it restarted?): resending it")
     if error.parameter_server:
+        if servers_recover and restored_since_sent and resends < policy.max_resource_resends:
+            return Decision(
+                Action.RESEND,
+                f"parameter server {error.parameter_server} failed under the cluster context this closure was sent "
+                "with, and the variables were restored since: it runs again with the new one",
+            )
         if servers_recover and server_waits < policy.max_server_waits:
             return Decision(
                 Action.AWAIT_SERVER,
@@ -207,3 +217,13 @@ def _decide_on_missing(missing: list[str], resends: int, known: Collection[str],
         Action.RESEND,
         f"the worker lacks resources {missing} (it restarted?): resending them",
     )
+
+
+def probe_delay(policy: FailurePolicy, *, joining: bool, attempt: int) -> float:
+    """Seconds before the next health check of a DOWN worker, after ``attempt`` (from 1) found it
+    not serving, jitter aside. A worker that joined and does not serve yet is checked every
+    ``join_probe_interval``: it gets closures within about that long after it serves. One that
+    failed backs off exponentially to ``probe_max_backoff``: it may stay away a long time."""
+    if joining:
+        return policy.join_probe_interval
+    return min(policy.probe_max_backoff, policy.probe_initial_backoff * 2 ** (attempt - 1))

@@ -191,10 +191,10 @@ class ParameterServerRecovery:
                 log.info("parameter server %s: %s", self._addresses[server], verdict.reason)
 
     def _probe(self, server: int) -> Probe:
-        answer = self._variables.client.probe(server, self._policy.probe_timeout)
-        if answer is None:
-            return Probe(ProbeResult.UNREACHABLE)
-        return Probe(ProbeResult.ANSWERED, answer[0])
+        found = self._variables.client.probe(server, self._policy.probe_timeout)
+        if found.incarnation is not None:
+            return Probe(ProbeResult.ANSWERED, found.incarnation)
+        return Probe(ProbeResult.BUSY if found.reachable else ProbeResult.UNREACHABLE)
 
     def _recover(self, server: int) -> None:
         address = self._addresses[server]
@@ -253,9 +253,9 @@ class ParameterServerRecovery:
     def _wait_for(self, server: int) -> tuple[str, list[ShardInfo]]:
         deadline = self._clock() + self._policy.replacement_timeout
         while not self._stopped.is_set():
-            answer = self._variables.client.probe(server, self._policy.probe_timeout, shards=True)
-            if answer is not None:
-                return answer
+            found = self._variables.client.probe(server, self._policy.probe_timeout, shards=True)
+            if found.incarnation is not None:
+                return found.incarnation, found.shards
             if self._clock() >= deadline:
                 raise Unrecoverable(
                     f"it did not answer within {self._policy.replacement_timeout:g}s: restart it (Compose, "

@@ -39,17 +39,22 @@ from paramserve.psserver.streams import byte_buffer, read_parts
 from paramserve.psserver.types import ShardState
 from paramserve.wire.v1 import parameter_server_pb2 as ps_pb2
 
-__all__ = ["RETRYABLE_CODES", "CallOptions", "ServerCalls", "Stub", "typed_error"]
+__all__ = ["RETRYABLE_CODES", "SERVER_GOING_AWAY", "CallOptions", "ServerCalls", "Stub", "typed_error"]
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 _R = TypeVar("_R")
 
-RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED})
+SERVER_GOING_AWAY = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED})
+"""What a call gets from a server that is not there or is going away: nothing listens, or it
+drains after SIGTERM (new calls UNAVAILABLE, calls still running at the end of its grace period
+CANCELLED), or it stopped mid-call (ABORTED). A server failure, never the caller's error: the
+closure waits for the server to be recovered, as for SIGKILL."""
+RETRYABLE_CODES = SERVER_GOING_AWAY | {grpc.StatusCode.DEADLINE_EXCEEDED}
 """Safe to retry: every paramserve RPC is idempotent (pushes carry idempotency keys)."""
 
 _CODE_ERRORS: dict[grpc.StatusCode, type[ParamServeError]] = {
-    grpc.StatusCode.UNAVAILABLE: ServerUnavailableError,
+    **dict.fromkeys(SERVER_GOING_AWAY, ServerUnavailableError),
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
     grpc.StatusCode.UNAUTHENTICATED: AuthenticationError,
     grpc.StatusCode.RESOURCE_EXHAUSTED: MessageTooLargeError,
@@ -232,6 +237,9 @@ def typed_error(err: grpc.RpcError, server: str, variable: str | None) -> ParamS
     cls = ERROR_TYPES.get(str(trailers.get(ERROR_METADATA_KEY, ""))) or _CODE_ERRORS.get(code, InternalError)
     details = err.details() or code.name
     if cls is ServerUnavailableError:
-        details = f"parameter server unreachable ({code.name}: {details}); check that it runs and the address is right"
+        details = (
+            f"parameter server unreachable or going away ({code.name}: {details}); check that it runs and the "
+            "address is right (the coordinator recovers a restarted one)"
+        )
     escaped = trailers.get(ERROR_VARIABLE_METADATA_KEY)
     return cls(details, variable=metadata_text(str(escaped)) if escaped else variable, server=server)

@@ -15,7 +15,7 @@ import grpc
 
 from paramserve.psserver.security import ClientTls
 
-__all__ = ["TCP_READ_OPTIONS", "channel_options", "open_aio_channel", "open_channel"]
+__all__ = ["KEEPALIVE_TIME_MS", "TCP_READ_OPTIONS", "channel_options", "open_aio_channel", "open_channel"]
 
 TCP_READ_OPTIONS: list[tuple[str, Any]] = [
     # gRPC starts reading sockets 8 KiB at a time and grows slowly: a 0.5 MB message then costs
@@ -28,13 +28,22 @@ TCP_READ_OPTIONS: list[tuple[str, Any]] = [
 """Read sizes for both ends of a connection: servers take them too (serving.server_options)."""
 
 
+KEEPALIVE_TIME_MS = 30_000
+"""How often a client pings a server during a call that moves no data (a long closure)."""
+
+
 def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
     return [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
-        # Fail fast on a dead peer instead of waiting for TCP timeouts.
-        ("grpc.keepalive_time_ms", 30_000),
+        # Fail fast on a dead peer instead of waiting for TCP timeouts (servers allow these pings:
+        # serving.server_options).
+        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
         ("grpc.keepalive_timeout_ms", 10_000),
+        # A server replaced at a new address under the same name (a container or pod comes back
+        # with a new IP) is reached within about a second: gRPC re-resolves a name when a
+        # connection fails, but by default at most every 30 s.
+        ("grpc.dns_min_time_between_resolutions_ms", 1000),
         ("grpc.enable_retries", 0),  # retries are tenacity's job, in one place
         # A restarted peer is reached within about a second: gRPC's default reconnect backoff
         # grows to two minutes, which left workers unaware of a restarted server for ~57 s.

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import socket
 import threading
 import uuid
 from collections import defaultdict
@@ -51,6 +52,7 @@ from paramserve.psserver.step_work import (
 )
 from paramserve.psserver.streams import DEFAULT_CHUNK_BYTES, encode_parts
 from paramserve.psserver.tensors import writable_byte_view
+from paramserve.psserver.tf_config import parse_address
 from paramserve.psserver.types import (
     PendingExchange,
     PullResult,
@@ -104,6 +106,30 @@ class ClientConfig:
                 )
             return None
         return ClientTls(self.tls_root_certificates, self.tls_cert_chain, self.tls_private_key, self.tls_server_name)
+
+
+@dataclass(frozen=True)
+class ServerProbe:
+    """What one probe of a parameter server found."""
+
+    incarnation: str | None
+    """Its store's incarnation (new at every start); None: it did not answer in time."""
+    shards: list[ShardInfo]
+    """The shards it holds, when asked for."""
+    reachable: bool
+    """It answered, or something accepts connections at its address: a server busy creating a
+    large table or applying a large step is slow to answer, but it is there (it holds its shards)."""
+
+
+def accepts_connections(address: str, timeout: float = 1.0) -> bool:
+    """Whether a TCP connection to ``address`` ("host:port") is accepted within ``timeout``. The
+    kernel accepts for a listening process however busy it is; a dead process's port refuses."""
+    host, port = parse_address(address)
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError:
+        return False
+    return True
 
 
 class ParameterServerClient:
@@ -406,19 +432,21 @@ class ParameterServerClient:
             ],
         )
 
-    def probe(self, server: int, timeout: float, *, shards: bool = False) -> tuple[str, list[ShardInfo]] | None:
+    def probe(self, server: int, timeout: float, *, shards: bool = False) -> ServerProbe:
         """One call of server ``server`` within ``timeout`` seconds, no retries: its store's
-        incarnation (and with ``shards`` the shards it holds), or None when it does not answer.
-        A health check that also tells a restarted server: it answers with a new incarnation."""
+        incarnation (and with ``shards`` the shards it holds). A health check that also tells a
+        restarted server (it answers with a new incarnation) and a busy one from a lost one: when
+        no answer comes, whether anything still accepts connections at its address."""
         options = CallOptions(self.config.token, timeout, timeout)
         request = ps_pb2.ListShardsRequest(incarnation_only=not shards)
         try:
             reply = self._stubs[server].unary("ListShards", request, ps_pb2.ListShardsResponse, options)
         except grpc.RpcError as err:
-            if err.code() in RETRYABLE_CODES:
-                return None
-            raise typed_error(err, self.addresses[server], None) from None
-        return reply.incarnation, [convert.info_from_proto(i) for i in reply.shards]
+            if err.code() not in RETRYABLE_CODES:
+                raise typed_error(err, self.addresses[server], None) from None
+            busy = err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and accepts_connections(self.addresses[server])
+            return ServerProbe(None, [], reachable=busy)
+        return ServerProbe(reply.incarnation, [convert.info_from_proto(i) for i in reply.shards], reachable=True)
 
     def save(self, directory: str, keep: int = 0) -> dict[int, str]:
         """Each server saves its shards under ``directory/ps-<i>`` on its own filesystem."""

@@ -90,8 +90,10 @@ class DataPlaneServer(Generic[_State]):
             if local is not None:
                 self._listeners.append(local)
                 self.local_socket = local.getsockname()[1:].decode()
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self._connections: set[socket.socket] = set()
+        self._stepping: set[socket.socket] = set()
+        """Connections whose step is being applied: a graceful stop lets it finish and answer."""
         self._closed = False
         self._acceptors = [
             threading.Thread(target=self._accept, args=(listener,), name="paramserve-dataplane-accept", daemon=True)
@@ -103,14 +105,22 @@ class DataPlaneServer(Generic[_State]):
             acceptor.start()
         return self
 
-    def stop(self) -> None:
-        """Closes the listeners and every connection (their threads end on the closed socket)."""
+    def stop(self, grace: float = 0.0) -> None:
+        """Closes the listeners and the connections between steps at once; a connection whose
+        step is being applied gets up to ``grace`` seconds to finish it and send the reply (a
+        graceful stop: the step is then applied and acknowledged, not left unknown), then is
+        closed too. Connection threads end on their closed sockets."""
         with self._lock:
             self._closed = True
-            connections = list(self._connections)
+            idle = self._connections - self._stepping
         for listener in self._listeners:
             close_socket(listener)
-        for sock in connections:
+        for sock in idle:
+            close_socket(sock)
+        with self._lock:
+            self._lock.wait_for(lambda: not self._stepping, timeout=grace)
+            remaining = list(self._connections)
+        for sock in remaining:
             close_socket(sock)
 
     @property
@@ -150,7 +160,12 @@ class DataPlaneServer(Generic[_State]):
             state = self._new_connection_state()
             while True:
                 prefix, plan = reader.read_head(self._max_body, self._max_body, lambda kind: kind is FrameKind.STEP)
-                self._step(sock, plan, reader.read_payload(prefix.payload_bytes), replies, state)
+                if not self._begin_step(sock):
+                    return  # stopping: this step is not applied (the client retries it elsewhere or later)
+                try:
+                    self._step(sock, plan, reader.read_payload(prefix.payload_bytes), replies, state)
+                finally:
+                    self._end_step(sock)
         except MessageTooLargeError as err:
             _try_send_error(sock, err)  # the frame was not read: the stream cannot go on
         except (OSError, TransportError):
@@ -161,6 +176,19 @@ class DataPlaneServer(Generic[_State]):
             close_socket(sock)
             with self._lock:
                 self._connections.discard(sock)
+                self._lock.notify_all()
+
+    def _begin_step(self, sock: socket.socket) -> bool:
+        with self._lock:
+            if self._closed:
+                return False
+            self._stepping.add(sock)
+            return True
+
+    def _end_step(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._stepping.discard(sock)
+            self._lock.notify_all()
 
     def _wrap(self, sock: socket.socket) -> socket.socket:
         assert self._tls is not None

@@ -132,8 +132,11 @@ class ParameterServer(RunningService):
         return self.data_plane.port if self.data_plane is not None else None
 
     def stop(self, grace: float | None = 5.0) -> None:
+        """Graceful: the data plane lets the steps being applied finish and answer (within
+        ``grace``), then the gRPC server drains (health NOT_SERVING, new calls refused, running
+        ones get ``grace`` seconds). Clients see the server going away as a server failure."""
         if self.data_plane is not None:
-            self.data_plane.stop()
+            self.data_plane.stop(grace or 0.0)
         self.service.stop(grace)
 
 

@@ -41,7 +41,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from paramserve.psserver import cpus
 from paramserve.psserver.atomic_files import atomic_write
-from paramserve.psserver.channels import TCP_READ_OPTIONS
+from paramserve.psserver.channels import KEEPALIVE_TIME_MS, TCP_READ_OPTIONS
 from paramserve.psserver.errors import (
     ERROR_METADATA_KEY,
     ERROR_VARIABLE_METADATA_KEY,
@@ -411,6 +411,9 @@ def server_options(max_message_bytes: int, max_connections: int = DEFAULT_MAX_CO
         ("grpc.http2.settings_timeout", SETTINGS_TIMEOUT_MS),
         ("grpc.max_connection_idle_ms", MAX_CONNECTION_IDLE_MS),
         ("grpc.max_allowed_incoming_connections", max_connections),
+        # Clients ping during calls that move no data for a while (a long closure): allow their rate,
+        # or gRPC's default (one ping per 5 minutes) ends such a call with GOAWAY "too_many_pings".
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
         *TCP_READ_OPTIONS,
     ]
 

@@ -216,3 +216,27 @@ def test_a_wrong_token_fails_the_closure_without_retrying(cluster):
             value.fetch(DEADLINE)
         with pytest.raises(ClosureError):
             coord.join(timeout=DEADLINE)
+
+
+def test_a_worker_added_while_training_runs_gets_closures(start_cluster, gate):
+    """The public membership API on one host: LocalCluster.add_worker starts a process,
+    ClusterCoordinator.add_worker gives it closures (remove_worker takes it out again)."""
+    from coordinator_doubles import item_at_gate, tagged_items
+
+    local = start_cluster(num_ps=1, num_workers=1, token=TOKEN)
+    with ClusterCoordinator(FakeStrategy(local, TOKEN)) as coord:
+        iterator = iter(coord.create_per_worker_dataset(tagged_items))
+        first = coord.schedule(item_at_gate, args=(iterator, gate.address))
+        assert gate.wait_for(lambda arrived: len(arrived) == 1) == [0]  # the only worker is busy
+        address = local.add_worker()
+        assert address in local.spec.workers and coord.num_workers == 1
+        coord.add_worker(address)
+        second = coord.schedule(item_at_gate, args=(iterator, gate.address))
+        assert sorted(gate.wait_for(lambda arrived: len(arrived) == 2)) == [0, 1], "the new worker took it"
+        gate.release()
+        assert (first.fetch(DEADLINE)[0], second.fetch(DEADLINE)[0]) == (0, 1) and coord.num_workers == 2
+        with pytest.raises(ValueError, match="already part of the cluster"):
+            coord.add_worker(address)
+        coord.remove_worker(address)
+        assert coord.num_workers == 1
+        assert coord.schedule(item_at_gate, args=(iterator, gate.address)).fetch(DEADLINE)[0] == 0

@@ -116,6 +116,26 @@ def test_parameter_server_failures_raise_a_typed_error_naming_the_server():
     assert "10.0.0.1:2222" in str(built)
 
 
+def test_a_server_failure_met_before_a_restore_runs_again_at_once_without_a_new_recovery():
+    """A closure sent before a recovery finished may report the failure that recovery repaired:
+    it runs again with the new cluster context instead of setting off another recovery."""
+    error = ErrorData(type="paramserve.psserver.errors.VariableNotFoundError", parameter_server="10.0.0.1:2222")
+
+    def decide(resends, restored):
+        return decide_on_closure_error(
+            error,
+            resends=resends,
+            known_resources=(),
+            policy=POLICY,
+            servers_recover=True,
+            restored_since_sent=restored,
+        )
+
+    assert decide(0, restored=True).action is Action.RESEND and "restored since" in decide(0, True).reason
+    assert decide(0, restored=False).action is Action.AWAIT_SERVER
+    assert decide(POLICY.max_resource_resends, restored=True).action is Action.AWAIT_SERVER, "bounded"
+
+
 def test_with_recovery_a_parameter_server_failure_waits_for_it_a_bounded_number_of_times():
     error = ErrorData(type="paramserve.psserver.errors.VariableNotFoundError", parameter_server="10.0.0.1:2222")
     waits = [
@@ -693,6 +713,16 @@ def test_one_thread_dispatches_to_a_hundred_workers_in_bounded_batches():
     finally:
         assert loop.stop(10)
     assert not loop.thread.is_alive()
+
+
+def test_a_joining_worker_is_probed_often_and_a_failed_one_with_backoff():
+    from paramserve.coordinator.failures import probe_delay
+
+    policy = FailurePolicy(probe_initial_backoff=0.1, probe_max_backoff=5.0, join_probe_interval=0.1)
+    assert [probe_delay(policy, joining=True, attempt=n) for n in (1, 5, 50)] == [0.1, 0.1, 0.1]
+    assert [probe_delay(policy, joining=False, attempt=n) for n in (1, 2, 3, 10)] == [0.1, 0.2, 0.4, 5.0]
+    with pytest.raises(ValueError):
+        FailurePolicy(join_probe_interval=0)
 
 
 def test_a_worker_added_with_probe_first_gets_closures_only_once_it_serves():
