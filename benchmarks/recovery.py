@@ -17,6 +17,12 @@ the replacement serves):
   the same steps on every server.
 - recovery_internal_seconds: the coordinator's own part of ps_recovery_seconds (the replacement
   answering its probe -> dispatch resuming: drain, restore, generation bump).
+- kill_to_resume_sigkill_seconds / kill_to_resume_sigterm_seconds: from the kill (SIGKILL, or
+  SIGTERM: a graceful stop that drains for --grace-seconds) to the first closure finished after,
+  the replacement's start included, beside the manual restart measured from its own kill.
+- new_address_resume_seconds: server 0 replaced at a new address under the same name (network
+  namespaces; needs root), from the replacement serving to the first checkpoint after it,
+  beside ps_recovery_seconds (the same at the same address).
 Medians over --rounds.
 """
 
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import statistics
 import sys
 import tempfile
@@ -63,7 +70,7 @@ def wait_first_done(values: list, deadline: float) -> float:  # type: ignore[typ
     raise TimeoutError("no closure finished")
 
 
-def one_round(interval: int, directory: Path) -> dict[str, float]:
+def one_round(interval: int, directory: Path, how: str = "sigkill") -> dict[str, float]:
     with LocalCluster(2, 2, env=worker_environment(), extra_worker_args=("--ps-retry-deadline", "10")) as cluster:
         strategy, model, optimizer = build(cluster)
         manager = CheckpointManager(strategy, directory / "auto")
@@ -75,11 +82,15 @@ def one_round(interval: int, directory: Path) -> dict[str, float]:
             manager.save(step=interval)
             values = [coordinator.schedule(train_step, args=(batches, model, optimizer)) for _ in range(interval)]
             values[interval // 2].fetch(timeout=120)  # half an interval since the checkpoint
-            cluster.kill_ps(1)
+            killed = time.monotonic()
+            if how == "sigterm":
+                cluster.terminate_ps(1)
+            else:
+                cluster.kill_ps(1)
             cluster.restart_ps(1)
             healthy = time.monotonic()
             pending = [v for v in values if not v.done()]
-            auto = wait_first_done(pending, healthy + 120) - healthy
+            resumed = wait_first_done(pending, healthy + 120)
             coordinator.join()
             internal = coordinator.recovery.recoveries[-1].seconds if coordinator.recovery else float("nan")
             shards = {s.ref: s.version for states in strategy.client.export().values() for s in states}
@@ -87,17 +98,111 @@ def one_round(interval: int, directory: Path) -> dict[str, float]:
         strategy.close()
 
         # What TensorFlow leaves to the user: restart the job, restore the checkpoint everywhere.
+        killed_manually = time.monotonic()
         cluster.kill_ps(1)
         cluster.restart_ps(1)
-        healthy = time.monotonic()
+        healthy_manually = time.monotonic()
         strategy, model, optimizer = build(cluster, seed=1)
         CheckpointManager(strategy, directory / "auto").restore_or_initialize()
         with ClusterCoordinator(strategy) as coordinator:
             batches = iter(coordinator.create_per_worker_dataset(worker_batches))
             coordinator.schedule(train_step, args=(batches, model, optimizer)).fetch(timeout=120)
-            manual = time.monotonic() - healthy
+            done_manually = time.monotonic()
         strategy.close()
-    return {"auto": auto, "manual": manual, "lost": float(lost), "internal": internal}
+    return {
+        "auto": resumed - healthy,
+        "manual": done_manually - healthy_manually,
+        "kill_to_resume": resumed - killed,
+        "kill_to_manual": done_manually - killed_manually,
+        "lost": float(lost),
+        "internal": internal,
+    }
+
+
+def new_address_round(directory: Path) -> dict[str, float] | None:
+    """Parameter server 0 replaced at a new address under its name, across network namespaces
+    (tests/multihost's hosts; needs root and `ip netns`): seconds from the replacement serving to
+    the first checkpoint written after it, which the demo writes every 48 steps (an upper bound
+    of the first closure finished). None where namespaces cannot be made."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "multihost"))
+    from network_hosts import NetworkHosts, missing_requirements
+
+    if missing_requirements() is not None:
+        return None
+    hosts_of = {
+        "ps0a": "10.254.215.11",
+        "ps0b": "10.254.215.12",
+        "ps1": "10.254.215.13",
+        "w0": "10.254.215.21",
+        "w1": "10.254.215.22",
+        "coord": "10.254.215.31",
+    }
+    names = (("ps0.recovery.bench", "ps0a"), ("ps1.recovery.bench", "ps1"))
+    token = directory / "token"
+    directory.mkdir(parents=True, exist_ok=True)
+    token.write_text("benchmark-secret\n")
+    env = {**worker_environment(), "PARAMSERVE_PROCESSES_PER_HOST": "5"}
+    cli = [sys.executable, "-m", "paramserve.coordinator.commands.cli"]
+
+    def point(ps0_host: str) -> None:
+        for client in ("coord", "w0", "w1"):
+            hosts.hosts_file(client, [(hosts_of[ps0_host], names[0][0]), (hosts_of["ps1"], names[1][0])])
+
+    def serve(host: str, role: str) -> Path:
+        port_file = directory / f"{host}.port"
+        own = ["--port", "5000"] if role == "ps" else ["--port", "6000", "--ps-retry-deadline", "10"]
+        argv = [*cli, role, "--host", hosts_of[host], *own, "--token-file", str(token), "--port-file", str(port_file)]
+        hosts.start(host, argv, log=(directory / f"{host}.log").open("wb"), env=env)
+        return port_file
+
+    def wait(condition, seconds: float) -> None:  # type: ignore[no-untyped-def]
+        deadline = time.monotonic() + seconds
+        while not condition():
+            if time.monotonic() > deadline:
+                raise TimeoutError("the new-address round stalled")
+            time.sleep(0.02)
+
+    checkpoints = directory / "checkpoints"
+    hosts = NetworkHosts("10.254.215.0/24", hosts_of, prefix=f"psbn{os.getpid()}")
+    with hosts:
+        point("ps0a")
+        ready = [serve("ps0a", "ps"), serve("ps1", "ps"), serve("w0", "worker"), serve("w1", "worker")]
+        wait(lambda: all(f.exists() for f in ready), 120)
+        coordinator = hosts.start(
+            "coord",
+            [
+                *cli,
+                "demo",
+                "--cluster-from-env",
+                "--token-file",
+                str(token),
+                "--checkpoint-dir",
+                str(checkpoints),
+                "--steps",
+                "2000",
+                "--checkpoint-every",
+                "48",
+                "--quiet",
+            ],
+            log=(directory / "coordinator.log").open("wb"),
+            env={
+                **env,
+                "PARAMSERVE_PS": ",".join(f"{name}:5000" for name, _ in names),
+                "PARAMSERVE_WORKERS": f"{hosts_of['w0']}:6000,{hosts_of['w1']}:6000",
+            },
+        )
+        wait(lambda: len(list(checkpoints.glob("ckpt-*"))) >= 3, 240)
+        for process in hosts.processes_on("ps0a"):
+            process.kill()
+        hosts.set_link("ps0a", up=False)
+        point("ps0b")
+        replacement = serve("ps0b", "ps")
+        wait(replacement.exists, 120)
+        served = replacement.stat().st_mtime
+        wait(lambda: any(p.stat().st_mtime > served for p in checkpoints.glob("ckpt-*")), 120)
+        resumed = min(p.stat().st_mtime for p in checkpoints.glob("ckpt-*") if p.stat().st_mtime > served)
+        coordinator.wait(300)
+    return {"new_address": resumed - served}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,7 +218,41 @@ def main(argv: list[str] | None = None) -> int:
         for interval in args.intervals:
             rounds[interval] = [one_round(interval, Path(tmp) / f"{interval}-{r}") for r in range(args.rounds)]
             print(f"interval {interval}: {rounds[interval]}", file=sys.stderr)
+        graceful = [one_round(args.intervals[0], Path(tmp) / f"sigterm-{r}", "sigterm") for r in range(args.rounds)]
+        print(f"sigterm: {graceful}", file=sys.stderr)
+        moved = [new_address_round(Path(tmp) / f"new-address-{r}") for r in range(args.rounds)]
+        print(f"new address: {moved}", file=sys.stderr)
     everything = [r for runs in rounds.values() for r in runs]
+    results.append(
+        Result(
+            "kill_to_resume_sigkill_seconds",
+            statistics.median(r["kill_to_resume"] for r in everything),
+            "s",
+            statistics.median(r["kill_to_manual"] for r in everything),
+            "manual_restart_from_the_kill_seconds",
+        )
+    )
+    results.append(
+        Result(
+            "kill_to_resume_sigterm_seconds",
+            statistics.median(r["kill_to_resume"] for r in graceful),
+            "s",
+            statistics.median(r["kill_to_manual"] for r in graceful),
+            "manual_restart_from_the_kill_seconds",
+        )
+    )
+    if all(m is not None for m in moved):
+        results.append(
+            Result(
+                "new_address_resume_seconds",
+                statistics.median(m["new_address"] for m in moved if m is not None),
+                "s",
+                statistics.median(r["auto"] for r in everything),
+                "ps_recovery_seconds (same address)",
+            )
+        )
+    else:
+        print("new_address_resume_seconds: not measured (needs root and `ip netns`)", file=sys.stderr)
     results.append(
         Result(
             "ps_recovery_seconds",

@@ -28,8 +28,11 @@ TCP_READ_OPTIONS: list[tuple[str, Any]] = [
 """Read sizes for both ends of a connection: servers take them too (serving.server_options)."""
 
 
-KEEPALIVE_TIME_MS = 30_000
-"""How often a client pings a server during a call that moves no data (a long closure)."""
+KEEPALIVE_TIME_MS = 5_000
+"""How often a client pings a server while a call moves no data (a long closure, a step being
+applied): a peer that vanished without closing the connection (a host gone, a cut link) is
+noticed within this and the 2 s the ping has to be answered, not at the call's deadline. A live
+server's gRPC core answers pings however busy its Python code is."""
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
@@ -39,7 +42,8 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
         # Fail fast on a dead peer instead of waiting for TCP timeouts (servers allow these pings:
         # serving.server_options).
         ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
-        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_timeout_ms", 2_000),
+        ("grpc.http2.max_pings_without_data", 0),  # keep pinging however long a call moves no data
         # A server replaced at a new address under the same name (a container or pod comes back
         # with a new IP) is reached within about a second: gRPC re-resolves a name when a
         # connection fails, but by default at most every 30 s.

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import socket
 import threading
 import uuid
 from collections import defaultdict
@@ -23,11 +22,10 @@ from collections.abc import Mapping, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 
-import grpc
 import torch
 
 from paramserve.psserver import convert
-from paramserve.psserver.calls import RETRYABLE_CODES, CallOptions, ServerCalls, Stub, typed_error
+from paramserve.psserver.calls import CallOptions, ServerCalls, Stub
 from paramserve.psserver.channels import channel_options, open_channel
 from paramserve.psserver.dataplane_client import DataPlaneLinks
 from paramserve.psserver.errors import ConfigurationError, VariableNotFoundError
@@ -38,6 +36,7 @@ from paramserve.psserver.partition import (
     place_shards,
     split_rows,
 )
+from paramserve.psserver.probes import Prober, ServerProbe
 from paramserve.psserver.security import ClientTls
 from paramserve.psserver.step_transport import DataPlaneTransport, StepRouter, StreamTransport, UnaryStepTransport
 from paramserve.psserver.step_work import (
@@ -52,7 +51,6 @@ from paramserve.psserver.step_work import (
 )
 from paramserve.psserver.streams import DEFAULT_CHUNK_BYTES, encode_parts
 from paramserve.psserver.tensors import writable_byte_view
-from paramserve.psserver.tf_config import parse_address
 from paramserve.psserver.types import (
     PendingExchange,
     PullResult,
@@ -108,30 +106,6 @@ class ClientConfig:
         return ClientTls(self.tls_root_certificates, self.tls_cert_chain, self.tls_private_key, self.tls_server_name)
 
 
-@dataclass(frozen=True)
-class ServerProbe:
-    """What one probe of a parameter server found."""
-
-    incarnation: str | None
-    """Its store's incarnation (new at every start); None: it did not answer in time."""
-    shards: list[ShardInfo]
-    """The shards it holds, when asked for."""
-    reachable: bool
-    """It answered, or something accepts connections at its address: a server busy creating a
-    large table or applying a large step is slow to answer, but it is there (it holds its shards)."""
-
-
-def accepts_connections(address: str, timeout: float = 1.0) -> bool:
-    """Whether a TCP connection to ``address`` ("host:port") is accepted within ``timeout``. The
-    kernel accepts for a listening process however busy it is; a dead process's port refuses."""
-    host, port = parse_address(address)
-    try:
-        socket.create_connection((host, port), timeout=timeout).close()
-    except OSError:
-        return False
-    return True
-
-
 class ParameterServerClient:
     """Talks to every parameter server of a cluster. Thread-safe; close() when done."""
 
@@ -146,6 +120,11 @@ class ParameterServerClient:
             open_channel(a, config.client_tls(), channel_options(config.max_message_bytes)) for a in self.addresses
         ]
         self._stubs = [Stub(channel) for channel in self._channels]
+        self._prober = Prober(
+            self.addresses,
+            lambda address: open_channel(address, config.client_tls(), channel_options(config.max_message_bytes)),
+            config.token,
+        )
         self._pool = futures.ThreadPoolExecutor(
             max_workers=min(config.max_parallel_calls, max(2, 2 * len(addresses))),
             thread_name_prefix="paramserve-client",
@@ -433,20 +412,10 @@ class ParameterServerClient:
         )
 
     def probe(self, server: int, timeout: float, *, shards: bool = False) -> ServerProbe:
-        """One call of server ``server`` within ``timeout`` seconds, no retries: its store's
-        incarnation (and with ``shards`` the shards it holds). A health check that also tells a
-        restarted server (it answers with a new incarnation) and a busy one from a lost one: when
-        no answer comes, whether anything still accepts connections at its address."""
-        options = CallOptions(self.config.token, timeout, timeout)
-        request = ps_pb2.ListShardsRequest(incarnation_only=not shards)
-        try:
-            reply = self._stubs[server].unary("ListShards", request, ps_pb2.ListShardsResponse, options)
-        except grpc.RpcError as err:
-            if err.code() not in RETRYABLE_CODES:
-                raise typed_error(err, self.addresses[server], None) from None
-            busy = err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and accepts_connections(self.addresses[server])
-            return ServerProbe(None, [], reachable=busy)
-        return ServerProbe(reply.incarnation, [convert.info_from_proto(i) for i in reply.shards], reachable=True)
+        """One probe of server ``server`` (psserver/probes.py): its store's incarnation (and with
+        ``shards`` the shards it holds), or, when it does not answer in time, whether it is busy
+        or gone. A health check that also tells a restarted server: a new incarnation."""
+        return self._prober.probe(server, timeout, shards=shards)
 
     def save(self, directory: str, keep: int = 0) -> dict[int, str]:
         """Each server saves its shards under ``directory/ps-<i>`` on its own filesystem."""
@@ -514,6 +483,7 @@ class ParameterServerClient:
 
     def close(self) -> None:
         self._steps.close()
+        self._prober.close()
         self._pool.shutdown(wait=True, cancel_futures=True)
         for channel in self._channels:
             channel.close()

@@ -197,11 +197,24 @@ class FrameReader:
             receive_exact(self._sock, view)
 
 
+DEAD_PEER_SECONDS = 5
+"""A peer that vanished without closing its connection (a host or container gone, a cut link) is
+noticed within about this long: by TCP keepalive probes while a step waits for its reply (the
+kernel of a live peer answers them however busy the process is), and by TCP_USER_TIMEOUT while
+sent bytes go unacknowledged. Without these a step would wait for the socket timeout."""
+
+
 def tune(sock: socket.socket) -> None:
-    """No Nagle delay, keepalives, and kernel buffers of SOCKET_BUFFER_BYTES."""
+    """No Nagle delay, dead peers noticed within DEAD_PEER_SECONDS, and kernel buffers of
+    SOCKET_BUFFER_BYTES."""
     if sock.family != socket.AF_UNIX:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        if hasattr(socket, "TCP_KEEPIDLE"):  # Linux
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 2)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, DEAD_PEER_SECONDS - 2)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, DEAD_PEER_SECONDS * 1000)
     for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
         sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
 

@@ -93,7 +93,9 @@ def test_parameter_servers_restart_and_the_coordinator_keeps_checkpoints_in_a_vo
     for name in ("ps0", "ps1", "worker"):
         assert services[name]["restart"] == "unless-stopped"
     coordinator = services["coordinator"]
-    assert coordinator["restart"] == "on-failure"  # it resumes from the newest checkpoint
+    # It resumes from the newest checkpoint, restarted at most five times: a program that cannot
+    # start must not crash-loop for ever (as the Job's backoffLimit bounds it on Kubernetes).
+    assert coordinator["restart"] == "on-failure:5"
     [volume] = coordinator["volumes"]
     assert (volume["type"], volume["source"], volume["target"]) == ("volume", "checkpoints", "/checkpoints")
     command = coordinator["command"]

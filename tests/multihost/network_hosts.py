@@ -87,6 +87,7 @@ class NetworkHosts:
         self._prefix = prefix
         self._bridge = f"{prefix}-br"
         self._processes: list[subprocess.Popen[bytes]] = []
+        self._started_on: dict[str, list[subprocess.Popen[bytes]]] = {}
         self._namespaces: list[str] = []
         self._etc_dirs: list[Path] = []
         self._guarded = False
@@ -171,7 +172,12 @@ class NetworkHosts:
             start_new_session=True,
         )
         self._processes.append(process)
+        self._started_on.setdefault(host, []).append(process)
         return process
+
+    def processes_on(self, host: str) -> list[subprocess.Popen[bytes]]:
+        """The processes ``start`` started on ``host`` that still run."""
+        return [process for process in self._started_on.get(host, []) if process.poll() is None]
 
     def exec(self, host: str, *argv: str) -> str:
         return run("ip", "netns", "exec", self.namespace(host), *argv)
