@@ -11,7 +11,9 @@ from paramserve.psserver.security import writable_directory
 from paramserve.psserver.server import ServerConfig, build_server
 from paramserve.psserver.serving import (
     add_server_arguments,
+    check_port_file,
     configure_logging,
+    non_negative_int,
     port_number,
     positive_int,
     resolve_address,
@@ -78,7 +80,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         "--allow-nonfinite", action="store_true", help="apply gradients holding NaN/Inf instead of rejecting them"
     )
     data.add_argument(
-        "--max-staleness", type=int, help="reject pushes computed more than this many versions ago (default: no bound)"
+        "--max-staleness",
+        type=non_negative_int,
+        help="reject pushes computed more than this many versions ago (default: no bound)",
     )
     data.add_argument(
         "--checkpoint-root",
@@ -130,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     configure_logging(args.log_level, "ps")
     config = config_from_args(args, parser)
+    check_port_file(args.port_file)
     server = build_server(config)
     serve_until_signal(server, args.port_file, args.grace_seconds, "paramserve.ps")
     return 0

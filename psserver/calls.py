@@ -53,6 +53,11 @@ closure waits for the server to be recovered, as for SIGKILL."""
 RETRYABLE_CODES = SERVER_GOING_AWAY | {grpc.StatusCode.DEADLINE_EXCEEDED}
 """Safe to retry: every paramserve RPC is idempotent (pushes carry idempotency keys)."""
 
+MAX_RETRY_WAIT_SECONDS = 0.5
+"""The longest pause between two attempts of a call (jittered, growing from 50 ms): a server that
+comes back (restarted, or replaced) is reached within about this long, which is most of what a
+recovery's pause costs after the replacement serves; a connection attempt is cheap."""
+
 _CODE_ERRORS: dict[grpc.StatusCode, type[ParamServeError]] = {
     **dict.fromkeys(SERVER_GOING_AWAY, ServerUnavailableError),
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
@@ -207,7 +212,7 @@ class ServerCalls:
 def _with_retries(fn: Callable[[], _T], deadline: float, address: str) -> _T:
     retrying = tenacity.Retrying(
         retry=tenacity.retry_if_exception(_is_retryable),
-        wait=tenacity.wait_random_exponential(multiplier=0.05, max=2.0),
+        wait=tenacity.wait_random_exponential(multiplier=0.05, max=MAX_RETRY_WAIT_SECONDS),
         stop=tenacity.stop_after_delay(deadline),
         reraise=True,
         before_sleep=lambda state: log.warning(

@@ -14,9 +14,13 @@ any reply, so one step's exchanges with all servers overlap without a thread eac
 Frames, both ways: ``PREFIX`` (magic ``PSD1``, kind, header length, payload length), then the
 header (a protobuf message), then the payload (raw bytes).
 
-- ``HELLO`` (client, first): the credential a gRPC call presents in ``authorization``
-  (security.bearer_metadata) as its header, empty without a token. ``WELCOME`` (empty) admits
-  the client; otherwise the server answers ``ERROR`` and closes. Nothing else is read before it.
+- The handshake (security.DataPlaneKey), within HANDSHAKE_SECONDS in all: ``HELLO`` (client,
+  first) carries a fresh 32-byte nonce, or nothing when the cluster has no token; ``CHALLENGE``
+  (server) its own nonce and its proof over both, which the client checks before it answers
+  ``PROOF`` with its own; ``WELCOME`` (empty) admits the client. A refusal is ``ERROR`` and a
+  close. Nothing else is read before it, and a connection still in it counts against a small
+  budget of its own (the oldest is dropped when a new one needs its slot), so connections that
+  never authenticate cannot crowd out those that do.
 - ``STEP``: a StepPlan header (whole, or defining or running a step program) and the pushed
   parts' bytes, back to back in plan order. ``REPLY``: a StepOutcome header and the pulled
   bytes in the outcome's order; or ``ERROR``: a DataPlaneError header naming the typed error,
@@ -49,8 +53,13 @@ from paramserve.wire.v1 import parameter_server_pb2 as ps_pb2
 __all__ = [
     "FRAME_HEADER_ROOM",
     "MAGIC",
+    "FRAME_SECONDS",
+    "HANDSHAKE_SECONDS",
     "MAX_PROGRAMS",
     "MAX_PROGRAM_ENTRIES",
+    "MAX_PROGRAM_PLAN_BYTES",
+    "MAX_STEP_HEADER_BYTES",
+    "MIN_FRAME_BYTES_PER_SECOND",
     "PREFIX",
     "FrameKind",
     "FrameReader",
@@ -65,10 +74,22 @@ __all__ = [
 ]
 
 MAGIC = b"PSD1"
+HANDSHAKE_SECONDS = 10.0
+"""A new connection has this long, in all, to finish TLS and the handshake."""
+FRAME_SECONDS = 10.0
+"""Once its first byte arrives, a frame's prefix and header have this long to arrive, and its
+payload this long plus a second per MIN_FRAME_BYTES_PER_SECOND: a stalled or trickled frame
+never holds a connection's buffers for long."""
+MIN_FRAME_BYTES_PER_SECOND = 1 << 20
+MAX_STEP_HEADER_BYTES = 1 << 20
+"""A STEP frame's header (its plan) at most: what a client leaves room for (FRAME_HEADER_ROOM)."""
 PREFIX = struct.Struct("!4sB3xIQ")
 """magic, kind, 3 bytes reserved, header length, payload length (network order)."""
 FRAME_HEADER_ROOM = 1 << 20
 """Room a client leaves under the server's frame limit for a step's header (its plan)."""
+MAX_PROGRAM_PLAN_BYTES = 256 << 10
+"""One step program's plan at most (serialized): with MAX_PROGRAMS, what bounds the plans a
+connection's programs keep on the server (4 MiB); a larger step is sent as a plain plan."""
 SOCKET_BUFFER_BYTES = 4 << 20
 """Kernel send/receive buffers: a typical step's body in one or two system calls."""
 REUSED_BUFFER_LIMIT = 16 << 20
@@ -95,6 +116,8 @@ class FrameKind(enum.IntEnum):
     STEP = 3
     REPLY = 4
     ERROR = 5
+    CHALLENGE = 6
+    PROOF = 7
 
 
 class TransportError(ConnectionError):

@@ -11,14 +11,18 @@ builds the frames and reads the replies.
 from __future__ import annotations
 
 import contextlib
+import logging
 import socket
 import ssl
+import struct
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator, Sequence
 
 from paramserve.psserver.dataplane import (
     FRAME_HEADER_ROOM,
+    HANDSHAKE_SECONDS,
     MAX_PROGRAMS,
     FrameKind,
     FrameReader,
@@ -29,14 +33,26 @@ from paramserve.psserver.dataplane import (
     send_frame,
     tune,
 )
-from paramserve.psserver.errors import MessageTooLargeError
-from paramserve.psserver.security import ClientTls, bearer_metadata
+from paramserve.psserver.errors import AuthenticationError, MessageTooLargeError
+from paramserve.psserver.security import (
+    HANDSHAKE_NONCE_BYTES,
+    ClientTls,
+    DataPlaneKey,
+    new_handshake_nonce,
+    proofs_match,
+)
 from paramserve.wire.v1 import parameter_server_pb2 as ps_pb2
 
 __all__ = ["DataPlaneConnection", "DataPlaneLinks", "ProgramNumbers", "ReplyPlacement"]
 
+log = logging.getLogger(__name__)
+
 DEFAULT_FRAME_BYTES = 64 << 20
 """The frame limit of a server that does not say its own (``--max-message-bytes``' default)."""
+SUSPEND_SECONDS = 5.0
+"""A data plane that refused or dropped a new connection (full, a stalled handshake, a server
+restarting) is left alone this long: meanwhile steps take the gRPC ``Step`` RPC, then the data
+plane is tried again."""
 
 
 ReplyPlacement = Callable[[memoryview, int], Sequence[memoryview]]
@@ -51,6 +67,10 @@ class ProgramNumbers:
 
     def __init__(self) -> None:
         self._numbers: OrderedDict[Hashable, tuple[int, bool]] = OrderedDict()
+
+    def knows(self, signature: Hashable) -> bool:
+        """Whether ``signature`` has a number on this connection already."""
+        return signature in self._numbers
 
     def number(self, signature: Hashable) -> tuple[int, bool]:
         """The step's number and whether it is defined on the server (else: define it now)."""
@@ -87,12 +107,13 @@ class DataPlaneConnection:
         timeout: float,
         max_body_bytes: int,
         local_socket: str = "",
+        local_owner: tuple[int, int] | None = None,
     ):
         self._max_body = max_body_bytes
         self.closed = False
         self.programs = ProgramNumbers()
         """The step programs this connection has defined (the server keeps them per connection)."""
-        sock = _connect_local(local_socket, timeout) if local_socket and tls is None else None
+        sock = _connect_local(local_socket, local_owner, timeout) if local_socket and tls is None else None
         self.local = sock is not None
         """Whether this connection is on the server's abstract Unix socket (same host)."""
         try:
@@ -105,18 +126,40 @@ class DataPlaneConnection:
             raise TransportError(f"cannot connect to the data plane at {host}:{port}: {err}") from None
         self._sock = sock
         self._reader = FrameReader(sock)
-        credential = bearer_metadata(token)[1].encode() if token else b""
         try:
-            send_frame(sock, FrameKind.HELLO, credential)
-            prefix, header = self._head(lambda kind: kind in (FrameKind.WELCOME, FrameKind.ERROR))
+            sock.settimeout(min(timeout, HANDSHAKE_SECONDS))  # a stalled handshake: the Step RPC instead
+            self._handshake(DataPlaneKey.of(token) if token else None, f"{host}:{port}")
+            sock.settimeout(timeout)
         except OSError as err:  # ssl.SSLError too: e.g. a server that wants a client certificate
             self.close()
             raise TransportError(f"the data plane at {host}:{port} refused the connection: {err}") from None
         except BaseException:
             self.close()
             raise
+
+    def _handshake(self, key: DataPlaneKey | None, where: str) -> None:
+        """HELLO, CHALLENGE, PROOF, WELCOME (security.DataPlaneKey): the server proves it holds
+        the token before this side proves it does. Raises the typed error the server refused
+        with, or AuthenticationError for a server that cannot prove it (nothing reusable sent)."""
+        client_nonce = new_handshake_nonce() if key is not None else b""
+        send_frame(self._sock, FrameKind.HELLO, client_nonce)
+        expected = (FrameKind.CHALLENGE, FrameKind.ERROR) if key is not None else (FrameKind.WELCOME, FrameKind.ERROR)
+        prefix, header = self._head(lambda kind: kind in expected)
         if prefix.kind is FrameKind.ERROR:
-            self.close()
+            raise_error_frame(header)
+        if key is None:
+            return
+        server_nonce, proof = bytes(header[:HANDSHAKE_NONCE_BYTES]), bytes(header[HANDSHAKE_NONCE_BYTES:])
+        if len(server_nonce) != HANDSHAKE_NONCE_BYTES or not proofs_match(
+            proof, key.server_proof(client_nonce, server_nonce)
+        ):
+            raise AuthenticationError(
+                f"the data plane at {where} could not prove it holds the cluster's token: it is not the parameter "
+                "server, or its token differs (nothing reusable was sent to it)"
+            )
+        send_frame(self._sock, FrameKind.PROOF, key.client_proof(client_nonce, server_nonce))
+        prefix, header = self._head(lambda kind: kind in (FrameKind.WELCOME, FrameKind.ERROR))
+        if prefix.kind is FrameKind.ERROR:
             raise_error_frame(header)
 
     def send_step(self, plan: bytes, payload: Sequence[bytes | memoryview]) -> None:
@@ -169,14 +212,29 @@ def _host_of(address: str) -> str:
     return host[1:-1] if host.startswith("[") and host.endswith("]") else host
 
 
-def _connect_local(name: str, timeout: float) -> socket.socket | None:
+def _connect_local(name: str, owner: tuple[int, int] | None, timeout: float) -> socket.socket | None:
     """A connection to the server's abstract Unix socket, or None when this process cannot reach
-    it (another host, or another network namespace): then TCP."""
+    it (another host, or another network namespace) or when whoever listens there is not the
+    server (``owner``: its pid and uid, as GetDataPlane said; SO_PEERCRED tells who listens, and
+    a process cannot forge it): then TCP."""
+    if owner is None or not hasattr(socket, "SO_PEERCRED"):
+        return None
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout)
     try:
         sock.connect(b"\0" + name.encode())
+        pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
     except OSError:
+        sock.close()
+        return None
+    if (pid, uid) != owner:
+        log.warning(
+            "data plane: the local socket %s is held by pid %d (uid %d), not the server (pid %d, uid %d): using TCP",
+            name,
+            pid,
+            uid,
+            *owner,
+        )
         sock.close()
         return None
     return sock
@@ -213,13 +271,16 @@ class DataPlaneLinks:
         self._lock = threading.Lock()
         self._endpoints: dict[int, ps_pb2.DataPlaneInfo | None] = {}
         self._idle: dict[int, list[DataPlaneConnection]] = {}
+        self._suspended_until: dict[int, float] = {}
         self._closed = False
 
     def step_limit(self, server: int) -> int | None:
         """The most tensor bytes (both ways) one step may move on ``server``'s data plane, with
-        room left for its header; None when it has none (its steps go over gRPC). Asks for the
-        port the first time, raising what ``discover`` raises."""
+        room left for its header; None when it has none or is suspended (its steps go over gRPC).
+        Asks for the port the first time, raising what ``discover`` raises."""
         with self._lock:
+            if self._suspended_until.get(server, 0.0) > time.monotonic():
+                return None
             known, info = server in self._endpoints, self._endpoints.get(server)
         if not known:
             info = self._endpoint(server)
@@ -237,6 +298,20 @@ class DataPlaneLinks:
         info = self._endpoint(server)
         if info is None or not info.port:
             return None
+        try:
+            return self._connect(server, info)
+        except TransportError:
+            self.suspend(server)
+            raise
+
+    def suspend(self, server: int, seconds: float = SUSPEND_SECONDS) -> None:
+        """Leaves ``server``'s data plane alone for ``seconds``: its steps go over gRPC meanwhile."""
+        with self._lock:
+            self._suspended_until[server] = time.monotonic() + seconds
+            self._endpoints.pop(server, None)  # asked again afterwards: a restarted server has a new port
+        log.warning("data plane of server %d: no new connection; steps take the Step RPC for %.0fs", server, seconds)
+
+    def _connect(self, server: int, info: ps_pb2.DataPlaneInfo) -> DataPlaneConnection:
         return DataPlaneConnection(
             self._hosts[server],
             info.port,
@@ -245,6 +320,7 @@ class DataPlaneLinks:
             timeout=self._timeout,
             max_body_bytes=info.max_frame_bytes or DEFAULT_FRAME_BYTES,
             local_socket=info.local_socket,
+            local_owner=(info.server_pid, info.server_uid) if info.server_pid else None,
         )
 
     def _endpoint(self, server: int) -> ps_pb2.DataPlaneInfo | None:

@@ -127,7 +127,11 @@ def _thaw(value: Any) -> Any:
 def _check_scalar(key: str, value: Any) -> None:
     if value is None or isinstance(value, bool):
         return
-    if isinstance(value, (int, float)):
+    if isinstance(value, int):
+        if abs(value) >= 1 << 63:  # JSON's integers are unbounded; math.isfinite overflows on them
+            raise InvalidRequestError(f"optimizer argument {key!r} is too large ({len(str(abs(value)))} digits)")
+        return
+    if isinstance(value, float):
         if not math.isfinite(value):
             raise InvalidRequestError(f"optimizer argument {key!r} must be finite, got {value!r}")
         return

@@ -38,12 +38,18 @@ from paramserve.wire.v1 import parameter_server_pb2 as ps_pb2
 __all__ = ["PushSlot", "StepProgram", "StepPrograms", "base_versions", "check_program_size"]
 
 
-def check_program_size(entries: int) -> None:
-    """Raises InvalidRequestError for a program of more than MAX_PROGRAM_ENTRIES parts and reads."""
+def check_program_size(entries: int, plan_bytes: int) -> None:
+    """Raises InvalidRequestError for a program of more than MAX_PROGRAM_ENTRIES parts and reads,
+    or whose plan is over MAX_PROGRAM_PLAN_BYTES: what a connection's programs keep is bounded."""
     if not fits_a_program(entries):
         raise InvalidRequestError(
             f"a step program holds at most {dataplane.MAX_PROGRAM_ENTRIES} push parts and "
             f"reads; this one has {entries}: send it as a plain StepPlan"
+        )
+    if plan_bytes > dataplane.MAX_PROGRAM_PLAN_BYTES:
+        raise InvalidRequestError(
+            f"a step program's plan holds at most {dataplane.MAX_PROGRAM_PLAN_BYTES} bytes; this one has "
+            f"{plan_bytes}: send it as a plain StepPlan"
         )
 
 

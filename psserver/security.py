@@ -137,6 +137,47 @@ def reply_is_signed(key: bytes, method: str, nonce: str, body: bytes, signature:
     return hmac.compare_digest(signature.encode(), reply_signature(key, method, nonce, body).encode())
 
 
+# ---------------------------------------------------------------- the data plane's handshake
+
+_DATA_PLANE_CONTEXT = b"paramserve/v1/data-plane"
+HANDSHAKE_NONCE_BYTES = 32
+HANDSHAKE_PROOF_BYTES = 32
+
+
+@dataclass(frozen=True)
+class DataPlaneKey:
+    """Mutual, non-replayable authentication of a data-plane connection, both sides holding the
+    cluster's token. The client sends a fresh nonce (HELLO); the server answers with its own
+    nonce and a proof over both (CHALLENGE); the client checks that proof before it sends its
+    own over both (PROOF), in the other direction. So a listener without the token (one that
+    took the server's address or local socket) proves nothing and learns nothing it can replay,
+    and a captured exchange is worthless on the next connection, whose server nonce differs."""
+
+    key: bytes
+
+    @staticmethod
+    def of(token: str) -> DataPlaneKey:
+        return DataPlaneKey(hmac.new(token.encode(), _DATA_PLANE_CONTEXT, hashlib.sha256).digest())
+
+    def server_proof(self, client_nonce: bytes, server_nonce: bytes) -> bytes:
+        return self._proof(b"server", client_nonce, server_nonce)
+
+    def client_proof(self, client_nonce: bytes, server_nonce: bytes) -> bytes:
+        return self._proof(b"client", client_nonce, server_nonce)
+
+    def _proof(self, side: bytes, client_nonce: bytes, server_nonce: bytes) -> bytes:
+        return hmac.new(self.key, side + b"\0" + client_nonce + server_nonce, hashlib.sha256).digest()
+
+
+def new_handshake_nonce() -> bytes:
+    return secrets.token_bytes(HANDSHAKE_NONCE_BYTES)
+
+
+def proofs_match(given: bytes | memoryview, expected: bytes) -> bool:
+    """Whether a proof from the peer is the expected one (constant-time)."""
+    return hmac.compare_digest(bytes(given), expected)
+
+
 # ---------------------------------------------------------------- who may reach a server
 
 

@@ -3,11 +3,13 @@ gRPC servicer and server, and the step data plane beside them."""
 
 from __future__ import annotations
 
+import os
 import pathlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+from grpc_health.v1 import health_pb2
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -21,10 +23,10 @@ from paramserve.psserver.servicer import ParameterServerServicer, ServicerLimits
 from paramserve.psserver.serving import (
     DEFAULT_MAX_CONNECTIONS,
     GrpcService,
-    RpcMetrics,
     RunningService,
     TlsConfig,
     boundary_error,
+    ensure_descriptors,
 )
 from paramserve.psserver.steps import DEFAULT_MAX_PULL_BYTES, DEFAULT_MAX_PUSH_BYTES, StepEngine
 from paramserve.psserver.store import ShardStore, StoreConfig
@@ -141,7 +143,9 @@ class ParameterServer(RunningService):
 
 
 def build_server(config: ServerConfig, registry: CollectorRegistry | None = None) -> ParameterServer:
-    """Creates and starts a parameter server. Tests pass port=0 and read ``.port``."""
+    """Creates and starts a parameter server. Tests pass port=0 and read ``.port``. Raises
+    ConfigurationError for a setting it cannot serve with (e.g. more connections than descriptors)."""
+    ensure_descriptors(config.max_connections, listeners=1 if config.data_port is None else 2)
     if config.torch_threads is not None:
         torch.set_num_threads(config.torch_threads)
     warm_up()
@@ -161,7 +165,7 @@ def build_server(config: ServerConfig, registry: CollectorRegistry | None = None
     service = GrpcService.for_config(
         config, handlers=[generic_handler(servicer)], service_names=[SERVICE_NAME], registry=registry, role="ps"
     )
-    data_plane = None if config.data_port is None else start_data_plane(config, steps, servicer, service.metrics)
+    data_plane = None if config.data_port is None else start_data_plane(config, steps, servicer, service)
     try:
         return ParameterServer(config, store, service.start(), registry, data_plane)
     except BaseException:
@@ -170,13 +174,26 @@ def build_server(config: ServerConfig, registry: CollectorRegistry | None = None
         raise
 
 
+DATA_PLANE_HEALTH = "paramserve.DataPlane"
+"""The health service name of the data plane: NOT_SERVING while it cannot accept connections
+(clients then take the Step RPC, which the server's own health covers)."""
+
+
 def start_data_plane(
-    config: ServerConfig, steps: StepEngine, servicer: ParameterServerServicer, metrics: RpcMetrics
+    config: ServerConfig, steps: StepEngine, servicer: ParameterServerServicer, service: GrpcService
 ) -> DataPlaneServer[StepPrograms]:
     """The step data plane beside the gRPC server: same host, token, TLS and message limit, the
     same step engine (each connection's state: its step programs); ``servicer`` then tells
     clients its port. Raises ConfigurationError when its port cannot be bound."""
     assert config.data_port is not None
+    metrics = service.metrics
+    refused = Counter(
+        "paramserve_dataplane_refused",
+        "Data-plane connections refused or dropped, by reason.",
+        ["reason"],
+        registry=metrics.registry,
+    )
+    service.health.set(DATA_PLANE_HEALTH, health_pb2.HealthCheckResponse.SERVING)
     try:
         data_plane = DataPlaneServer(
             steps.run_frames,
@@ -191,6 +208,11 @@ def start_data_plane(
             on_step=lambda code, seconds, received, sent: metrics.record_call(
                 "DataPlaneStep", code, seconds, received, sent
             ),
+            on_refused=lambda reason: refused.labels(reason).inc(),
+            on_health=lambda serving: service.health.set(
+                DATA_PLANE_HEALTH,
+                health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING,
+            ),
         )
     except OSError as err:
         raise ConfigurationError(
@@ -198,6 +220,10 @@ def start_data_plane(
             "another --data-port (0 picks a free one)"
         ) from None
     servicer.data_plane = ps_pb2.DataPlaneInfo(
-        port=data_plane.port, max_frame_bytes=config.max_message_bytes, local_socket=data_plane.local_socket
+        port=data_plane.port,
+        max_frame_bytes=config.max_message_bytes,
+        local_socket=data_plane.local_socket,
+        server_pid=os.getpid(),
+        server_uid=os.getuid(),
     )
     return data_plane.start()

@@ -51,6 +51,7 @@ from paramserve.psserver.errors import (
     MessageTooLargeError,
     ParamServeError,
 )
+from paramserve.psserver.memory import MemoryTrimmer
 from paramserve.psserver.metadata import MAX_ERROR_METADATA_CHARS, metadata_value
 from paramserve.psserver.metrics_http import MetricsEndpoint, register_build_info, serve_metrics
 from paramserve.psserver.security import (
@@ -396,6 +397,31 @@ def _count_one(request: Any, counter: Any) -> Any:
 DEFAULT_MAX_CONNECTIONS = 1024
 SETTINGS_TIMEOUT_MS = 10_000
 MAX_CONNECTION_IDLE_MS = 300_000
+SPARE_DESCRIPTORS = 128
+"""Descriptors a server needs beyond its connections: listeners, files, the metrics endpoint."""
+
+
+def ensure_descriptors(max_connections: int, listeners: int) -> int:
+    """Makes sure this process may open the descriptors ``max_connections`` connections on each of
+    ``listeners`` listeners need (plus SPARE_DESCRIPTORS): raises the soft limit towards the hard
+    one when it is short (systemd's default soft limit, 1024, is below what the default
+    --max-connections needs), and raises ConfigurationError naming both when even the hard limit
+    is. Returns the soft limit now in force. A server short of descriptors would otherwise fail to
+    accept connections it promised to take."""
+    import resource
+
+    needed = max_connections * listeners + SPARE_DESCRIPTORS
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft >= needed or soft == resource.RLIM_INFINITY:
+        return soft
+    if hard != resource.RLIM_INFINITY and hard < needed:
+        raise ConfigurationError(
+            f"--max-connections {max_connections} needs {needed} file descriptors, but this process may open "
+            f"{hard} at most (ulimit -n; soft limit {soft}): lower --max-connections to "
+            f"{max(1, (hard - SPARE_DESCRIPTORS) // listeners)} or raise the limit (ulimit -Hn, LimitNOFILE=)"
+        )
+    resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
+    return needed
 
 
 def server_options(max_message_bytes: int, max_connections: int = DEFAULT_MAX_CONNECTIONS) -> list[tuple[str, Any]]:
@@ -492,6 +518,7 @@ class GrpcService:
         self.metrics_port: int | None = None
         self._metrics_http: MetricsEndpoint | None = None
         self._stopped = False
+        self._trimmer = MemoryTrimmer()
 
     @classmethod
     def for_config(
@@ -533,6 +560,7 @@ class GrpcService:
                     "choose another --metrics-port (0 picks a free one)"
                 ) from None
             self.metrics_port = self._metrics_http.port
+        self._trimmer.start()
         self._set_health(self._health_pb2.HealthCheckResponse.SERVING)
         return self
 
@@ -543,6 +571,7 @@ class GrpcService:
         self._stopped = True
         self.health.enter_graceful_shutdown()
         self.server.stop(grace).wait()
+        self._trimmer.stop()
         if self._metrics_http is not None:
             self._metrics_http.stop()
         self._executor.shutdown(wait=True, cancel_futures=True)
@@ -641,6 +670,14 @@ def positive_int(text: str) -> int:
     value = _integer(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is not allowed: give 1 or more")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """An argparse type: an integer of at least 0."""
+    value = _integer(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is not allowed: give 0 or more")
     return value
 
 
@@ -779,7 +816,45 @@ def resolve_tls(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Tl
         return None
     if not (args.tls_cert and args.tls_key):
         parser.error("TLS needs both --tls-cert and --tls-key")
+    problem = tls_files_problem(args.tls_cert, args.tls_key, args.tls_client_ca)
+    if problem is not None:
+        parser.error(problem)
     return TlsConfig(args.tls_cert, args.tls_key, args.tls_client_ca)
+
+
+def tls_files_problem(cert: pathlib.Path, key: pathlib.Path, client_ca: pathlib.Path | None) -> str | None:
+    """What is wrong with a server's TLS files, or None: checked before serving, so that a bad
+    certificate is not reported as a port that cannot be bound."""
+    import ssl
+
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(str(cert), str(key))
+    except FileNotFoundError as err:
+        return f"--tls-cert/--tls-key: {err.filename} does not exist"
+    except (ssl.SSLError, OSError) as err:
+        return (
+            f"--tls-cert {cert} and --tls-key {key} are not a PEM certificate chain and its private key "
+            f"({getattr(err, 'reason', None) or err}): give the files your CA issued for this server"
+        )
+    if client_ca is not None:
+        try:
+            context.load_verify_locations(cafile=str(client_ca))
+        except (ssl.SSLError, OSError) as err:
+            return f"--tls-client-ca {client_ca} is not a PEM CA bundle ({getattr(err, 'reason', None) or err})"
+    return None
+
+
+def check_port_file(path: pathlib.Path | None) -> None:
+    """Raises ConfigurationError when ``path``'s directory cannot take the port file: checked
+    before serving, so a launcher never waits for a file that cannot be written."""
+    if path is None:
+        return
+    directory = path.parent if str(path.parent) else pathlib.Path(".")
+    if not directory.is_dir() or not os.access(directory, os.W_OK | os.X_OK):
+        raise ConfigurationError(
+            f"--port-file {path}: its directory {directory} does not exist or is not writable by this user"
+        )
 
 
 def run_reporting_errors(

@@ -29,7 +29,7 @@ from google.protobuf.message import DecodeError
 
 from paramserve.psserver import convert
 from paramserve.psserver.calls import CallOptions, ServerCalls, Stub
-from paramserve.psserver.dataplane import TransportError
+from paramserve.psserver.dataplane import MAX_PROGRAM_PLAN_BYTES, TransportError
 from paramserve.psserver.dataplane_client import DataPlaneConnection, DataPlaneLinks, ProgramNumbers
 from paramserve.psserver.errors import InvalidRequestError, ParamServeError
 from paramserve.psserver.step_work import (
@@ -160,6 +160,10 @@ def _frame(work: ServerWork, key: str, programs: ProgramNumbers) -> tuple[bytes,
     signature = work.signature()
     if signature is None:
         return work.plan(key).SerializeToString(), None
+    if not programs.knows(signature):
+        whole = work.plan(key)
+        if whole.ByteSize() > MAX_PROGRAM_PLAN_BYTES:  # too large to keep on the server: send it whole
+            return whole.SerializeToString(), None
     number, defined = programs.number(signature)
     if defined:
         bases = [part.base_version for part in work.parts]

@@ -245,7 +245,7 @@ class StepEngine:
     def _compile(self, plan: ps_pb2.StepPlan, payload_bytes: int) -> StepProgram:
         """``plan`` checked as a step program: dense pushes and whole-shard reads, every check a
         plain step makes that does not depend on the step's bytes."""
-        check_program_size(len(plan.push) + len(plan.pull))
+        check_program_size(len(plan.push) + len(plan.pull), plan.ByteSize())
         if any(part.sparse for part in plan.push) or any(item.sparse for item in plan.pull):
             raise InvalidRequestError(
                 "a step program pushes and reads whole shards only: send a step with sparse rows as a plain StepPlan"

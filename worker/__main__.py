@@ -13,6 +13,7 @@ import torch
 from paramserve.psserver.devices import worker_device
 from paramserve.psserver.serving import (
     add_server_arguments,
+    check_port_file,
     configure_logging,
     positive_float,
     read_token_file,
@@ -63,6 +64,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 
 def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> WorkerConfig:
+    if (args.ps_tls_cert or args.ps_tls_key) and not args.ps_tls_ca:
+        parser.error(
+            "--ps-tls-cert and --ps-tls-key need --ps-tls-ca (the CA that verifies the parameter servers): "
+            "without it the worker would talk to them in plaintext"
+        )
     host, port = resolve_address(args, parser, "worker", os.environ)
     return WorkerConfig(
         host=host,
@@ -71,7 +77,7 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         max_workers=args.max_workers,
         max_message_bytes=args.max_message_bytes,
         token=resolve_token(args, os.environ),
-        ps_token=read_token_file(args.ps_token_file) if args.ps_token_file else None,
+        ps_token=read_token_file(args.ps_token_file, "--ps-token-file") if args.ps_token_file else None,
         tls=resolve_tls(args, parser),
         ps_root_certificates=args.ps_tls_ca,
         ps_cert_chain=(args.ps_tls_cert or args.tls_cert) if args.ps_tls_ca else None,
@@ -100,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     configure_logging(args.log_level, "worker")
     config = config_from_args(args, parser)
+    check_port_file(args.port_file)
     logging.getLogger("paramserve.worker").info("closures compute on %s", config.device)
     worker = build_worker(config)
     serve_until_signal(worker, args.port_file, args.grace_seconds, "paramserve.worker")

@@ -9,7 +9,13 @@ import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from paramserve.psserver.client import ClientConfig, ParameterServerClient
-from paramserve.psserver.serving import DEFAULT_MAX_CONNECTIONS, GrpcService, RunningService, TlsConfig
+from paramserve.psserver.serving import (
+    DEFAULT_MAX_CONNECTIONS,
+    GrpcService,
+    RunningService,
+    TlsConfig,
+    ensure_descriptors,
+)
 from paramserve.worker.core import ClientFactory, ClosureOutcome, ClosureRequest, WorkerCore
 from paramserve.worker.servicer import SERVICE_NAME, WorkerServicer, generic_handler
 
@@ -143,6 +149,7 @@ def parameter_server_clients(config: WorkerConfig) -> ClientFactory:
 
 def build_worker(config: WorkerConfig, registry: CollectorRegistry | None = None) -> Worker:
     """Creates and starts a worker. Tests pass port=0 and read ``.port``."""
+    ensure_descriptors(config.max_connections, listeners=1)
     if config.torch_threads is not None:
         torch.set_num_threads(config.torch_threads)
     registry = registry or CollectorRegistry()

@@ -16,6 +16,8 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from paramserve.psserver.tf_config import ClusterSpecError, parse_address
+
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     parser = parser or argparse.ArgumentParser(prog="paramserve health", description=__doc__)
@@ -78,6 +80,10 @@ def check(
 
 
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    try:
+        parse_address(args.address)
+    except ClusterSpecError as err:  # a typo must not look like a dead server
+        parser.error(str(err))
     if (args.tls_cert or args.tls_key or args.tls_server_name) and not args.tls_ca:
         parser.error("--tls-cert, --tls-key and --tls-server-name need --tls-ca")
     try:

@@ -3,6 +3,7 @@ gets in, what a bad peer gets back, and that the server stays up and unchanged f
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 from collections.abc import Callable, Iterator
@@ -245,7 +246,7 @@ def test_connections_beyond_the_limit_are_closed_at_once(start_ps):
 
 
 def test_a_silent_connection_is_dropped_after_the_handshake_timeout(start_ps, monkeypatch):
-    monkeypatch.setattr(dataplane_server, "HANDSHAKE_TIMEOUT", 0.3)
+    monkeypatch.setattr(dataplane_server, "HANDSHAKE_SECONDS", 0.3)
     server = start_ps()
     sock = connect(server, timeout=10.0)  # waits for the server, far longer than its timeout
 
@@ -280,6 +281,7 @@ def test_a_client_on_the_same_host_takes_the_local_socket_and_others_tcp(start_p
             timeout=10,
             max_body_bytes=1 << 20,
             local_socket=local_socket,
+            local_owner=(os.getpid(), os.getuid()),  # the server runs in this process
         )
 
     same_host, elsewhere = connection(name), connection("paramserve-dataplane-" + "0" * 32)

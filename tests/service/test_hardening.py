@@ -10,7 +10,12 @@ import json
 import logging
 import pathlib
 import pickle
+import socket
+import struct
+import subprocess
+import sys
 import threading
+import time
 from concurrent import futures
 
 import grpc
@@ -431,3 +436,79 @@ def test_a_client_certificate_needs_a_ca_bundle():
 
 def test_json_of_the_error_helpers_is_stable():
     assert json.loads(json.dumps({"k": metadata_value("é")})) == {"k": "%C3%A9"}
+
+
+# ---------------------------------------------------------------- a header flood (issue 20, B1)
+
+
+def _continuation_flood(port: int, frames: int, hold: threading.Event) -> None:
+    """One connection that sends a request's headers as ``frames`` ~1 KB CONTINUATION frames and
+    never acknowledges the server's SETTINGS: gRPC buffers the block until its settings timeout."""
+
+    def frame(kind: int, stream: int, payload: bytes) -> bytes:
+        return struct.pack(">I", len(payload))[1:] + bytes([kind, 0]) + struct.pack(">I", stream) + payload
+
+    path = b"/grpc.health.v1.Health/Check"
+    headers = b"\x83\x86\x04" + bytes([len(path)]) + path
+    block = b"".join(
+        frame(9, 1, b"\0\x0e" + b"x-flood-%06d" % i + b"\x7f\xe9\x06" + b"v" * 1000) for i in range(frames)
+    )
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as conn:
+            conn.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + frame(4, 0, b"") + frame(1, 1, headers) + block)
+            hold.wait(60)
+    except OSError:
+        return
+
+
+def _resident_mb(pid: int) -> float:
+    text = pathlib.Path(f"/proc/{pid}/status").read_text()
+    return int(next(line for line in text.splitlines() if line.startswith("VmRSS:")).split()[1]) / 1024
+
+
+def test_a_header_flood_is_dropped_at_the_settings_timeout_and_its_memory_returned(tmp_path):
+    """Upstream gRPC buffers a header block before the peer acknowledges SETTINGS (about 1 MB a
+    flooding connection here, bounded by --max-connections): paramserve drops such peers after
+    the 10 s settings timeout, and gives the freed memory back (psserver/memory.py)."""
+    (tmp_path / "token").write_text(TOKEN)
+    port_file = tmp_path / "port.json"
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "paramserve.psserver",
+            "--port",
+            "0",
+            "--no-data-plane",
+            "--token-file",
+            str(tmp_path / "token"),
+            "--port-file",
+            str(port_file),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    hold = threading.Event()
+    try:
+        deadline = time.monotonic() + 120
+        while not port_file.exists():
+            assert time.monotonic() < deadline and server.poll() is None
+            time.sleep(0.05)
+        port = json.loads(port_file.read_text())["port"]
+        before = _resident_mb(server.pid)
+        flooders = [threading.Thread(target=_continuation_flood, args=(port, 1000, hold)) for _ in range(150)]
+        for thread in flooders:
+            thread.start()
+        deadline = time.monotonic() + 30
+        while _resident_mb(server.pid) - before < 100:
+            assert time.monotonic() < deadline, "the flood did not reach the server"
+            time.sleep(0.1)
+        deadline = time.monotonic() + 45  # the settings timeout, then a trim
+        while _resident_mb(server.pid) - before > 40:
+            assert time.monotonic() < deadline, f"still {_resident_mb(server.pid) - before:.0f} MB above before"
+            time.sleep(0.2)
+        assert server.poll() is None
+    finally:
+        hold.set()
+        server.terminate()
+        server.wait(30)

@@ -63,6 +63,13 @@ def run_in_process(args: list[str], capsys) -> tuple[int, str]:
         (["ps", "--checkpoint-root", "/proc/paramserve-cannot-write"], {}, "--checkpoint-root"),
         (["worker", "--ps-retry-deadline", "0"], {}, "--ps-retry-deadline"),
         (["demo", "--tls-ca", "ca.pem"], {}, "--tls-ca, --tls-cert and --tls-key together"),
+        # Issue 20's findings: each names its own flag, none is a traceback.
+        (["ps", "--max-staleness", "-1"], {}, "--max-staleness: -1 is not allowed"),
+        (["ps", "--tls-cert", __file__, "--tls-key", __file__], {}, "are not a PEM certificate chain"),
+        (["ps", "--port-file", "/proc/paramserve-cannot-write/port.json"], {}, "--port-file"),
+        (["worker", "--ps-tls-cert", __file__, "--ps-tls-key", __file__], {}, "need --ps-tls-ca"),
+        (["worker", "--ps-token-file", "/nonexistent/token"], {}, "--ps-token-file /nonexistent/token"),
+        (["health", "not-an-address"], {}, "not-an-address"),
     ],
 )
 def test_bad_configurations_end_in_one_line_and_status_2(args, env, says, capsys, monkeypatch):

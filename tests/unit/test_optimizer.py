@@ -357,3 +357,10 @@ def test_only_stateless_sgd_is_stepped_as_an_in_place_add():
         OptimizerSpec("Adam", {"lr": 0.25}),
     ):
         assert in_place_sgd_rate(spec) is None, spec
+
+
+@pytest.mark.parametrize("value", [10**400, -(10**30), float("inf"), float("nan")])
+def test_arguments_beyond_a_float_or_an_int64_are_refused_by_name(value) -> None:
+    """JSON integers are unbounded: one past what math.isfinite takes was an INTERNAL error."""
+    with pytest.raises(InvalidRequestError, match="'lr'"):
+        OptimizerSpec("SGD", {"lr": value}).validate()

@@ -158,14 +158,18 @@ class GetDataPlaneRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DataPlaneInfo(_message.Message):
-    __slots__ = ("port", "max_frame_bytes", "local_socket")
+    __slots__ = ("port", "max_frame_bytes", "local_socket", "server_pid", "server_uid")
     PORT_FIELD_NUMBER: _ClassVar[int]
     MAX_FRAME_BYTES_FIELD_NUMBER: _ClassVar[int]
     LOCAL_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    SERVER_PID_FIELD_NUMBER: _ClassVar[int]
+    SERVER_UID_FIELD_NUMBER: _ClassVar[int]
     port: int
     max_frame_bytes: int
     local_socket: str
-    def __init__(self, port: _Optional[int] = ..., max_frame_bytes: _Optional[int] = ..., local_socket: _Optional[str] = ...) -> None: ...
+    server_pid: int
+    server_uid: int
+    def __init__(self, port: _Optional[int] = ..., max_frame_bytes: _Optional[int] = ..., local_socket: _Optional[str] = ..., server_pid: _Optional[int] = ..., server_uid: _Optional[int] = ...) -> None: ...
 
 class DataPlaneError(_message.Message):
     __slots__ = ("error_type", "message", "variable")

@@ -1,0 +1,463 @@
+"""Issue 20: the data plane tried as an attacker and a flaky network would, against real servers:
+a listener that never dies, handshakes with a deadline and a budget of their own, mutual and
+non-replayable authentication, bounds after authentication, and a trace of every refusal. Each
+test reproduces one finding of the issue, and the server stays up for everyone else."""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import resource
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from test_dataplane_transport import (
+    SGD,
+    TOKEN,
+    closed_by_peer,
+    connect,
+    error_of,
+    frame,
+    read_frame,
+    steps_on_data_plane,
+    still_serves,
+)
+
+from paramserve.psserver import dataplane_client, dataplane_server
+from paramserve.psserver.dataplane import PREFIX, FrameKind
+from paramserve.psserver.errors import AuthenticationError, InvalidRequestError
+from paramserve.psserver.security import DataPlaneKey, new_handshake_nonce
+from paramserve.psserver.server import DATA_PLANE_HEALTH
+from paramserve.wire.v1 import parameter_server_pb2 as ps_pb2
+
+DEADLINE = 20.0
+
+
+@pytest.fixture
+def clients():  # type: ignore[no-untyped-def]
+    """Clients with the default configuration: on the data plane where they can be."""
+    from paramserve.psserver.client import ClientConfig, ParameterServerClient
+
+    made: list[ParameterServerClient] = []
+
+    def make(addresses: list[str], **overrides: object) -> ParameterServerClient:
+        made.append(
+            ParameterServerClient(
+                addresses, ClientConfig(**{"call_timeout": 10.0, "retry_deadline": 10.0, **overrides})
+            )
+        )  # type: ignore[arg-type]
+        return made[-1]
+
+    yield make
+    for client in made:
+        client.close()
+
+
+def free_port() -> int:
+    with socket.create_server(("127.0.0.1", 0)) as placeholder:
+        return placeholder.getsockname()[1]
+
+
+def scraped(metrics_port: int, name: str, labels: str) -> float:
+    """One sample of a server process's Prometheus endpoint (0 when absent)."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    line = next((l for l in text.splitlines() if l.startswith(f"{name}{{") and labels in l), None)  # noqa: E741
+    return float(line.rsplit(" ", 1)[1]) if line else 0.0
+
+
+def data_plane_info(address: str) -> ps_pb2.DataPlaneInfo:
+    from paramserve.psserver.metadata import SERVICE_NAME
+    from paramserve.psserver.security import bearer_metadata
+
+    with grpc.insecure_channel(address) as channel:
+        call = channel.unary_unary(
+            f"/{SERVICE_NAME}/GetDataPlane",
+            request_serializer=lambda m: m.SerializeToString(),
+            response_deserializer=ps_pb2.DataPlaneInfo.FromString,
+        )
+        return call(ps_pb2.GetDataPlaneRequest(), metadata=[bearer_metadata(TOKEN)], timeout=10)
+
+
+def refused(server, reason: str) -> float:
+    return server.registry.get_sample_value("paramserve_dataplane_refused_total", {"reason": reason}) or 0.0
+
+
+def wait_until(condition, what: str, deadline: float = DEADLINE) -> None:  # type: ignore[no-untyped-def]
+    end = time.monotonic() + deadline
+    while not condition():
+        assert time.monotonic() < end, f"{what}: not within {deadline:g}s"
+        time.sleep(0.02)
+
+
+def data_plane_health(server) -> int:
+    with grpc.insecure_channel(server.address) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=DATA_PLANE_HEALTH), timeout=5
+        )
+    return reply.status
+
+
+def handshake(sock: socket.socket, key: DataPlaneKey, client_nonce: bytes) -> tuple[bytes, bytes]:
+    """Plays the client's side up to its proof: returns the server's nonce and the proof to send."""
+    sock.sendall(frame(FrameKind.HELLO, client_nonce))
+    kind, challenge, _ = read_frame(sock)
+    assert kind is FrameKind.CHALLENGE
+    server_nonce = challenge[:32]
+    assert challenge[32:] == key.server_proof(client_nonce, server_nonce), "the server proves it holds the token"
+    return server_nonce, key.client_proof(client_nonce, server_nonce)
+
+
+# ---------------------------------------------------------------- the listener never dies
+
+
+def test_a_failing_accept_is_counted_retried_and_reported_and_the_listener_goes_on(start_ps, clients, monkeypatch):
+    monkeypatch.setattr(dataplane_server, "UNHEALTHY_AFTER_FAILURES", 3)
+    failures = {"left": 6}
+    accept = socket.socket.accept
+
+    def failing_accept(self):  # type: ignore[no-untyped-def]
+        if failures["left"] > 0 and self.family == socket.AF_INET:
+            failures["left"] -= 1
+            raise OSError(errno.EMFILE, "Too many open files")
+        return accept(self)
+
+    server = start_ps(token=TOKEN)
+    monkeypatch.setattr(socket.socket, "accept", failing_accept)
+    probe = socket.create_connection(("127.0.0.1", server.data_port), timeout=DEADLINE)  # wakes the failing accepts
+    wait_until(lambda: data_plane_health(server) == health_pb2.HealthCheckResponse.NOT_SERVING, "NOT_SERVING")
+    wait_until(lambda: failures["left"] == 0, "the accepts to have failed")
+    probe.close()
+    socket.create_connection(("127.0.0.1", server.data_port), timeout=DEADLINE).close()  # accepted: the loop lives
+    wait_until(lambda: data_plane_health(server) == health_pb2.HealthCheckResponse.SERVING, "SERVING again")
+    assert refused(server, "accept_failed") >= 3  # each failed round (its shedding accept fails too)
+    before = steps_on_data_plane(server)
+    still_serves(server, clients, TOKEN)
+    assert steps_on_data_plane(server) == before + 1, "on the data plane, which still accepts"
+
+
+def test_a_connection_flood_under_a_low_descriptor_limit_never_disables_the_data_plane(tmp_path, clients):
+    """The issue's flood: 300 idle unauthenticated connections against a server whose descriptor
+    limit is 256. The server caps them (evicting the ones still in their handshake), a correct
+    client trains meanwhile, and the data plane serves at once after the flood ends."""
+    port_file = tmp_path / "ps.port"
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    data_port = free_port()
+    limits = lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))  # noqa: E731
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "paramserve.psserver",
+            "--port",
+            "0",
+            "--data-port",
+            str(data_port),
+            "--max-connections",
+            "48",
+            "--metrics-port",
+            "0",
+            "--token-file",
+            str(token_file),
+            "--port-file",
+            str(port_file),
+        ],
+        preexec_fn=limits,
+        stdout=subprocess.DEVNULL,
+        stderr=(tmp_path / "ps.log").open("wb"),
+    )
+    flood: list[socket.socket] = []
+    try:
+        wait_until(port_file.exists, "the server to serve", 120)
+        ports = json.loads(port_file.read_text())
+        address, metrics_port = f"127.0.0.1:{ports['port']}", ports["metrics_port"]
+        client = clients([address], token=TOKEN)
+        client.create_variable("w", torch.zeros(4), optimizer=SGD)
+        for _ in range(300):
+            try:
+                flood.append(socket.create_connection(("127.0.0.1", data_port), timeout=5))
+            except OSError:
+                pass
+        started = time.monotonic()
+        summary, _ = client.push_and_pull({"w": torch.ones(4)}, ["w"], key="during")
+        assert summary.applied == 1 and time.monotonic() - started < 15, "a correct client trains during the flood"
+        for sock in flood:
+            sock.close()
+        flood.clear()
+        fresh = clients([address], token=TOKEN)
+        on_data_plane = 'method="DataPlaneStep"'
+        before = scraped(metrics_port, "paramserve_rpcs_total", on_data_plane)
+        started = time.monotonic()
+        summary, pulled = fresh.push_and_pull({"w": torch.ones(4)}, ["w"], key="after")
+        assert summary.applied == 1 and time.monotonic() - started < 5, "served at once after the flood"
+        assert torch.equal(pulled.tensors["w"], torch.full((4,), -1.0))
+        assert scraped(metrics_port, "paramserve_rpcs_total", on_data_plane) == before + 1, "on the data plane"
+        assert scraped(metrics_port, "paramserve_dataplane_refused_total", "") > 0, "the flood was refused"
+        assert server.poll() is None
+    finally:
+        for sock in flood:
+            sock.close()
+        server.terminate()
+        server.wait(30)
+
+
+def test_more_connections_than_descriptors_refuse_to_start_naming_both(tmp_path):
+    limits = lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))  # noqa: E731
+    done = subprocess.run(
+        [sys.executable, "-m", "paramserve.psserver", "--port", "0"],
+        preexec_fn=limits,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "--max-connections 1024 needs" in done.stderr and "256" in done.stderr
+
+
+# ---------------------------------------------------------------- handshakes: a deadline and a budget
+
+
+def test_a_trickled_hello_is_dropped_at_the_handshakes_deadline_in_all(start_ps, monkeypatch):
+    monkeypatch.setattr(dataplane_server, "HANDSHAKE_SECONDS", 1.0)
+    server = start_ps(token=TOKEN)
+    sock = connect(server)
+    hello = frame(FrameKind.HELLO, new_handshake_nonce())
+    started = time.monotonic()
+    with pytest.raises(OSError):
+        for byte in hello:  # one byte every 0.2 s: each read is quick, the whole is not
+            sock.sendall(bytes([byte]))
+            time.sleep(0.2)
+    assert closed_by_peer(sock) and time.monotonic() - started < 3.0
+    assert refused(server, "handshake_timeout") == 1
+
+
+def test_connections_that_never_authenticate_cannot_crowd_out_real_clients(start_ps, clients):
+    server = start_ps(token=TOKEN, max_connections=16)
+    silent = [connect(server) for _ in range(16)]
+    wait_until(lambda: server.data_plane.handshaking == dataplane_server.max_pending_handshakes(16), "the budget")
+    before = steps_on_data_plane(server)
+    still_serves(server, clients, TOKEN)
+    assert steps_on_data_plane(server) == before + 1, "on the data plane, admitted at once"
+    assert refused(server, "handshake_evicted") >= 1
+    for sock in silent:
+        sock.close()
+
+
+def test_a_full_data_plane_sends_steps_over_the_step_rpc_instead(start_ps, clients):
+    server = start_ps(token=TOKEN, max_connections=2)
+    held = [
+        dataplane_client.DataPlaneConnection(
+            "127.0.0.1", server.data_port, token=TOKEN, tls=None, timeout=10, max_body_bytes=1 << 20
+        )
+        for _ in range(2)
+    ]
+    client = clients([server.address], token=TOKEN)
+    client.create_variable("w", torch.zeros(4), optimizer=SGD)
+    started = time.monotonic()
+    summary, _ = client.push_and_pull({"w": torch.ones(4)}, ["w"], key="k")
+    assert summary.applied == 1 and time.monotonic() - started < 5
+    assert (
+        server.registry.get_sample_value("paramserve_rpcs_total", {"role": "ps", "method": "Step", "code": "OK"}) == 1
+    )
+    assert refused(server, "connection_limit") >= 1
+    for connection in held:
+        connection.close()
+
+
+# ---------------------------------------------------------------- mutual, non-replayable authentication
+
+
+def test_a_listener_without_the_token_learns_nothing_reusable(start_ps, clients):
+    """A process that took the server's address gets a fresh nonce, not a credential: the client
+    stops when it cannot prove the token, and what it sent is worthless to the real server."""
+    impostor = socket.create_server(("127.0.0.1", 0))
+    received: list[bytes] = []
+
+    def serve_one() -> None:
+        sock, _ = impostor.accept()
+        sock.settimeout(5)
+        kind, header, _ = read_frame(sock)
+        received.append(header)
+        fake_nonce = new_handshake_nonce()
+        sock.sendall(frame(FrameKind.CHALLENGE, fake_nonce + b"\0" * 32))  # it cannot compute the proof
+        try:
+            received.append(sock.recv(1024))
+        except OSError:
+            received.append(b"")
+        sock.close()
+
+    thread = threading.Thread(target=serve_one)
+    thread.start()
+    with pytest.raises(AuthenticationError, match="could not prove it holds the cluster's token"):
+        dataplane_client.DataPlaneConnection(
+            "127.0.0.1", impostor.getsockname()[1], token=TOKEN, tls=None, timeout=5, max_body_bytes=1 << 20
+        )
+    thread.join(10)
+    impostor.close()
+    hello, after_challenge = received
+    assert len(hello) == 32 and TOKEN.encode() not in hello, "a random nonce, no credential"
+    assert after_challenge == b"", "the client sent nothing after a challenge it could not verify"
+
+    # Replayed to the real server, the captured nonce gets a new challenge no replay can answer.
+    server = start_ps(token=TOKEN)
+    sock = connect(server)
+    sock.sendall(frame(FrameKind.HELLO, hello))
+    kind, challenge, _ = read_frame(sock)
+    sock.sendall(frame(FrameKind.PROOF, b"\0" * 32))
+    kind, header, _ = read_frame(sock)
+    assert kind is FrameKind.ERROR and error_of(header).error_type == "AuthenticationError"
+    assert refused(server, "wrong_credential") == 1
+    still_serves(server, clients, TOKEN)
+
+
+def test_a_captured_proof_does_not_replay_on_another_connection(start_ps):
+    server = start_ps(token=TOKEN)
+    key, client_nonce = DataPlaneKey.of(TOKEN), new_handshake_nonce()
+    first = connect(server)
+    _, proof = handshake(first, key, client_nonce)
+    first.sendall(frame(FrameKind.PROOF, proof))
+    assert read_frame(first)[0] is FrameKind.WELCOME, "the proof holds on its own connection"
+    second = connect(server)
+    second.sendall(frame(FrameKind.HELLO, client_nonce))  # the same nonce, replayed
+    kind, challenge, _ = read_frame(second)
+    assert kind is FrameKind.CHALLENGE and challenge[:32] != b"", "a new server nonce"
+    second.sendall(frame(FrameKind.PROOF, proof))
+    kind, header, _ = read_frame(second)
+    assert kind is FrameKind.ERROR and error_of(header).error_type == "AuthenticationError"
+    assert closed_by_peer(second)
+
+
+def test_the_local_socket_is_used_only_when_its_owner_is_the_server(tmp_path, clients):
+    """Another process bound an abstract name and waits there: the client checks the socket's peer
+    credentials against the server's pid and uid, speaks no byte to it, and takes TCP."""
+    port_file = tmp_path / "ps.port"
+    (tmp_path / "token").write_text(TOKEN)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "paramserve.psserver",
+            "--port",
+            "0",
+            "--data-port",
+            "0",
+            "--token-file",
+            str(tmp_path / "token"),
+            "--port-file",
+            str(port_file),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    squatter = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        wait_until(port_file.exists, "the server to serve", 120)
+        info = data_plane_info(f"127.0.0.1:{json.loads(port_file.read_text())['port']}")
+        assert info.server_pid == server.pid and info.server_uid == os.getuid()
+        name = "paramserve-dataplane-squatted-" + os.urandom(4).hex()
+        squatter.bind(b"\0" + name.encode())
+        squatter.listen(4)
+        squatter.settimeout(0.5)
+        connection = dataplane_client.DataPlaneConnection(
+            "127.0.0.1",
+            info.port,
+            token=TOKEN,
+            tls=None,
+            timeout=10,
+            max_body_bytes=info.max_frame_bytes,
+            local_socket=name,
+            local_owner=(info.server_pid, info.server_uid),
+        )
+        assert not connection.local, "the squatted name was refused: TCP"
+        peer, _ = squatter.accept()
+        peer.settimeout(1)
+        assert peer.recv(1024) == b"", "not one byte reached the squatter"
+        peer.close()
+        connection.close()
+        honest = dataplane_client.DataPlaneConnection(
+            "127.0.0.1",
+            info.port,
+            token=TOKEN,
+            tls=None,
+            timeout=10,
+            max_body_bytes=info.max_frame_bytes,
+            local_socket=info.local_socket,
+            local_owner=(info.server_pid, info.server_uid),
+        )
+        assert honest.local, "the server's own local socket is taken"
+        honest.close()
+    finally:
+        squatter.close()
+        server.terminate()
+        server.wait(30)
+
+
+# ---------------------------------------------------------------- bounds after authentication
+
+
+def authenticated(server) -> socket.socket:
+    sock = connect(server)
+    key, nonce = DataPlaneKey.of(TOKEN), new_handshake_nonce()
+    _, proof = handshake(sock, key, nonce)
+    sock.sendall(frame(FrameKind.PROOF, proof))
+    assert read_frame(sock)[0] is FrameKind.WELCOME
+    return sock
+
+
+def test_a_stalled_frame_is_dropped_at_its_deadline(start_ps, clients, monkeypatch):
+    monkeypatch.setattr(dataplane_server, "FRAME_SECONDS", 0.5)
+    server = start_ps(token=TOKEN)
+    sock = authenticated(server)
+    sock.sendall(PREFIX.pack(b"PSD1", FrameKind.STEP, 1 << 20, 0) + b"\0" * 10)  # a 1 MiB header, then nothing
+    started = time.monotonic()
+    assert closed_by_peer(sock) and time.monotonic() - started < 3.0
+    assert refused(server, "frame_timeout") == 1
+    still_serves(server, clients, TOKEN)
+
+
+def test_an_oversized_header_is_refused_before_it_is_read(start_ps, clients):
+    server = start_ps(token=TOKEN)
+    sock = authenticated(server)
+    sock.sendall(PREFIX.pack(b"PSD1", FrameKind.STEP, 58_600_000, 0))  # the issue's 58.6 MB plan
+    kind, header, _ = read_frame(sock)
+    assert kind is FrameKind.ERROR and error_of(header).error_type == "MessageTooLargeError"
+    assert refused(server, "oversized_frame") == 1
+    still_serves(server, clients, TOKEN)
+
+
+def test_a_step_program_over_its_byte_budget_is_refused_and_the_client_sends_it_whole(start_ps, clients):
+    server = start_ps(token=TOKEN)
+    sock = authenticated(server)
+    plan = ps_pb2.StepPlan(define_program=1, idempotency_key="k" * (300 << 10))
+    sock.sendall(frame(FrameKind.STEP, plan.SerializeToString()))
+    kind, header, _ = read_frame(sock)
+    assert kind is FrameKind.ERROR and error_of(header).error_type == InvalidRequestError.__name__
+    assert "plain StepPlan" in error_of(header).message
+    still_serves(server, clients, TOKEN)
+
+
+# ---------------------------------------------------------------- a trace of every refusal
+
+
+def test_refusals_are_counted_by_reason_and_logged_at_a_bounded_rate(start_ps, caplog):
+    server = start_ps(token=TOKEN)
+    caplog.set_level(logging.WARNING, logger="paramserve.psserver.dataplane_server")
+    for _ in range(30):
+        sock = connect(server)
+        sock.sendall(frame(FrameKind.HELLO, b"not a nonce"))
+        assert read_frame(sock)[0] is FrameKind.ERROR
+        sock.close()
+    wait_until(lambda: refused(server, "wrong_credential") == 30, "every refusal counted")
+    lines = [r for r in caplog.records if "wrong credential" in r.getMessage()]
+    assert 1 <= len(lines) <= 2, [r.getMessage() for r in lines]
