@@ -16,8 +16,9 @@
   784-256-128-10, softmax cross-entropy, SGD lr 0.01 applied on the servers, one fixed
   random batch of 64 per worker reused every step: paramserve with 2 ps + 2 workers,
   FixedShardsPartitioner(2), 1 step per closure, beside a torch.distributed.rpc parameter
-  server (benchmarks/rpc_ps.py: 1 PS holding the model, 2 trainers, each step an RPC pull,
-  a local forward and backward, an RPC push applying SGD under a lock). Same model, batch
+  server in its strong form (benchmarks/rpc_ps.py: 1 PS holding the model, 2 trainers, each
+  step a local forward and backward, then one RPC that pushes the gradients, applies SGD under
+  a lock and returns the updated parameters: one round trip, as paramserve's). Same model, batch
   and thread count (1) per process; start-up excluded; the two take turns, medians of
   --rounds. CPU-ms per step (all processes of a side) is printed beside steps/s: on a
   shared 2-core machine it varies less.
@@ -153,7 +154,7 @@ def closure_overhead_scale(
     ``per_process`` to a process (so 256 fit on a small machine), one coordinator. Each point
     runs at least ``closures`` closures and 40 per worker. Measured twice: with the default
     batching, and with one closure per call (max_batch=1), the dispatch cost without batching:
-    batches form only while closures queue behind busy workers (coordinator.dispatch.BatchSizer),
+    batches form only while closures queue behind busy workers (coordinator.batching.BatchSizer),
     and a large cluster's workers are often idle when a closure arrives, so they get it alone.
     Returns the points by max_batch."""
     context = multiprocessing.get_context("spawn")
@@ -308,7 +309,7 @@ def versus_rpc(
         value,
         "steps/s",
         baseline,
-        f"torch.distributed.rpc PS, 1 PS + 2 trainers, median of {rounds}{per_closure}",
+        f"torch.distributed.rpc PS (push returns the parameters), 1 PS + 2 trainers, median of {rounds}{per_closure}",
     )
 
 

@@ -179,11 +179,11 @@ def ddp_process(rank: int, port: int, steps: int, repeats: int, results: multipr
 
 
 def multi_worker_process(rank: int, port: int, steps: int, repeats: int, results: multiprocessing.Queue) -> None:
-    from paramserve.coordinator.strategies.multi_worker import (
+    from paramserve.coordinator.strategies.multi_worker import MultiWorkerMirroredStrategy
+    from paramserve.coordinator.strategies.multi_worker_cluster import (
         ClusterResolver,
         CollectiveCommunication,
         CommunicationOptions,
-        MultiWorkerMirroredStrategy,
     )
 
     torch.set_num_threads(1)

@@ -1,9 +1,15 @@
 """The peer baseline: a plain torch.distributed.rpc parameter server, as a new user would write it.
 
 1 PS process holds the model; 2 trainer processes (multiprocessing "spawn", TensorPipe over
-127.0.0.1). Each trainer step: an RPC pull of every parameter (cloned on the PS under a
-lock), a local forward and backward, an RPC push of the gradients that the PS applies with
-torch.optim.SGD under the same lock. One torch thread per process.
+127.0.0.1). One torch thread per process. Two forms:
+
+- one round trip (``one_round_trip=True``, the strong peer, as Ray's asynchronous parameter
+  server and a competent torch.distributed.rpc user write it): each trainer step is a local
+  forward and backward, then one RPC that pushes the gradients, has the PS apply them with
+  torch.optim.SGD under a lock, and returns the updated parameters (cloned under the same
+  lock), which the next step computes with;
+- two RPCs per step: a pull of every parameter, then the push (the form a first attempt
+  takes; kept beside the other as a figure).
 """
 
 from __future__ import annotations
@@ -45,8 +51,27 @@ def ps_push(grads: list[torch.Tensor]) -> None:
             param.grad = None
 
 
+def ps_push_and_pull(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Applies ``grads`` and returns the parameters as they are right after: one round trip."""
+    with _PS["lock"]:
+        for param, grad in zip(_PS["params"], grads):
+            param.grad = grad
+        _PS["optimizer"].step()
+        for param in _PS["params"]:
+            param.grad = None
+        return [p.detach().clone() for p in _PS["params"]]
+
+
 def _process(
-    rank: int, port: int, sizes: tuple[int, ...], lr: float, warmup: int, steps: int, barrier: Any, results: Any
+    rank: int,
+    port: int,
+    sizes: tuple[int, ...],
+    lr: float,
+    warmup: int,
+    steps: int,
+    barrier: Any,
+    results: Any,
+    one_round_trip: bool,
 ) -> None:
     one_torch_thread()
     os.environ.setdefault("TP_SOCKET_IFNAME", "lo")
@@ -69,15 +94,25 @@ def _process(
             params = list(model.parameters())
             x, y = fixed_batch(rank - 1, sizes)
 
-            def step() -> None:
-                values = rpc.rpc_sync("ps", ps_pull)
+            def load(values: list[torch.Tensor]) -> None:
                 with torch.no_grad():
                     for param, value in zip(params, values):
                         param.copy_(value)
+
+            def step() -> None:
+                if not one_round_trip:
+                    load(rpc.rpc_sync("ps", ps_pull))
                 for param in params:
                     param.grad = None
                 F.cross_entropy(model(x), y).backward()
-                rpc.rpc_sync("ps", ps_push, args=([p.grad for p in params],))
+                grads = [p.grad for p in params]
+                if one_round_trip:
+                    load(rpc.rpc_sync("ps", ps_push_and_pull, args=(grads,)))
+                else:
+                    rpc.rpc_sync("ps", ps_push, args=(grads,))
+
+            if one_round_trip:
+                load(rpc.rpc_sync("ps", ps_pull))  # the first values; every push returns the next
 
             for _ in range(warmup):
                 step()
@@ -99,14 +134,19 @@ class RpcRun:
     cpu_ms_per_step: float
 
 
-def run_rpc_ps(sizes: tuple[int, ...], lr: float, steps: int, warmup: int, timeout: float = 300.0) -> RpcRun:
-    """Trains ``steps`` steps (summed over the 2 trainers) after ``warmup`` each; start-up excluded."""
+def run_rpc_ps(
+    sizes: tuple[int, ...], lr: float, steps: int, warmup: int, timeout: float = 300.0, *, one_round_trip: bool = True
+) -> RpcRun:
+    """Trains ``steps`` steps (summed over the 2 trainers) after ``warmup`` each; start-up excluded.
+    ``one_round_trip``: each step's push returns the new parameters (else a pull, then a push)."""
     context = multiprocessing.get_context("spawn")
     barrier, results = context.Barrier(3), context.Queue()
     port = free_port()
     processes = [
         context.Process(
-            target=_process, args=(rank, port, sizes, lr, warmup, steps // 2, barrier, results), daemon=True
+            target=_process,
+            args=(rank, port, sizes, lr, warmup, steps // 2, barrier, results, one_round_trip),
+            daemon=True,
         )
         for rank in range(3)
     ]

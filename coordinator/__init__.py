@@ -38,7 +38,7 @@ from paramserve.psserver.partition import (
     MaxSizePartitioner,
     MinSizePartitioner,
 )
-from paramserve.worker.variables import ShardedEmbedding
+from paramserve.worker.variables import ShardedEmbedding, ShardedEmbeddingCollection
 
 __all__ = [
     "CentralStorageStrategy",
@@ -65,6 +65,7 @@ __all__ = [
     "RemoteValue",
     "RemoteValueState",
     "ShardedEmbedding",
+    "ShardedEmbeddingCollection",
     "SidecarEvaluator",
     "callbacks",
     "compute_average_loss",

@@ -6,7 +6,7 @@ whichever worker is free; a closure whose worker fails is retried on another
 one; an error of the user's code is raised by the next ``schedule``,
 ``join`` or ``done`` (and by that closure's ``fetch``), after the queued
 closures are cancelled. Threads: one, ``paramserve-dispatch``, running every
-worker's dispatcher on an event loop (``coordinator.dispatch``), however many
+worker's dispatcher on an event loop (``coordinator.dispatch_loop``), however many
 workers there are; with a worker service in the cluster, ``paramserve-discovery``
 resolving it (``coordinator.discovery``). Metrics: ``coordinator.telemetry``, served over
 HTTP with ``metrics_port``.
@@ -27,23 +27,19 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from paramserve.coordinator import nest
+from paramserve.coordinator.batching import BATCH_SECONDS
 from paramserve.coordinator.closures import Closure, ClosureQueue, find_resource_ids
 from paramserve.coordinator.contracts import CheckpointRecord, CoordinatedStrategy, RecoverableVariables
 from paramserve.coordinator.discovery import DiscoveryPolicy, Resolver, WorkerDiscovery, resolve_dns
-from paramserve.coordinator.dispatch import (
-    BATCH_SECONDS,
-    DispatchLoop,
-    GrpcTransport,
-    ResourceSpecs,
-    WireContext,
-    WorkerTransport,
-)
+from paramserve.coordinator.dispatch_loop import DispatchLoop
+from paramserve.coordinator.dispatcher import ResourceSpecs, WireContext
 from paramserve.coordinator.errors import CoordinatorClosedError
 from paramserve.coordinator.failures import FailurePolicy
 from paramserve.coordinator.ps_recovery import ParameterServerRecovery
 from paramserve.coordinator.recovery_policy import RecoveryPolicy
 from paramserve.coordinator.remote_value import RemoteValue, fetch_structure
 from paramserve.coordinator.telemetry import CoordinatorTelemetry
+from paramserve.coordinator.worker_transport import GrpcTransport, WorkerTransport
 from paramserve.psserver import convert
 from paramserve.psserver.errors import ConfigurationError
 from paramserve.psserver.security import ClientTls, unauthenticated_workers
@@ -78,7 +74,7 @@ class CoordinatorConfig:
     """Queued closures one RunClosures call may carry to a worker (each keeps its own id,
     retries and RemoteValue; batching saves round trips when closures queue up)."""
     batch_seconds: float = BATCH_SECONDS
-    """A batch lasts about this long at the closures' recent duration (dispatch.BatchSizer):
+    """A batch lasts about this long at the closures' recent duration (batching.BatchSizer):
     short closures travel several to a call, long ones one by one."""
     insecure: bool = False
     """Accept pickled results from workers beyond loopback that nothing authenticates (no token

@@ -50,7 +50,7 @@ class InvalidTransitionError(RuntimeError):
 
 
 class RemoteErrorData(Protocol):
-    """What a worker reports about a failed closure (worker.core.ClosureFailure fits)."""
+    """What a worker reports about a failed closure (worker.results.ClosureFailure fits)."""
 
     @property
     def type(self) -> str: ...

@@ -103,7 +103,7 @@ _STOP_ITERATION_TYPES = frozenset({"builtins.StopIteration", "builtins.StopAsync
 
 
 class ClosureErrorData(Protocol):
-    """The fields of a worker's failure reply the policy reads (worker.core.ClosureFailure and
+    """The fields of a worker's failure reply the policy reads (worker.results.ClosureFailure and
     the ClosureFailure proto fit)."""
 
     @property

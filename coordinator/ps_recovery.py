@@ -42,7 +42,7 @@ from typing import Protocol
 
 from paramserve.coordinator.closures import ClosureQueue
 from paramserve.coordinator.contracts import RecoverableVariables
-from paramserve.coordinator.dispatch import DispatchLoop
+from paramserve.coordinator.dispatch_loop import DispatchLoop
 from paramserve.coordinator.errors import ParameterServerUnavailableError
 from paramserve.coordinator.recovery_policy import (
     CheckpointFacts,

@@ -50,7 +50,7 @@ __all__ = [
 
 PREFIX = "paramserve_coordinator_"
 WORKER_STATES = ("up", "down", "stopped")
-"""``WorkerState`` values of coordinator.dispatch, as labels."""
+"""``WorkerState`` values of coordinator.dispatcher, as labels."""
 
 
 class CoordinatorObserver(Protocol):

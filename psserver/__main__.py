@@ -7,9 +7,7 @@ import os
 import pathlib
 import sys
 
-from paramserve.psserver.security import writable_directory
-from paramserve.psserver.server import ServerConfig, build_server
-from paramserve.psserver.serving import (
+from paramserve.psserver.command_line import (
     add_server_arguments,
     check_port_file,
     configure_logging,
@@ -23,6 +21,8 @@ from paramserve.psserver.serving import (
     run_reporting_errors,
     serve_until_signal,
 )
+from paramserve.psserver.security import writable_directory
+from paramserve.psserver.server import ServerConfig, build_server
 from paramserve.psserver.steps import DEFAULT_MAX_PULL_BYTES, DEFAULT_MAX_PUSH_BYTES
 from paramserve.psserver.store import StoreConfig
 from paramserve.psserver.streams import DEFAULT_CHUNK_BYTES

@@ -55,7 +55,7 @@ from paramserve.psserver.errors import (
     ParamServeError,
 )
 from paramserve.psserver.optimizer import OptimizerSpec
-from paramserve.psserver.store import check_state
+from paramserve.psserver.shards import check_state
 from paramserve.psserver.tensors import dtype_from_name, dtype_name
 from paramserve.psserver.types import ShardRef, ShardState
 

@@ -61,6 +61,7 @@ from paramserve.psserver.types import (
     ShardPlacement,
     ShardRef,
     ShardState,
+    UniqueRows,
     VariableLayout,
 )
 from paramserve.wire.v1 import parameter_server_pb2 as ps_pb2
@@ -298,22 +299,40 @@ class ParameterServerClient:
     def pull_rows(self, name: str, indices: torch.Tensor) -> PullResult:
         """Reads rows of a variable (an embedding lookup): the result has shape
         ``indices.shape + variable.shape[1:]``. Only the distinct rows travel."""
-        layout = self.layout(name)
+        found, versions = self.pull_unique_rows({name: indices})
+        return PullResult({name: found[name].gathered(indices.shape)}, versions)
+
+    def pull_unique_rows(
+        self, lookups: Mapping[str, torch.Tensor]
+    ) -> tuple[dict[str, UniqueRows], dict[ShardRef, int]]:
+        """Reads the distinct rows of every lookup (variable name: indices of any shape) in one
+        exchange per server, however many tables the lookups touch; also the version each
+        shard was read at. Raises IndexOutOfRangeError, before any call, for an index outside
+        its table."""
+        exchange = Exchange()
+        found: dict[str, UniqueRows] = {}
+        for name, indices in lookups.items():
+            found[name] = self._add_row_reads(exchange, self.layout(name), indices)
+        _, versions = self._run(exchange, None, next(iter(lookups)) if len(lookups) == 1 else None)
+        return found, versions
+
+    def _add_row_reads(self, exchange: Exchange, layout: VariableLayout, indices: torch.Tensor) -> UniqueRows:
         flat = indices.reshape(-1).to(torch.int64)
-        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= layout.shape[0]):
-            bad = int(flat[(flat < 0) | (flat >= layout.shape[0])][0])
-            raise index_error(name, bad, layout.shape[0])
+        rows_in_table = layout.shape[0]
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= rows_in_table):
+            bad = int(flat[(flat < 0) | (flat >= rows_in_table)][0])
+            raise index_error(layout.name, bad, rows_in_table)
         unique, inverse = torch.unique(flat, return_inverse=True)
         rows = torch.empty((unique.numel(), *layout.shape[1:]), dtype=layout.dtype)
-        exchange = Exchange()
-        for shard, positions in group_rows(layout, unique):
+        wire = self._wire_of(layout)
+        for index, positions in group_rows(layout, unique):
+            shard = layout.shards[index]
             local = unique[positions] - shard.row_start
             item = ps_pb2.PullItem(
-                ref=convert.ref_to_proto(layout.ref(shard)), sparse=True, row_indices=convert.rows_to_bytes(local)
+                ref=wire.shards[index].ref_proto, sparse=True, row_indices=convert.rows_to_bytes(local)
             )
-            exchange.read(shard.server, ReadEntry(item, RowScatter(rows, positions)))
-        _, versions = self._run(exchange, None, name)
-        return PullResult({name: rows[inverse].reshape(*indices.shape, *layout.shape[1:])}, versions)
+            exchange.read(shard.server, ReadEntry(item, RowScatter(rows, positions), wire.shards[index].ref))
+        return UniqueRows(unique, inverse, rows)
 
     def push(
         self,

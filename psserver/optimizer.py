@@ -327,6 +327,17 @@ def _check_floating(value: Tensor) -> None:
         raise DtypeMismatchError(f"an optimizer updates floating-point variables only; this one is {value.dtype}")
 
 
+@dataclass(eq=False)
+class RowStep:
+    """One shard's share of a row-sparse step, between ShardOptimizer.gather_rows and
+    scatter_rows: the touched rows as a temporary parameter (with its gradient) and state."""
+
+    owner: ShardOptimizer
+    unique: Tensor
+    param: torch.nn.Parameter
+    state: dict[str, Any]
+
+
 class ShardOptimizer:
     """Applies one torch.optim optimizer to one shard's value, in place.
 
@@ -384,18 +395,29 @@ class ShardOptimizer:
         ``rows`` are int64 indices local to the shard (duplicates are summed);
         ``grad_rows[i]`` is the gradient of row ``rows[i]``.
         """
+        step = self.gather_rows(rows, grad_rows)
+        optimizer = _build(self._spec, [step.param])
+        optimizer.state[step.param] = step.state
+        optimizer.step()
+        self.scatter_rows(step, optimizer.state[step.param])
+
+    def gather_rows(self, rows: Tensor, grad_rows: Tensor) -> RowStep:
+        """The first half of ``apply_rows``: the touched rows of the value and of the row-shaped
+        slots, as a temporary parameter (its gradient: ``grad_rows`` summed per row) and state
+        for one step of this shard's optimizer. Raises as ``apply_rows`` does, changing nothing."""
         self._check_rows(rows)
         self._check_grad(grad_rows, (rows.shape[0], *self._param.shape[1:]))
         unique, inverse = torch.unique(rows, sorted=True, return_inverse=True)
         summed = torch.zeros((unique.shape[0], *grad_rows.shape[1:]), dtype=grad_rows.dtype)
         summed.index_add_(0, inverse, grad_rows.detach())
         temporary = torch.nn.Parameter(self._param.detach().index_select(0, unique))
-        optimizer = _build(self._spec, [temporary])
-        optimizer.state[temporary] = self._gather_state(unique)
         temporary.grad = summed
-        optimizer.step()
-        self._param.detach().index_copy_(0, unique, temporary.detach())
-        self._scatter_state(unique, optimizer.state[temporary], temporary)
+        return RowStep(self, unique, temporary, self._gather_state(unique))
+
+    def scatter_rows(self, step: RowStep, stepped: Mapping[str, Any]) -> None:
+        """The second half: writes the stepped rows and state back into the shard."""
+        self._param.detach().index_copy_(0, step.unique, step.param.detach())
+        self._scatter_state(step.unique, stepped, step.param)
 
     def _check_rows(self, rows: Tensor) -> None:
         if self._param.dim() == 0:
@@ -576,6 +598,24 @@ class GroupedSteps:
         finally:
             for param in params:
                 param.grad = None
+
+    def apply_rows(self, optimizers: Sequence[ShardOptimizer], rows: Sequence[Tensor], grads: Sequence[Tensor]) -> None:
+        """``optimizers[i].apply_rows(rows[i], grads[i])`` for all i (all share one spec), as one
+        torch.optim step over the gathered rows of every shard: a recommendation model's push
+        touches a shard of each of its tables, and torch.optim's per-call overhead would cost
+        more than their updates. With the for-loop implementation forced, each shard's rows
+        are computed exactly as its own step computes them; shared per-shard state (a step
+        count) is each shard's own. Raises as apply_rows does, before any shard changes."""
+        if len(optimizers) == 1:
+            optimizers[0].apply_rows(rows[0], grads[0])
+            return
+        steps = [optimizer.gather_rows(r, g) for optimizer, r, g in zip(optimizers, rows, grads)]
+        group = _build(optimizers[0].spec, [step.param for step in steps])
+        for step in steps:
+            group.state[step.param] = step.state
+        group.step()
+        for step in steps:
+            step.owner.scatter_rows(step, group.state[step.param])
 
     def clear(self) -> None:
         """Forgets every group (they hold their shards' tensors): after shards are deleted or replaced."""

@@ -9,10 +9,13 @@
   reply's bytes). The coordinator unpickles a worker's reply only when that
   signature holds, so a process at a worker's address that does not hold the
   token cannot make the coordinator run code, nor replay an old reply.
+- **Where the token comes from.** A file (``read_token_file``: ``--token-file``), else
+  ``PARAMSERVE_TOKEN`` (``TOKEN_ENV``); an empty one is an error (``check_token``).
 - **Exposure.** A server listens beyond loopback only when its callers must
   authenticate (a token, or client certificates), unless told ``insecure``.
 - **TLS.** What a server presents and which client certificates it requires
-  (``TlsConfig``); what a client verifies servers with and presents (``ClientTls``).
+  (``TlsConfig``, its files checked before serving by ``tls_files_problem``); what a client
+  verifies servers with and presents (``ClientTls``).
 - **Checkpoint paths.** Save and Restore stay inside the server's checkpoint root.
 """
 
@@ -39,6 +42,7 @@ __all__ = [
     "AUTH_METADATA_KEY",
     "REPLY_NONCE_METADATA_KEY",
     "REPLY_SIGNATURE_METADATA_KEY",
+    "TOKEN_ENV",
     "ClientTls",
     "TlsConfig",
     "bearer_metadata",
@@ -48,9 +52,11 @@ __all__ = [
     "confined_path",
     "is_loopback",
     "new_reply_nonce",
+    "read_token_file",
     "reply_is_signed",
     "reply_key",
     "reply_signature",
+    "tls_files_problem",
     "unauthenticated_workers",
     "writable_directory",
 ]
@@ -95,6 +101,24 @@ def check_token(token: str | None, source: str) -> str | None:
             len(token),
             MIN_TOKEN_CHARS,
         )
+    return token
+
+
+TOKEN_ENV = "PARAMSERVE_TOKEN"
+"""The environment variable a process reads the cluster's token from, when no file names it."""
+
+
+def read_token_file(path: pathlib.Path, flag: str = "--token-file") -> str:
+    """The token in ``path``; raises ConfigurationError when it cannot be read or is empty."""
+    try:
+        text = path.read_text().strip()
+    except (OSError, UnicodeDecodeError) as err:
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+        raise ConfigurationError(
+            f"{flag} {path}: cannot read it ({reason}); give a file holding the cluster's shared token"
+        ) from None
+    token = check_token(text, f"{flag} {path}")
+    assert token is not None
     return token
 
 
@@ -279,6 +303,29 @@ class ClientTls:
 
     def options(self) -> list[tuple[str, Any]]:
         return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
+
+
+def tls_files_problem(cert: pathlib.Path, key: pathlib.Path, client_ca: pathlib.Path | None) -> str | None:
+    """What is wrong with a server's TLS files, or None: checked before serving, so that a bad
+    certificate is not reported as a port that cannot be bound."""
+    import ssl
+
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(str(cert), str(key))
+    except FileNotFoundError as err:
+        return f"--tls-cert/--tls-key: {err.filename} does not exist"
+    except (ssl.SSLError, OSError) as err:
+        return (
+            f"--tls-cert {cert} and --tls-key {key} are not a PEM certificate chain and its private key "
+            f"({getattr(err, 'reason', None) or err}): give the files your CA issued for this server"
+        )
+    if client_ca is not None:
+        try:
+            context.load_verify_locations(cafile=str(client_ca))
+        except (ssl.SSLError, OSError) as err:
+            return f"--tls-client-ca {client_ca} is not a PEM CA bundle ({getattr(err, 'reason', None) or err})"
+    return None
 
 
 # ---------------------------------------------------------------- checkpoint paths

@@ -15,19 +15,14 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from paramserve.psserver.dataplane_server import DataPlaneServer
+from paramserve.psserver.error_boundary import boundary_error
 from paramserve.psserver.errors import ConfigurationError, ParamServeError
 from paramserve.psserver.metadata import SERVICE_NAME
 from paramserve.psserver.optimizer import warm_up
 from paramserve.psserver.programs import StepPrograms
+from paramserve.psserver.security import TlsConfig
 from paramserve.psserver.servicer import ParameterServerServicer, ServicerLimits, generic_handler
-from paramserve.psserver.serving import (
-    DEFAULT_MAX_CONNECTIONS,
-    GrpcService,
-    RunningService,
-    TlsConfig,
-    boundary_error,
-    ensure_descriptors,
-)
+from paramserve.psserver.serving import DEFAULT_MAX_CONNECTIONS, GrpcService, RunningService, ensure_descriptors
 from paramserve.psserver.steps import DEFAULT_MAX_PULL_BYTES, DEFAULT_MAX_PUSH_BYTES, StepEngine
 from paramserve.psserver.store import ShardStore, StoreConfig
 from paramserve.psserver.streams import DEFAULT_CHUNK_BYTES

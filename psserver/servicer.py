@@ -3,7 +3,7 @@
 Handlers take and return raw bytes (see serving.MetricsInterceptor); bulk data
 moves through psserver.streams. What a step means (Step, Push, and Pull's
 checks) is psserver/steps.py's, shared with the data plane. Every error leaves
-through the boundary in serving.
+through the boundary in psserver.error_boundary.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import grpc
 import torch
 
 from paramserve.psserver import checkpoint, convert
+from paramserve.psserver.error_boundary import parse, stream_boundary, unary_boundary
 from paramserve.psserver.errors import InvalidRequestError, MessageTooLargeError, VariableNotFoundError
 from paramserve.psserver.metadata import IDEMPOTENCY_METADATA_KEY, SERVICE_NAME
 from paramserve.psserver.security import checkpoint_root, confined_path
-from paramserve.psserver.serving import parse, stream_boundary, unary_boundary
 from paramserve.psserver.steps import DEFAULT_MAX_PULL_BYTES, DEFAULT_MAX_PUSH_BYTES, StepEngine, StepLimits, reads_of
 from paramserve.psserver.store import ShardStore
 from paramserve.psserver.streams import byte_buffer, encode_parts, meta_nbytes, meta_of, read_parts, tensor_payload

@@ -1,58 +1,35 @@
-"""Serving: the process plumbing the parameter server and the worker share.
+"""Serving: the gRPC server the parameter server and the worker share.
 
-Both kinds of server are a plain-Python core behind a thin servicer; everything
-around the servicer is here, once:
+Both kinds of server are a plain-Python core behind a thin servicer (whose error boundary is
+psserver.error_boundary); the gRPC server around the servicer is here, once:
 
-- the error boundary: core errors -> one status code each, named in trailing
-  metadata (escaped to printable ASCII, bounded in size); anything else ->
-  INTERNAL (never UNKNOWN);
 - interceptors: the token check (before a request's body is read), reply
   signatures, and per-RPC Prometheus metrics (the rules are psserver.security's);
 - server options (no SO_REUSEPORT, message, connection and HTTP/2
-  limits), the port file that tells a launcher which port a server bound;
+  limits), and the file descriptors they need;
 - ``GrpcService``: a started server with health checking and metrics, which
-  refuses to listen beyond loopback unauthenticated;
-- the command line both ``paramserve ps`` and ``paramserve worker`` take
-  (network, security, limits, logging flags), its checked flag types, the
-  one-line report of a bad configuration, and the serve-until-signal loop.
+  refuses to listen beyond loopback unauthenticated.
+
+The command line both ``paramserve ps`` and ``paramserve worker`` take, and the
+serve-until-signal loop, are psserver.command_line's.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import hmac
-import json
 import logging
-import os
-import pathlib
-import signal
 import socket
-import sys
-import threading
 import time
-import traceback
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any, NoReturn, TypeVar
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import grpc
-import torch
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from paramserve.psserver import cpus
-from paramserve.psserver.atomic_files import atomic_write
 from paramserve.psserver.channels import KEEPALIVE_TIME_MS, TCP_READ_OPTIONS
-from paramserve.psserver.errors import (
-    ERROR_METADATA_KEY,
-    ERROR_VARIABLE_METADATA_KEY,
-    ConfigurationError,
-    InternalError,
-    InvalidRequestError,
-    MessageTooLargeError,
-    ParamServeError,
-)
+from paramserve.psserver.errors import ERROR_METADATA_KEY, ConfigurationError
 from paramserve.psserver.memory import MemoryTrimmer
-from paramserve.psserver.metadata import MAX_ERROR_METADATA_CHARS, metadata_value
 from paramserve.psserver.metrics_http import MetricsEndpoint, register_build_info, serve_metrics
 from paramserve.psserver.security import (
     AUTH_METADATA_KEY,
@@ -61,136 +38,14 @@ from paramserve.psserver.security import (
     TlsConfig,
     bearer_metadata,
     check_exposure,
-    check_token,
     is_reply_nonce,
     reply_key,
     reply_signature,
 )
-from paramserve.psserver.tf_config import ClusterSpecError, task_address
 
 log = logging.getLogger(__name__)
 
 HEALTH_SERVICE_PREFIX = "/grpc.health.v1.Health/"
-_T = TypeVar("_T")
-
-
-# ---------------------------------------------------------------- error boundary
-
-
-def _encoded_chars(text: str) -> int:
-    # gRPC percent-encodes an error's details: bytes outside printable ASCII, and '%', take 3.
-    return sum(1 if 0x20 <= byte <= 0x7E and byte != 0x25 else 3 for byte in text.encode("utf-8", "backslashreplace"))
-
-
-def _prefix_within(text: str, budget: int) -> str:
-    used = 0
-    for index, char in enumerate(text):
-        used += _encoded_chars(char)
-        if used > budget:
-            return text[:index]
-    return text
-
-
-def bounded_details(message: str, limit: int = MAX_ERROR_METADATA_CHARS) -> str:
-    """``message`` with its middle cut out when gRPC's encoding of it would pass ``limit``
-    characters (a longer status message makes a client fail the call with "Stream removed")."""
-    if _encoded_chars(message) <= limit:
-        return message
-    half = (limit - 48) // 2
-    head = _prefix_within(message, half)
-    tail = _prefix_within(message[::-1], half)[::-1]
-    return f"{head} [... {len(message) - len(head) - len(tail)} characters cut ...] {tail}"
-
-
-def abort_with(context: grpc.ServicerContext, err: ParamServeError) -> NoReturn:
-    """Ends the RPC with err's status code; the client re-raises the same class."""
-    trailers = [(ERROR_METADATA_KEY, type(err).__name__)]
-    if err.variable:
-        trailers.append((ERROR_VARIABLE_METADATA_KEY, metadata_value(err.variable)))
-    context.set_trailing_metadata(tuple(trailers))
-    context.abort(getattr(grpc.StatusCode, err.code.value), bounded_details(err.message))
-    raise AssertionError("unreachable: context.abort raises")
-
-
-def _abort_internal(context: grpc.ServicerContext, method: str, exc: BaseException) -> None:
-    log.exception("internal error in %s", method)
-    context.set_trailing_metadata(((ERROR_METADATA_KEY, "InternalError"),))
-    context.abort(grpc.StatusCode.INTERNAL, bounded_details(f"internal error in {method}: {type(exc).__name__}: {exc}"))
-
-
-def _as_paramserve_error(exc: Exception) -> ParamServeError | None:
-    """The client-caused problems that reach the boundary as Python's own errors."""
-    if isinstance(exc, MemoryError):
-        return MessageTooLargeError(
-            "the server ran out of memory for this request; send smaller requests, or give the server more memory"
-        )
-    if isinstance(exc, RecursionError):
-        return InvalidRequestError("the request nests too deeply to be read; flatten it")
-    return None
-
-
-def boundary_error(method: str, exc: Exception) -> ParamServeError:
-    """The typed error a surprise in ``method`` becomes at a boundary other than gRPC's (the data
-    plane): a known client-caused problem, else InternalError (logged with its traceback)."""
-    known = _as_paramserve_error(exc)
-    if known is not None:
-        return known
-    log.error("internal error in %s", method, exc_info=exc)
-    return InternalError(bounded_details(f"internal error in {method}: {type(exc).__name__}: {exc}"))
-
-
-def unary_boundary(method: Callable[..., _T]) -> Callable[..., _T]:
-    """Wraps a servicer method that returns one response."""
-
-    @functools.wraps(method)
-    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> _T:
-        try:
-            return method(self, request, context)
-        except ParamServeError as err:
-            abort_with(context, err)
-        except Exception as exc:
-            if _is_abort(exc, context):
-                raise
-            known = _as_paramserve_error(exc)
-            if known is not None:
-                abort_with(context, known)
-            _abort_internal(context, method.__name__, exc)
-        raise AssertionError("unreachable: context.abort raises")
-
-    return wrapper
-
-
-def stream_boundary(method: Callable[..., Iterator[_T]]) -> Callable[..., Iterator[_T]]:
-    """Wraps a servicer method that yields a response stream."""
-
-    @functools.wraps(method)
-    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Iterator[_T]:
-        try:
-            yield from method(self, request, context)
-        except ParamServeError as err:
-            abort_with(context, err)
-        except Exception as exc:
-            if _is_abort(exc, context):
-                raise
-            known = _as_paramserve_error(exc)
-            if known is not None:
-                abort_with(context, known)
-            _abort_internal(context, method.__name__, exc)
-
-    return wrapper
-
-
-def _is_abort(exc: Exception, context: grpc.ServicerContext) -> bool:
-    # context.abort() raises a plain Exception after setting the code; let it through.
-    return context.code() not in (None, grpc.StatusCode.OK)
-
-
-def parse(message_cls: type[_T], raw: bytes) -> _T:
-    """Parses a request message; garbage becomes INVALID_ARGUMENT, not INTERNAL."""
-    try:
-        return message_cls.FromString(raw)  # type: ignore[attr-defined]
-    except Exception as err:
-        raise InvalidRequestError(f"malformed {message_cls.__name__} message ({len(raw)} bytes): {err}") from None
 
 
 # ---------------------------------------------------------------- metrics
@@ -391,7 +246,7 @@ def _count_one(request: Any, counter: Any) -> Any:
     return request
 
 
-# ---------------------------------------------------------------- options, TLS, port file
+# ---------------------------------------------------------------- options and descriptors
 
 
 DEFAULT_MAX_CONNECTIONS = 1024
@@ -442,26 +297,6 @@ def server_options(max_message_bytes: int, max_connections: int = DEFAULT_MAX_CO
         ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
         *TCP_READ_OPTIONS,
     ]
-
-
-def write_port_file(path: pathlib.Path, port: int, metrics_port: int | None) -> None:
-    """Atomically tells a launcher where this server listens."""
-    payload = json.dumps({"port": port, "metrics_port": metrics_port, "pid": os.getpid()}).encode()
-    atomic_write(path, lambda handle: handle.write(payload))
-
-
-def read_token_file(path: pathlib.Path, flag: str = "--token-file") -> str:
-    """The token in ``path``; raises ConfigurationError when it cannot be read or is empty."""
-    try:
-        text = path.read_text().strip()
-    except (OSError, UnicodeDecodeError) as err:
-        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
-        raise ConfigurationError(
-            f"{flag} {path}: cannot read it ({reason}); give a file holding the cluster's shared token"
-        ) from None
-    token = check_token(text, f"{flag} {path}")
-    assert token is not None
-    return token
 
 
 # ---------------------------------------------------------------- a running server
@@ -648,252 +483,3 @@ def _port_is_taken(address: str) -> bool:
 
 def _bracket(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
-
-
-# ---------------------------------------------------------------- the command line of every server
-
-TOKEN_ENV = "PARAMSERVE_TOKEN"
-DEFAULT_HOST = "127.0.0.1"
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
-
-
-def port_number(text: str) -> int:
-    """An argparse type: a TCP port, 0 (a free one) to 65535."""
-    value = _integer(text)
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"{value} is not a port: give 1 to 65535, or 0 for a free one")
-    return value
-
-
-def positive_int(text: str) -> int:
-    """An argparse type: an integer of at least 1."""
-    value = _integer(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not allowed: give 1 or more")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    """An argparse type: an integer of at least 0."""
-    value = _integer(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} is not allowed: give 0 or more")
-    return value
-
-
-def positive_float(text: str) -> float:
-    """An argparse type: a finite number above 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not (value > 0 and value != float("inf")):
-        raise argparse.ArgumentTypeError(f"{text} is not allowed: give a number above 0")
-    return value
-
-
-def _integer(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-
-
-def add_server_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags every paramserve server takes (parameter server and worker alike)."""
-    net = parser.add_argument_group("network")
-    net.add_argument(
-        "--host",
-        help=f"address to listen on (default: the host of TF_CONFIG's task, else {DEFAULT_HOST}; "
-        "0.0.0.0 for all, which needs a token or client certificates, or --insecure)",
-    )
-    net.add_argument(
-        "--port",
-        type=port_number,
-        help="gRPC port, 1-65535; 0 picks a free one (default: the port of TF_CONFIG's task, else 0)",
-    )
-    net.add_argument(
-        "--port-file", type=pathlib.Path, help="once serving, atomically write {port, metrics_port, pid} as JSON here"
-    )
-    net.add_argument(
-        "--metrics-port",
-        type=port_number,
-        help="serve Prometheus metrics over HTTP on this port (0: a free one; default: off)",
-    )
-    net.add_argument("--max-workers", type=positive_int, default=16, help="RPC handler threads (default: %(default)s)")
-    net.add_argument(
-        "--max-message-bytes",
-        type=positive_int,
-        default=64 << 20,
-        help="largest gRPC message accepted (default: %(default)s); bulk data is chunked below it",
-    )
-    net.add_argument(
-        "--max-connections",
-        type=positive_int,
-        default=DEFAULT_MAX_CONNECTIONS,
-        help="connections accepted at once (default: %(default)s); bounds what HTTP/2 header floods can hold",
-    )
-    net.add_argument(
-        "--grace-seconds",
-        type=float,
-        default=5.0,
-        help="on SIGTERM, time running RPCs get to finish (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--torch-threads",
-        type=int,
-        help="torch intra-op threads (default: this process's share of the CPUs it may use: usable "
-        "CPUs // PARAMSERVE_PROCESSES_PER_HOST, which local clusters set; see psserver/cpus.py)",
-    )
-    sec = parser.add_argument_group("security")
-    sec.add_argument(
-        "--token-file",
-        type=pathlib.Path,
-        help=f"file holding the cluster's shared token; calls without it get UNAUTHENTICATED (or set {TOKEN_ENV}; "
-        "an empty one is an error)",
-    )
-    sec.add_argument("--tls-cert", type=pathlib.Path, help="PEM certificate chain: serve TLS (needs --tls-key)")
-    sec.add_argument("--tls-key", type=pathlib.Path, help="PEM private key for --tls-cert")
-    sec.add_argument(
-        "--tls-client-ca",
-        type=pathlib.Path,
-        help="PEM CA bundle: require client certificates signed by it (mutual TLS)",
-    )
-    sec.add_argument(
-        "--insecure",
-        action="store_true",
-        help="allow listening beyond loopback with neither a token nor client certificates (anyone who "
-        "can reach the port can call it; a worker runs any code it is sent). Logs a warning",
-    )
-    parser.add_argument(
-        "--log-level",
-        default="INFO",
-        choices=LOG_LEVELS,
-        help=f"how much to log: {', '.join(LOG_LEVELS)} (default: %(default)s)",
-    )
-
-
-def resolve_address(
-    args: argparse.Namespace, parser: argparse.ArgumentParser, role: str, environ: Mapping[str, str]
-) -> tuple[str, int]:
-    """Where the server listens: ``--host``/``--port``, else TF_CONFIG's task (a ``role`` task:
-    "ps" or "worker"), else 127.0.0.1 and a free port. Exits through ``parser.error`` when
-    TF_CONFIG is invalid or names another role."""
-    try:
-        task = task_address(role, environ) if args.host is None or args.port is None else None
-    except ClusterSpecError as err:
-        parser.error(str(err))
-    host = args.host if args.host is not None else task[0] if task else DEFAULT_HOST
-    port = args.port if args.port is not None else task[1] if task else 0
-    if not 0 <= port <= 65535:
-        parser.error(f"TF_CONFIG's {role} task has port {port}: give 1 to 65535")
-    if task:
-        log.info("listening on %s:%d, as TF_CONFIG's %s task", host, port, role)
-    return host, port
-
-
-def resolve_token(args: argparse.Namespace, environ: Mapping[str, str]) -> str | None:
-    """--token-file, else PARAMSERVE_TOKEN, else None (no authentication). Raises
-    ConfigurationError for a file that cannot be read and for an empty token: an empty
-    PARAMSERVE_TOKEN is a mistake, not a request to run without authentication."""
-    if args.token_file:
-        return read_token_file(args.token_file)
-    return check_token(environ.get(TOKEN_ENV), TOKEN_ENV)
-
-
-def resolve_torch_threads(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    """--torch-threads, else this process's share of the usable CPUs (psserver.cpus)."""
-    try:
-        return cpus.torch_threads(args.torch_threads)
-    except ValueError as err:
-        parser.error(f"--torch-threads: {err}")
-
-
-def resolve_tls(args: argparse.Namespace, parser: argparse.ArgumentParser) -> TlsConfig | None:
-    if not args.tls_cert and not args.tls_key:
-        if args.tls_client_ca:
-            parser.error("--tls-client-ca needs --tls-cert and --tls-key")
-        return None
-    if not (args.tls_cert and args.tls_key):
-        parser.error("TLS needs both --tls-cert and --tls-key")
-    problem = tls_files_problem(args.tls_cert, args.tls_key, args.tls_client_ca)
-    if problem is not None:
-        parser.error(problem)
-    return TlsConfig(args.tls_cert, args.tls_key, args.tls_client_ca)
-
-
-def tls_files_problem(cert: pathlib.Path, key: pathlib.Path, client_ca: pathlib.Path | None) -> str | None:
-    """What is wrong with a server's TLS files, or None: checked before serving, so that a bad
-    certificate is not reported as a port that cannot be bound."""
-    import ssl
-
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    try:
-        context.load_cert_chain(str(cert), str(key))
-    except FileNotFoundError as err:
-        return f"--tls-cert/--tls-key: {err.filename} does not exist"
-    except (ssl.SSLError, OSError) as err:
-        return (
-            f"--tls-cert {cert} and --tls-key {key} are not a PEM certificate chain and its private key "
-            f"({getattr(err, 'reason', None) or err}): give the files your CA issued for this server"
-        )
-    if client_ca is not None:
-        try:
-            context.load_verify_locations(cafile=str(client_ca))
-        except (ssl.SSLError, OSError) as err:
-            return f"--tls-client-ca {client_ca} is not a PEM CA bundle ({getattr(err, 'reason', None) or err})"
-    return None
-
-
-def check_port_file(path: pathlib.Path | None) -> None:
-    """Raises ConfigurationError when ``path``'s directory cannot take the port file: checked
-    before serving, so a launcher never waits for a file that cannot be written."""
-    if path is None:
-        return
-    directory = path.parent if str(path.parent) else pathlib.Path(".")
-    if not directory.is_dir() or not os.access(directory, os.W_OK | os.X_OK):
-        raise ConfigurationError(
-            f"--port-file {path}: its directory {directory} does not exist or is not writable by this user"
-        )
-
-
-def run_reporting_errors(
-    runner: Callable[[argparse.Namespace, argparse.ArgumentParser], int],
-    args: argparse.Namespace,
-    parser: argparse.ArgumentParser,
-) -> int:
-    """``runner(args, parser)``; a ConfigurationError (a setting the command cannot start with)
-    ends it with one line on stderr and exit status 2, with the traceback only under ``--debug``."""
-    try:
-        return runner(args, parser)
-    except ConfigurationError as err:
-        if getattr(args, "debug", False):
-            traceback.print_exc()
-        print(f"{parser.prog}: error: {err}", file=sys.stderr)
-        return 2
-
-
-def serve_until_signal(server: RunningService, port_file: pathlib.Path | None, grace: float, name: str) -> None:
-    """Blocks until SIGTERM/SIGINT, then stops ``server`` gracefully."""
-    stop_requested = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop_requested.set())
-    logging.getLogger(name).info(
-        "serving on port %d (metrics port %s, %d torch threads)",
-        server.port,
-        server.metrics_port,
-        torch.get_num_threads(),
-    )
-    if port_file:  # last: a launcher that sees the file may read everything logged before it
-        write_port_file(port_file, server.port, server.metrics_port)
-    stop_requested.wait()
-    logging.getLogger(name).info("stopping: draining for up to %.1fs", grace)
-    server.stop(grace)
-
-
-def configure_logging(level: str, role: str) -> None:
-    logging.basicConfig(
-        level=level,
-        format=f"%(asctime)s {role}[%(process)d] %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )

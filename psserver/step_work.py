@@ -22,7 +22,7 @@ from paramserve.psserver.errors import (
 )
 from paramserve.psserver.streams import meta_of, tensor_payload
 from paramserve.psserver.tensors import as_byte_view, dtype_name
-from paramserve.psserver.types import PushOutcome, RowGradient, ShardPlacement, ShardRef, VariableLayout
+from paramserve.psserver.types import PushOutcome, RowGradient, ShardRef, VariableLayout
 from paramserve.wire.v1 import parameter_server_pb2 as ps_pb2
 from paramserve.wire.v1 import tensor_pb2
 
@@ -232,7 +232,7 @@ def push_parts(
     a dense one of the layout's dtype, else converted pieces; the rows each shard holds for a
     row gradient."""
     if isinstance(gradient, RowGradient):
-        yield from _row_parts(wire.layout, gradient, base_versions)
+        yield from _row_parts(wire, gradient, base_versions)
         return
     layout = wire.layout
     gradient = gradient.detach().cpu()
@@ -255,20 +255,21 @@ def push_parts(
 
 
 def _row_parts(
-    layout: VariableLayout, gradient: RowGradient, base_versions: Mapping[ShardRef, int]
+    wire: LayoutWire, gradient: RowGradient, base_versions: Mapping[ShardRef, int]
 ) -> Iterator[tuple[int, PushPart]]:
+    layout = wire.layout
     indices = gradient.indices.reshape(-1).to(torch.int64)
     values = gradient.values.reshape(indices.numel(), *layout.shape[1:]).detach().cpu()
     if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= layout.shape[0]):
         bad = int(indices[(indices < 0) | (indices >= layout.shape[0])][0])
         raise index_error(layout.name, bad, layout.shape[0])
-    for shard, positions in group_rows(layout, indices):
+    for index, positions in group_rows(layout, indices):
+        shard, shard_wire = layout.shards[index], wire.shards[index]
         local = (indices[positions] - shard.row_start).contiguous()
         rows_values = values[positions].contiguous()
-        ref = layout.ref(shard)
-        base = base_versions.get(ref, -1)
+        base = base_versions.get(shard_wire.ref, -1)
         part = tensor_pb2.PushPart(
-            ref=convert.ref_to_proto(ref),
+            ref=shard_wire.ref_proto,
             values=meta_of(rows_values),
             sparse=True,
             num_indices=local.numel(),
@@ -277,11 +278,24 @@ def _row_parts(
         yield shard.server, PushPart([tensor_payload(local), tensor_payload(rows_values)], base, built=part)
 
 
-def group_rows(layout: VariableLayout, indices: torch.Tensor) -> Iterator[tuple[ShardPlacement, torch.Tensor]]:
-    """(shard, positions in indices) for every shard that some index falls in."""
+def group_rows(layout: VariableLayout, indices: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+    """(shard index in the layout, positions in ``indices``) for every shard some index falls
+    in. Sorted indices (a lookup's distinct rows, the gradient of one lookup) split into one
+    range per shard; others are bucketed."""
+    count = indices.numel()
+    if len(layout.shards) == 1:
+        if count:
+            yield 0, torch.arange(count)
+        return
+    if count < 2 or bool((indices[1:] >= indices[:-1]).all()):
+        bounds = [*torch.searchsorted(indices, layout.row_starts()).tolist(), count]
+        for index in range(len(layout.shards)):
+            if bounds[index + 1] > bounds[index]:
+                yield index, torch.arange(bounds[index], bounds[index + 1])
+        return
     owners = torch.bucketize(indices, layout.row_starts(), right=True) - 1
-    for shard_index in torch.unique(owners).tolist():
-        yield layout.shards[shard_index], (owners == shard_index).nonzero().reshape(-1)
+    for index in torch.unique(owners).tolist():
+        yield index, (owners == index).nonzero().reshape(-1)
 
 
 def index_error(name: str, index: int, rows: int) -> IndexOutOfRangeError:

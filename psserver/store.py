@@ -15,10 +15,9 @@ reported as not applied and changes nothing.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -27,24 +26,32 @@ from torch import Tensor
 
 from paramserve.psserver.errors import (
     DtypeMismatchError,
-    IndexOutOfRangeError,
     InternalError,
     InvalidRequestError,
-    NonFiniteGradientError,
     ParamServeError,
     ShapeMismatchError,
     StalePushError,
     VariableExistsError,
     VariableNotFoundError,
 )
-from paramserve.psserver.idempotency import IdempotencyWindow
 from paramserve.psserver.optimizer import GroupedSteps, OptimizerSpec, ShardOptimizer, in_place_sgd_rate
-from paramserve.psserver.tensors import DTYPE_NAMES, check_shape, dtype_name
+from paramserve.psserver.shards import (
+    Shard,
+    about,
+    all_finite,
+    all_locked,
+    build_shard,
+    check_finite,
+    check_replaceable,
+    check_rows,
+    check_variables_agree,
+    is_int,
+)
 from paramserve.psserver.types import PushOutcome, ShardInfo, ShardRef, ShardState
 
 _R = TypeVar("_R")
 
-__all__ = ["PreparedStep", "Pulled", "PushObserver", "ShardPush", "ShardStore", "StoreConfig", "check_state"]
+__all__ = ["PreparedStep", "Pulled", "PushObserver", "ShardPush", "ShardStore", "StoreConfig"]
 
 
 @dataclass(frozen=True)
@@ -68,10 +75,10 @@ class PreparedStep:
     the store's ``catalog_version`` is the one it was prepared at."""
 
     catalog_version: int
-    pushes: tuple[_Shard, ...]
-    push_lock_order: tuple[_Shard, ...]
-    reads: tuple[_Shard, ...]
-    read_lock_order: tuple[_Shard, ...]
+    pushes: tuple[Shard, ...]
+    push_lock_order: tuple[Shard, ...]
+    reads: tuple[Shard, ...]
+    read_lock_order: tuple[Shard, ...]
     read_layout: tuple[tuple[torch.dtype, tuple[int, ...], int], ...]
     """Each read's dtype, shape and bytes, in the step's order."""
 
@@ -97,9 +104,9 @@ class StoreConfig:
     max_staleness: int | None = None
 
     def __post_init__(self) -> None:
-        if not _is_int(self.idempotency_capacity) or self.idempotency_capacity < 1:
+        if not is_int(self.idempotency_capacity) or self.idempotency_capacity < 1:
             raise ValueError(f"idempotency_capacity must be a positive int, got {self.idempotency_capacity!r}")
-        if self.max_staleness is not None and (not _is_int(self.max_staleness) or self.max_staleness < 0):
+        if self.max_staleness is not None and (not is_int(self.max_staleness) or self.max_staleness < 0):
             raise ValueError(f"max_staleness must be None or an int >= 0, got {self.max_staleness!r}")
 
 
@@ -111,224 +118,11 @@ class PushObserver(Protocol):
     def on_rejected(self, error: ParamServeError) -> None: ...
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-@contextlib.contextmanager
-def _about(variable: str) -> Iterator[None]:
-    """Names ``variable`` in errors raised by code that does not know it."""
-    try:
-        yield
-    except ParamServeError as error:
-        if error.variable is None:
-            error.variable = variable
-        raise
-
-
 # ---------------------------------------------------------------------------
-# Validation of created shards (pure: reads a ShardState, changes nothing)
+# Validation of pushes
 
 
-def _check_ref(ref: Any) -> None:
-    if not isinstance(ref, ShardRef):
-        raise InvalidRequestError(f"expected a ShardRef, got {type(ref).__name__}")
-    if not isinstance(ref.variable, str) or not ref.variable:
-        raise InvalidRequestError("a variable needs a non-empty name")
-    if not _is_int(ref.shard) or ref.shard < 0:
-        raise InvalidRequestError(f"shard index must be an int >= 0, got {ref.shard!r}")
-
-
-def _check_value(value: Any) -> None:
-    if not isinstance(value, Tensor):
-        raise InvalidRequestError(f"a shard's value must be a tensor, got {type(value).__name__}")
-    if value.dtype not in DTYPE_NAMES:
-        dtype_name(value.dtype)  # raises DtypeMismatchError naming the supported dtypes
-    if value.device.type != "cpu" or value.is_sparse:
-        raise InvalidRequestError(f"a shard's value must be a dense CPU tensor, got {value.layout} on {value.device}")
-
-
-def _check_placement(state: ShardState) -> None:
-    """The shard's rows must lie inside the variable and its row shape match."""
-    variable_shape, shape = tuple(state.variable_shape), tuple(state.value.shape)
-    check_shape(variable_shape, "variable_shape")
-    if not _is_int(state.row_start) or state.row_start < 0:
-        raise InvalidRequestError(f"row_start must be an int >= 0, got {state.row_start!r}")
-    if not variable_shape:
-        if shape or state.row_start:
-            raise ShapeMismatchError(
-                f"a 0-d variable is one 0-d shard at row 0; got shape {shape} at row {state.row_start}"
-            )
-        return
-    if len(shape) != len(variable_shape) or shape[1:] != variable_shape[1:]:
-        raise ShapeMismatchError(
-            f"shard shape {shape} does not fit variable shape {variable_shape}: all but the first dimension must match"
-        )
-    if state.row_start + shape[0] > variable_shape[0]:
-        raise InvalidRequestError(
-            f"shard rows [{state.row_start}, {state.row_start + shape[0]}) exceed "
-            f"the variable's {variable_shape[0]} rows"
-        )
-
-
-def _check_history(state: ShardState) -> None:
-    if not _is_int(state.version) or state.version < 0:
-        raise InvalidRequestError(f"version must be an int >= 0, got {state.version!r}")
-    if not all(isinstance(key, str) for key in state.applied_keys):
-        raise InvalidRequestError("applied_keys must be strings")
-
-
-class _Shard:
-    """One shard's live state. ``version``, ``window`` and the tensors change only under ``lock``."""
-
-    def __init__(self, state: ShardState, value: Tensor, optimizer: ShardOptimizer | None, capacity: int):
-        self.lock = threading.Lock()
-        self.ref = state.ref
-        self.variable_shape = tuple(int(dim) for dim in state.variable_shape)
-        self.row_start = int(state.row_start)
-        self.value = value
-        self.optimizer = optimizer
-        self.version = int(state.version)
-        self.window = IdempotencyWindow.from_keys(state.applied_keys, capacity)
-
-    @property
-    def spec(self) -> OptimizerSpec | None:
-        return self.optimizer.spec if self.optimizer else None
-
-    def info(self) -> ShardInfo:
-        with self.lock:
-            return ShardInfo(
-                self.ref,
-                self.variable_shape,
-                self.row_start,
-                tuple(self.value.shape),
-                self.value.dtype,
-                self.spec,
-                self.version,
-            )
-
-    def same_layout(self, other: _Shard) -> bool:
-        """Whether ``other`` describes this shard (so creating it again is a no-op)."""
-        return (
-            self.variable_shape == other.variable_shape
-            and self.row_start == other.row_start
-            and self.value.shape == other.value.shape
-            and self.value.dtype == other.value.dtype
-            and self.spec == other.spec
-        )
-
-    def export(self) -> ShardState:
-        with self.lock:
-            return ShardState(
-                self.ref,
-                self.variable_shape,
-                self.row_start,
-                self.value.clone(),
-                self.spec,
-                self.optimizer.slots() if self.optimizer else {},
-                self.version,
-                self.window.keys(),
-            )
-
-
-def check_state(state: ShardState) -> None:
-    """Raises unless ``state`` is a well-formed shard: its ref, value, rows inside
-    the variable, version and keys (the optimizer and slots are checked by
-    :class:`ShardOptimizer`)."""
-    if not isinstance(state, ShardState):
-        raise InvalidRequestError(f"expected a ShardState, got {type(state).__name__}")
-    _check_ref(state.ref)
-    with _about(state.ref.variable):
-        _check_value(state.value)
-        _check_placement(state)
-        _check_history(state)
-
-
-def _build_shard(state: ShardState, capacity: int) -> _Shard:
-    """A validated private copy of ``state``; raises without side effects."""
-    check_state(state)
-    with _about(state.ref.variable):
-        # The store owns its tensors: a caller's buffer may be read-only or reused.
-        value = state.value.detach().clone(memory_format=torch.contiguous_format)
-        if state.optimizer is None:
-            if state.slots:
-                raise InvalidRequestError("optimizer slots were given for a variable without an optimizer")
-            return _Shard(state, value, None, capacity)
-        if not isinstance(state.optimizer, OptimizerSpec):
-            raise InvalidRequestError(f"optimizer must be an OptimizerSpec, got {type(state.optimizer).__name__}")
-        return _Shard(state, value, ShardOptimizer(state.optimizer, value, state.slots), capacity)
-
-
-def _check_variables_agree(shards: Sequence[_Shard]) -> None:
-    """All shards of one variable in a request must agree on its shape and dtype."""
-    seen: dict[str, _Shard] = {}
-    refs: set[ShardRef] = set()
-    for shard in shards:
-        if shard.ref in refs:
-            raise InvalidRequestError(f"shard {shard.ref} appears twice in one request", variable=shard.ref.variable)
-        refs.add(shard.ref)
-        first = seen.setdefault(shard.ref.variable, shard)
-        if (first.variable_shape, first.value.dtype) != (shard.variable_shape, shard.value.dtype):
-            raise ShapeMismatchError(
-                f"shards disagree on the variable: {first.variable_shape} {first.value.dtype} vs "
-                f"{shard.variable_shape} {shard.value.dtype}",
-                variable=shard.ref.variable,
-            )
-
-
-def _check_replaceable(variable: str, restored: Sequence[_Shard], live: Sequence[_Shard]) -> None:
-    """Raises unless ``restored`` may replace the ``live`` shards of ``variable`` on this server."""
-    if not live:
-        return
-    first, new = live[0], restored[0]
-    if first.variable_shape != new.variable_shape:
-        raise ShapeMismatchError(
-            f"the restore gives the variable shape {new.variable_shape}, this server holds it as "
-            f"{first.variable_shape}; delete the variable first to restore another shape",
-            variable=variable,
-        )
-    if first.value.dtype != new.value.dtype:
-        raise DtypeMismatchError(
-            f"the restore gives the variable dtype {new.value.dtype}, this server holds it as {first.value.dtype}; "
-            "delete the variable first to restore another dtype",
-            variable=variable,
-        )
-    left = sorted(s.ref.shard for s in live if s.ref not in {r.ref for r in restored})
-    if left:
-        raise InvalidRequestError(
-            f"the restore gives shards {sorted(s.ref.shard for s in restored)} of the variable but this server "
-            f"also holds shards {left}: restore all of a variable's shards on a server at once (its layout "
-            "must not change), or delete the variable first",
-            variable=variable,
-        )
-
-
-# ---------------------------------------------------------------------------
-# Validation of reads and pushes
-
-
-def _bad_index(rows: Tensor, num_rows: int) -> int | None:
-    """The first row index outside ``[0, num_rows)``, or None."""
-    bad = rows[(rows < 0) | (rows >= num_rows)]
-    return int(bad[0]) if bad.numel() else None
-
-
-def _check_rows(rows: Any, shard: _Shard) -> None:
-    if not isinstance(rows, Tensor) or rows.dtype != torch.int64 or rows.dim() != 1:
-        got = f"{rows.dim()}-d {rows.dtype}" if isinstance(rows, Tensor) else type(rows).__name__
-        raise InvalidRequestError(f"row indices must be a 1-d int64 tensor, got {got}")
-    if shard.value.dim() == 0:
-        raise ShapeMismatchError("a 0-d variable has no rows; read or push it whole")
-    num_rows = shard.value.shape[0]
-    bad = _bad_index(rows, num_rows)
-    if bad is not None:
-        raise IndexOutOfRangeError(
-            f"row index {bad} is out of range for shard {shard.ref.shard}, which has rows [0, {num_rows}) "
-            f"(local indices; the shard starts at variable row {shard.row_start})"
-        )
-
-
-def _check_push_values(push: ShardPush, shard: _Shard, allow_nonfinite: bool) -> None:
+def _check_push_values(push: ShardPush, shard: Shard, allow_nonfinite: bool) -> None:
     values = push.values
     if not isinstance(values, Tensor):
         raise InvalidRequestError(f"push values must be a tensor, got {type(values).__name__}")
@@ -337,46 +131,12 @@ def _check_push_values(push: ShardPush, shard: _Shard, allow_nonfinite: bool) ->
     if push.rows is None:
         expected = tuple(shard.value.shape)
     else:
-        _check_rows(push.rows, shard)
+        check_rows(push.rows, shard)
         expected = (push.rows.shape[0], *shard.value.shape[1:])
     if tuple(values.shape) != expected:
         raise ShapeMismatchError(f"gradient shape {tuple(values.shape)} does not match the expected {expected}")
     if not allow_nonfinite:
-        _check_finite(shard, values)
-
-
-def _check_finite(shard: _Shard, values: Tensor) -> None:
-    if not all_finite(values):
-        raise NonFiniteGradientError(f"gradient for shard {shard.ref.shard} holds NaN or Inf")
-
-
-@contextlib.contextmanager
-def _all_locked(shards: Sequence[_Shard]) -> Iterator[None]:
-    """Holds every shard's lock, taken in the order given (callers sort), released in reverse.
-    (An ExitStack costs several times more per lock, on every step.)"""
-    taken: list[threading.Lock] = []
-    try:
-        for shard in shards:
-            shard.lock.acquire()
-            taken.append(shard.lock)
-        yield
-    finally:
-        for lock in reversed(taken):
-            lock.release()
-
-
-def all_finite(values: Tensor) -> bool:
-    """True when no element is NaN or Inf.
-
-    A sum is finite only if every element is (NaN and Inf propagate), and
-    summing is ~15x cheaper than an element-wise scan; only a non-finite sum
-    (which a sum overflowing from finite values also gives) needs the exact scan.
-    """
-    if not values.is_floating_point() or values.numel() == 0:
-        return True
-    if bool(torch.isfinite(values.sum(dtype=torch.float64 if values.dtype == torch.float64 else torch.float32))):
-        return True
-    return bool(torch.isfinite(values).all())
+        check_finite(shard, values)
 
 
 def _staleness(version: int, base_version: int) -> int:
@@ -390,7 +150,7 @@ class ShardStore:
     def __init__(self, config: StoreConfig | None = None, observer: PushObserver | None = None):
         self._config = config or StoreConfig()
         self._observer = observer
-        self._shards: dict[ShardRef, _Shard] = {}
+        self._shards: dict[ShardRef, Shard] = {}
         self._shards_lock = threading.Lock()
         self._grouped = GroupedSteps()
         self.catalog_version = 0
@@ -416,8 +176,8 @@ class ShardStore:
         different existing shard, and InvalidRequestError / ShapeMismatchError
         / DtypeMismatchError for a bad state, before anything is created.
         """
-        built = [_build_shard(state, self._config.idempotency_capacity) for state in states]
-        _check_variables_agree(built)
+        built = [build_shard(state, self._config.idempotency_capacity) for state in states]
+        check_variables_agree(built)
         with self._shards_lock:
             kept = [self._keep_or_conflict(shard) for shard in built]
             for shard, existing in zip(built, kept):
@@ -437,21 +197,21 @@ class ShardStore:
         anything changes. Pushes must not run meanwhile: one holding a replaced shard
         would apply to the discarded copy (the coordinator pauses dispatch to restore).
         """
-        built = [_build_shard(state, self._config.idempotency_capacity) for state in states]
-        _check_variables_agree(built)
-        restored: dict[str, list[_Shard]] = {}
+        built = [build_shard(state, self._config.idempotency_capacity) for state in states]
+        check_variables_agree(built)
+        restored: dict[str, list[Shard]] = {}
         for shard in built:
             restored.setdefault(shard.ref.variable, []).append(shard)
         with self._shards_lock:
             for variable, shards in restored.items():
-                _check_replaceable(variable, shards, [s for ref, s in self._shards.items() if ref.variable == variable])
+                check_replaceable(variable, shards, [s for ref, s in self._shards.items() if ref.variable == variable])
             for shard in built:
                 self._shards[shard.ref] = shard
             self.catalog_version += 1
         self._grouped.clear()  # groups hold the replaced shards' tensors
         return [shard.info() for shard in built]
 
-    def _keep_or_conflict(self, shard: _Shard) -> _Shard | None:
+    def _keep_or_conflict(self, shard: Shard) -> Shard | None:
         """The existing shard to keep instead of ``shard``, or None to insert ``shard``."""
         for other in self._shards.values():
             if other.ref.variable == shard.ref.variable and other.ref != shard.ref:
@@ -471,7 +231,7 @@ class ShardStore:
             variable=shard.ref.variable,
         )
 
-    def _get(self, ref: ShardRef) -> _Shard:
+    def _get(self, ref: ShardRef) -> Shard:
         with self._shards_lock:
             shard = self._shards.get(ref)
         if shard is None:
@@ -480,7 +240,7 @@ class ShardStore:
             )
         return shard
 
-    def _select(self, variable: str | None) -> list[_Shard]:
+    def _select(self, variable: str | None) -> list[Shard]:
         """Shards of ``variable`` (every shard for None or ""), sorted by ref."""
         with self._shards_lock:
             shards = [s for ref, s in self._shards.items() if not variable or ref.variable == variable]
@@ -525,8 +285,8 @@ class ShardStore:
         for ref, rows in reads:
             shard = self._get(ref)
             if rows is not None:
-                with _about(ref.variable):
-                    _check_rows(rows, shard)
+                with about(ref.variable):
+                    check_rows(rows, shard)
 
     def read_many(self, refs: Sequence[ShardRef], reader: Callable[[dict[ShardRef, Pulled]], _R]) -> _R:
         """Runs ``reader`` on the live shards ``refs`` (value and version of each), all locked at
@@ -534,7 +294,7 @@ class ShardStore:
         them, serialised without an intermediate clone. The reader must copy what it keeps and
         must not modify the tensors. Raises VariableNotFoundError before locking anything."""
         shards = [self._get(ref) for ref in sorted(set(refs))]
-        with _all_locked(shards):
+        with all_locked(shards):
             return reader({shard.ref: Pulled(shard.value, shard.version) for shard in shards})
 
     def pull_rows(self, ref: ShardRef, rows: Tensor) -> Pulled:
@@ -544,8 +304,8 @@ class ShardStore:
         IndexOutOfRangeError naming the first index outside the shard.
         """
         shard = self._get(ref)
-        with _about(ref.variable):
-            _check_rows(rows, shard)
+        with about(ref.variable):
+            check_rows(rows, shard)
         with shard.lock:
             return Pulled(shard.value.index_select(0, rows), shard.version)
 
@@ -556,7 +316,7 @@ class ShardStore:
         of a row-sparse push; None: dense), reading nothing: a server checks a push against its
         shard this way before it receives, or allocates room for, the push's bytes."""
         shard = self._get(ref)
-        with _about(ref.variable):
+        with about(ref.variable):
             if shard.optimizer is None:
                 raise InvalidRequestError(f"variable {ref.variable} has no optimizer; create it with one")
             if dtype != shard.value.dtype:
@@ -648,11 +408,11 @@ class ShardStore:
             ]
             if not self._config.allow_nonfinite and not (flat is not None and all_finite(flat)):
                 for shard, push in plan:  # the exact scan, to name the culprit
-                    with _about(shard.ref.variable):
-                        _check_finite(shard, push.values)
+                    with about(shard.ref.variable):
+                        check_finite(shard, push.values)
             if self._config.max_staleness is not None:
                 for shard, push in plan:
-                    with _about(shard.ref.variable):
+                    with about(shard.ref.variable):
                         self._check_staleness(shard, push, key)
         except ParamServeError as error:
             if self._observer is not None:
@@ -667,7 +427,7 @@ class ShardStore:
     def read_prepared(self, step: PreparedStep, reader: Callable[[list[Pulled]], _R]) -> _R:
         """``read_many`` of ``step.reads``: ``reader`` gets each live shard's value and version, in
         the step's order, under all their locks (the same rules as ``read_many``)."""
-        with _all_locked(step.read_lock_order):
+        with all_locked(step.read_lock_order):
             return reader([Pulled(shard.value, shard.version) for shard in step.reads])
 
     @staticmethod
@@ -677,9 +437,9 @@ class ShardStore:
                 "a push needs a non-empty idempotency key, so that a retry is never applied twice"
             )
 
-    def _validate_pushes(self, pushes: Sequence[ShardPush], key: str) -> list[tuple[_Shard, ShardPush]]:
+    def _validate_pushes(self, pushes: Sequence[ShardPush], key: str) -> list[tuple[Shard, ShardPush]]:
         self._check_key(key)
-        plan: list[tuple[_Shard, ShardPush]] = []
+        plan: list[tuple[Shard, ShardPush]] = []
         seen: set[ShardRef] = set()
         for push in pushes:
             if push.ref in seen:
@@ -688,22 +448,22 @@ class ShardStore:
                 )
             seen.add(push.ref)
             shard = self._get(push.ref)
-            with _about(push.ref.variable):
+            with about(push.ref.variable):
                 self._validate_push(shard, push, key)
             plan.append((shard, push))
         return plan
 
-    def _validate_push(self, shard: _Shard, push: ShardPush, key: str) -> None:
+    def _validate_push(self, shard: Shard, push: ShardPush, key: str) -> None:
         if shard.optimizer is None:
             raise InvalidRequestError(
                 f"variable {shard.ref.variable} has no optimizer; create it with one", variable=shard.ref.variable
             )
-        if not _is_int(push.base_version):
+        if not is_int(push.base_version):
             raise InvalidRequestError(f"base_version must be an int (negative: unknown), got {push.base_version!r}")
         _check_push_values(push, shard, self._config.allow_nonfinite)
         self._check_staleness(shard, push, key)
 
-    def _check_staleness(self, shard: _Shard, push: ShardPush, key: str) -> None:
+    def _check_staleness(self, shard: Shard, push: ShardPush, key: str) -> None:
         bound = self._config.max_staleness
         if bound is None or push.base_version < 0:
             return
@@ -718,7 +478,7 @@ class ShardStore:
             )
 
     def _apply_all(
-        self, plan: Sequence[tuple[_Shard, ShardPush]], key: str, lock_order: Sequence[_Shard] | None = None
+        self, plan: Sequence[tuple[Shard, ShardPush]], key: str, lock_order: Sequence[Shard] | None = None
     ) -> list[PushOutcome]:
         """Applies a validated push under all its shards' locks (taken in sorted order, as every
         multi-shard lock here is; ``lock_order`` when the caller has it): shards that saw ``key``
@@ -727,7 +487,7 @@ class ShardStore:
         outcomes: dict[ShardRef, PushOutcome] = {}
         if lock_order is None:
             lock_order = [shard for shard, _ in sorted(plan, key=lambda entry: entry[0].ref)]
-        with _all_locked(lock_order):
+        with all_locked(lock_order):
             fresh = []
             for shard, push in plan:
                 staleness = _staleness(shard.version, push.base_version)
@@ -742,7 +502,7 @@ class ShardStore:
                 outcomes[shard.ref] = PushOutcome(shard.ref, True, shard.version, staleness)
         return [outcomes[shard.ref] for shard, _ in plan]
 
-    def _step_all(self, fresh: Sequence[tuple[_Shard, ShardPush]]) -> None:
+    def _step_all(self, fresh: Sequence[tuple[Shard, ShardPush]]) -> None:
         """Steps every shard's optimizer, or none: a step failing after validation (out of
         memory, a bug) puts back what the push's earlier steps changed, from copies taken
         first (one copy of the pushed shards, or of the touched rows of a sparse push).
@@ -765,8 +525,12 @@ class ShardStore:
         in_place = [group for spec, group in dense.items() if in_place_sgd_rate(spec) is not None]
         undo += [optimizer.snapshot(None) for group in stateful for optimizer, _ in group]
         try:
-            for optimizer, push in sparse:
-                optimizer.apply_rows(push.rows, push.values)  # type: ignore[arg-type]  # sparse: rows set
+            for rows_group in _by_spec(sparse).values():
+                self._grouped.apply_rows(
+                    [o for o, _ in rows_group],
+                    [p.rows for _, p in rows_group],  # type: ignore[misc]  # sparse: rows set
+                    [p.values for _, p in rows_group],
+                )
             for group in stateful + in_place:
                 self._grouped.apply_dense([o for o, _ in group], [g for _, g in group])
         except Exception as exc:  # validated already: anything here is our bug or out of memory
@@ -800,10 +564,20 @@ class ShardStore:
         if variable and any(shard.optimizer is None for shard in shards):
             raise InvalidRequestError("the variable has no optimizer", variable=variable)
         targets = [shard for shard in shards if shard.optimizer is not None]
-        with _all_locked(targets):  # sorted: no other code holds two shard locks, so no deadlock
+        with all_locked(targets):  # sorted: no other code holds two shard locks, so no deadlock
             for shard in targets:
-                with _about(shard.ref.variable):
+                with about(shard.ref.variable):
                     shard.optimizer.with_hyperparameters(values)  # type: ignore[union-attr]
             for shard in targets:
                 shard.optimizer.set_hyperparameters(values)  # type: ignore[union-attr]
         return len(targets)
+
+
+def _by_spec(
+    sparse: Sequence[tuple[ShardOptimizer, ShardPush]],
+) -> dict[OptimizerSpec, list[tuple[ShardOptimizer, ShardPush]]]:
+    """Sparse pushes grouped by optimizer spec (one torch.optim step per group)."""
+    groups: dict[OptimizerSpec, list[tuple[ShardOptimizer, ShardPush]]] = {}
+    for optimizer, push in sparse:
+        groups.setdefault(optimizer.spec, []).append((optimizer, push))
+    return groups

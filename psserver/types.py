@@ -11,7 +11,7 @@ messages and back.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import NamedTuple
@@ -157,6 +157,21 @@ class RowGradient:
 
     indices: Tensor
     values: Tensor
+
+
+@dataclass(frozen=True)
+class UniqueRows:
+    """The distinct rows one lookup touches: ``rows[i]`` is global row ``ids[i]``, and the
+    lookup's j-th index (flattened) names ``ids[inverse[j]]``. A worker computes with
+    ``rows[inverse]``, so the gradient of ``rows`` is already summed per distinct id."""
+
+    ids: Tensor
+    inverse: Tensor
+    rows: Tensor
+
+    def gathered(self, shape: Sequence[int]) -> Tensor:
+        """The lookup's result: a row per index, for indices of ``shape``."""
+        return self.rows[self.inverse].reshape(*shape, *self.rows.shape[1:])
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """An in-memory stand-in for the parameter servers, for unit tests of the worker core.
 
-``FakeParameterServers`` is a ``worker.core.VariableClient`` over one real ``ShardStore``
+``FakeParameterServers`` is a ``worker.closure_access.VariableClient`` over one real ``ShardStore``
 (so pushes are validated, applied by torch.optim and de-duplicated by idempotency key
 exactly as on a server), with every variable in a single shard and no gRPC. It records
 what a worker asked of it, so tests can check what travelled.
@@ -26,6 +26,7 @@ from paramserve.psserver.types import (
     ShardPlacement,
     ShardRef,
     ShardState,
+    UniqueRows,
     VariableLayout,
 )
 from paramserve.worker.variables import RefreshBeforeForward, ServerOptimizer, mark_variable
@@ -62,6 +63,8 @@ class Traffic:
     pulled: list[str] = field(default_factory=list)
     read_back: list[str] = field(default_factory=list)
     rows_pulled: list[int] = field(default_factory=list)
+    row_exchanges: int = 0
+    """Row reads, each of any number of tables (the real client makes one exchange per server)."""
     push_keys: list[str] = field(default_factory=list)
     destinations: list[tuple[str, bool]] = field(default_factory=list)
     pushed_from: list[torch.device] = field(default_factory=list)
@@ -135,14 +138,20 @@ class FakeParameterServers:
                 values[name] = shard.value
         return PullResult(values, {ShardRef(n, 0): p.version for n, p in pulled.items()})
 
-    def pull_rows(self, name: str, indices: torch.Tensor) -> PullResult:
+    def pull_unique_rows(
+        self, lookups: Mapping[str, torch.Tensor]
+    ) -> tuple[dict[str, UniqueRows], dict[ShardRef, int]]:
         self._check_up()
-        flat = indices.reshape(-1).to(torch.int64)
-        unique, inverse = torch.unique(flat, return_inverse=True)
-        self.traffic.rows_pulled.extend(unique.tolist())
-        pulled = self.store.pull_rows(ShardRef(name, 0), unique)
-        shape = (*indices.shape, *self.layouts[name].shape[1:])
-        return PullResult({name: pulled.value[inverse].reshape(shape)}, {ShardRef(name, 0): pulled.version})
+        self.traffic.row_exchanges += 1
+        found: dict[str, UniqueRows] = {}
+        versions: dict[ShardRef, int] = {}
+        for name, indices in lookups.items():
+            unique, inverse = torch.unique(indices.reshape(-1).to(torch.int64), return_inverse=True)
+            self.traffic.rows_pulled.extend(unique.tolist())
+            pulled = self.store.pull_rows(ShardRef(name, 0), unique)
+            found[name] = UniqueRows(unique, inverse, pulled.value)
+            versions[ShardRef(name, 0)] = pulled.version
+        return found, versions
 
     def push_and_pull(
         self,

@@ -3,12 +3,13 @@ distributed variables on the parameter servers."""
 
 from paramserve.worker.resources import PerWorkerResource, WorkerContext
 from paramserve.worker.server import WorkerConfig, build_worker
-from paramserve.worker.variables import ServerOptimizer, ShardedEmbedding
+from paramserve.worker.variables import ServerOptimizer, ShardedEmbedding, ShardedEmbeddingCollection
 
 __all__ = [
     "PerWorkerResource",
     "ServerOptimizer",
     "ShardedEmbedding",
+    "ShardedEmbeddingCollection",
     "WorkerConfig",
     "WorkerContext",
     "build_worker",

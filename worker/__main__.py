@@ -10,13 +10,11 @@ import sys
 
 import torch
 
-from paramserve.psserver.devices import worker_device
-from paramserve.psserver.serving import (
+from paramserve.psserver.command_line import (
     add_server_arguments,
     check_port_file,
     configure_logging,
     positive_float,
-    read_token_file,
     resolve_address,
     resolve_tls,
     resolve_token,
@@ -24,6 +22,8 @@ from paramserve.psserver.serving import (
     run_reporting_errors,
     serve_until_signal,
 )
+from paramserve.psserver.devices import worker_device
+from paramserve.psserver.security import read_token_file
 from paramserve.worker.server import WorkerConfig, build_worker
 
 

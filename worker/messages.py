@@ -11,7 +11,8 @@ from collections.abc import Sequence
 
 from paramserve.psserver import convert as ps_convert
 from paramserve.wire.v1 import cluster_pb2, worker_pb2
-from paramserve.worker.core import ClosureFailure, ClosureOutcome, ClosureRequest, ResourceSpec, WorkerInfo
+from paramserve.worker.core import ClosureOutcome, ClosureRequest, ResourceSpec, WorkerInfo
+from paramserve.worker.results import ClosureFailure
 
 __all__ = [
     "batch_to_proto",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import grpc
 
-from paramserve.psserver.serving import parse, unary_boundary
+from paramserve.psserver.error_boundary import parse, unary_boundary
 from paramserve.wire.v1 import worker_pb2
 from paramserve.worker.core import WorkerCore
 from paramserve.worker.messages import batch_from_proto, batch_outcomes_to_proto, info_to_proto

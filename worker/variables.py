@@ -47,8 +47,10 @@ class VariableAccess(Protocol):
         """Puts ``module``'s tensors that are not variables (buffers) where its variables live:
         a GPU worker's device; a no-op where that is where the module already is."""
 
-    def lookup_rows(self, name: str, indices: torch.Tensor) -> torch.Tensor:
-        """Rows of an embedding table; on a worker, a leaf whose gradient step() pushes."""
+    def lookup(self, lookups: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Rows of embedding tables (table: indices of any shape), read in one exchange per
+        server however many tables there are; each result has shape ``indices.shape + (dim,)``.
+        On a worker, step() pushes their gradients, summed per distinct row."""
 
     def apply_gradients(self, names: Sequence[str]) -> None:
         """Pushes the gradients of these variables to the servers."""
@@ -71,10 +73,10 @@ class NoAccess:
     def place(self, module: nn.Module) -> None:
         return None
 
-    def lookup_rows(self, name: str, indices: torch.Tensor) -> torch.Tensor:
+    def lookup(self, lookups: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         raise RuntimeError(
-            f"embedding table {name!r} lives on parameter servers: use it inside strategy.scope() "
-            "code run by a ClusterCoordinator, or after the strategy has created it"
+            f"embedding table {next(iter(lookups), '')!r} lives on parameter servers: use it inside "
+            "strategy.scope() code run by a ClusterCoordinator, or after the strategy has created it"
         )
 
     def apply_gradients(self, names: Sequence[str]) -> None:
@@ -171,10 +173,13 @@ class RefreshBeforeForward:
 class ShardedEmbedding(nn.Module):
     """An embedding table that lives only on the parameter servers.
 
-    A lookup pulls just the rows it touches; ``optimizer.step()`` pushes just
-    their gradients (row-sparse). The table is never materialised locally, so
-    it may be far larger than any machine's memory or any message.
-    Create it inside ``strategy.scope()``; ``initializer`` is filled on the servers.
+    A lookup pulls just the distinct rows it touches; ``optimizer.step()`` pushes just their
+    gradients, summed per row. The table is never materialised locally, so it may be far
+    larger than any machine's memory or any message. Create it inside ``strategy.scope()``;
+    ``initializer`` is filled on the servers. ``name``: the variable's name on the servers
+    (under the strategy's ``run_name``), in a module or on its own; by default the module
+    path (``dlrm.tables.user``) or ``embedding[_n]``. Several tables a step reads together
+    belong in a ShardedEmbeddingCollection: one exchange per server for all of them.
     """
 
     def __init__(
@@ -191,13 +196,22 @@ class ShardedEmbedding(nn.Module):
         super().__init__()
         if num_embeddings <= 0 or embedding_dim <= 0:
             raise ValueError(f"ShardedEmbedding needs positive sizes, got {num_embeddings} x {embedding_dim}")
+        if name is not None and (not isinstance(name, str) or not name.strip() or name != name.strip()):
+            raise ValueError(
+                f"ShardedEmbedding name must be a non-empty string without surrounding spaces, got {name!r}; "
+                "leave it out to name the table by its place in the model"
+            )
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.dtype = dtype
         self.initializer = initializer
         self.init_std = init_std
         self.seed = seed
+        self.requested_name = name
+        """The name the user asked for (a strategy that adopts the table prefixes its run name)."""
         self.variable = name or ""
+        """The variable's name on the servers: as asked, until a strategy adopts the table and
+        names it (its ``home`` is then set)."""
         self.home: VariableAccess | None = None
         """The coordinator's access (set by its strategy); not pickled."""
         registry = active_registry()
@@ -213,12 +227,80 @@ class ShardedEmbedding(nn.Module):
         return (self.num_embeddings, self.embedding_dim)
 
     def forward(self, indices: torch.Tensor) -> torch.Tensor:
+        self._check_created()
+        return current_access(self.home).lookup({self.variable: indices})[self.variable]
+
+    def adopted(self) -> bool:
+        """Whether a strategy on this process has made the table its variable."""
+        return self.home is not None
+
+    def _check_created(self) -> None:
         if not self.variable:
             raise RuntimeError("this ShardedEmbedding was not created inside strategy.scope()")
-        return current_access(self.home).lookup_rows(self.variable, indices)
 
     def extra_repr(self) -> str:
         return f"{self.variable!r}, {self.num_embeddings}, {self.embedding_dim}"
+
+
+class ShardedEmbeddingCollection(nn.Module):
+    """Embedding tables read together, stored as one: ``forward({feature: ids})`` returns
+    ``{feature: rows}``.
+
+    The tables (``tables``: rows per feature, all of dimension ``embedding_dim``) are row ranges
+    of a single ShardedEmbedding (``self.table``; feature f's row i is its row
+    ``self.offsets[f] + i``), as TorchRec batches tables: a step's lookups of every feature
+    are one lookup, one exchange per parameter server and one coalesced push, and a server
+    updates them as one sparse step however many tables the model has. The signature
+    ``(rows_by_feature, embedding_dim)`` matches a factory of local tables, so a model can take
+    either. ``name`` and the other arguments are ShardedEmbedding's, for the whole collection.
+    Raises IndexError in forward for an id outside its feature's table."""
+
+    def __init__(
+        self,
+        tables: Mapping[str, int],
+        embedding_dim: int,
+        *,
+        name: str | None = None,
+        dtype: torch.dtype = torch.float32,
+        initializer: str = "normal",
+        init_std: float = 1.0,
+        seed: int = 0,
+    ):
+        super().__init__()
+        if not tables:
+            raise ValueError("ShardedEmbeddingCollection needs at least one table")
+        bad = {feature: rows for feature, rows in tables.items() if not isinstance(rows, int) or rows <= 0}
+        if bad:
+            raise ValueError(f"every table needs a positive number of rows, got {bad}")
+        self.rows = dict(tables)
+        """Rows per feature."""
+        self.offsets: dict[str, int] = {}
+        """Where each feature's table starts in ``self.table``."""
+        total = 0
+        for feature, rows in tables.items():
+            self.offsets[feature] = total
+            total += rows
+        self.table = ShardedEmbedding(
+            total, embedding_dim, name=name, dtype=dtype, initializer=initializer, init_std=init_std, seed=seed
+        )
+
+    def forward(self, ids: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        features = list(ids)
+        flat = [self._global_rows(feature, ids[feature]) for feature in features]
+        rows = self.table(torch.cat(flat) if len(flat) > 1 else flat[0])
+        pieces = rows.split([f.numel() for f in flat])
+        return {f: piece.reshape(*ids[f].shape, -1) for f, piece in zip(features, pieces)}
+
+    def _global_rows(self, feature: str, ids: torch.Tensor) -> torch.Tensor:
+        if feature not in self.offsets:
+            raise KeyError(f"no table for feature {feature!r}; the tables are {sorted(self.offsets)}")
+        flat = ids.reshape(-1).to(torch.int64)
+        if flat.numel():
+            low, high = torch.aminmax(flat)
+            if int(low) < 0 or int(high) >= self.rows[feature]:
+                bad = int(low) if int(low) < 0 else int(high)
+                raise IndexError(f"id {bad} of feature {feature!r} is outside its table's [0, {self.rows[feature]})")
+        return flat + self.offsets[feature]
 
 
 # ------------------------------------------------------------------ optimizer
@@ -302,11 +384,16 @@ def _pickles_plainly(cls: object) -> bool:
     plain = bool(
         getattr(cls, "__reduce_ex__", None) is object.__reduce_ex__
         and getattr(cls, "__reduce__", None) is object.__reduce__
-        and getattr(cls, "__getstate__", None) is nn.Module.__getstate__
+        and getattr(cls, "__getstate__", None) in _DICT_STATES
         and getattr(cls, "__setstate__", None) is nn.Module.__setstate__
     )
     _PLAIN_MODULE_CLASSES[id(cls)] = (cls, plain)
     return plain
+
+
+_DICT_STATES = (nn.Module.__getstate__, ShardedEmbedding.__getstate__)
+"""``__getstate__`` methods that return nn.Module's state dict (ShardedEmbedding's drops its
+``home``): a module with one of them is rebuilt as nn.Module.__setstate__ would."""
 
 
 def _trimmed_module(module: nn.Module) -> tuple[Any, ...]:

@@ -170,8 +170,7 @@ def _cluster(args: argparse.Namespace) -> Iterator[tuple[Any, str | None]]:
     """The cluster to train on: described by the environment, or started here."""
     from paramserve.coordinator.cluster import ClusterSpec
     from paramserve.coordinator.local_cluster import LocalCluster
-    from paramserve.psserver.security import check_token
-    from paramserve.psserver.serving import TOKEN_ENV, read_token_file
+    from paramserve.psserver.security import TOKEN_ENV, check_token, read_token_file
 
     if args.cluster_from_env:
         token = (

@@ -12,6 +12,7 @@ from paramserve.coordinator.strategies.base import (
     has_strategy,
     in_cross_replica_context,
 )
+from paramserve.coordinator.strategies.central_storage import CentralStorageStrategy
 from paramserve.coordinator.strategies.cross_device_ops import (
     CrossDeviceOps,
     HierarchicalCopyAllReduce,
@@ -29,16 +30,9 @@ from paramserve.coordinator.strategies.losses import (
     compute_average_loss,
     scale_regularization_loss,
 )
-from paramserve.coordinator.strategies.mirrored import (
-    CentralStorageStrategy,
-    MirroredStrategy,
-    OneDeviceStrategy,
-)
-from paramserve.coordinator.strategies.multi_worker import (
-    CollectiveCommunication,
-    CommunicationOptions,
-    MultiWorkerMirroredStrategy,
-)
+from paramserve.coordinator.strategies.mirrored import MirroredStrategy, OneDeviceStrategy
+from paramserve.coordinator.strategies.multi_worker import MultiWorkerMirroredStrategy
+from paramserve.coordinator.strategies.multi_worker_cluster import CollectiveCommunication, CommunicationOptions
 from paramserve.coordinator.strategies.parameter_server import ParameterServerStrategy
 
 __all__ = [

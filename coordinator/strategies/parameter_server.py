@@ -17,7 +17,6 @@ another run's trained values.
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import os
 import pathlib
@@ -32,26 +31,35 @@ from torch import nn
 
 from paramserve.coordinator.checkpoint_manager import CheckpointManager
 from paramserve.coordinator.cluster import ClusterSpec
-from paramserve.coordinator.cluster_coordinator import ClusterCoordinator
 from paramserve.coordinator.contracts import CheckpointLog, DispatchControl, RecoverableVariables
 from paramserve.coordinator.strategies import _capture
 from paramserve.coordinator.strategies.base import DefaultStrategy, SingleReplicaStrategy, Strategy
-from paramserve.coordinator.strategies.step_runners import StepFn, StepRunner, add_statistics
+from paramserve.coordinator.strategies.parameter_server_access import (
+    CoordinatorAccess,
+    _ClosureStrategy,
+    _server_optimizer,
+    _ServerOptimizerLink,
+)
+from paramserve.coordinator.strategies.parameter_server_training import (
+    METRIC_OPTIMIZER,
+    ParameterServerStepRunner,
+    ServerCheckpoints,
+    ServerMetricState,
+    _check_training_data,
+)
+from paramserve.coordinator.strategies.step_runners import StepFn, StepRunner
 from paramserve.coordinator.strategies.training_state import TrainingCheckpoints
-from paramserve.psserver import checkpoint
 from paramserve.psserver.client import ClientConfig, ParameterServerClient, layouts_from_infos
 from paramserve.psserver.errors import VariableExistsError
 from paramserve.psserver.optimizer import OptimizerSpec
 from paramserve.psserver.partition import Partitioner
-from paramserve.psserver.security import check_token
-from paramserve.psserver.serving import TOKEN_ENV
+from paramserve.psserver.security import TOKEN_ENV, check_token
 from paramserve.psserver.types import ClusterContext, ShardPlacement, ShardState, VariableLayout
 from paramserve.wire.v1 import tensor_pb2
 from paramserve.worker.variables import (
     RefreshBeforeForward,
     ServerOptimizer,
     ShardedEmbedding,
-    current_access,
     mark_variable,
     registering_tables,
     unmark_variable,
@@ -211,7 +219,7 @@ class ParameterServerStrategy(SingleReplicaStrategy):
                 if name not in variables and variable.parameter is not None:
                     unmark_variable(variable.parameter)
                 if name not in variables and variable.table is not None:
-                    variable.table.variable, variable.table.home = "", None
+                    variable.table.variable, variable.table.home = variable.table.requested_name or "", None
             self._variables, self._roots = variables, roots
             for handle in self._hook_handles[handles:]:
                 handle.remove()
@@ -229,8 +237,8 @@ class ParameterServerStrategy(SingleReplicaStrategy):
             self._roots.append((prefix, root))
             self._adopt_module(prefix, root)
         for table in self._pending_tables:  # tables built on their own, outside any module
-            if not table.variable:
-                self.register_table(table, self._unique_prefix("embedding"))
+            if not table.adopted():
+                self.register_table(table, self._table_name(table, self._unique_prefix("embedding")))
                 self._roots.append((table.variable, table))
         self._pending_tables.clear()
 
@@ -250,9 +258,23 @@ class ParameterServerStrategy(SingleReplicaStrategy):
             mark_variable(param, name)
             self._variables[name] = Variable(name, tuple(param.shape), param.dtype, parameter=param)
         for qualified, table in root.named_modules():
-            if isinstance(table, ShardedEmbedding) and not table.variable:
-                self.register_table(table, f"{prefix}.{qualified}")
+            if isinstance(table, ShardedEmbedding) and not table.adopted():
+                self.register_table(table, self._table_name(table, f"{prefix}.{qualified}"))
         self._hook_handles.append(root.register_forward_pre_hook(RefreshBeforeForward(self._access)))
+
+    def _table_name(self, table: ShardedEmbedding, default: str) -> str:
+        """The variable a table becomes: the name its user gave (under the run name), else
+        ``default`` (its place in the model). Raises ValueError when another variable of this
+        strategy has that name."""
+        if table.requested_name is None:
+            return default
+        name = f"{self._namespace}{table.requested_name}"
+        if name in self._variables:
+            raise ValueError(
+                f"two variables are named {name!r}: give each ShardedEmbedding its own name= (or none, "
+                "to name it by its place in the model)"
+            )
+        return name
 
     def metric_state(self, template: Any, name: str) -> Any:
         """The metric's state tensors as variables on the servers (see ServerMetricState)."""
@@ -692,275 +714,5 @@ def _check_run_name(run_name: str | None) -> str | None:
     return run_name
 
 
-METRIC_OPTIMIZER = OptimizerSpec("SGD", {"lr": 1.0})
-"""How the servers apply a metric's pushes: ``state - 1.0 * (-increment)``, an exact sum."""
-
-
-class ServerMetricState:
-    """A metric's state under ParameterServerStrategy: each state tensor is a variable on the
-    parameter servers, as TensorFlow keeps a metric's variables there.
-
-    ``update`` (on a worker inside a closure, or on the coordinator) computes the batch's
-    state with a fresh torchmetrics copy and pushes it as an increment: an idempotent push
-    (the closure's key), so a retried closure counts once and every worker's updates count.
-    ``merged`` pulls the servers' sums; ``reset`` pushes minus the values it read, so
-    increments that arrive meanwhile are kept. Pickled into a closure, the variables travel
-    as references (as a model's parameters do) and the pushes go through the worker.
-    """
-
-    def __init__(self, strategy: ParameterServerStrategy, template: Any, name: str):
-        from paramserve.coordinator.metrics import additive_states
-
-        self.template = template
-        self.states = additive_states(template)
-        self.parameters = strategy._register_metric(name, {n: getattr(template, n) for n in self.states})
-        names = [variable_name(p) or "" for p in self.parameters.values()]
-        self.optimizer = ServerOptimizer(
-            names, METRIC_OPTIMIZER.name, dict(METRIC_OPTIMIZER.kwargs), home=strategy._access, owner=strategy
-        )
-
-    def update(self, *args: Any, **kwargs: Any) -> None:
-        batch = copy.deepcopy(self.template)
-        batch.update(*args, **kwargs)
-        self._push({n: getattr(batch, n) for n in self.states}, sign=-1.0)
-
-    def merged(self) -> Any:
-        from paramserve.coordinator.metrics import load_states
-
-        self._refresh()
-        metric = copy.deepcopy(self.template)
-        load_states(metric, self.states, torch.cat([p.detach().reshape(-1) for p in self.parameters.values()]))
-        return metric
-
-    def reset(self) -> None:
-        self._refresh()
-        self._push({n: p.detach().clone() for n, p in self.parameters.items()}, sign=1.0)
-
-    def _refresh(self) -> None:
-        current_access(self.optimizer.home).refresh(list(self.parameters.values()))
-
-    def _push(self, values: Mapping[str, torch.Tensor], sign: float) -> None:
-        for state, parameter in self.parameters.items():
-            parameter.grad = values[state].detach().to(torch.float64).reshape(parameter.shape) * sign
-        self.optimizer.step()
-        for parameter in self.parameters.values():
-            parameter.grad = None
-
-
 _LOCAL_ONLY_OPTIONS = frozenset({"foreach", "fused", "capturable", "differentiable"})
 """torch.optim options about how a step runs locally; the servers choose their own."""
-
-
-class _ServerOptimizerLink:
-    """What a torch optimizer built in scope does: the ServerOptimizer's step, on the wire itself."""
-
-    def __init__(self, server_optimizer: ServerOptimizer):
-        self.server_optimizer = server_optimizer
-
-    def step(self, closure: Any = None) -> Any:
-        return self.server_optimizer.step(closure)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.server_optimizer.zero_grad(set_to_none)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        raise RuntimeError(
-            "an optimizer of a ParameterServerStrategy keeps its state on the parameter servers: restore it "
-            "with CheckpointManager(strategy, directory).restore(...), not load_state_dict"
-        )
-
-    def pickled_as(self) -> ServerOptimizer:
-        return self.server_optimizer
-
-
-def _server_optimizer(optimizer: Any) -> ServerOptimizer:
-    """The ServerOptimizer behind ``optimizer`` (itself, or a torch optimizer built in scope)."""
-    if isinstance(optimizer, ServerOptimizer):
-        return optimizer
-    link = vars(optimizer).get(_capture.LINK)
-    if isinstance(link, _ServerOptimizerLink):
-        return link.server_optimizer
-    raise TypeError(
-        f"{type(optimizer).__name__} does not update this strategy's variables: use the optimizer "
-        "strategy.optimizer(...) returns, or a torch optimizer built inside strategy.scope()"
-    )
-
-
-def _check_training_data(train_data: Any, steps_per_epoch: int | None) -> None:
-    if steps_per_epoch is None:
-        raise ValueError(
-            "steps_per_epoch is required under ParameterServerStrategy (the workers' datasets "
-            "have no end): pass steps_per_epoch="
-        )
-    if not callable(train_data):
-        raise TypeError(
-            f"under ParameterServerStrategy train_data must be a dataset function run on each worker, "
-            f"dataset_fn(worker_context) -> endless batches; got {type(train_data).__name__}"
-        )
-
-
-class _WorkerSteps:
-    """The closure ``fit`` schedules: ``steps`` times per closure, the next batch of the worker's
-    dataset through the step; returns the sum of those steps' statistics. A fresh copy arrives
-    with every closure, so the sum covers exactly that closure's steps (also when it is retried)."""
-
-    def __init__(self, step: StepFn):
-        self.step = step
-        self.totals: torch.Tensor | None = None
-
-    def __call__(self, iterator: Iterator[Any]) -> torch.Tensor:
-        self.totals = add_statistics(self.totals, self.step(next(iterator), None))
-        return self.totals
-
-
-class ParameterServerStepRunner:
-    """``fit``'s steps as closures a ClusterCoordinator schedules on the workers (the one given,
-    or one of its own, shut down by ``close``). Statistics come back at the epoch's end."""
-
-    def __init__(
-        self,
-        strategy: ParameterServerStrategy,
-        step: StepFn,
-        dataset_fn: Callable[..., Any],
-        coordinator: ClusterCoordinator | None,
-    ):
-        self._strategy = strategy
-        self._owned = coordinator is None
-        self._coordinator = coordinator if coordinator is not None else ClusterCoordinator(strategy)
-        self._iterator = iter(self._coordinator.create_per_worker_dataset(dataset_fn))
-        self._closure = _WorkerSteps(step)
-        self._values: list[Any] = []
-
-    def prepare(self) -> None:
-        self._strategy.materialize()  # after BackupAndRestore had its chance to restore instead
-
-    def epoch_length(self) -> int | None:
-        return None  # the workers' datasets are endless
-
-    def begin_epoch(self) -> None:
-        self._values = []
-
-    def run(self, steps: int) -> int:
-        self._values.append(self._coordinator.schedule(self._closure, args=(self._iterator,), steps=steps))
-        return steps
-
-    def running_totals(self) -> torch.Tensor | None:
-        return None  # results are fetched at the epoch's end
-
-    def end_epoch(self) -> torch.Tensor | None:
-        self._coordinator.join()
-        totals = None
-        for value in self._values:
-            totals = add_statistics(totals, value.fetch())
-        return totals
-
-    def close(self) -> None:
-        if self._owned:
-            self._coordinator.shutdown()
-
-
-class ServerCheckpoints:
-    """Training checkpoints of a ParameterServerStrategy: checkpoints of every variable with its
-    optimizer state, written by the servers' data (CheckpointManager: ``ckpt-N`` directories in
-    ``directory``); ``extra`` is kept in the checkpoint's manifest."""
-
-    def __init__(self, strategy: ParameterServerStrategy, directory: str | os.PathLike[str], keep: int):
-        self.directory = pathlib.Path(directory)
-        self._strategy = strategy
-        self._manager = CheckpointManager(strategy, self.directory, max_to_keep=keep)
-
-    def save(self, name: str, model: nn.Module, optimizer: Any, extra: Mapping[str, Any]) -> pathlib.Path:
-        return self._manager.save(int(extra.get("step", 0)), extra={**extra, "name": name})
-
-    def save_at(self, path: pathlib.Path, model: nn.Module, optimizer: Any, extra: Mapping[str, Any]) -> pathlib.Path:
-        """A checkpoint directory at ``path`` (restore it with ``CheckpointManager(strategy, path)``)."""
-        CheckpointManager(self._strategy, path, max_to_keep=1).save(int(extra.get("step", 0)), extra=dict(extra))
-        return path
-
-    def latest(self) -> pathlib.Path | None:
-        return self._manager.latest
-
-    def restore(self, path: pathlib.Path, model: nn.Module, optimizer: Any) -> dict[str, Any]:
-        extra = dict(checkpoint.read_manifest(checkpoint.resolve(path)).extra)
-        self._manager.restore(path)
-        return extra
-
-    def initialize(self) -> None:
-        """No backup to resume from: the variables start from their initial values, replacing
-        what an interrupted run of this program left on the servers."""
-        self._strategy.initialize()
-
-    def clear(self) -> None:
-        self._strategy.checkpoints.forget(self.directory)
-        checkpoint.delete_checkpoints(self.directory)
-
-
-class _ClosureStrategy(SingleReplicaStrategy):
-    """What a ParameterServerStrategy is inside a closure on a worker: one replica,
-    no clients, no locks."""
-
-
-class CoordinatorAccess:
-    """VariableAccess of the coordinator: its own modules read the servers' current values."""
-
-    def __init__(self, strategy: ParameterServerStrategy):
-        self._strategy: ParameterServerStrategy | None = strategy
-
-    def close(self) -> None:
-        self._strategy = None
-
-    @property
-    def owner(self) -> ParameterServerStrategy | None:
-        """The strategy, None once it was closed."""
-        return self._strategy
-
-    @property
-    def strategy(self) -> ParameterServerStrategy:
-        if self._strategy is None:
-            raise RuntimeError("the ParameterServerStrategy these variables belong to was closed")
-        return self._strategy
-
-    def parameter(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
-        variable = self.strategy.variables.get(name)
-        if variable is None or variable.parameter is None:
-            raise KeyError(f"no dense variable {name!r} in this strategy")
-        return variable.parameter
-
-    def refresh(self, parameters: Sequence[nn.Parameter]) -> None:
-        if not self.strategy.materialized or not parameters:
-            return  # before training, the local values are the variables' values
-        # A model built after training started holds its variables' values until they are created.
-        names = [n if n and self.strategy.is_created(n) else None for n in map(variable_name, parameters)]
-        if not any(names):
-            return
-        pulled = self.strategy.client.pull([n for n in names if n])
-        with torch.no_grad():
-            for param, name in zip(parameters, names):
-                if name:
-                    param.copy_(pulled.tensors[name])
-
-    def place(self, module: nn.Module) -> None:
-        return None  # the coordinator computes where the user put the module
-
-    def lookup_rows(self, name: str, indices: torch.Tensor) -> torch.Tensor:
-        self.strategy.materialize()
-        return self.strategy.client.pull_rows(name, indices).tensors[name]
-
-    def apply_gradients(self, names: Sequence[str]) -> None:
-        self.strategy.materialize()
-        gradients = {}
-        for name in names:
-            variable = self.strategy.variables[name]
-            if variable.parameter is not None and variable.parameter.grad is not None:
-                gradients[name] = variable.parameter.grad
-        if gradients:
-            self.strategy.client.push(gradients)
-
-    def zero_grad(self, names: Sequence[str], set_to_none: bool) -> None:
-        for name in names:
-            param = self.strategy.variables[name].parameter
-            if param is not None and param.grad is not None:
-                if set_to_none:
-                    param.grad = None
-                else:
-                    param.grad.zero_()

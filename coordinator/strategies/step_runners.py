@@ -5,7 +5,7 @@ from ``Strategy.step_runner``, and the one for strategies that run steps in this
 loss, backward, optimizer step, and a 1-D float64 tensor of sums it adds up) and drives
 the epochs and callbacks; the runner decides where steps run and how their statistics
 come back. ParameterServerStrategy's runner schedules them on workers
-(``strategies.parameter_server``).
+(``strategies.parameter_server_training``).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 For strategies whose variables live in this process it is :class:`TorchFileCheckpoints`:
 one ``torch.save`` file per checkpoint, ``{"model": state_dict, "optimizer": state_dict,
 **extra}``, written atomically. ParameterServerStrategy keeps its checkpoints on the
-parameter servers' side (``strategies.parameter_server``).
+parameter servers' side (``strategies.parameter_server_training``).
 """
 
 from __future__ import annotations

@@ -98,7 +98,7 @@ def mirrored() -> Any:
 
 
 def central_storage() -> Any:
-    from paramserve.coordinator.strategies.mirrored import CentralStorageStrategy
+    from paramserve.coordinator.strategies.central_storage import CentralStorageStrategy
 
     return CentralStorageStrategy(["cpu:0", "cpu:1"])
 

@@ -30,14 +30,16 @@ from paramserve.coordinator.strategies.base import ReduceOp, get_replica_context
 from paramserve.coordinator.strategies.distributed_values import SyncOnReadVariable, VariableAggregation
 from paramserve.coordinator.strategies.losses import compute_average_loss
 from paramserve.coordinator.strategies.multi_worker import (
-    ClusterResolver,
-    CollectiveCommunication,
-    CommunicationOptions,
-    CommunicationOptionsError,
     MultiWorkerMirroredStrategy,
     _exchange_gpus,
     _import_dynamo_before_the_group,
     _own_gpu,
+)
+from paramserve.coordinator.strategies.multi_worker_cluster import (
+    ClusterResolver,
+    CollectiveCommunication,
+    CommunicationOptions,
+    CommunicationOptionsError,
     select_backend,
 )
 

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from paramserve.coordinator.commands.health import check, credentials
-from paramserve.coordinator.dispatch import GrpcTransport, RpcFailure
+from paramserve.coordinator.worker_transport import GrpcTransport, RpcFailure
 from paramserve.psserver.errors import (
     CheckpointError,
     ConfigurationError,
@@ -34,8 +34,7 @@ from paramserve.psserver.errors import (
 )
 from paramserve.psserver.metadata import IDEMPOTENCY_METADATA_KEY, SERVICE_NAME, metadata_text, metadata_value
 from paramserve.psserver.optimizer import OptimizerSpec
-from paramserve.psserver.security import AUTH_METADATA_KEY, check_token, confined_path
-from paramserve.psserver.serving import TlsConfig
+from paramserve.psserver.security import AUTH_METADATA_KEY, TlsConfig, check_token, confined_path
 from paramserve.wire.v1 import parameter_server_pb2 as ps_pb2
 from paramserve.wire.v1 import tensor_pb2, worker_pb2
 from tests.certificates import make_certificates, needs_openssl

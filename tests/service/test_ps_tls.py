@@ -10,7 +10,7 @@ import torch
 
 from paramserve.psserver.errors import ServerUnavailableError
 from paramserve.psserver.optimizer import OptimizerSpec
-from paramserve.psserver.serving import TlsConfig
+from paramserve.psserver.security import TlsConfig
 
 pytestmark = pytest.mark.skipif(
     shutil.which("openssl") is None, reason="needs the openssl command to make a certificate"

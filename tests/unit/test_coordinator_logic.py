@@ -12,22 +12,15 @@ from dataclasses import dataclass, field
 import cloudpickle
 import pytest
 
+from paramserve.coordinator.batching import BatchSizer
 from paramserve.coordinator.closures import (
     Closure,
     ClosureQueue,
     ClosureState,
     find_resource_ids,
 )
-from paramserve.coordinator.dispatch import (
-    THREAD_NAME,
-    BatchSizer,
-    Dispatcher,
-    DispatchLoop,
-    ResourceSpecs,
-    RpcFailure,
-    WireContext,
-    WorkerState,
-)
+from paramserve.coordinator.dispatch_loop import THREAD_NAME, DispatchLoop
+from paramserve.coordinator.dispatcher import Dispatcher, ResourceSpecs, WireContext, WorkerState
 from paramserve.coordinator.errors import (
     ClosureCancelledError,
     ClosureError,
@@ -51,6 +44,7 @@ from paramserve.coordinator.remote_value import (
     RemoteValueState,
     fetch_structure,
 )
+from paramserve.coordinator.worker_transport import RpcFailure
 from paramserve.wire.v1 import cluster_pb2, worker_pb2
 from paramserve.worker.resources import PerWorkerResource
 

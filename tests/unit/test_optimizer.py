@@ -343,6 +343,43 @@ def test_grouped_steps_are_bit_for_bit_one_step_per_shard(name):
             assert torch.equal(slot, other.slots()[key]), key
 
 
+@pytest.mark.parametrize("name", OPTIMIZER_NAMES)
+def test_grouped_row_steps_are_bit_for_bit_one_step_per_shard(name):
+    """A push touching rows of several shards (a recommendation model's tables) steps them as
+    one torch.optim step; each shard ends exactly as its own apply_rows leaves it."""
+    from paramserve.psserver.optimizer import GroupedSteps
+
+    spec = OptimizerSpec(name, {"lr": 0.05} if name != "Adadelta" else {})
+    alone = [ShardOptimizer(spec, _initial(seed).clone()) for seed in range(3)]
+    together = [ShardOptimizer(spec, _initial(seed).clone()) for seed in range(3)]
+    generator = torch.Generator().manual_seed(7)
+    rows_in_shard = alone[0].value.shape[0]
+    for _ in range(4):
+        rows = [torch.randint(0, rows_in_shard, (5,), generator=generator) for _ in alone]  # duplicates too
+        grads = [torch.randn(5, *alone[0].value.shape[1:], generator=generator) for _ in alone]
+        for optimizer, r, g in zip(alone, rows, grads):
+            optimizer.apply_rows(r, g)
+        GroupedSteps().apply_rows(together, rows, grads)
+    for one, other in zip(alone, together):
+        assert torch.equal(one.value, other.value)
+        assert one.slots().keys() == other.slots().keys()
+        for key, slot in one.slots().items():
+            assert torch.equal(slot, other.slots()[key]), key
+
+
+def test_a_grouped_row_step_with_a_bad_member_changes_no_shard():
+    from paramserve.psserver.optimizer import GroupedSteps
+
+    spec = OptimizerSpec("Adagrad", {"lr": 0.05})
+    shards = [ShardOptimizer(spec, _initial(seed).clone()) for seed in range(2)]
+    before = [s.value.clone() for s in shards]
+    dim = shards[0].value.shape[1:]
+    with pytest.raises(IndexOutOfRangeError):
+        GroupedSteps().apply_rows(shards, [torch.tensor([0]), torch.tensor([10_000])], [torch.ones(1, *dim)] * 2)
+    assert all(torch.equal(s.value, b) for s, b in zip(shards, before))
+    assert all(not s.slots() or not s.slots()["sum"].any() for s in shards)
+
+
 def test_only_stateless_sgd_is_stepped_as_an_in_place_add():
     assert in_place_sgd_rate(OptimizerSpec("SGD", {"lr": 0.25})) == 0.25
     assert in_place_sgd_rate(OptimizerSpec("SGD", {"lr": 0.25, "momentum": 0, "dampening": 0.1})) == 0.25

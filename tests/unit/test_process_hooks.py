@@ -28,7 +28,7 @@ SCRIPT = textwrap.dedent(
         CentralStorageStrategy, ClusterSpec, MirroredStrategy, MultiWorkerMirroredStrategy,
         OneDeviceStrategy, ParameterServerStrategy,
     )
-    from paramserve.coordinator.strategies.multi_worker import ClusterResolver
+    from paramserve.coordinator.strategies.multi_worker_cluster import ClusterResolver
 
     def snapshot():
         hooks = {

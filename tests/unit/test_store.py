@@ -490,7 +490,7 @@ def test_store_config_validation() -> None:
 
 
 def test_all_finite_fast_path_agrees_with_the_exact_scan():
-    from paramserve.psserver.store import all_finite
+    from paramserve.psserver.shards import all_finite
 
     big = torch.full((1000,), 3e38)  # finite values whose float32 sum overflows to inf
     assert all_finite(big)

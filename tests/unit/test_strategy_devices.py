@@ -20,7 +20,9 @@ from paramserve.coordinator.strategies import (
     compute_average_loss,
     get_replica_context,
 )
+from paramserve.coordinator.strategies import central_storage as central_storage_module
 from paramserve.coordinator.strategies import mirrored as mirrored_module
+from paramserve.coordinator.strategies import replicated as replicated_module
 from paramserve.psserver import devices
 
 CPU = torch.device("cpu")
@@ -39,7 +41,8 @@ def meta_is_a_device(monkeypatch):
             return str(spec), torch.device("meta")
         return real(spec, cuda_devices)
 
-    monkeypatch.setattr(mirrored_module, "resolve_device", resolve)
+    for module in (mirrored_module, replicated_module, central_storage_module):  # each resolves device names
+        monkeypatch.setattr(module, "resolve_device", resolve)
 
 
 class Net(nn.Module):

@@ -15,7 +15,7 @@ from paramserve.coordinator.strategies import (
     OneDeviceStrategy,
     get_strategy,
 )
-from paramserve.coordinator.strategies.multi_worker import ClusterResolver
+from paramserve.coordinator.strategies.multi_worker_cluster import ClusterResolver
 from paramserve.coordinator.training.callbacks import Callback
 from paramserve.coordinator.training.fit import evaluate, fit, predict
 

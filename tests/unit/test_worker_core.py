@@ -22,6 +22,7 @@ from paramserve.worker.variables import (
     RefreshBeforeForward,
     ServerOptimizer,
     ShardedEmbedding,
+    ShardedEmbeddingCollection,
     dumps_closure,
     mark_variable,
 )
@@ -219,6 +220,50 @@ def test_embedding_lookup_pulls_only_its_rows_and_pushes_row_gradients(core):
     expected[500] -= LR
     torch.testing.assert_close(servers.value("table"), expected)
     assert outcome.pushes_applied == 1
+
+
+def collection_step(collection, optimizer, ids):
+    rows = collection(ids)
+    sum(r.sum() for r in rows.values()).backward()
+    optimizer.step()
+    return {feature: tuple(r.shape) for feature, r in rows.items()}
+
+
+def test_a_collection_reads_every_table_in_one_exchange_and_pushes_summed_rows(core):
+    servers = FakeParameterServers()
+    table = torch.randn(15, 4)
+    servers.create("tables", table, SGD)
+    core = WorkerCore(servers.factory)
+    collection = ShardedEmbeddingCollection({"a": 10, "b": 5}, 4, name="tables")
+    optimizer = ServerOptimizer(["tables"], "SGD", {"lr": LR})
+    ids = {"a": torch.tensor([[1, 9]]), "b": torch.tensor([[1, 1]])}
+
+    outcome = core.run_closure(closure_request(servers, collection_step, collection, optimizer, ids))
+
+    assert result_of(outcome) == {"a": (1, 2, 4), "b": (1, 2, 4)}
+    assert servers.traffic.row_exchanges == 1
+    assert sorted(servers.traffic.rows_pulled) == [1, 9, 11]  # b's row 1 is the table's row 10 + 1
+    expected = table.clone()
+    expected[[1, 9]] -= LR
+    expected[11] -= 2 * LR  # looked up twice: one summed row pushed
+    torch.testing.assert_close(servers.value("tables"), expected)
+
+
+def test_a_collection_refuses_an_id_outside_its_features_table(core):
+    servers = FakeParameterServers()
+    servers.create("tables", torch.zeros(15, 4), SGD)
+    collection = ShardedEmbeddingCollection({"a": 10, "b": 5}, 4, name="tables")
+    optimizer = ServerOptimizer(["tables"], "SGD", {"lr": LR})
+
+    outcome = WorkerCore(servers.factory).run_closure(
+        closure_request(
+            servers, collection_step, collection, optimizer, {"a": torch.tensor([0]), "b": torch.tensor([5])}
+        )
+    )
+
+    assert outcome.error is not None and outcome.error.type == "builtins.IndexError"
+    assert "id 5 of feature 'b'" in outcome.error.message and "[0, 5)" in outcome.error.message
+    assert servers.traffic.rows_pulled == [] and servers.version("tables") == 0
 
 
 # ---------------------------------------------------------------- errors

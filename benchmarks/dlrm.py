@@ -1,0 +1,180 @@
+"""The recommendation workload: a DLRM-shaped model trained on the servers, beside one process.
+
+    python benchmarks/dlrm.py [--json] [--rounds 3] [--sweep 100000 1000000 10000000]
+
+The model and data are paramserve.coordinator.recommendation's: 26 categorical features, each
+with its own table (Criteo Kaggle's cardinalities, each capped at the sweep's size), ids drawn
+from a Zipf law, 13 dense features, bottom MLP 13-64-16, the 27 vectors concatenated, top MLP
+432-64-1, binary cross-entropy, batch 256, Adagrad (lr 0.05) for every parameter.
+
+- dlrm_samples_<cap>: samples per second (summed over workers) of paramserve with 2 ps + 2
+  workers on 127.0.0.1 (one torch thread per process, every table and layer in 2 shards,
+  the tables a ShardedEmbeddingCollection, 1 step per closure), beside the same model in one
+  local process at one thread (``nn.Embedding(sparse=True)`` + ``torch.optim.Adagrad``), on the
+  same batches, same run; the two take turns, medians of --rounds. Start-up (table creation)
+  is excluded from both and printed apart.
+- dlrm_sweep_flatness: the slowest cap's samples/s over the fastest's, over the sweep
+  (1.0: the table's size costs nothing per step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from _common import Result, one_torch_thread, print_report, process_cpu_seconds, worker_environment
+
+from paramserve.coordinator import (
+    ClusterCoordinator,
+    FixedShardsPartitioner,
+    LocalCluster,
+    ParameterServerStrategy,
+    ShardedEmbeddingCollection,
+)
+from paramserve.coordinator.recommendation import CRITEO_KAGGLE_ROWS, DLRM, ClickBatch, ClickData, train_clicks
+
+BATCH = 256
+LR = 0.05
+BATCHES_PER_WORKER = 32
+"""Each side cycles through this many fixed batches per trainer: generating data costs nothing."""
+
+
+def table_rows(cap: int) -> list[int]:
+    return [min(cap, rows) for rows in CRITEO_KAGGLE_ROWS]
+
+
+def worker_clicks(context: object, cap: int) -> Iterator[ClickBatch]:
+    """A worker's endless input: its own stream of fixed batches."""
+    return ClickData(table_rows(cap), BATCH).cycle(context.worker_index, BATCHES_PER_WORKER)  # type: ignore[attr-defined]
+
+
+@dataclass
+class Run:
+    samples_per_s: float
+    startup_s: float
+    cpu_ms_per_step: float
+
+
+def local_run(cap: int, steps: int, warmup: int) -> Run:
+    """One process at one thread: the same model with local sparse tables and torch's Adagrad."""
+    start = time.perf_counter()
+    torch.manual_seed(0)
+    model = DLRM(table_rows(cap))
+    optimizer = torch.optim.Adagrad(model.parameters(), lr=LR)
+    batches = ClickData(table_rows(cap), BATCH).cycle(0, BATCHES_PER_WORKER)
+    startup = time.perf_counter() - start
+    for _ in range(warmup):
+        train_clicks(batches, model, optimizer)
+    cpu, start = time.process_time(), time.perf_counter()
+    for _ in range(steps):
+        train_clicks(batches, model, optimizer)
+    seconds = time.perf_counter() - start
+    return Run(steps * BATCH / seconds, startup, 1000 * (time.process_time() - cpu) / steps)
+
+
+def paramserve_run(cap: int, steps: int, warmup: int, servers: int = 2, workers: int = 2) -> Run:
+    with LocalCluster(
+        num_ps=servers,
+        num_workers=workers,
+        env=worker_environment(),
+        extra_ps_args=["--torch-threads", "1"],
+        extra_worker_args=["--torch-threads", "1"],
+    ) as cluster:
+        strategy = ParameterServerStrategy(cluster.spec, variable_partitioner=FixedShardsPartitioner(2))
+        try:
+            start = time.perf_counter()
+            torch.manual_seed(0)
+            with strategy.scope():
+                model = DLRM(table_rows(cap), embeddings=ShardedEmbeddingCollection)
+            optimizer = strategy.optimizer(torch.optim.Adagrad, lr=LR)
+            with ClusterCoordinator(strategy) as coordinator:
+                batches = iter(coordinator.create_per_worker_dataset(_Clicks(cap)))
+                for _ in range(warmup):
+                    coordinator.schedule(train_clicks, args=(batches, model, optimizer))
+                coordinator.join()
+                startup = time.perf_counter() - start
+                pids = [os.getpid(), *(p.pid for p in cluster.processes)]
+                cpu = sum(process_cpu_seconds(pid) for pid in pids)
+                start = time.perf_counter()
+                for _ in range(steps):
+                    coordinator.schedule(train_clicks, args=(batches, model, optimizer))
+                coordinator.join()
+                seconds = time.perf_counter() - start
+                cpu = sum(process_cpu_seconds(pid) for pid in pids) - cpu
+        finally:
+            strategy.close()
+    return Run(steps * BATCH / seconds, startup, 1000 * cpu / steps)
+
+
+class _Clicks:
+    """The per-worker dataset function (a class, so it pickles by reference with its cap)."""
+
+    def __init__(self, cap: int):
+        self.cap = cap
+
+    def __call__(self, context: object) -> Iterator[ClickBatch]:
+        return worker_clicks(context, self.cap)
+
+
+def compare(cap: int, steps: int, warmup: int, rounds: int) -> tuple[Result, float]:
+    ours: list[Run] = []
+    local: list[Run] = []
+    for round_ in range(rounds):  # the sides take turns, so drifts of a shared machine hit both
+        local.append(local_run(cap, steps // 2, warmup))
+        ours.append(paramserve_run(cap, steps, warmup))
+        print(
+            f"  [dlrm cap {cap:,} round {round_ + 1}/{rounds}] paramserve {ours[-1].samples_per_s:,.0f} samples/s "
+            f"({ours[-1].cpu_ms_per_step:.2f} CPU-ms/step, start-up {ours[-1].startup_s:.1f} s), one process "
+            f"{local[-1].samples_per_s:,.0f} samples/s ({local[-1].cpu_ms_per_step:.2f} CPU-ms/step, "
+            f"start-up {local[-1].startup_s:.1f} s)",
+            flush=True,
+        )
+    value = statistics.median(r.samples_per_s for r in ours)
+    baseline = statistics.median(r.samples_per_s for r in local)
+    result = Result(
+        f"dlrm_samples_{cap}",
+        value,
+        "samples/s",
+        baseline,
+        f"one process, nn.Embedding(sparse=True) + Adagrad, 1 thread, median of {rounds}",
+    )
+    return result, value
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=1200, help="paramserve steps per run (summed over workers)")
+    parser.add_argument("--warmup", type=int, default=60)
+    parser.add_argument("--sweep", type=int, nargs="+", default=[100_000, 1_000_000, 10_000_000])
+    args = parser.parse_args(argv)
+    one_torch_thread()
+    results: list[Result] = []
+    speeds: list[float] = []
+    for cap in args.sweep:
+        result, speed = compare(cap, args.steps, args.warmup, args.rounds)
+        results.append(result)
+        speeds.append(speed)
+    if len(speeds) > 1:
+        results.append(
+            Result(
+                "dlrm_sweep_flatness",
+                min(speeds),
+                "samples/s",
+                max(speeds),
+                f"the fastest of caps {', '.join(f'{c:,}' for c in args.sweep)}",
+            )
+        )
+    print_report("DLRM-shaped recommendation model", results, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""How code outside ParameterServerStrategy reaches its variables on the parameter servers.
+
+The coordinator's own modules read and update them through CoordinatorAccess (the
+VariableAccess of the coordinator); a closure pickled to a worker carries the strategy
+as _ClosureStrategy (one replica, no clients, no locks: the worker's access does the
+rest); a torch optimizer built in ``strategy.scope()`` steps through its ServerOptimizer
+(_ServerOptimizerLink, found again by _server_optimizer). They are apart from
+``parameter_server`` (the strategy that creates and owns the variables) because they
+are the strategy's faces to other code: each holds the strategy or a ServerOptimizer,
+and none of them creates variables.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from paramserve.coordinator.strategies import _capture
+from paramserve.coordinator.strategies.base import SingleReplicaStrategy
+from paramserve.worker.variables import ServerOptimizer, variable_name
+
+if TYPE_CHECKING:
+    from paramserve.coordinator.strategies.parameter_server import ParameterServerStrategy
+
+
+class _ClosureStrategy(SingleReplicaStrategy):
+    """What a ParameterServerStrategy is inside a closure on a worker: one replica,
+    no clients, no locks."""
+
+
+class CoordinatorAccess:
+    """VariableAccess of the coordinator: its own modules read the servers' current values."""
+
+    def __init__(self, strategy: ParameterServerStrategy):
+        self._strategy: ParameterServerStrategy | None = strategy
+
+    def close(self) -> None:
+        self._strategy = None
+
+    @property
+    def owner(self) -> ParameterServerStrategy | None:
+        """The strategy, None once it was closed."""
+        return self._strategy
+
+    @property
+    def strategy(self) -> ParameterServerStrategy:
+        if self._strategy is None:
+            raise RuntimeError("the ParameterServerStrategy these variables belong to was closed")
+        return self._strategy
+
+    def parameter(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
+        variable = self.strategy.variables.get(name)
+        if variable is None or variable.parameter is None:
+            raise KeyError(f"no dense variable {name!r} in this strategy")
+        return variable.parameter
+
+    def refresh(self, parameters: Sequence[nn.Parameter]) -> None:
+        if not self.strategy.materialized or not parameters:
+            return  # before training, the local values are the variables' values
+        # A model built after training started holds its variables' values until they are created.
+        names = [n if n and self.strategy.is_created(n) else None for n in map(variable_name, parameters)]
+        if not any(names):
+            return
+        pulled = self.strategy.client.pull([n for n in names if n])
+        with torch.no_grad():
+            for param, name in zip(parameters, names):
+                if name:
+                    param.copy_(pulled.tensors[name])
+
+    def place(self, module: nn.Module) -> None:
+        return None  # the coordinator computes where the user put the module
+
+    def lookup(self, lookups: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        self.strategy.materialize()
+        found, _ = self.strategy.client.pull_unique_rows(lookups)
+        return {name: rows.gathered(lookups[name].shape) for name, rows in found.items()}
+
+    def apply_gradients(self, names: Sequence[str]) -> None:
+        self.strategy.materialize()
+        gradients = {}
+        for name in names:
+            variable = self.strategy.variables[name]
+            if variable.parameter is not None and variable.parameter.grad is not None:
+                gradients[name] = variable.parameter.grad
+        if gradients:
+            self.strategy.client.push(gradients)
+
+    def zero_grad(self, names: Sequence[str], set_to_none: bool) -> None:
+        for name in names:
+            param = self.strategy.variables[name].parameter
+            if param is not None and param.grad is not None:
+                if set_to_none:
+                    param.grad = None
+                else:
+                    param.grad.zero_()
+
+
+class _ServerOptimizerLink:
+    """What a torch optimizer built in scope does: the ServerOptimizer's step, on the wire itself."""
+
+    def __init__(self, server_optimizer: ServerOptimizer):
+        self.server_optimizer = server_optimizer
+
+    def step(self, closure: Any = None) -> Any:
+        return self.server_optimizer.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.server_optimizer.zero_grad(set_to_none)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        raise RuntimeError(
+            "an optimizer of a ParameterServerStrategy keeps its state on the parameter servers: restore it "
+            "with CheckpointManager(strategy, directory).restore(...), not load_state_dict"
+        )
+
+    def pickled_as(self) -> ServerOptimizer:
+        return self.server_optimizer
+
+
+def _server_optimizer(optimizer: Any) -> ServerOptimizer:
+    """The ServerOptimizer behind ``optimizer`` (itself, or a torch optimizer built in scope)."""
+    if isinstance(optimizer, ServerOptimizer):
+        return optimizer
+    link = vars(optimizer).get(_capture.LINK)
+    if isinstance(link, _ServerOptimizerLink):
+        return link.server_optimizer
+    raise TypeError(
+        f"{type(optimizer).__name__} does not update this strategy's variables: use the optimizer "
+        "strategy.optimizer(...) returns, or a torch optimizer built inside strategy.scope()"
+    )

@@ -1,0 +1,117 @@
+"""A recommendation model (embedding tables and dense layers) trained on real processes."""
+
+from __future__ import annotations
+
+import sys
+
+import cloudpickle
+import pytest
+import torch
+from torch import nn
+
+from paramserve.coordinator import (
+    ClusterCoordinator,
+    FixedShardsPartitioner,
+    ParameterServerStrategy,
+    ShardedEmbedding,
+    ShardedEmbeddingCollection,
+)
+from paramserve.coordinator.recommendation import DLRM, ClickData, auc, train_clicks
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import test modules
+
+TABLE_ROWS = [1000, 1000, 500, 2000, 1000, 300]
+
+
+def worker_clicks(context):
+    return ClickData(TABLE_ROWS).cycle(context.worker_index, 100)
+
+
+def held_out_auc(model):
+    batches = ClickData(TABLE_ROWS).batches(stream=999, count=8)
+    with torch.no_grad():
+        scores = torch.cat([model(b.dense, b.features()) for b in batches])
+    return auc(scores, torch.cat([b.clicked for b in batches]))
+
+
+def shard_versions(strategy, variable):
+    return {
+        info.ref: info.version
+        for infos in strategy.client.list_shards().values()
+        for info in infos
+        if info.ref.variable == variable
+    }
+
+
+def test_a_dlrm_with_an_embedding_collection_learns_and_applies_every_step_once(start_cluster):
+    cluster = start_cluster(num_ps=2, num_workers=2)
+    strategy = ParameterServerStrategy(cluster.spec, variable_partitioner=FixedShardsPartitioner(2))
+    torch.manual_seed(0)
+    with strategy.scope():
+        model = DLRM(TABLE_ROWS, embeddings=ShardedEmbeddingCollection)
+    optimizer = strategy.optimizer(torch.optim.Adagrad, lr=0.05)
+    table = model.embeddings.table.variable
+    with ClusterCoordinator(strategy) as coordinator:
+        before = held_out_auc(model)  # the coordinator reads the table's rows from the servers
+        batches = iter(coordinator.create_per_worker_dataset(worker_clicks))
+        losses = [coordinator.schedule(train_clicks, args=(batches, model, optimizer)) for _ in range(300)]
+        coordinator.join()
+    after = held_out_auc(model)
+
+    assert after > 0.68 and after > before + 0.15, (before, after)
+    first, last = (sum(float(v.fetch()) for v in part) / 20 for part in (losses[:20], losses[-20:]))
+    assert last < first
+    versions = shard_versions(strategy, table)
+    assert len(versions) == 2, "one table variable for all six features, in two shards"
+    assert set(versions.values()) == {300}, "every step pushes the table's rows once, applied once"
+    strategy.close()
+
+
+class TwoTables(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.users = ShardedEmbedding(50, 4, name="users")
+        self.items = ShardedEmbedding(80, 4, name="items")
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, users, items):
+        return self.out(torch.cat([self.users(users), self.items(items)], dim=1)).squeeze(1)
+
+
+def named_step(model, optimizer):
+    optimizer.zero_grad()
+    loss = (model(torch.tensor([1, 2, 2]), torch.tensor([0, 79, 5])) - 1.0).pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
+def test_tables_named_inside_a_module_are_variables_under_those_names(start_cluster):
+    cluster = start_cluster(num_ps=2, num_workers=1)
+    strategy = ParameterServerStrategy(cluster.spec, run_name="rec")
+    with strategy.scope():
+        model = TwoTables()
+    optimizer = strategy.optimizer(torch.optim.SGD, lr=0.1)
+    with ClusterCoordinator(strategy) as coordinator:
+        before = model.users(torch.tensor([1, 3])).clone()
+        losses = [coordinator.schedule(named_step, args=(model, optimizer)) for _ in range(20)]
+        coordinator.join()
+    after = model.users(torch.tensor([1, 3]))
+
+    assert {"rec/users", "rec/items"} <= set(strategy.client.layouts)
+    assert float(losses[-1].fetch()) < float(losses[0].fetch())
+    assert not torch.equal(before[0], after[0]), "a looked-up row is trained"
+    assert torch.equal(before[1], after[1]), "a row no step looked up is untouched"
+    strategy.close()
+
+
+def test_two_tables_given_one_name_are_refused_when_the_scope_closes(start_cluster):
+    cluster = start_cluster(num_ps=1, num_workers=1)
+    strategy = ParameterServerStrategy(cluster.spec)
+    with pytest.raises(ValueError, match="two variables are named 'ids'"):
+        with strategy.scope():
+            nn.ModuleList([ShardedEmbedding(10, 2, name="ids"), ShardedEmbedding(10, 2, name="ids")])
+    with strategy.scope():  # the failed scope left nothing behind
+        table = ShardedEmbedding(10, 2, name="ids")
+    assert table.variable == "ids" and set(strategy.variables) == {"ids"}
+    strategy.close()

@@ -1,0 +1,367 @@
+"""The worker's side of distributed variables: its local parameters and one closure's access.
+
+``LocalVariables`` holds the worker-wide ``nn.Parameter`` of each distributed variable on the
+worker's device and knows which are fresh; ``ClosureAccess`` is the ``VariableAccess``
+(worker.variables) of one closure execution: it pulls what the closure uses, looks up
+embedding rows and pushes gradients with keys derived from the closure id, so a retried closure
+never updates a variable twice. ``VariableClient`` is what they need of the parameter servers.
+
+Apart from worker.core, which decides what runs when: this is how values move between the
+closure and the servers (the coordinator's counterpart is
+coordinator.strategies.parameter_server_access).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from paramserve.psserver.errors import DtypeMismatchError, InvalidRequestError, ShapeMismatchError
+from paramserve.psserver.types import (
+    PendingExchange,
+    PullResult,
+    PushSummary,
+    RowGradient,
+    ShardRef,
+    UniqueRows,
+    VariableLayout,
+)
+from paramserve.worker.pipeline import PushPipeline
+from paramserve.worker.transfers import HostTransfers, Transfers
+from paramserve.worker.variables import mark_variable, variable_name
+
+# ---------------------------------------------------------------- the parameter servers
+
+
+class VariableClient(Protocol):
+    """What the worker needs of the parameter servers (ParameterServerClient; tests use a fake)."""
+
+    def adopt_layouts(self, layouts: Mapping[str, VariableLayout]) -> None:
+        """Uses these layouts (sent by the coordinator) instead of discovering them."""
+
+    def pull(self, names: Sequence[str] | None = None, *, out: Mapping[str, torch.Tensor] | None = None) -> PullResult:
+        """Whole variables, with the version each shard was read at; read into ``out``'s host
+        tensors where it names the variable (a GPU worker's pinned buffers)."""
+
+    def pull_unique_rows(
+        self, lookups: Mapping[str, torch.Tensor]
+    ) -> tuple[dict[str, UniqueRows], dict[ShardRef, int]]:
+        """The distinct rows of every lookup (table: indices) in one exchange per server, and
+        the version each shard was read at."""
+
+    def push_and_pull(
+        self,
+        gradients: Mapping[str, torch.Tensor | RowGradient],
+        names: Sequence[str],
+        *,
+        key: str | None = None,
+        base_versions: Mapping[ShardRef, int] | None = None,
+        out: Mapping[str, torch.Tensor] | None = None,
+    ) -> tuple[PushSummary, PullResult]:
+        """Applies gradients (host tensors) on the servers (at most once per shard for ``key``),
+        then reads ``names`` as the servers hold them once the push is applied (into ``out``)."""
+
+    def start_push_and_pull(
+        self,
+        gradients: Mapping[str, torch.Tensor | RowGradient],
+        names: Sequence[str],
+        *,
+        key: str | None = None,
+        base_versions: Mapping[ShardRef, int] | None = None,
+        out: Mapping[str, torch.Tensor] | None = None,
+    ) -> PendingExchange:
+        """``push_and_pull`` sent now, its replies read by the result's ``result()``."""
+
+    def close(self) -> None: ...
+
+
+ClientFactory = Callable[[tuple[str, ...]], VariableClient]
+"""Makes the client of the parameter servers at these addresses."""
+
+
+# ---------------------------------------------------------------- local parameters
+
+
+class LocalVariables:
+    """The worker-wide local copies of distributed variables, on the worker's device, and how
+    fresh they are.
+
+    Worker-wide (not per closure) so that modules kept in per-worker resources,
+    and closures scheduled again and again, reuse one parameter per variable.
+    """
+
+    def __init__(self, transfers: Transfers | None = None) -> None:
+        self.transfers = transfers or HostTransfers()
+        self.parameters: dict[str, nn.Parameter] = {}
+        self.versions: dict[ShardRef, int] = {}
+        self._fresh: set[str] = set()
+        self._returned: set[str] = set()
+        """Variables whose values the current step's pushes returned (read right after those
+        pushes were applied): the next step may start from them instead of pulling."""
+        self._returned_at = float("-inf")
+
+    def parameter(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
+        existing = self.parameters.get(name)
+        if existing is not None and tuple(existing.shape) == tuple(shape) and existing.dtype == dtype:
+            return existing
+        # New, or the variable was re-created with another shape or dtype.
+        trainable = dtype.is_floating_point or dtype.is_complex
+        parameter = nn.Parameter(torch.empty(shape, dtype=dtype, device=self.device), requires_grad=trainable)
+        mark_variable(parameter, name)
+        self.parameters[name] = parameter
+        self._fresh.discard(name)
+        return parameter
+
+    @property
+    def device(self) -> torch.device:
+        return self.transfers.device
+
+    def pull_destinations(self, names: Sequence[str]) -> dict[str, torch.Tensor] | None:
+        """Where the client should pull ``names`` (see Transfers.pull_destinations)."""
+        return self.transfers.pull_destinations({n: self.parameters[n] for n in names if n in self.parameters})
+
+    def stale(self, names: Sequence[str]) -> list[str]:
+        return [n for n in dict.fromkeys(names) if n not in self._fresh]
+
+    def mark_stale(self, names: Sequence[str] | None = None) -> None:
+        if names is None:
+            self._fresh.clear()
+        else:
+            self._fresh.difference_update(names)
+
+    def begin_step(self, keep_returned: bool) -> None:
+        """A step starts: what the previous step's pushes returned stays fresh when
+        ``keep_returned`` (they were read as the previous step ended); all else is stale."""
+        self._fresh = self._returned if keep_returned else set()
+        self._returned = set()
+
+    def forget_returned(self) -> None:
+        """Values read back by pushes are not to be reused (the variables were rewritten)."""
+        self._returned = set()
+        self._returned_at = float("-inf")
+
+    def returned_within(self, seconds: float, now: float) -> bool:
+        """Whether the last push returned values at most ``seconds`` ago."""
+        return seconds > 0 and now - self._returned_at <= seconds
+
+    def fill(self, pulled: PullResult, extra: Sequence[nn.Parameter] = (), *, returned_at: float | None = None) -> None:
+        """Copies pulled values into the parameters in place (and into ``extra`` of the same names).
+        ``returned_at``: the values came back from a push, at that (monotonic) time."""
+        targets: dict[str, list[nn.Parameter]] = defaultdict(list)
+        for parameter in [*self.parameters.values(), *extra]:
+            name = variable_name(parameter)
+            if name in pulled.tensors and all(parameter is not t for t in targets[name]):
+                targets[name].append(parameter)
+        copies = []
+        for name, value in pulled.tensors.items():
+            for parameter in targets[name]:
+                _check_matches(name, parameter, value)
+                copies.append((parameter, value))
+        self.transfers.fill(copies)
+        self.versions.update(pulled.versions)
+        self._fresh.update(pulled.tensors)
+        if returned_at is not None:
+            self._returned.update(pulled.tensors)
+            self._returned_at = returned_at
+
+    def clear_grads(self) -> None:
+        for parameter in self.parameters.values():
+            parameter.grad = None
+
+    def base_versions(self, names: Sequence[str]) -> dict[ShardRef, int]:
+        wanted = set(names)
+        return {ref: v for ref, v in self.versions.items() if ref.variable in wanted}
+
+
+def _check_matches(name: str, parameter: torch.Tensor, value: torch.Tensor) -> None:
+    if tuple(parameter.shape) != tuple(value.shape):
+        raise ShapeMismatchError(
+            f"the closure was built for shape {tuple(parameter.shape)}, the servers hold {tuple(value.shape)}",
+            variable=name,
+        )
+    if parameter.dtype != value.dtype:
+        raise DtypeMismatchError(
+            f"the closure was built for {parameter.dtype}, the servers hold {value.dtype}", variable=name
+        )
+
+
+# ---------------------------------------------------------------- one closure's access
+
+
+@dataclass
+class _RowLookup:
+    """One lookup of a table: its distinct rows as a leaf the step's gradient flows into (the
+    computation reads ``leaf[inverse]``, so the leaf's gradient is summed per distinct row)."""
+
+    ids: torch.Tensor  # the distinct global rows
+    leaf: torch.Tensor  # [len(ids), *row_shape]
+
+    def row_gradient(self) -> torch.Tensor:
+        return self.leaf.grad  # type: ignore[return-value]
+
+
+class ClosureAccess:
+    """The VariableAccess of one closure execution: pulls, lookups and keyed pushes.
+
+    Push keys are ``f"{closure_id}/{n}"`` for the n-th push of this execution,
+    so a retried closure sends the same keys and the servers apply each once.
+    """
+
+    def __init__(
+        self,
+        variables: LocalVariables,
+        client: VariableClient | None,
+        closure_id: str,
+        pipeline: PushPipeline | None = None,
+    ):
+        self._variables = variables
+        self._client = client
+        self._closure_id = closure_id
+        self._pipeline = pipeline
+        """Where this closure's pushes stay in flight (overlap_pushes); None: each push waits."""
+        self._used: dict[str, nn.Parameter] = {}
+        self._placed: set[int] = set()
+        self._lookups: dict[str, list[_RowLookup]] = defaultdict(list)
+        self._row_versions: dict[ShardRef, int] = {}
+        self._push_seq = 0
+        self.pushes_applied = 0
+        self.pushes_duplicate = 0
+
+    def parameter(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
+        parameter = self._variables.parameter(name, tuple(shape), dtype)
+        self._used[name] = parameter
+        return parameter
+
+    def refresh(self, parameters: Sequence[nn.Parameter]) -> None:
+        named = [p for p in parameters if variable_name(p) is not None]
+        stale = self._variables.stale([str(variable_name(p)) for p in named])
+        if stale:
+            client = self._require_client()
+            self._settle()  # a pull reads what the push in flight applies
+            self._variables.fill(client.pull(stale, out=self._variables.pull_destinations(stale)), named)
+
+    def place(self, module: nn.Module) -> None:
+        """Moves ``module``'s other tensors (buffers, parameters that are not variables: they
+        arrived in the closure as the coordinator held them) to the worker's device, once per
+        module and closure; a no-op on a CPU worker."""
+        device = self._variables.device
+        if device.type == "cpu" or id(module) in self._placed:
+            return
+        module.to(device)
+        self._placed.add(id(module))
+
+    def refresh_used(self) -> None:
+        """Makes every parameter this closure resolved current (one pull), so code that
+        reads parameters directly, without a module's refresh hook, sees fresh values."""
+        self.refresh(list(self._used.values()))
+
+    def lookup(self, lookups: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The rows the lookups name (indices on any device), on the worker's device, read in
+        one exchange per server; only distinct rows travel, and their gradients are summed
+        per row before the push."""
+        host = {name: indices.detach().to("cpu") for name, indices in lookups.items()}  # the client needs host ids
+        client = self._require_client()
+        self._settle()
+        found, versions = client.pull_unique_rows(host)
+        for ref, version in versions.items():
+            self._row_versions.setdefault(ref, version)  # the oldest read is the gradient's base
+        return {name: self._rows_of(name, host[name].shape, found[name]) for name in host}
+
+    def _rows_of(self, name: str, shape: torch.Size, unique: UniqueRows) -> torch.Tensor:
+        leaf = self._variables.transfers.to_device(unique.rows)
+        inverse = self._variables.transfers.to_device(unique.inverse)
+        if leaf.dtype.is_floating_point:
+            leaf.requires_grad_(True)
+            self._lookups[name].append(_RowLookup(unique.ids, leaf))
+        return leaf[inverse].reshape(*shape, *leaf.shape[1:])
+
+    def apply_gradients(self, names: Sequence[str]) -> None:
+        """Pushes the gradients of ``names`` and, in the same round trip, reads back the dense
+        ones this worker holds: their values as the servers hold them right after this push.
+
+        With a pipeline (``overlap_pushes``, worker.pipeline) the push is left in flight: the
+        previous one is settled first, and this one when the next step pushes or pulls, or the
+        batch ends. Its gradients then belong to the push (a retry may send them again): their
+        parameters' ``.grad`` is set to None, so no later step writes into them."""
+        on_device = self._gradients(names)
+        # The values these gradients came from: read before a settle replaces them.
+        base = {**self._variables.base_versions(list(on_device)), **self._row_versions}
+        self._settle()  # raises EarlierPushFailed when that push failed
+        gradients = self._variables.transfers.to_host(on_device)  # after the settle: a GPU's pinned buffers are free
+        self._variables.mark_stale(list(names))
+        if gradients:
+            client = self._require_client()
+            key = f"{self._closure_id}/{self._push_seq}"
+            self._push_seq += 1
+            read_back = [n for n in dict.fromkeys(names) if n in self._used]
+            out = self._variables.pull_destinations(read_back)
+            used = list(self._used.values())
+            if self._pipeline is None:
+                self._record(*client.push_and_pull(gradients, read_back, key=key, base_versions=base, out=out), used)
+            else:
+                exchange = client.start_push_and_pull(gradients, read_back, key=key, base_versions=base, out=out)
+                for name in gradients:
+                    parameter = self._variables.parameters.get(name)
+                    if parameter is not None:
+                        parameter.grad = None
+                self._pipeline.hold(self, exchange, lambda done: self._record(*done.result(), used))
+        self._forget_rows(names)
+
+    def _record(self, summary: PushSummary, pulled: PullResult, used: list[nn.Parameter]) -> None:
+        """A push's outcome: the values it read back fill the parameters, and it is counted."""
+        self._variables.fill(pulled, used, returned_at=time.monotonic())
+        self.pushes_applied += summary.applied
+        self.pushes_duplicate += summary.duplicates
+
+    def _settle(self) -> None:
+        if self._pipeline is not None:
+            self._pipeline.settle()
+
+    def zero_grad(self, names: Sequence[str], set_to_none: bool) -> None:
+        for name in names:
+            parameter = self._variables.parameters.get(name)
+            if parameter is None or parameter.grad is None:
+                continue
+            if set_to_none:
+                parameter.grad = None
+            else:
+                parameter.grad.zero_()
+        self._forget_rows(names)
+
+    def _gradients(self, names: Sequence[str]) -> dict[str, torch.Tensor | RowGradient]:
+        gradients: dict[str, torch.Tensor | RowGradient] = {}
+        for name in names:
+            parameter = self._variables.parameters.get(name)
+            if parameter is not None and parameter.grad is not None:
+                gradients[name] = parameter.grad
+            rows = self._row_gradient(name)
+            if rows is not None:
+                gradients[name] = rows
+        return gradients
+
+    def _row_gradient(self, name: str) -> RowGradient | None:
+        done = [lookup for lookup in self._lookups.get(name, ()) if lookup.leaf.grad is not None]
+        if not done:
+            return None
+        indices = torch.cat([lookup.ids for lookup in done])
+        values = torch.cat([lookup.row_gradient() for lookup in done])
+        return RowGradient(indices, values)
+
+    def _forget_rows(self, names: Sequence[str]) -> None:
+        for name in names:
+            self._lookups.pop(name, None)
+        forgotten = set(names)
+        self._row_versions = {r: v for r, v in self._row_versions.items() if r.variable not in forgotten}
+
+    def _require_client(self) -> VariableClient:
+        if self._client is None:
+            raise InvalidRequestError(
+                "this closure uses distributed variables but was sent without parameter servers in its cluster context"
+            )
+        return self._client
