@@ -8,8 +8,9 @@ from a Zipf law, 13 dense features, bottom MLP 13-64-16, the 27 vectors concaten
 432-64-1, binary cross-entropy, batch 256, Adagrad (lr 0.05) for every parameter.
 
 - dlrm_samples_<cap>: samples per second (summed over workers) of paramserve with 2 ps + 2
-  workers on 127.0.0.1 (one torch thread per process, every table and layer in 2 shards,
-  the tables a ShardedEmbeddingCollection, 1 step per closure), beside the same model in one
+  workers on 127.0.0.1 (one torch thread per process; TF's tutorial partitioner,
+  MinSizePartitioner(256 KiB, 2 shards): the tables, a ShardedEmbeddingCollection, in 2 shards,
+  each small layer whole on one server; 1 step per closure), beside the same model in one
   local process at one thread (``nn.Embedding(sparse=True)`` + ``torch.optim.Adagrad``), on the
   same batches, same run; the two take turns, medians of --rounds. Start-up (table creation)
   is excluded from both and printed apart.
@@ -32,8 +33,8 @@ from _common import Result, one_torch_thread, print_report, process_cpu_seconds,
 
 from paramserve.coordinator import (
     ClusterCoordinator,
-    FixedShardsPartitioner,
     LocalCluster,
+    MinSizePartitioner,
     ParameterServerStrategy,
     ShardedEmbeddingCollection,
 )
@@ -86,7 +87,9 @@ def paramserve_run(cap: int, steps: int, warmup: int, servers: int = 2, workers:
         extra_ps_args=["--torch-threads", "1"],
         extra_worker_args=["--torch-threads", "1"],
     ) as cluster:
-        strategy = ParameterServerStrategy(cluster.spec, variable_partitioner=FixedShardsPartitioner(2))
+        strategy = ParameterServerStrategy(
+            cluster.spec, variable_partitioner=MinSizePartitioner(min_shard_bytes=256 << 10, max_shards=servers)
+        )
         try:
             start = time.perf_counter()
             torch.manual_seed(0)

@@ -23,8 +23,8 @@ import torch
 
 from paramserve.coordinator import (
     ClusterCoordinator,
-    FixedShardsPartitioner,
     LocalCluster,
+    MinSizePartitioner,
     ParameterServerStrategy,
     ShardedEmbeddingCollection,
 )
@@ -64,8 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = table_rows(args.rows)
 
     with LocalCluster(num_ps=2, num_workers=2) as cluster:
-        # Every variable in two shards, one per server: each server holds half of every table.
-        strategy = ParameterServerStrategy(cluster.spec, variable_partitioner=FixedShardsPartitioner(2))
+        # As TensorFlow's tutorial partitions: shards of at least 256 KiB, at most one per server.
+        # The tables are split over both servers; each small layer lives whole on one of them.
+        partitioner = MinSizePartitioner(min_shard_bytes=256 << 10, max_shards=2)
+        strategy = ParameterServerStrategy(cluster.spec, variable_partitioner=partitioner)
         torch.manual_seed(0)
         with strategy.scope():
             # The 26 tables are one ShardedEmbeddingCollection: a step reads all of them in one

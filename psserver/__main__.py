@@ -21,6 +21,7 @@ from paramserve.psserver.command_line import (
     run_reporting_errors,
     serve_until_signal,
 )
+from paramserve.psserver.memory import limit_arenas
 from paramserve.psserver.security import writable_directory
 from paramserve.psserver.server import ServerConfig, build_server
 from paramserve.psserver.steps import DEFAULT_MAX_PULL_BYTES, DEFAULT_MAX_PUSH_BYTES
@@ -132,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    limit_arenas()  # before the server's threads exist (psserver/memory.py)
     configure_logging(args.log_level, "ps")
     config = config_from_args(args, parser)
     check_port_file(args.port_file)

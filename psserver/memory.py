@@ -5,20 +5,48 @@ a server only ever grows to its peak: a burst of connections (gRPC buffers an HT
 block of up to about a megabyte per connection before the peer acknowledges its SETTINGS, and
 holds it until the settings timeout drops the peer), a restore, a large step. ``malloc_trim(0)``
 returns the free pages; a server calls it every TRIM_EVERY_SECONDS on a thread of its own
-(``paramserve-memory-trim``), which costs a heap walk and nothing when there is nothing to give.
-A no-op where the C library is not glibc.
+(``paramserve-memory-trim``), which costs a heap walk and nothing when there is nothing to give,
+and sooner once the work it did since the last trim freed TRIM_AFTER_BYTES (``released``: a
+step of a large model frees its gradient, reply and undo copies, several times the model, which
+would otherwise stay resident until the next round). A no-op where the C library is not glibc.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import threading
 from collections.abc import Callable
 
-__all__ = ["MemoryTrimmer", "TRIM_EVERY_SECONDS", "malloc_trim"]
+__all__ = [
+    "SERVER_ARENAS",
+    "TRIM_AFTER_BYTES",
+    "TRIM_EVERY_SECONDS",
+    "MemoryTrimmer",
+    "limit_arenas",
+    "malloc_trim",
+    "released",
+]
 
 TRIM_EVERY_SECONDS = 10.0
+TRIM_AFTER_BYTES = 64 << 20
+"""Freed since the last trim, this much wakes the trimmer at once."""
+
+_released_lock = threading.Lock()
+_released_bytes = 0
+_released_enough = threading.Event()
+
+
+def released(nbytes: int) -> None:
+    """Tells the trimmers of this process that about ``nbytes`` were allocated and freed (cheap:
+    a counter; the trim runs on the trimmer's thread, never the caller's)."""
+    global _released_bytes
+    with _released_lock:
+        _released_bytes += nbytes
+        if _released_bytes >= TRIM_AFTER_BYTES:
+            _released_bytes = 0
+            _released_enough.set()
 
 
 def _glibc_trim() -> Callable[[int], int] | None:
@@ -33,6 +61,29 @@ def _glibc_trim() -> Callable[[int], int] | None:
 
 
 _TRIM = _glibc_trim()
+
+SERVER_ARENAS = 2
+"""glibc's malloc arenas for a parameter server (its default: 8 per core). A server's large
+buffers come and go on many threads (gRPC's, the data plane's connections); with an arena per
+thread each keeps its own freed memory, which a trim cannot return while a live allocation sits
+above it. Two arenas hold about a third less resident memory after a model's steps, at no cost
+in step time measured (BENCHMARKS.md, ps_memory.py)."""
+_M_ARENA_MAX = -8  # glibc's mallopt parameter number
+
+
+def limit_arenas(count: int = SERVER_ARENAS) -> bool:
+    """Caps glibc's malloc arenas for this process (call before it starts threads); False where
+    the C library is not glibc or refuses. ``MALLOC_ARENA_MAX`` in the environment wins."""
+    if "MALLOC_ARENA_MAX" in os.environ:
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    return bool(mallopt(_M_ARENA_MAX, count))
 
 
 def malloc_trim() -> bool:
@@ -55,9 +106,14 @@ class MemoryTrimmer:
 
     def stop(self, timeout: float | None = None) -> None:
         self._stop.set()
+        _released_enough.set()  # wakes the thread to see the stop
         if self._thread.is_alive():
             self._thread.join(timeout)
 
     def _run(self) -> None:
-        while not self._stop.wait(self._every):
+        while True:
+            _released_enough.wait(self._every)
+            if self._stop.is_set():
+                return
+            _released_enough.clear()
             malloc_trim()

@@ -344,9 +344,13 @@ class ShardOptimizer:
     Not thread-safe: the owning shard's lock serialises every call.
     """
 
-    def __init__(self, spec: OptimizerSpec, value: Tensor, slots: Mapping[str, Tensor] | None = None):
+    def __init__(
+        self, spec: OptimizerSpec, value: Tensor, slots: Mapping[str, Tensor] | None = None, *, copy_slots: bool = True
+    ):
         """Wraps ``value`` (updated in place, not copied). Raises InvalidRequestError,
-        DtypeMismatchError or ShapeMismatchError for a bad spec, dtype or slots."""
+        DtypeMismatchError or ShapeMismatchError for a bad spec, dtype or slots. ``copy_slots``:
+        False when the caller hands the slots over (nobody else holds them): they are kept as
+        they are instead of copied."""
         spec.validate()
         _check_floating(value)
         _layout_for(spec, value)  # a trial step on a scratch tensor: settings torch checks only when stepping
@@ -356,7 +360,7 @@ class ShardOptimizer:
         self._param = torch.nn.Parameter(value.detach(), requires_grad=True)
         self._optimizer = _build(spec, [self._param])
         if slots:
-            self._replace_state(slots)
+            self._replace_state(slots, copy=copy_slots)
 
     @property
     def spec(self) -> OptimizerSpec:
@@ -371,8 +375,10 @@ class ShardOptimizer:
     def _state(self) -> dict[str, Any]:
         return self._optimizer.state[self._param]
 
-    def _replace_state(self, slots: Mapping[str, Tensor]) -> None:
-        self._optimizer.state[self._param] = {key: slot.detach().clone() for key, slot in slots.items()}
+    def _replace_state(self, slots: Mapping[str, Tensor], copy: bool = True) -> None:
+        self._optimizer.state[self._param] = {
+            key: slot.detach().clone() if copy else slot.detach() for key, slot in slots.items()
+        }
 
     def _check_grad(self, grad: Tensor, shape: tuple[int, ...]) -> None:
         if grad.dtype != self._param.dtype:

@@ -84,13 +84,15 @@ class ParameterServerServicer:
 
     @unary_boundary
     def CreateShards(self, chunks: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
-        return _shards_response(self._store.create_shards(self._received_shards(chunks)))
+        return _shards_response(self._store.create_shards(self._received_shards(chunks), owned=True))
 
     @unary_boundary
     def ReplaceShards(self, chunks: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
-        return _shards_response(self._store.replace_shards(self._received_shards(chunks)))
+        return _shards_response(self._store.replace_shards(self._received_shards(chunks), owned=True))
 
     def _received_shards(self, chunks: Iterator[bytes]) -> list[ShardState]:
+        """The shards of a Create or Replace stream: views into a buffer allocated for each part
+        (or values filled by an initializer), which the store may keep without copying."""
         return [
             convert.shard_state_from_part(header.shard, payload)
             for header, payload in read_parts(chunks, self._allocate_shard)

@@ -183,19 +183,24 @@ def check_state(state: ShardState) -> None:
         _check_history(state)
 
 
-def build_shard(state: ShardState, capacity: int) -> Shard:
-    """A validated private copy of ``state``; raises without side effects."""
+def build_shard(state: ShardState, capacity: int, *, owned: bool = False) -> Shard:
+    """A validated shard of ``state``; raises without side effects. The store owns its tensors:
+    a caller's buffer may be read-only or reused, so it is copied, unless ``owned`` says the
+    tensors are the store's to keep (received or filled for this request, held by no one else):
+    then a shard takes them as they are, so creating or restoring it needs no second copy."""
     check_state(state)
     with about(state.ref.variable):
-        # The store owns its tensors: a caller's buffer may be read-only or reused.
-        value = state.value.detach().clone(memory_format=torch.contiguous_format)
+        if owned and state.value.is_contiguous():
+            value = state.value.detach()
+        else:
+            value = state.value.detach().clone(memory_format=torch.contiguous_format)
         if state.optimizer is None:
             if state.slots:
                 raise InvalidRequestError("optimizer slots were given for a variable without an optimizer")
             return Shard(state, value, None, capacity)
         if not isinstance(state.optimizer, OptimizerSpec):
             raise InvalidRequestError(f"optimizer must be an OptimizerSpec, got {type(state.optimizer).__name__}")
-        return Shard(state, value, ShardOptimizer(state.optimizer, value, state.slots), capacity)
+        return Shard(state, value, ShardOptimizer(state.optimizer, value, state.slots, copy_slots=not owned), capacity)
 
 
 def check_variables_agree(shards: Sequence[Shard]) -> None:
@@ -248,6 +253,11 @@ def check_replaceable(variable: str, restored: Sequence[Shard], live: Sequence[S
 
 def _bad_index(rows: Tensor, num_rows: int) -> int | None:
     """The first row index outside ``[0, num_rows)``, or None."""
+    if not rows.numel():
+        return None
+    low, high = torch.aminmax(rows)
+    if int(low) >= 0 and int(high) < num_rows:  # the usual case, in one pass
+        return None
     bad = rows[(rows < 0) | (rows >= num_rows)]
     return int(bad[0]) if bad.numel() else None
 

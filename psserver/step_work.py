@@ -98,6 +98,9 @@ class RowScatter:
     def __init__(self, target: torch.Tensor, positions: torch.Tensor):
         self.target = target
         self.positions = positions
+        row_elements = math.prod(target.shape[1:]) if target.dim() else 1
+        self.nbytes = positions.numel() * row_elements * target.element_size()
+        """The bytes the rows arriving here take (asked for at every step: computed once)."""
 
 
 Destination = torch.Tensor | RowScatter
@@ -105,8 +108,7 @@ Destination = torch.Tensor | RowScatter
 
 def destination_bytes(destination: Destination) -> int:
     if isinstance(destination, RowScatter):
-        row = destination.target[0] if destination.target.dim() else destination.target
-        return destination.positions.numel() * row.numel() * destination.target.element_size()
+        return destination.nbytes
     return destination.numel() * destination.element_size()
 
 

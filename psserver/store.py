@@ -34,6 +34,7 @@ from paramserve.psserver.errors import (
     VariableExistsError,
     VariableNotFoundError,
 )
+from paramserve.psserver.memory import released
 from paramserve.psserver.optimizer import GroupedSteps, OptimizerSpec, ShardOptimizer, in_place_sgd_rate
 from paramserve.psserver.shards import (
     Shard,
@@ -167,8 +168,9 @@ class ShardStore:
 
     # -- creation and lookup ------------------------------------------------
 
-    def create_shards(self, states: Sequence[ShardState]) -> list[ShardInfo]:
-        """Creates shards from ``states`` (copied), all or none.
+    def create_shards(self, states: Sequence[ShardState], *, owned: bool = False) -> list[ShardInfo]:
+        """Creates shards from ``states`` (copied, unless ``owned``: see shards.build_shard), all
+        or none.
 
         A shard that exists already with the same variable shape, rows,
         shape, dtype and optimizer is left as it is (so a retried create is
@@ -176,7 +178,7 @@ class ShardStore:
         different existing shard, and InvalidRequestError / ShapeMismatchError
         / DtypeMismatchError for a bad state, before anything is created.
         """
-        built = [build_shard(state, self._config.idempotency_capacity) for state in states]
+        built = [build_shard(state, self._config.idempotency_capacity, owned=owned) for state in states]
         check_variables_agree(built)
         with self._shards_lock:
             kept = [self._keep_or_conflict(shard) for shard in built]
@@ -186,7 +188,7 @@ class ShardStore:
                     self.catalog_version += 1
         return [(existing or shard).info() for shard, existing in zip(built, kept)]
 
-    def replace_shards(self, states: Sequence[ShardState]) -> list[ShardInfo]:
+    def replace_shards(self, states: Sequence[ShardState], *, owned: bool = False) -> list[ShardInfo]:
         """Makes the shards of ``states``' variables exactly ``states`` (a restore): values,
         optimizer state, versions and idempotency windows. All or nothing.
 
@@ -197,7 +199,7 @@ class ShardStore:
         anything changes. Pushes must not run meanwhile: one holding a replaced shard
         would apply to the discarded copy (the coordinator pauses dispatch to restore).
         """
-        built = [build_shard(state, self._config.idempotency_capacity) for state in states]
+        built = [build_shard(state, self._config.idempotency_capacity, owned=owned) for state in states]
         check_variables_agree(built)
         restored: dict[str, list[Shard]] = {}
         for shard in built:
@@ -540,6 +542,10 @@ class ShardStore:
                 f"applying a push to {len(fresh)} shards failed and was undone: {type(exc).__name__}: {exc}",
                 variable=fresh[0][0].ref.variable,
             ) from exc
+        finally:
+            # The gradients, their reply and the undo copies are freed now: a few times the
+            # pushed bytes, which the trimmer returns to the system once they add up.
+            released(_PUSH_TRANSIENTS * sum(push.values.numel() * push.values.element_size() for _, push in fresh))
 
     # -- export and hyperparameters -------------------------------------------
 
@@ -571,6 +577,10 @@ class ShardStore:
             for shard in targets:
                 shard.optimizer.set_hyperparameters(values)  # type: ignore[union-attr]
         return len(targets)
+
+
+_PUSH_TRANSIENTS = 4
+"""Bytes a push allocates and frees per pushed byte, about: the gradient, the reply, the undo copies."""
 
 
 def _by_spec(

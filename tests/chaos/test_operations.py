@@ -165,6 +165,7 @@ def assert_every_checkpoint_loads_whole(directory: Path) -> int:
 
 
 def assert_as_good_as_clean(run: Run, clean: Run) -> None:
+    print(f"accuracy: clean {clean.accuracy:.4f}, this run {run.accuracy:.4f}")  # shown with pytest -rP
     assert clean.accuracy > 0.9, clean.accuracy
     assert abs(run.accuracy - clean.accuracy) <= 0.01, (run.accuracy, clean.accuracy)
 
@@ -331,6 +332,7 @@ def test_a_coordinator_killed_before_its_first_checkpoint_runs_again(start_clust
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     summary = json.loads(rerun.stdout.strip().splitlines()[-1])
     assert summary["started_at"] == 0
+    print(f"accuracy: clean {clean.accuracy:.4f}, rerun {summary['accuracy']:.4f}")  # shown with pytest -rP
     assert "start again from their initial values" in rerun.stderr
     assert abs(summary["accuracy"] - clean.accuracy) <= 0.01, (summary, clean.accuracy)
     assert_every_checkpoint_loads_whole(tmp_path / "checkpoints")
