@@ -14,15 +14,17 @@
   beside the same closure with its code sent by value (a script's __main__ functions).
 - train_steps_vs_rpc: training steps per second (summed over workers) of an MLP
   784-256-128-10, softmax cross-entropy, SGD lr 0.01 applied on the servers, one fixed
-  random batch of 64 per worker reused every step: paramserve with 2 ps + 2 workers,
-  FixedShardsPartitioner(2), 1 step per closure, beside a torch.distributed.rpc parameter
+  random batch of 64 per worker reused every step: paramserve with 1 ps + 2 workers (the
+  peer's topology: on a 0.94 MB model a second server only adds a round trip), 1 step per
+  closure, beside a torch.distributed.rpc parameter
   server in its strong form (benchmarks/rpc_ps.py: 1 PS holding the model, 2 trainers, each
   step a local forward and backward, then one RPC that pushes the gradients, applies SGD under
   a lock and returns the updated parameters: one round trip, as paramserve's). Same model, batch
   and thread count (1) per process; start-up excluded; the two take turns, medians of
   --rounds. CPU-ms per step (all processes of a side) is printed beside steps/s: on a
   shared 2-core machine it varies less.
-- train_steps_large_vs_rpc: the same on the MLP 784-4096-2048-10.
+- train_steps_large_vs_rpc: the same on the MLP 784-4096-2048-10, paramserve with 2 ps + 2
+  workers and FixedShardsPartitioner(2) (46.5 MB: two servers apply it in parallel).
 - train_steps_overlapped: the small model as in train_steps_vs_rpc with
   ParameterServerStrategy(overlap_pushes=True), a step computing while the previous step's push
   is in flight, beside the same cluster awaiting each push (the default); the two take turns,
@@ -246,7 +248,7 @@ def paramserve_steps(
     workers: int = 2,
 ) -> TrainRun:
     """2 ps + 2 workers on 127.0.0.1 (by default), one thread per process, 1 step per closure,
-    variables in 2 shards."""
+    variables in one shard per server."""
     worker_args = ["--torch-threads", "1"] + (["--device", device] if device else [])
     with LocalCluster(
         num_ps=servers,
@@ -256,7 +258,7 @@ def paramserve_steps(
         extra_worker_args=worker_args,
     ) as cluster:
         strategy = ParameterServerStrategy(
-            cluster.spec, variable_partitioner=FixedShardsPartitioner(2), overlap_pushes=overlap_pushes
+            cluster.spec, variable_partitioner=FixedShardsPartitioner(servers), overlap_pushes=overlap_pushes
         )
         try:
             torch.manual_seed(0)
@@ -286,13 +288,20 @@ def paramserve_steps(
 
 
 def versus_rpc(
-    name: str, sizes: tuple[int, ...], steps: int, warmup: int, rounds: int, steps_per_closure: int = 1
+    name: str,
+    sizes: tuple[int, ...],
+    steps: int,
+    warmup: int,
+    rounds: int,
+    steps_per_closure: int = 1,
+    *,
+    servers: int = 2,
 ) -> Result:
     ours: list[TrainRun] = []
     theirs: list[TrainRun] = []
     for round_ in range(rounds):  # the sides take turns, so drifts of a shared machine hit both
         theirs.append(TrainRun(**vars(run_rpc_ps(sizes, LR, steps, warmup))))
-        ours.append(paramserve_steps(sizes, steps, warmup, steps_per_closure=steps_per_closure))
+        ours.append(paramserve_steps(sizes, steps, warmup, steps_per_closure=steps_per_closure, servers=servers))
         print(
             f"  [{name} round {round_ + 1}/{rounds}] paramserve {ours[-1].steps_per_s:.1f} steps/s "
             f"({ours[-1].cpu_ms_per_step:.1f} CPU-ms/step), torch.distributed.rpc PS {theirs[-1].steps_per_s:.1f} "
@@ -309,7 +318,8 @@ def versus_rpc(
         value,
         "steps/s",
         baseline,
-        f"torch.distributed.rpc PS (push returns the parameters), 1 PS + 2 trainers, median of {rounds}{per_closure}",
+        f"torch.distributed.rpc PS (push returns the parameters), 1 PS + 2 trainers, median of {rounds}{per_closure}; "
+        f"paramserve {servers} ps + 2 workers",
     )
 
 
@@ -405,7 +415,9 @@ def main(argv: list[str] | None = None) -> int:
             Result("closure_pickling", by_reference, "us", by_value, "the same closure with its code sent by value")
         )
     if "train_steps_vs_rpc" in wanted:
-        results.append(versus_rpc("train_steps_vs_rpc", SMALL, args.steps, 30, args.rounds, args.steps_per_closure))
+        results.append(
+            versus_rpc("train_steps_vs_rpc", SMALL, args.steps, 30, args.rounds, args.steps_per_closure, servers=1)
+        )
     if "train_steps_large_vs_rpc" in wanted:
         results.append(
             versus_rpc("train_steps_large_vs_rpc", LARGE, args.large_steps, 5, args.rounds, args.steps_per_closure)

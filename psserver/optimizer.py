@@ -61,6 +61,7 @@ from paramserve.psserver.errors import (
     InvalidRequestError,
     ShapeMismatchError,
 )
+from paramserve.psserver.tensors import strictly_increasing
 
 __all__ = ["OPTIMIZER_NAMES", "GroupedSteps", "OptimizerSpec", "ShardOptimizer", "warm_up"]
 
@@ -413,9 +414,12 @@ class ShardOptimizer:
         for one step of this shard's optimizer. Raises as ``apply_rows`` does, changing nothing."""
         self._check_rows(rows)
         self._check_grad(grad_rows, (rows.shape[0], *self._param.shape[1:]))
-        unique, inverse = torch.unique(rows, sorted=True, return_inverse=True)
-        summed = torch.zeros((unique.shape[0], *grad_rows.shape[1:]), dtype=grad_rows.dtype)
-        summed.index_add_(0, inverse, grad_rows.detach())
+        if strictly_increasing(rows):  # distinct rows, as a lookup's gradient arrives: nothing to sum
+            unique, summed = rows, grad_rows.detach().clone()
+        else:
+            unique, inverse = torch.unique(rows, sorted=True, return_inverse=True)
+            summed = torch.zeros((unique.shape[0], *grad_rows.shape[1:]), dtype=grad_rows.dtype)
+            summed.index_add_(0, inverse, grad_rows.detach())
         temporary = torch.nn.Parameter(self._param.detach().index_select(0, unique))
         temporary.grad = summed
         return RowStep(self, unique, temporary, self._gather_state(unique))

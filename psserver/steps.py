@@ -36,7 +36,7 @@ from paramserve.psserver.streams import (
     tensor_from_bytes,
     tensor_payload,
 )
-from paramserve.psserver.tensors import dtype_from_name, writable_byte_view
+from paramserve.psserver.tensors import dtype_from_name, strictly_increasing, writable_byte_view
 from paramserve.psserver.types import ShardRef
 from paramserve.wire.v1 import parameter_server_pb2 as ps_pb2
 from paramserve.wire.v1 import tensor_pb2
@@ -360,7 +360,7 @@ def _wire_rows(raw: bytes) -> torch.Tensor:
     """Row indices from a request; each row once (a request repeating one row could ask for
     any amount of data; paramserve's client sends them de-duplicated)."""
     rows = convert.rows_from_bytes(raw)
-    if rows.numel() > 1 and torch.unique(rows).numel() != rows.numel():
+    if rows.numel() > 1 and not strictly_increasing(rows) and torch.unique(rows).numel() != rows.numel():
         raise InvalidRequestError(
             "a read names some rows more than once; de-duplicate the row indices "
             "(torch.unique(rows, return_inverse=True) restores their order afterwards)"

@@ -93,3 +93,9 @@ def tensor_from_buffer(buffer: bytearray | memoryview, dtype: torch.dtype, shape
     if expected == 0:
         return torch.empty(tuple(shape), dtype=dtype)
     return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).reshape(tuple(shape))
+
+
+def strictly_increasing(values: torch.Tensor) -> bool:
+    """Whether a 1-d tensor's values are sorted with no repeats (one pass, no sort): a lookup's
+    distinct rows arrive so, and then need no ``torch.unique``."""
+    return values.numel() < 2 or bool((values[1:] > values[:-1]).all())

@@ -367,6 +367,22 @@ def test_grouped_row_steps_are_bit_for_bit_one_step_per_shard(name):
             assert torch.equal(slot, other.slots()[key]), key
 
 
+@pytest.mark.parametrize("name", ["Adagrad", "Adam", "SGD"])
+def test_distinct_sorted_rows_step_exactly_as_the_same_rows_in_any_order(name):
+    """A lookup's gradient arrives as distinct rows in order, and skips the sort and the sum."""
+    spec = OptimizerSpec(name, {"lr": 0.05})
+    ordered, shuffled = ShardOptimizer(spec, _initial().clone()), ShardOptimizer(spec, _initial().clone())
+    rows = torch.tensor([0, 2, 3, 5])
+    grads = torch.randn(4, *ordered.value.shape[1:], generator=torch.Generator().manual_seed(3))
+    order = torch.tensor([2, 0, 3, 1])
+    for _ in range(3):
+        ordered.apply_rows(rows, grads)
+        shuffled.apply_rows(rows[order], grads[order])
+    assert torch.equal(ordered.value, shuffled.value)
+    for key, slot in ordered.slots().items():
+        assert torch.equal(slot, shuffled.slots()[key]), key
+
+
 def test_a_grouped_row_step_with_a_bad_member_changes_no_shard():
     from paramserve.psserver.optimizer import GroupedSteps
 
