@@ -74,14 +74,15 @@ class SyncOnReadVariable(DistributedValue):
 
     Args:
         initial_value: the value every copy starts from.
-        aggregation: SUM, MEAN or ONLY_FIRST_REPLICA (NONE: reading across replicas raises).
+        aggregation: NONE (the default, as in TensorFlow: reading across replicas raises, so
+            the choice is explicit), SUM, MEAN or ONLY_FIRST_REPLICA.
         strategy: the owning strategy; default the current one (create it in ``strategy.scope()``).
     """
 
     def __init__(
         self,
         initial_value: torch.Tensor | float,
-        aggregation: VariableAggregation | str = VariableAggregation.SUM,
+        aggregation: VariableAggregation | str = VariableAggregation.NONE,
         strategy: Strategy | None = None,
     ):
         strategy = strategy or get_strategy()

@@ -7,9 +7,9 @@ with ``torch.tensor_split`` into one part per replica.
 
 A batch that does not divide evenly (usually the last one) follows
 ``InputOptions.partial_batch``:
-- ``"split"`` (default, as TF): uneven parts; the first ``size % replicas``
-  replicas get one example more, and with fewer examples than replicas the last
-  replicas get empty (0-row) batches. Pass the real ``global_batch_size`` to
+- ``"split"`` (default, as TF): uneven parts; each replica in turn takes up to
+  ``ceil(size / replicas)`` examples, so the last replicas get fewer or none (5 over 4
+  replicas: 2, 2, 1, 0; ``replica_bounds``). Pass the real ``global_batch_size`` to
   ``compute_average_loss`` for such batches, or the replicas' default
   (per-replica size x replicas) mis-scales the loss.
 - ``"drop"``: the batch is skipped (like ``DataLoader(drop_last=True)``).
@@ -156,6 +156,14 @@ class DistributedDatasetsFromFunction:
         return parts + [empty] * (len(self.devices) - len(parts))
 
 
+def replica_bounds(size: int, num_replicas: int) -> list[int]:
+    """Where a batch of ``size`` is cut between replicas, as TensorFlow cuts it: each replica takes
+    up to ``ceil(size / num_replicas)`` examples in turn, so a short last batch leaves the last
+    replicas short or empty (5 over 4 replicas: 2, 2, 1, 0), never spreads the shortfall."""
+    share = -(-size // num_replicas)
+    return [min(share * replica, size) for replica in range(1, num_replicas)]
+
+
 def split_batch(batch: Any, num_replicas: int, partial_batch: str = "split", index: int = 0) -> list[Any] | None:
     """One structure per replica from a global batch; None when the batch is to be dropped.
 
@@ -179,9 +187,11 @@ def split_batch(batch: Any, num_replicas: int, partial_batch: str = "split", ind
                 "or InputOptions(partial_batch='split')"
             )
 
+    bounds = replica_bounds(size, num_replicas)
+
     def part(leaf: Any, replica: int) -> Any:
         if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
-            return torch.tensor_split(leaf, num_replicas, dim=0)[replica]
+            return torch.tensor_split(leaf, bounds, dim=0)[replica]
         return leaf
 
     return [nest.map_structure(functools.partial(part, replica=r), batch) for r in range(num_replicas)]

@@ -656,3 +656,47 @@ def test_cpu_gradient_sum_is_bitwise_the_cross_device_ops_one(replicas, data, in
             assert g.data_ptr() != g0.data_ptr() and torch.equal(g, g0)
     fast.close()
     plain.close()
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: MirroredStrategy(devices=["cpu:0", "cpu:1"]),
+        lambda: CentralStorageStrategy(compute_devices=["cpu:0", "cpu:1"]),
+    ],
+    ids=["mirrored", "central_storage"],
+)
+def test_the_mean_of_integers_divides_exactly_as_tensorflow_does(make):
+    """TF's reduce example: MEAN of 1 and 98 is 49.5, not the floor 49 (issue 22, item 1)."""
+    strategy = make()
+
+    def replica_values():
+        context = get_replica_context()
+        value = torch.tensor([1, 98][context.replica_id_in_sync_group])
+        return value, context.all_reduce(ReduceOp.MEAN, value)
+
+    values, all_reduced = strategy.run(replica_values)
+
+    assert strategy.reduce(ReduceOp.MEAN, values, axis=None).item() == 49.5
+    assert [v.item() for v in strategy.experimental_local_results(all_reduced)] == [49.5, 49.5]
+    assert strategy.reduce(ReduceOp.SUM, values, axis=None).dtype == torch.int64, "SUM keeps the dtype"
+
+
+def test_a_sync_on_read_variable_without_an_aggregation_refuses_a_cross_replica_read():
+    """TF's default aggregation is NONE (issue 22, item 5): no silent SUM."""
+    strategy = MirroredStrategy(devices=["cpu:0", "cpu:1"])
+    with strategy.scope():
+        variable = SyncOnReadVariable(1.0)
+    assert variable.aggregation is VariableAggregation.NONE
+    with pytest.raises(ValueError, match="aggregation NONE has no cross-replica value"):
+        variable.aggregate()
+    assert [v.item() for v in strategy.experimental_local_results(variable)] == [1.0, 1.0]
+
+
+def test_a_short_last_batch_leaves_the_last_replicas_short_as_tensorflow_does():
+    """5 examples over 4 replicas: [2, 2, 1, 0], not [2, 1, 1, 1] (issue 22, item 3)."""
+    strategy = MirroredStrategy(devices=[f"cpu:{i}" for i in range(4)])
+    (batch,) = list(strategy.experimental_distribute_dataset([torch.arange(5)]))
+    assert [part.tolist() for part in batch.values] == [[0, 1], [2, 3], [4], []]
+    (even,) = list(strategy.experimental_distribute_dataset([torch.arange(8)]))
+    assert [part.shape[0] for part in even.values] == [2, 2, 2, 2]
