@@ -154,10 +154,17 @@ def correct(outputs: Tensor, targets: Tensor) -> Tensor:
 
 class Accuracy(Metric):
     """Classification accuracy: the predicted class (argmax of the outputs) against integer
-    targets; a single output column is a binary prediction thresholded at 0.5."""
+    targets; a single output column is a binary prediction thresholded at 0.5.
+
+    ``update_state(outputs, targets)`` (torchmetrics' order), or Keras' ``(y_true, y_pred)``
+    when the targets are integers and the outputs floating point (see ``torch_order``)."""
 
     def __init__(self, name: str = "accuracy", strategy: Any = None):
         super().__init__(_ArgmaxMatches(), name, strategy)
+
+    @property
+    def prepare(self) -> Callable[..., tuple[Any, ...]]:
+        return torch_order
 
 
 SparseCategoricalAccuracy = Accuracy
@@ -170,7 +177,10 @@ class AUC(Metric):
 
     ``update_state(predictions, targets)``: probabilities (or logits, with ``from_logits``)
     and 0/1 targets; or class scores ``[batch, classes]`` and class ids, taken one-vs-rest
-    over every (example, class) pair (Keras' AUC of one-hot labels)."""
+    over every (example, class) pair (Keras' AUC of one-hot labels). Keras' order
+    ``(y_true, y_pred)`` is taken too when the targets are integers (or booleans) and the
+    predictions floating point (``torch_order``); with floating-point targets the order is
+    torchmetrics'."""
 
     def __init__(self, num_thresholds: int = 200, name: str = "auc", from_logits: bool = False, strategy: Any = None):
         self.from_logits = from_logits
@@ -181,7 +191,25 @@ class AUC(Metric):
         return functools.partial(_auc_inputs, from_logits=self.from_logits)
 
 
-def _auc_inputs(predictions: Tensor, targets: Tensor, *rest: Any, from_logits: bool) -> tuple[Any, ...]:
+def torch_order(*args: Any) -> tuple[Any, ...]:
+    """A classification metric's arguments as torchmetrics takes them, ``(predictions, targets,
+    ...)``: Keras' ``(y_true, y_pred, ...)`` is recognised when the first is an integer or boolean
+    tensor and the second a floating-point one (class ids and scores can be told apart only so),
+    and swapped; anything else is left as given. Without this, Keras' order silently computed
+    another number (an AUC of 0.54 for a perfect classifier)."""
+    if (
+        len(args) >= 2
+        and isinstance(args[0], Tensor)
+        and isinstance(args[1], Tensor)
+        and not args[0].is_floating_point()
+        and args[1].is_floating_point()
+    ):
+        return (args[1], args[0], *args[2:])
+    return args
+
+
+def _auc_inputs(*args: Any, from_logits: bool) -> tuple[Any, ...]:
+    predictions, targets, *rest = torch_order(*args)
     if predictions.dim() > 1 and predictions.shape[-1] > 1 and predictions.numel() != targets.numel():
         # Class scores and class ids: one-vs-rest over every (example, class), as Keras'
         # AUC flattens one-hot labels (multi_label=False).

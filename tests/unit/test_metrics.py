@@ -125,3 +125,25 @@ def test_torchmetrics_still_says_how_each_state_merges():
     for metric in (torchmetrics.MeanMetric(), torchmetrics.classification.BinaryAUROC(thresholds=10)):
         assert set(metric._reductions) == set(metric.metric_state)
         assert all(metric._reductions[name] is dim_zero_sum for name in metrics.additive_states(metric))
+
+
+def test_keras_argument_order_gives_the_same_auc_and_accuracy():
+    """The tutorial's update_state(labels, predictions) (issue 22, item 8): an AUC of 1.0 for a
+    perfect classifier, not the 0.54 torchmetrics' order made of it."""
+    labels = torch.tensor([0, 0, 1, 1, 0, 1])
+    probabilities = torch.tensor([0.1, 0.3, 0.8, 0.9, 0.2, 0.7])
+    scores = torch.tensor([[2.0, 0.0], [1.0, 0.5], [0.0, 3.0], [0.2, 0.1], [0.9, 0.1], [0.0, 1.0]])
+    results = []
+    for keras in (False, True):
+        auc, accuracy = metrics.AUC(), metrics.SparseCategoricalAccuracy()
+        auc.update_state(*((labels, probabilities) if keras else (probabilities, labels)))
+        accuracy.update_state(*((labels, scores) if keras else (scores, labels)))
+        results.append((float(auc.result()), float(accuracy.result())))
+    assert results[0] == results[1]
+    assert results[0][0] == pytest.approx(1.0) and results[0][1] == pytest.approx(5 / 6)
+
+
+def test_the_order_is_left_alone_when_dtypes_cannot_tell():
+    predictions, targets = torch.tensor([0.9, 0.2]), torch.tensor([1.0, 0.0])
+    assert metrics.torch_order(predictions, targets) == (predictions, targets)
+    assert metrics.torch_order(targets.long(), predictions)[0] is predictions
