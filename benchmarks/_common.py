@@ -264,6 +264,15 @@ def serve_workers(
         worker.stop(grace=None)
 
 
+def memory_mb(pid: int, field: str) -> float:
+    """A memory figure of a live process in MB: ``VmRSS`` (resident now) or ``VmHWM`` (its peak)."""
+    with open(f"/proc/{pid}/status") as handle:
+        for line in handle:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"/proc/{pid}/status has no {field}")
+
+
 def process_threads_and_rss_mb(pid: int) -> tuple[int, float]:
     """Live OS threads and resident memory (MB) of a process, from /proc."""
     threads = rss_kb = 0

@@ -25,7 +25,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -38,21 +38,12 @@ from paramserve.coordinator import (
     ParameterServerStrategy,
     ShardedEmbeddingCollection,
 )
-from paramserve.coordinator.recommendation import CRITEO_KAGGLE_ROWS, DLRM, ClickBatch, ClickData, train_clicks
+from paramserve.coordinator.recommendation import DLRM, ClickData, WorkerClicks, criteo_rows, train_clicks
 
 BATCH = 256
 LR = 0.05
 BATCHES_PER_WORKER = 32
 """Each side cycles through this many fixed batches per trainer: generating data costs nothing."""
-
-
-def table_rows(cap: int) -> list[int]:
-    return [min(cap, rows) for rows in CRITEO_KAGGLE_ROWS]
-
-
-def worker_clicks(context: object, cap: int) -> Iterator[ClickBatch]:
-    """A worker's endless input: its own stream of fixed batches."""
-    return ClickData(table_rows(cap), BATCH).cycle(context.worker_index, BATCHES_PER_WORKER)  # type: ignore[attr-defined]
 
 
 @dataclass
@@ -66,9 +57,9 @@ def local_run(cap: int, steps: int, warmup: int) -> Run:
     """One process at one thread: the same model with local sparse tables and torch's Adagrad."""
     start = time.perf_counter()
     torch.manual_seed(0)
-    model = DLRM(table_rows(cap))
+    model = DLRM(criteo_rows(cap))
     optimizer = torch.optim.Adagrad(model.parameters(), lr=LR)
-    batches = ClickData(table_rows(cap), BATCH).cycle(0, BATCHES_PER_WORKER)
+    batches = ClickData(criteo_rows(cap), BATCH).cycle(0, BATCHES_PER_WORKER)
     startup = time.perf_counter() - start
     for _ in range(warmup):
         train_clicks(batches, model, optimizer)
@@ -94,10 +85,12 @@ def paramserve_run(cap: int, steps: int, warmup: int, servers: int = 2, workers:
             start = time.perf_counter()
             torch.manual_seed(0)
             with strategy.scope():
-                model = DLRM(table_rows(cap), embeddings=ShardedEmbeddingCollection)
+                model = DLRM(criteo_rows(cap), embeddings=ShardedEmbeddingCollection)
             optimizer = strategy.optimizer(torch.optim.Adagrad, lr=LR)
             with ClusterCoordinator(strategy) as coordinator:
-                batches = iter(coordinator.create_per_worker_dataset(_Clicks(cap)))
+                batches = iter(
+                    coordinator.create_per_worker_dataset(WorkerClicks(criteo_rows(cap), BATCH, BATCHES_PER_WORKER))
+                )
                 for _ in range(warmup):
                     coordinator.schedule(train_clicks, args=(batches, model, optimizer))
                 coordinator.join()
@@ -113,16 +106,6 @@ def paramserve_run(cap: int, steps: int, warmup: int, servers: int = 2, workers:
         finally:
             strategy.close()
     return Run(steps * BATCH / seconds, startup, 1000 * cpu / steps)
-
-
-class _Clicks:
-    """The per-worker dataset function (a class, so it pickles by reference with its cap)."""
-
-    def __init__(self, cap: int):
-        self.cap = cap
-
-    def __call__(self, context: object) -> Iterator[ClickBatch]:
-        return worker_clicks(context, self.cap)
 
 
 def compare(cap: int, steps: int, warmup: int, rounds: int) -> tuple[Result, float]:

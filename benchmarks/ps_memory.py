@@ -19,26 +19,28 @@ runs every 10 s); its peak (VmHWM) over the run too.
 from __future__ import annotations
 
 import argparse
-import pathlib
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from _common import LARGE, MLP, Result, fixed_batch, one_torch_thread, print_report, train_step, worker_environment
+from _common import (
+    LARGE,
+    MLP,
+    Result,
+    fixed_batch,
+    memory_mb,
+    one_torch_thread,
+    print_report,
+    train_step,
+    worker_environment,
+)
 
 from paramserve.coordinator import ClusterCoordinator, LocalCluster, ParameterServerStrategy, ShardedEmbedding
 
 TRIM_WAIT_SECONDS = 12.0
 """Longer than the server's trimming interval (psserver/memory.py), so freed memory is back."""
-
-
-def memory_mb(pid: int, field: str) -> float:
-    for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no {field} for {pid}")
 
 
 @dataclass

@@ -42,23 +42,24 @@ def ps_pull() -> list[torch.Tensor]:
         return [p.detach().clone() for p in _PS["params"]]
 
 
+def _apply(grads: list[torch.Tensor]) -> None:
+    """One SGD step with ``grads``; the caller holds the lock."""
+    for param, grad in zip(_PS["params"], grads):
+        param.grad = grad
+    _PS["optimizer"].step()
+    for param in _PS["params"]:
+        param.grad = None
+
+
 def ps_push(grads: list[torch.Tensor]) -> None:
     with _PS["lock"]:
-        for param, grad in zip(_PS["params"], grads):
-            param.grad = grad
-        _PS["optimizer"].step()
-        for param in _PS["params"]:
-            param.grad = None
+        _apply(grads)
 
 
 def ps_push_and_pull(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     """Applies ``grads`` and returns the parameters as they are right after: one round trip."""
     with _PS["lock"]:
-        for param, grad in zip(_PS["params"], grads):
-            param.grad = grad
-        _PS["optimizer"].step()
-        for param in _PS["params"]:
-            param.grad = None
+        _apply(grads)
         return [p.detach().clone() for p in _PS["params"]]
 
 

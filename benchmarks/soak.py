@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import pathlib
 import statistics
 import sys
 import time
 
 import _common
 import torch
-from _common import Result, print_report, worker_environment
+from _common import Result, memory_mb, print_report, worker_environment
 
 from paramserve.coordinator import ClusterCoordinator
 from paramserve.coordinator.commands.demo import MLP, train_step, worker_batches
@@ -33,11 +32,6 @@ from paramserve.coordinator.strategies.parameter_server import ParameterServerSt
 
 _common.one_torch_thread()
 SAMPLE_EVERY = 15.0
-
-
-def resident_mb(pid: int) -> float:
-    text = pathlib.Path(f"/proc/{pid}/status").read_text()
-    return int(next(line for line in text.splitlines() if line.startswith("VmRSS:")).split()[1]) / 1024
 
 
 def slope(xs: list[float], ys: list[float]) -> float:
@@ -68,7 +62,7 @@ def soak(minutes: float, workers: int) -> list[tuple[int, list[float]]]:
                 steps += 4 * len(values)
                 if time.monotonic() >= next_sample:
                     next_sample = time.monotonic() + SAMPLE_EVERY
-                    series.append((steps, [round(resident_mb(pid), 1) for pid in servers]))
+                    series.append((steps, [round(memory_mb(pid, "VmRSS"), 1) for pid in servers]))
                     print(f"steps {steps:8d}  ps MB {series[-1][1]}", file=sys.stderr, flush=True)
         strategy.close()
     return series

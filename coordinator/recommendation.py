@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -107,6 +108,25 @@ class ClickData:
         fixed = self.batches(stream, count)
         while True:
             yield from fixed
+
+
+def criteo_rows(cap: int) -> list[int]:
+    """Criteo's 26 table sizes, each capped at ``cap`` rows (a model that fits a given machine)."""
+    return [min(cap, rows) for rows in CRITEO_KAGGLE_ROWS]
+
+
+class WorkerClicks:
+    """A per-worker dataset function (``ClusterCoordinator.create_per_worker_dataset``): each
+    worker cycles through ``count`` fixed batches of its own draw stream (its worker index). A
+    class, so it travels to workers by reference with its settings."""
+
+    def __init__(self, table_rows: Sequence[int], batch_size: int = 256, count: int = 200):
+        self.table_rows = list(table_rows)
+        self.batch_size = batch_size
+        self.count = count
+
+    def __call__(self, context: Any) -> Iterator[ClickBatch]:
+        return ClickData(self.table_rows, self.batch_size).cycle(context.worker_index, self.count)
 
 
 def mlp(sizes: Sequence[int], last_activation: bool) -> nn.Sequential:

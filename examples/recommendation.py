@@ -16,8 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections.abc import Iterator
-from typing import Any
 
 import torch
 
@@ -28,24 +26,9 @@ from paramserve.coordinator import (
     ParameterServerStrategy,
     ShardedEmbeddingCollection,
 )
-from paramserve.coordinator.recommendation import CRITEO_KAGGLE_ROWS, DLRM, ClickBatch, ClickData, auc, train_clicks
+from paramserve.coordinator.recommendation import DLRM, ClickData, WorkerClicks, auc, criteo_rows, train_clicks
 
 BATCH = 256
-
-
-def table_rows(cap: int) -> list[int]:
-    """Criteo's 26 table sizes, each capped at ``cap`` rows (so the example fits anywhere)."""
-    return [min(cap, rows) for rows in CRITEO_KAGGLE_ROWS]
-
-
-class WorkerClicks:
-    """Runs on each worker: its own endless stream of click batches (a per-worker dataset)."""
-
-    def __init__(self, rows: list[int]):
-        self.rows = rows
-
-    def __call__(self, context: Any) -> Iterator[ClickBatch]:
-        return ClickData(self.rows, BATCH).cycle(stream=context.worker_index, count=200)
 
 
 def held_out_auc(model: torch.nn.Module, rows: list[int]) -> float:
@@ -61,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=600, help="training steps (over both workers)")
     parser.add_argument("--rows", type=int, default=100_000, help="the largest table's rows")
     args = parser.parse_args(argv)
-    rows = table_rows(args.rows)
+    rows = criteo_rows(args.rows)
 
     with LocalCluster(num_ps=2, num_workers=2) as cluster:
         # As TensorFlow's tutorial partitions: shards of at least 256 KiB, at most one per server.

@@ -18,6 +18,7 @@ import ctypes.util
 import os
 import threading
 from collections.abc import Callable
+from typing import Any
 
 __all__ = [
     "SERVER_ARENAS",
@@ -49,18 +50,19 @@ def released(nbytes: int) -> None:
             _released_enough.set()
 
 
-def _glibc_trim() -> Callable[[int], int] | None:
+def _glibc(name: str, argtypes: list[Any]) -> Callable[..., int] | None:
+    """The C library's function ``name``, or None where it has none (not glibc: musl, macOS)."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):  # not glibc (musl, macOS)
+        function = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
+    except (OSError, AttributeError):
         return None
-    trim.argtypes = [ctypes.c_size_t]
-    trim.restype = ctypes.c_int
-    return trim
+    function.argtypes = argtypes
+    function.restype = ctypes.c_int
+    return function
 
 
-_TRIM = _glibc_trim()
+_TRIM = _glibc("malloc_trim", [ctypes.c_size_t])
+_MALLOPT = _glibc("mallopt", [ctypes.c_int, ctypes.c_int])
 
 SERVER_ARENAS = 2
 """glibc's malloc arenas for a parameter server (its default: 8 per core). A server's large
@@ -74,16 +76,9 @@ _M_ARENA_MAX = -8  # glibc's mallopt parameter number
 def limit_arenas(count: int = SERVER_ARENAS) -> bool:
     """Caps glibc's malloc arenas for this process (call before it starts threads); False where
     the C library is not glibc or refuses. ``MALLOC_ARENA_MAX`` in the environment wins."""
-    if "MALLOC_ARENA_MAX" in os.environ:
+    if "MALLOC_ARENA_MAX" in os.environ or _MALLOPT is None:
         return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt.restype = ctypes.c_int
-    return bool(mallopt(_M_ARENA_MAX, count))
+    return bool(_MALLOPT(_M_ARENA_MAX, count))
 
 
 def malloc_trim() -> bool:

@@ -328,6 +328,21 @@ def _check_floating(value: Tensor) -> None:
         raise DtypeMismatchError(f"an optimizer updates floating-point variables only; this one is {value.dtype}")
 
 
+def _within(rows: Tensor, count: int) -> bool:
+    low, high = torch.aminmax(rows)
+    return int(low) >= 0 and int(high) < count
+
+
+def _step_rows(spec: OptimizerSpec, steps: Sequence[RowStep]) -> None:
+    """One torch.optim step of ``spec`` over gathered rows (one shard's or several), scattered back."""
+    optimizer = _build(spec, [step.param for step in steps])
+    for step in steps:
+        optimizer.state[step.param] = step.state
+    optimizer.step()
+    for step in steps:
+        step.owner.scatter_rows(step, optimizer.state[step.param])
+
+
 @dataclass(eq=False)
 class RowStep:
     """One shard's share of a row-sparse step, between ShardOptimizer.gather_rows and
@@ -402,11 +417,7 @@ class ShardOptimizer:
         ``rows`` are int64 indices local to the shard (duplicates are summed);
         ``grad_rows[i]`` is the gradient of row ``rows[i]``.
         """
-        step = self.gather_rows(rows, grad_rows)
-        optimizer = _build(self._spec, [step.param])
-        optimizer.state[step.param] = step.state
-        optimizer.step()
-        self.scatter_rows(step, optimizer.state[step.param])
+        _step_rows(self._spec, [self.gather_rows(rows, grad_rows)])
 
     def gather_rows(self, rows: Tensor, grad_rows: Tensor) -> RowStep:
         """The first half of ``apply_rows``: the touched rows of the value and of the row-shaped
@@ -434,7 +445,7 @@ class ShardOptimizer:
             raise ShapeMismatchError("a 0-d variable has no rows; push its gradient dense")
         if rows.dtype != torch.int64 or rows.dim() != 1:
             raise InvalidRequestError(f"row indices must be 1-d int64, got {rows.dim()}-d {rows.dtype}")
-        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= self._param.shape[0]):
+        if rows.numel() and not _within(rows, self._param.shape[0]):
             raise IndexOutOfRangeError(f"row indices must be in [0, {self._param.shape[0]})")
 
     def _is_row_shaped(self, slot: Any) -> bool:
@@ -616,16 +627,7 @@ class GroupedSteps:
         more than their updates. With the for-loop implementation forced, each shard's rows
         are computed exactly as its own step computes them; shared per-shard state (a step
         count) is each shard's own. Raises as apply_rows does, before any shard changes."""
-        if len(optimizers) == 1:
-            optimizers[0].apply_rows(rows[0], grads[0])
-            return
-        steps = [optimizer.gather_rows(r, g) for optimizer, r, g in zip(optimizers, rows, grads)]
-        group = _build(optimizers[0].spec, [step.param for step in steps])
-        for step in steps:
-            group.state[step.param] = step.state
-        group.step()
-        for step in steps:
-            step.owner.scatter_rows(step, group.state[step.param])
+        _step_rows(optimizers[0].spec, [o.gather_rows(r, g) for o, r, g in zip(optimizers, rows, grads)])
 
     def clear(self) -> None:
         """Forgets every group (they hold their shards' tensors): after shards are deleted or replaced."""

@@ -16,15 +16,11 @@ from paramserve.coordinator import (
     ShardedEmbedding,
     ShardedEmbeddingCollection,
 )
-from paramserve.coordinator.recommendation import DLRM, ClickData, auc, train_clicks
+from paramserve.coordinator.recommendation import DLRM, ClickData, WorkerClicks, auc, train_clicks
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import test modules
 
 TABLE_ROWS = [1000, 1000, 500, 2000, 1000, 300]
-
-
-def worker_clicks(context):
-    return ClickData(TABLE_ROWS).cycle(context.worker_index, 100)
 
 
 def held_out_auc(model):
@@ -53,7 +49,7 @@ def test_a_dlrm_with_an_embedding_collection_learns_and_applies_every_step_once(
     table = model.embeddings.table.variable
     with ClusterCoordinator(strategy) as coordinator:
         before = held_out_auc(model)  # the coordinator reads the table's rows from the servers
-        batches = iter(coordinator.create_per_worker_dataset(worker_clicks))
+        batches = iter(coordinator.create_per_worker_dataset(WorkerClicks(TABLE_ROWS, count=100)))
         losses = [coordinator.schedule(train_clicks, args=(batches, model, optimizer)) for _ in range(300)]
         coordinator.join()
     after = held_out_auc(model)

@@ -16,6 +16,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -66,6 +67,11 @@ def missing_requirements() -> str | None:
     finally:
         subprocess.run(["ip", "netns", "del", probe], capture_output=True)
     return None
+
+
+def paramserve(*args: str) -> list[str]:
+    """The ``paramserve`` command line with this interpreter (what a host runs)."""
+    return [sys.executable, "-m", "paramserve.coordinator.commands.cli", *args]
 
 
 def run(*argv: str) -> str:

@@ -14,11 +14,10 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import sys
 import time
 
 import pytest
-from network_hosts import NetworkHosts, missing_requirements
+from network_hosts import NetworkHosts, paramserve
 
 from paramserve.psserver import checkpoint
 
@@ -36,17 +35,6 @@ WORKER_SERVICE = "workers.multihost.test"
 STEPS = 400
 LOSS = 0.01
 CUT_SECONDS = 3.0
-
-
-@pytest.fixture(scope="module")
-def requirements() -> None:
-    reason = missing_requirements()
-    if reason is not None:
-        pytest.skip(f"tests/multihost {reason}")
-
-
-def paramserve(*args: str) -> list[str]:
-    return [sys.executable, "-m", "paramserve.coordinator.commands.cli", *args]
 
 
 def wait_for_port_files(files: dict[str, pathlib.Path], processes: dict, deadline: float) -> None:  # type: ignore[type-arg]

@@ -17,12 +17,11 @@ import json
 import os
 import pathlib
 import subprocess
-import sys
 import time
 
 import pytest
 import torch
-from network_hosts import NetworkHosts, missing_requirements
+from network_hosts import NetworkHosts, paramserve
 
 from paramserve.coordinator.commands.demo import MLP, digits_split
 from paramserve.psserver import checkpoint
@@ -43,17 +42,6 @@ NAMES = {"ps0": "ps0.paramserve.test", "ps1": "ps1.paramserve.test"}
 STEPS, CHECKPOINT_EVERY = 1200, 48
 CLIENTS = ("coord", "w0", "w1")
 """The hosts that reach the parameter servers by name."""
-
-
-@pytest.fixture(scope="module")
-def requirements() -> None:
-    reason = missing_requirements()
-    if reason is not None:
-        pytest.skip(f"tests/multihost {reason}")
-
-
-def paramserve(*args: str) -> list[str]:
-    return [sys.executable, "-m", "paramserve.coordinator.commands.cli", *args]
 
 
 def point_names(hosts: NetworkHosts, ps0_host: str) -> None:
