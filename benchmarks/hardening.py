@@ -40,9 +40,16 @@ from typing import Any
 
 import grpc
 import torch
-from _common import memory_mb
 
 SERVICE = "/paramserve.wire.v1.ParameterServer"
+
+
+def memory_mb(pid: int, field: str = "VmHWM") -> float:
+    """Standalone (tests import this module as benchmarks.hardening, without _common on the path)."""
+    for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no {field} for {pid}")
 
 
 def start_ps(directory: pathlib.Path, token: str) -> tuple[subprocess.Popen, str]:
@@ -256,12 +263,12 @@ def main() -> None:
                 ("amplified_pull", lambda: amplified_pull(address, token)),
                 ("unauthenticated_large_calls", lambda: unauthenticated_large_calls(address)),
             ):
-                baseline = memory_mb(process.pid, "VmHWM")
+                baseline = memory_mb(process.pid)
                 status = attack()
                 results.append(
                     {
                         "metric": name,
-                        "value": round(memory_mb(process.pid, "VmHWM") - baseline, 1),
+                        "value": round(memory_mb(process.pid) - baseline, 1),
                         "unit": "MB peak growth",
                         "baseline": round(baseline, 1),
                         "status": status,
