@@ -106,9 +106,11 @@ class MemoryTrimmer:
             self._thread.join(timeout)
 
     def _run(self) -> None:
-        while True:
+        # stop() sets _stop before it wakes the thread, and the wake-up is cleared before _stop
+        # is read: a stop is never swallowed by a trim that a release woke the thread for.
+        while not self._stop.is_set():
             _released_enough.wait(self._every)
+            _released_enough.clear()
             if self._stop.is_set():
                 return
-            _released_enough.clear()
             malloc_trim()
