@@ -74,6 +74,8 @@ class Closure:
     attempt: int = 0
     resends: int = 0
     server_waits: int = 0
+    read_generation: int = 0
+    """The queue's read generation when it was queued (see ClosureQueue.read_barrier)."""
     state: ClosureState = ClosureState.QUEUED
     remote_value: RemoteValue[Any] = field(init=False)
 
@@ -134,6 +136,7 @@ class ClosureQueue:
         self._error: ClosureError | None = None
         self._closed: CoordinatorClosedError | None = None
         self._waker: Callable[[], None] = lambda: None
+        self._read_generation = 0
 
     def set_waker(self, wake: Callable[[], None]) -> None:
         """``wake()`` is called, outside the lock, whenever closures may be taken: after a put,
@@ -162,6 +165,7 @@ class ClosureQueue:
                     f"could not schedule {closure.name}: {len(self._queue)} closures are already queued "
                     f"(the limit) and none finished within {timeout:g}s; are the workers alive?"
                 )
+            closure.read_generation = self._read_generation
             self._queue.append(closure)
             self._observer.closure_scheduled(closure)
             self._cond.notify_all()
@@ -263,11 +267,31 @@ class ClosureQueue:
         self._waker()
         return count
 
+    def read_barrier(self) -> None:
+        """Closures queued from now on read the variables afresh on their worker (no values an
+        earlier closure read back): called when join() or fetch() returns, so a closure
+        scheduled after them sees every update that finished before them, as in TensorFlow."""
+        with self._cond:
+            self._read_generation += 1
+
+    def pending_error(self) -> ClosureError | None:
+        """The error a failed closure left for the coordinator to raise (None: none), kept."""
+        with self._cond:
+            return self._error
+
     def take_error(self) -> ClosureError | None:
-        """The pending error of a failed closure, which is then forgotten (TF raises it once)."""
+        """The pending error of a failed closure, which is then forgotten (TF raises it once).
+        Call it once nothing is in flight (``wait_settled``): a closure put back while the
+        error is pending is cancelled, one put back after it would run again."""
         with self._cond:
             error, self._error = self._error, None
             return error
+
+    def wait_settled(self, timeout: float | None) -> bool:
+        """True once no closure is in flight (each one succeeded, failed, or was put back and
+        so cancelled while an error is pending); False at the timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._in_flight, timeout)
 
     def wait_idle(self, timeout: float | None) -> bool:
         """True once nothing is queued or in flight, or a closure's error is pending (TF raises

@@ -253,11 +253,14 @@ class ClusterCoordinator:
     def join(self, timeout: float | None = None) -> None:
         """Waits until every scheduled closure finished.
 
-        Raises the first error of a failed closure as soon as it happens, as TensorFlow
-        does: the queued closures are cancelled then, and closures already running on
-        other workers finish in the background (their values stay readable). The error
-        is raised once and forgotten, so training can go on. Raises TimeoutError after
-        ``timeout`` seconds. Logs progress every ``log_interval``.
+        Raises the first error of a failed closure once nothing else runs, as TensorFlow
+        does: the queued closures are cancelled when it happens, and the closures running on
+        other workers are cancelled before it is raised (each stops before its next push or
+        step; one that finishes first keeps its value), so no closure scheduled before the
+        error pushes after it is raised. The error is raised once and forgotten, so training
+        can go on. Raises TimeoutError after ``timeout`` seconds. Logs progress every
+        ``log_interval``. On return every worker's next closure reads the variables afresh:
+        what finished before join() is what closures scheduled after it see.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self._queue.wait_idle(self._wait_slice(deadline)):
@@ -267,7 +270,8 @@ class ClusterCoordinator:
                     f"{self._queue.num_in_flight} in flight"
                 )
             self._log_progress()
-        self._raise_pending_error()
+        self._raise_pending_error(deadline)
+        self._queue.read_barrier()
 
     def done(self) -> bool:
         """True when nothing is queued or running; raises the pending error like join()."""
@@ -275,8 +279,11 @@ class ClusterCoordinator:
         return self._queue.idle()
 
     def fetch(self, structure: Any, timeout: float | None = None) -> Any:
-        """``structure`` with each RemoteValue (and PerWorkerValues) replaced by its value."""
-        return fetch_structure(structure, timeout)
+        """``structure`` with each RemoteValue (and PerWorkerValues) replaced by its value. Like
+        join(), a barrier for reads: closures scheduled after it see what finished before."""
+        values = fetch_structure(structure, timeout)
+        self._queue.read_barrier()
+        return values
 
     # ---------------------------------------------------------------- per-worker resources
 
@@ -401,11 +408,32 @@ class ClusterCoordinator:
         if self._closed:
             raise CoordinatorClosedError("the ClusterCoordinator was shut down; create a new one")
 
-    def _raise_pending_error(self) -> None:
+    def _raise_pending_error(self, deadline: float | None = None) -> None:
+        """Raises the pending error of a failed closure, if any, once the closures in flight are
+        cancelled and settled (until ``deadline``; then it is raised with them still running)."""
+        if self._queue.pending_error() is None:
+            return
+        self._stop_closures_in_flight(deadline)
         error = self._queue.take_error()
         if error is not None:
             self._queue.cancel_all(error)
             raise error
+
+    def _stop_closures_in_flight(self, deadline: float | None) -> None:
+        """Cancels the closures running on workers and waits until each settled: they are put
+        back (and so cancelled: the error is still pending) or finished first."""
+        if self._queue.num_in_flight == 0:
+            return
+        asked = self._pool.cancel_running(self.config.policy.probe_timeout)
+        log.info("a closure failed: cancelling the %d closures running before raising its error", asked)
+        while not self._queue.wait_settled(self._wait_slice(deadline)):
+            if deadline is not None and time.monotonic() >= deadline:
+                log.warning(
+                    "raising a closure's error with %d closures still running (the deadline passed)",
+                    self._queue.num_in_flight,
+                )
+                return
+            self._log_progress()
 
     def _wait_slice(self, deadline: float | None) -> float:
         if deadline is None:

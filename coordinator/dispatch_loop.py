@@ -126,6 +126,11 @@ class DispatchLoop:
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
+    def cancel_running(self, timeout: float) -> int:
+        """Asks every worker running closures to cancel them (Dispatcher.cancel_running);
+        returns how many closures that concerned. Their calls answer them as cancelled."""
+        return self._call(self._cancel_running(timeout))
+
     def release_server_hold(self) -> None:
         """Ends the hold a parameter server's failure put on dispatch (the recovery is over)."""
         self._call(self._release_server_hold())
@@ -229,6 +234,10 @@ class DispatchLoop:
     async def _stop_all(self) -> None:
         for dispatcher in list(self._dispatchers.values()):
             await self._retire(dispatcher, "the coordinator stops")
+
+    async def _cancel_running(self, timeout: float) -> int:
+        counts = await asyncio.gather(*(d.cancel_running(timeout) for d in self._dispatchers.values()))
+        return sum(counts)
 
     async def _hold(self) -> None:
         self._holds += 1

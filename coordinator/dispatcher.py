@@ -145,6 +145,7 @@ class Dispatcher:
         self._state = WorkerState.DOWN if probe_first else WorkerState.UP
         self._joining = probe_first  # until it first serves: probed often, not with backoff
         self._held: frozenset[str] = frozenset()
+        self._running: list[Closure] = []  # the closures of the call in progress, not settled yet
         self._cluster_held = ""  # fingerprint of the cluster context the worker is known to hold
         self._incarnation: str | None = None
         observer.worker_state(address, self._state.value)
@@ -165,6 +166,7 @@ class Dispatcher:
         went back to the queue. If cancelled (the worker is removed or the coordinator stops),
         the closures not finished go back to the queue: not the worker's fault."""
         pending = list(batch)
+        self._running = pending
         force: frozenset[str] = frozenset()
         try:
             while pending:
@@ -186,9 +188,32 @@ class Dispatcher:
                     pending = []
                     return
                 pending, force = self._on_results(pending, request, response)
+                self._running = pending
         finally:
+            self._running = []
             if pending:  # cancelled mid-call
                 self._queue.put_back(pending)
+
+    async def cancel_running(self, timeout: float) -> int:
+        """Asks the worker to cancel the closures of the batch it runs (each stops before its
+        next push or step; the call answers them as cancelled, and ``run`` puts them back to a
+        queue that cancels them). Returns how many it was asked to cancel. A worker that does
+        not answer is left alone: its call fails and its closures are put back all the same."""
+        ids = [closure.closure_id for closure in self._running]
+        if not ids:
+            return 0
+        try:
+            await self._transport.cancel_closures(ids, timeout)
+        except RpcFailure as failure:
+            log.warning(
+                "worker %d (%s) did not take the cancellation of %d closures: %s %s",
+                self.index,
+                self.address,
+                len(ids),
+                failure.code,
+                failure.details,
+            )
+        return len(ids)
 
     def _request(self, batch: Sequence[Closure], force: frozenset[str]) -> worker_pb2.RunClosuresRequest:
         context = self._cluster_context()
@@ -207,6 +232,7 @@ class Dispatcher:
                 num_workers=self._num_workers(),
                 cluster_fingerprint=context.fingerprint,
                 max_value_age=self._max_value_age,
+                read_generation=closure.read_generation,
                 overlap_pushes=self._overlap_pushes,
             )
             for position, closure in enumerate(batch)
@@ -236,6 +262,9 @@ class Dispatcher:
                 restored_since_sent=request.closures[0].cluster_fingerprint != self._cluster_context().fingerprint,
             )
             self._log_decision(closure, decision)
+            if decision.action is Action.CANCEL:
+                self._queue.put_back(pending[position:])  # cancelled there: the error is still pending
+                return [], frozenset()
             if decision.action is Action.AWAIT_SERVER and self._server_failed is not None:
                 closure.server_waits += 1
                 self._queue.put_back(pending[position:])

@@ -43,6 +43,9 @@ class Action(enum.Enum):
     attempt) and have the server recovered (coordinator.ps_recovery) before it runs again."""
     RAISE = "raise"
     """The closure failed: its RemoteValue is ABORTED with ``error_type``."""
+    CANCEL = "cancel"
+    """The coordinator had the closure cancelled on its worker (an earlier closure's error is
+    being raised): put it back, and the queue cancels it while that error is pending."""
 
 
 @dataclass(frozen=True)
@@ -118,6 +121,9 @@ class ClosureErrorData(Protocol):
     @property
     def needs_cluster(self) -> bool: ...
 
+    @property
+    def cancelled(self) -> bool: ...
+
 
 def decide_on_rpc_failure(code_name: str, attempt: int, policy: FailurePolicy) -> Decision:
     """What to do when a RunClosure call failed with status ``code_name``.
@@ -161,6 +167,8 @@ def decide_on_closure_error(
     ``restored_since_sent``: variables were restored after the closure was sent (a recovery
     finished while it ran), so a server failure it met may be the one already repaired.
     """
+    if error.cancelled:
+        return Decision(Action.CANCEL, "the coordinator cancelled it on the worker (an earlier closure failed)")
     missing = list(error.missing_resources)
     if missing:
         return _decide_on_missing(missing, resends, known_resources, policy)

@@ -26,7 +26,8 @@ class RemoteValueState(enum.Enum):
     ABORTED = "aborted"
     """The closure failed; fetch() raises its error."""
     CANCELLED = "cancelled"
-    """The closure never ran (an earlier closure failed, or the coordinator shut down)."""
+    """The closure never ran or was stopped before it finished: an earlier closure failed (the
+    closures in flight are stopped at their next push or step), or the coordinator shut down."""
 
 
 TRANSITIONS: Mapping[RemoteValueState, frozenset[RemoteValueState]] = {

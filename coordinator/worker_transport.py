@@ -8,6 +8,7 @@ gRPC and holds the security of the call.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import grpc
@@ -28,6 +29,7 @@ from paramserve.wire.v1 import worker_pb2
 __all__ = ["GrpcTransport", "RpcFailure", "WorkerTransport"]
 
 RUN_CLOSURES_METHOD = "/paramserve.wire.v1.Worker/RunClosures"
+CANCEL_CLOSURES_METHOD = "/paramserve.wire.v1.Worker/CancelClosures"
 WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 
 
@@ -47,6 +49,10 @@ class WorkerTransport(Protocol):
         self, request: worker_pb2.RunClosuresRequest, timeout: float
     ) -> worker_pb2.RunClosuresResponse:
         """Raises RpcFailure when the call fails."""
+
+    async def cancel_closures(self, closure_ids: Sequence[str], timeout: float) -> None:
+        """Asks the worker to cancel these closures (CancelClosures); raises RpcFailure when the
+        call fails."""
 
     async def is_serving(self, timeout: float) -> bool:
         """One health check."""
@@ -79,9 +85,7 @@ class GrpcTransport:
         self._channel: grpc.aio.Channel | None = None
         self._call: Any = None
 
-    async def run_closures(
-        self, request: worker_pb2.RunClosuresRequest, timeout: float
-    ) -> worker_pb2.RunClosuresResponse:
+    def _open(self) -> grpc.aio.Channel:
         if self._channel is None:
             self._channel = open_aio_channel(self.address, self._tls, self._options)
             self._call = self._channel.unary_unary(
@@ -89,6 +93,12 @@ class GrpcTransport:
                 request_serializer=worker_pb2.RunClosuresRequest.SerializeToString,
                 response_deserializer=None,  # raw bytes: the signature covers them
             )
+        return self._channel
+
+    async def run_closures(
+        self, request: worker_pb2.RunClosuresRequest, timeout: float
+    ) -> worker_pb2.RunClosuresResponse:
+        self._open()
         nonce = new_reply_nonce()
         metadata = [(REPLY_NONCE_METADATA_KEY, nonce)]
         if self._token:
@@ -110,6 +120,21 @@ class GrpcTransport:
                 "have another token?)",
             )
         return worker_pb2.RunClosuresResponse.FromString(raw)
+
+    async def cancel_closures(self, closure_ids: Sequence[str], timeout: float) -> None:
+        # The reply carries only a count the coordinator does not act on: it is not signed.
+        cancel = self._open().unary_unary(
+            CANCEL_CLOSURES_METHOD,
+            request_serializer=worker_pb2.CancelClosuresRequest.SerializeToString,
+            response_deserializer=worker_pb2.CancelClosuresResponse.FromString,
+        )
+        metadata = [bearer_metadata(self._token)] if self._token else []
+        try:
+            await cancel(
+                worker_pb2.CancelClosuresRequest(closure_ids=list(closure_ids)), timeout=timeout, metadata=metadata
+            )
+        except grpc.aio.AioRpcError as err:
+            raise RpcFailure(err.code().name, err.details() or "") from None
 
     async def is_serving(self, timeout: float) -> bool:
         # A fresh channel per probe: no reconnect backoff inherited from the dead connection.

@@ -104,6 +104,29 @@ def worker_device(
     return torch.device("cpu")
 
 
+def unused_gpus_warning(
+    requested: str | None, environ: Mapping[str, str] | None = None, cuda_devices: int | None = None
+) -> str | None:
+    """Why a worker nobody placed leaves GPUs idle, or None.
+
+    A paramserve worker is one replica on one device (``num_replicas_in_sync`` is 1), where
+    TensorFlow's parameter-server worker mirrors its step over every GPU of its machine. A
+    worker started without ``--device`` or ``LOCAL_RANK`` on a machine with several GPUs
+    would silently use one (or none): this names the fix. Explicit placements are trusted.
+    """
+    count = cuda_device_count() if cuda_devices is None else cuda_devices
+    env = os.environ if environ is None else environ
+    if count < 2 or requested is not None or env.get(LOCAL_RANK_ENV, "").strip():
+        return None
+    used = worker_device(None, env, count)
+    return (
+        f"this machine has {count} GPUs and this worker computes on {used} alone: a paramserve worker is "
+        "one replica on one device (unlike TensorFlow's, which mirrors over its machine's GPUs); start one "
+        f"worker per GPU (paramserve worker --device cuda:I for I in 0..{count - 1}, or a launcher setting "
+        f"{LOCAL_RANK_ENV}) to use them all"
+    )
+
+
 @contextlib.contextmanager
 def computing_on(device: torch.device) -> Iterator[None]:
     """While open, a CUDA ``device`` is this thread's current CUDA device (kernels and streams

@@ -22,7 +22,7 @@ from paramserve.psserver.command_line import (
     run_reporting_errors,
     serve_until_signal,
 )
-from paramserve.psserver.devices import worker_device
+from paramserve.psserver.devices import unused_gpus_warning, worker_device
 from paramserve.psserver.security import read_token_file
 from paramserve.worker.server import WorkerConfig, build_worker
 
@@ -108,6 +108,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     config = config_from_args(args, parser)
     check_port_file(args.port_file)
     logging.getLogger("paramserve.worker").info("closures compute on %s", config.device)
+    idle_gpus = unused_gpus_warning(args.device)
+    if idle_gpus is not None:
+        logging.getLogger("paramserve.worker").warning("%s", idle_gpus)
     worker = build_worker(config)
     serve_until_signal(worker, args.port_file, args.grace_seconds, "paramserve.worker")
     return 0

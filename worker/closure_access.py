@@ -33,6 +33,7 @@ from paramserve.psserver.types import (
     VariableLayout,
 )
 from paramserve.worker.pipeline import PushPipeline
+from paramserve.worker.results import ClosureCancelled
 from paramserve.worker.transfers import HostTransfers, Transfers
 from paramserve.worker.variables import mark_variable, variable_name
 
@@ -105,6 +106,10 @@ class LocalVariables:
         """Variables whose values the current step's pushes returned (read right after those
         pushes were applied): the next step may start from them instead of pulling."""
         self._returned_at = float("-inf")
+        self._returned_generation = -1
+        """The read generation of the closure whose pushes returned those values."""
+        self.read_generation = 0
+        """The read generation of the closure running (see ``returned_within``)."""
 
     def parameter(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
         existing = self.parameters.get(name)
@@ -145,10 +150,13 @@ class LocalVariables:
         """Values read back by pushes are not to be reused (the variables were rewritten)."""
         self._returned = set()
         self._returned_at = float("-inf")
+        self._returned_generation = -1
 
-    def returned_within(self, seconds: float, now: float) -> bool:
-        """Whether the last push returned values at most ``seconds`` ago."""
-        return seconds > 0 and now - self._returned_at <= seconds
+    def returned_within(self, seconds: float, now: float, generation: int = 0) -> bool:
+        """Whether the last push returned values at most ``seconds`` ago, read by a closure of
+        read generation ``generation`` or later. The coordinator starts a new generation at each
+        join() and fetch(): values read before one must not stand in for a read after it."""
+        return seconds > 0 and self._returned_generation >= generation and now - self._returned_at <= seconds
 
     def fill(self, pulled: PullResult, extra: Sequence[nn.Parameter] = (), *, returned_at: float | None = None) -> None:
         """Copies pulled values into the parameters in place (and into ``extra`` of the same names).
@@ -169,6 +177,7 @@ class LocalVariables:
         if returned_at is not None:
             self._returned.update(pulled.tensors)
             self._returned_at = returned_at
+            self._returned_generation = self.read_generation
 
     def clear_grads(self) -> None:
         for parameter in self.parameters.values():
@@ -219,8 +228,11 @@ class ClosureAccess:
         client: VariableClient | None,
         closure_id: str,
         pipeline: PushPipeline | None = None,
+        cancelled: Callable[[], bool] = lambda: False,
     ):
         self._variables = variables
+        self._cancelled = cancelled
+        """Whether the coordinator cancelled this closure: checked before every push."""
         self._client = client
         self._closure_id = closure_id
         self._pipeline = pipeline
@@ -289,6 +301,8 @@ class ClosureAccess:
         previous one is settled first, and this one when the next step pushes or pulls, or the
         batch ends. Its gradients then belong to the push (a retry may send them again): their
         parameters' ``.grad`` is set to None, so no later step writes into them."""
+        if self._cancelled():
+            raise ClosureCancelled(f"closure {self._closure_id} was cancelled by the coordinator before this push")
         on_device = self._gradients(names)
         # The values these gradients came from: read before a settle replaces them.
         base = {**self._variables.base_versions(list(on_device)), **self._row_versions}

@@ -12,13 +12,14 @@ a closure's result or error travels back is ``worker.results``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -36,11 +37,16 @@ from paramserve.worker.resources import (
     collecting_missing,
     using_resources,
 )
-from paramserve.worker.results import ClosureFailure, closure_failure, dumps_value
+from paramserve.worker.results import ClosureCancelled, ClosureFailure, closure_failure, dumps_value
 from paramserve.worker.transfers import transfers_for
 from paramserve.worker.variables import loads_closure, using_access
 
 log = logging.getLogger(__name__)
+
+_MAX_CANCELLED_IDS = 4096
+"""Cancelled closure ids remembered (a cancel may arrive before its closure: the closure is
+then refused when it comes). Older ids are forgotten: the coordinator never resends a closure
+it cancelled, so only one still in transit matters."""
 
 _MAX_PS_CLIENTS = 4
 """Clients kept for distinct parameter-server address lists (a cluster whose servers
@@ -76,6 +82,9 @@ class ClosureRequest:
     max_value_age: float = 0.0
     """The first step may start from the values this worker's last push returned if they are at
     most this many seconds old (within a closure, each step starts from the previous step's)."""
+    read_generation: int = 0
+    """Values read back by an earlier closure of a lower generation are not reused (the
+    coordinator's join() and fetch() start a new one: reads after them see what finished)."""
     overlap_pushes: bool = False
     """A step's push stays in flight while the next step of this batch computes (worker.pipeline)."""
 
@@ -139,6 +148,26 @@ class WorkerCore:
         self._closures_run = 0
         self._cluster = ClusterContext()
         self._cluster_fingerprint = ""
+        self._cancelled: OrderedDict[str, None] = OrderedDict()  # under _state_lock
+        self._batch: frozenset[str] = frozenset()  # ids of the batch running (under _state_lock)
+
+    def cancel(self, closure_ids: Sequence[str]) -> int:
+        """Cancels closures: each stops before its next push or step (and one not started yet
+        does not start), and is answered as cancelled. Returns how many of them the batch
+        running now holds. Does not wait for the run lock: it is called while closures run."""
+        with self._state_lock:
+            for closure_id in closure_ids:
+                self._cancelled[closure_id] = None
+                self._cancelled.move_to_end(closure_id)
+            while len(self._cancelled) > _MAX_CANCELLED_IDS:
+                self._cancelled.popitem(last=False)
+            running = sum(1 for closure_id in closure_ids if closure_id in self._batch)
+        log.info("cancelled %d closures (%d in the batch running)", len(closure_ids), running)
+        return running
+
+    def _is_cancelled(self, closure_id: str) -> bool:
+        with self._state_lock:
+            return closure_id in self._cancelled
 
     def run_closures(self, requests: Sequence[ClosureRequest]) -> list[ClosureOutcome]:
         """Runs closures in order; stops after the first that does not succeed (the rest are not
@@ -154,6 +183,8 @@ class WorkerCore:
         pipeline = PushPipeline()
         runs: list[tuple[ClosureRequest, ClosureOutcome, ClosureAccess | None]] = []
         with self._run_lock:
+            with self._state_lock:
+                self._batch = frozenset(request.closure_id for request in requests)
             try:
                 for request in requests:
                     outcome, access = self._run(request, pipeline if request.overlap_pushes else None)
@@ -163,6 +194,8 @@ class WorkerCore:
                 pipeline.settle_quietly()
             finally:
                 pipeline.abandon()  # only where something above raised
+                with self._state_lock:
+                    self._batch = frozenset()
         if pipeline.failure is not None:
             runs = _blame_failed_push(runs, pipeline.failure)
         outcomes = [_counted(outcome, access) for _, outcome, access in runs]
@@ -187,8 +220,9 @@ class WorkerCore:
         cluster = self._cluster_for(request)
         if cluster is None:
             return self._needs_cluster(request), None
-        access = ClosureAccess(self._variables, self._client_for(cluster), request.closure_id, pipeline)
-        result, error = self._execute(request, access)
+        cancelled = functools.partial(self._is_cancelled, request.closure_id)
+        access = ClosureAccess(self._variables, self._client_for(cluster), request.closure_id, pipeline, cancelled)
+        result, error = self._execute(request, access, cancelled)
         outcome = ClosureOutcome(
             result=result,
             error=error,
@@ -219,7 +253,9 @@ class WorkerCore:
         for client in clients:
             client.close()
 
-    def _execute(self, request: ClosureRequest, access: ClosureAccess) -> tuple[bytes | None, ClosureFailure | None]:
+    def _execute(
+        self, request: ClosureRequest, access: ClosureAccess, cancelled: Callable[[], bool]
+    ) -> tuple[bytes | None, ClosureFailure | None]:
         context = WorkerContext.for_worker(
             request.worker_index, request.num_workers, self.incarnation, device=self._variables.device
         )
@@ -230,8 +266,15 @@ class WorkerCore:
                 self._create_resources(request.resources, context)
                 fn, args, kwargs = _load(request.payload, access)
                 result = None
-                reuse_first = self._variables.returned_within(request.max_value_age, time.monotonic())
+                reuse_first = self._variables.returned_within(
+                    request.max_value_age, time.monotonic(), request.read_generation
+                )
+                self._variables.read_generation = request.read_generation
                 for step in range(max(1, request.steps)):
+                    if cancelled():
+                        raise ClosureCancelled(
+                            f"closure {request.closure_id} was cancelled by the coordinator before step {step + 1}"
+                        )
                     # A step starts from what the previous step's pushes returned (read as it
                     # ended), and pulls everything else it uses.
                     self._variables.begin_step(keep_returned=step > 0 or reuse_first)
@@ -326,6 +369,8 @@ def _validate(request: ClosureRequest) -> None:
         raise InvalidRequestError(f"closure {request.closure_id!r} has an empty payload")
     if request.steps < 0:
         raise InvalidRequestError(f"steps must be >= 0 (0 means 1), got {request.steps}")
+    if request.read_generation < 0:
+        raise InvalidRequestError(f"read_generation must be >= 0, got {request.read_generation}")
     if not request.max_value_age >= 0:  # NaN too
         raise InvalidRequestError(f"max_value_age must be >= 0 seconds, got {request.max_value_age}")
     if request.worker_index < 0 or request.num_workers < 0:

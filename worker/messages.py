@@ -39,6 +39,7 @@ def request_to_proto(request: ClosureRequest) -> worker_pb2.RunClosureRequest:
         num_workers=request.num_workers,
         cluster_fingerprint=request.cluster_fingerprint,
         max_value_age=request.max_value_age,
+        read_generation=request.read_generation,
         overlap_pushes=request.overlap_pushes,
     )
 
@@ -68,6 +69,7 @@ def request_from_proto(message: worker_pb2.RunClosureRequest) -> ClosureRequest:
         num_workers=int(message.num_workers),
         cluster_fingerprint=message.cluster_fingerprint,
         max_value_age=float(message.max_value_age),
+        read_generation=int(message.read_generation),
         overlap_pushes=bool(message.overlap_pushes),
     )
 
@@ -91,6 +93,7 @@ def outcome_to_proto(outcome: ClosureOutcome) -> worker_pb2.RunClosureResponse:
                 missing_resources=list(error.missing_resources),
                 parameter_server=error.parameter_server,
                 needs_cluster=error.needs_cluster,
+                cancelled=error.cancelled,
             )
         )
     else:
@@ -107,6 +110,7 @@ def failure_from_proto(message: worker_pb2.ClosureFailure) -> ClosureFailure:
         tuple(message.missing_resources),
         message.parameter_server,
         message.needs_cluster,
+        message.cancelled,
     )
 
 

@@ -38,6 +38,14 @@ class ClosureFailure:
     needs_cluster: bool = False
     """Not a failure of the closure: the worker does not hold the cluster context the request
     names (it restarted); resend the request with it."""
+    cancelled: bool = False
+    """The coordinator cancelled the closure (CancelClosures) before it finished: it stopped
+    before its next push or step and pushes no more."""
+
+
+class ClosureCancelled(Exception):
+    """Raised inside a running closure at its next push or step once the coordinator cancelled
+    it: the closure stops there, so nothing it computes afterwards reaches the servers."""
 
 
 # ---------------------------------------------------------------- results and errors
@@ -94,6 +102,9 @@ def dumps_value(value: Any) -> bytes:
 
 def closure_failure(exc: BaseException) -> ClosureFailure:
     """What the coordinator learns about an exception raised while running a closure."""
+    cancelled = _in_chain(exc, ClosureCancelled)
+    if cancelled is not None:
+        return ClosureFailure(type=_qualified_name(cancelled), message=str(cancelled), cancelled=True)
     missing = _in_chain(exc, ResourceMissingError)
     if missing is not None:
         return ClosureFailure(

@@ -28,6 +28,12 @@ class WorkerServicer:
         return batch_outcomes_to_proto(self._core.run_closures(requests)).SerializeToString()
 
     @unary_boundary
+    def CancelClosures(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
+        request = parse(worker_pb2.CancelClosuresRequest, raw)
+        running = self._core.cancel(list(request.closure_ids))
+        return worker_pb2.CancelClosuresResponse(running=running).SerializeToString()
+
+    @unary_boundary
     def GetInfo(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
         parse(worker_pb2.GetInfoRequest, raw)
         return info_to_proto(self._core.info()).SerializeToString()
@@ -37,6 +43,7 @@ def generic_handler(servicer: WorkerServicer) -> grpc.GenericRpcHandler:
     """Registers the servicer with raw-bytes (de)serialisers: it parses messages itself."""
     handlers = {
         "RunClosures": grpc.unary_unary_rpc_method_handler(servicer.RunClosures),
+        "CancelClosures": grpc.unary_unary_rpc_method_handler(servicer.CancelClosures),
         "GetInfo": grpc.unary_unary_rpc_method_handler(servicer.GetInfo),
     }
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)

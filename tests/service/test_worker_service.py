@@ -282,3 +282,36 @@ def test_a_batch_runs_in_order_and_stops_at_the_first_failure(start_worker, stub
     assert cloudpickle.loads(results[0].result) == 42
     assert results[1].WhichOneof("outcome") == "error" and results[1].error.type.endswith("KeyError")
     assert stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=30).closures_run == 2
+
+
+def test_the_coordinators_transport_cancels_a_running_closure_and_only_with_the_token(start_worker, stub_for):
+    import asyncio
+
+    from paramserve.coordinator.worker_transport import GrpcTransport, RpcFailure
+
+    worker = start_worker(token=TOKEN)
+    stub = stub_for(worker)
+    CLOSURE_ENTERED.clear()
+    CLOSURE_GATE.clear()
+    request = run_request(wait_at_gate, closure_id="gated")
+    request.steps = 2  # a cancellation stops it before its second step
+    running = stub.RunClosure.future(request, timeout=30, metadata=[bearer_metadata(TOKEN)])
+
+    async def cancel(token: str | None) -> None:
+        transport = GrpcTransport(worker.address, token, 1 << 20)
+        try:
+            await transport.cancel_closures(["gated"], 10)
+        finally:
+            await transport.close()
+
+    try:
+        assert CLOSURE_ENTERED.wait(timeout=30)
+        with pytest.raises(RpcFailure) as refused:
+            asyncio.run(cancel("not-the-token"))
+        assert refused.value.code == "UNAUTHENTICATED"
+        asyncio.run(cancel(TOKEN))
+    finally:
+        CLOSURE_GATE.set()
+    outcome = outcome_from_proto(running.result())
+    assert outcome.error is not None and outcome.error.cancelled, outcome
+    assert "before step 2" in outcome.error.message

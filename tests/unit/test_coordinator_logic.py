@@ -60,6 +60,7 @@ class ErrorData:
     missing_resources: tuple[str, ...] = ()
     parameter_server: str = ""
     needs_cluster: bool = False
+    cancelled: bool = False
 
 
 def _closure(name: str = "step", resources: frozenset[str] = frozenset()) -> Closure:
@@ -389,6 +390,7 @@ class FakeTransport:
     requests: list[worker_pb2.RunClosuresRequest] = field(default_factory=list)
     resets: int = 0
     closed: bool = False
+    cancelled: list[str] = field(default_factory=list)
 
     async def run_closures(self, request, timeout):
         self.requests.append(request)
@@ -402,6 +404,9 @@ class FakeTransport:
     async def is_serving(self, timeout):
         return self.serving.pop(0) if len(self.serving) > 1 else self.serving[0]
 
+    async def cancel_closures(self, closure_ids, timeout):
+        self.cancelled.extend(closure_ids)
+
     async def reset(self):
         self.resets += 1
 
@@ -414,6 +419,9 @@ class _HealthyTransport:
 
     async def is_serving(self, timeout):
         return True
+
+    async def cancel_closures(self, closure_ids, timeout):
+        pass
 
     async def reset(self):
         pass
@@ -793,18 +801,100 @@ def bad():
     return "bad"
 
 
-def test_join_raises_the_first_error_at_once_while_other_closures_still_run():
+class _CancellableByFunctionName(_ByFunctionName):
+    """Like _ByFunctionName, and a "slow" closure that is cancelled answers as cancelled (a real
+    worker stops it at its next push or step)."""
+
+    def __init__(self, release: threading.Event):
+        super().__init__(release)
+        self.cancelled: list[str] = []
+
+    async def cancel_closures(self, closure_ids, timeout):
+        self.cancelled.extend(closure_ids)
+        self._release.set()
+
+    async def run_closures(self, request, timeout):
+        reply = await super().run_closures(request, timeout)
+        for closure, result in zip(request.closures, reply.results):
+            if closure.closure_id in self.cancelled:
+                result.ClearField("result")
+                result.error.CopyFrom(worker_pb2.ClosureFailure(type="ClosureCancelled", cancelled=True))
+        return reply
+
+
+def test_join_cancels_the_closures_still_running_then_raises_the_first_error():
     from paramserve.coordinator.cluster_coordinator import ClusterCoordinator
 
     release = threading.Event()
-    with ClusterCoordinator(_StubStrategy(), transport_factory=lambda address: _ByFunctionName(release)) as coordinator:
+    transports: list[_CancellableByFunctionName] = []
+
+    def transport(address):
+        transports.append(_CancellableByFunctionName(release))
+        return transports[-1]
+
+    with ClusterCoordinator(_StubStrategy(), transport_factory=transport) as coordinator:
         running = coordinator.schedule(slow)
         failing = coordinator.schedule(bad)
         with pytest.raises(ClosureError, match="bad input"):
-            coordinator.join(timeout=30)  # would wait for "slow" forever if join waited for everything
-        assert not running.done() and failing.done()
-        release.set()
-        assert running.fetch(timeout=30) == "slow", "a closure running when the error came finishes normally"
+            coordinator.join(timeout=30)
+        # TF: nothing scheduled before the error still runs when it is raised.
+        assert [c for t in transports for c in t.cancelled] == [running.closure_id]
+        assert running.state is RemoteValueState.CANCELLED and failing.state is RemoteValueState.ABORTED
+        assert coordinator.done()
+        assert coordinator.schedule(slow).fetch(timeout=30) == "slow", "the error was raised once"
+
+
+def test_decisions_cancel_a_closure_its_worker_answered_as_cancelled():
+    decision = decide_on_closure_error(
+        ErrorData(cancelled=True, missing_resources=("r",)), resends=0, known_resources={"r"}, policy=POLICY
+    )
+    assert decision.action is Action.CANCEL and "cancelled" in decision.reason
+
+
+def test_closures_put_back_while_an_error_is_pending_are_cancelled_until_it_is_taken():
+    queue = ClosureQueue(10)
+    for name in ("failing", "running"):
+        queue.put(_closure(name), timeout=0)
+    failing, running = queue.take("w0", 1) + queue.take("w1", 1)
+    error = ClosureError(remote_type="builtins.ValueError", message="boom")
+    queue.fail(failing, error)
+    assert queue.pending_error() is error and not queue.wait_settled(0), "one closure still runs"
+    queue.put_back([running])  # its worker died (or it was cancelled there) while the error is pending
+    assert running.remote_value.state is RemoteValueState.CANCELLED
+    assert queue.wait_settled(0) and queue.take_error() is error and queue.pending_error() is None
+
+
+def test_a_read_barrier_starts_a_new_generation_for_the_closures_queued_after_it():
+    queue = ClosureQueue(10)
+    before, after = _closure("before"), _closure("after")
+    queue.put(before, timeout=0)
+    queue.read_barrier()
+    queue.put(after, timeout=0)
+    assert (before.read_generation, after.read_generation) == (0, 1)
+
+
+def test_a_dispatcher_sends_each_closures_read_generation_and_asks_its_worker_to_cancel_its_batch():
+    queue = ClosureQueue(10)
+    other, first, second = _queued(queue, _closure("other"), _closure("a"), _closure("b"))
+    second.read_generation = 3
+    [elsewhere] = queue.take("w:9", 1)
+    batch = queue.take("w:0", 2)
+    queue.fail(elsewhere, ClosureError(remote_type="E", message="an earlier failure"))  # its error is pending
+    transport = FakeTransport()
+    dispatcher = _dispatcher(transport, queue)
+
+    async def cancelled_after_the_first():
+        await dispatcher.cancel_running(1.0)  # what join() asks while the call runs
+        cancelled = worker_pb2.ClosureFailure(type="ClosureCancelled", cancelled=True)
+        return [_ok("a"), worker_pb2.RunClosureResponse(error=cancelled, worker_incarnation="inc-1")]
+
+    transport.script = [cancelled_after_the_first]
+    asyncio.run(dispatcher.run(batch))
+    assert [r.read_generation for r in transport.requests[0].closures] == [0, 3]
+    assert transport.cancelled == [first.closure_id, second.closure_id]
+    assert first.remote_value.state is RemoteValueState.READY
+    assert second.remote_value.state is RemoteValueState.CANCELLED, "put back while the error is pending"
+    assert queue.wait_settled(0)
 
 
 def test_schedule_never_raises_the_error_of_the_closure_it_queued():

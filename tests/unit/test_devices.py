@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paramserve.psserver.devices import computing_on, resolve_device, worker_device
+from paramserve.psserver.devices import computing_on, resolve_device, unused_gpus_warning, worker_device
 
 CPU = torch.device("cpu")
 
@@ -57,3 +57,21 @@ def test_computing_on_a_gpu_makes_it_current_and_sets_no_default_device():
         assert torch.cuda.current_device() == last.index
         assert torch.empty(1).device == CPU
         assert torch.empty(1, device="cuda").device == last
+
+
+@pytest.mark.parametrize(
+    ("requested", "environ", "gpus", "warns"),
+    [
+        (None, {}, 4, True),  # nobody placed it: 4 GPUs, it uses none of them
+        (None, {"CUDA_VISIBLE_DEVICES": "0,1"}, 2, True),  # the first visible GPU of two
+        (None, {"LOCAL_RANK": "2"}, 4, False),  # a launcher runs one worker per GPU
+        ("cuda:1", {}, 4, False),  # an explicit placement is trusted
+        (None, {}, 1, False),
+        (None, {}, 0, False),
+    ],
+)
+def test_a_worker_on_a_machine_with_several_gpus_is_told_how_to_use_them_all(requested, environ, gpus, warns):
+    warning = unused_gpus_warning(requested, environ, cuda_devices=gpus)
+    assert (warning is not None) == warns
+    if warning is not None:
+        assert f"{gpus} GPUs" in warning and "--device cuda:I" in warning and "one replica" in warning

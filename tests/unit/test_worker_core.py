@@ -3,7 +3,9 @@ no gRPC. The worker over real servers and sockets is tests/service/test_worker_s
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
+import threading
 
 import cloudpickle
 import fake_parameter_servers as fake_servers
@@ -548,3 +550,74 @@ def test_modules_travel_without_the_empty_hook_dicts_and_arrive_whole():
     assert arrived.calls == [1], "the forward hook (a non-empty dict) travelled"
     own = cloudpickle.loads(dumps_closure(_OwnState(2, 2)))
     assert own.marker == "own", "a module with its own pickling keeps it"
+
+
+# ---------------------------------------------------------------- cancellation (join() raising)
+
+# Module globals: closures pickle these functions by reference, so they share the test's events.
+AT_SECOND_PUSH = threading.Event()
+GO_ON = threading.Event()
+
+
+def two_pushes_with_a_pause(model: nn.Module, optimizer: ServerOptimizer, x: torch.Tensor, y: torch.Tensor) -> str:
+    train_step(model, optimizer, x, y)
+    AT_SECOND_PUSH.set()
+    assert GO_ON.wait(30)
+    train_step(model, optimizer, x, y)
+    return "both pushed"
+
+
+def test_a_cancelled_closure_stops_before_its_next_push(core, servers):
+    model, optimizer = distributed_linear()
+    x, y = torch.randn(4, 3), torch.randn(4, 2)
+    request = closure_request(servers, two_pushes_with_a_pause, model, optimizer, x, y, closure_id="running")
+    outcomes: list = []
+    runner = threading.Thread(target=lambda: outcomes.extend(core.run_closures([request])), name="test-run")
+    runner.start()
+    assert AT_SECOND_PUSH.wait(30)
+    assert core.cancel(["running", "not-here"]) == 1, "one of the ids is in the batch running"
+    GO_ON.set()
+    runner.join(30)
+
+    [outcome] = outcomes
+    assert outcome.error is not None and outcome.error.cancelled and outcome.result is None
+    assert (servers.version("w"), servers.version("b")) == (1, 1), "the second push never left"
+    assert core.info().closures_run == 1
+
+
+def test_a_closure_cancelled_before_it_arrives_does_not_start(core, servers):
+    model, optimizer = distributed_linear()
+    x, y = torch.randn(4, 3), torch.randn(4, 2)
+    assert core.cancel(["late"]) == 0
+    late = closure_request(servers, train_step, model, optimizer, x, y, closure_id="late")
+    after = closure_request(servers, train_step, model, optimizer, x, y, closure_id="after")
+    outcomes = core.run_closures([late, after])
+    assert [o.error.cancelled for o in outcomes] == [True], "the batch stops at the cancelled closure"
+    assert servers.version("w") == 0 and not servers.traffic.pulled
+
+
+def test_a_worker_forgets_old_cancellations_beyond_a_bound(core, servers):
+    from paramserve.worker import core as worker_core
+
+    core.cancel(["oldest"])
+    core.cancel([f"id-{i}" for i in range(worker_core._MAX_CANCELLED_IDS)])
+    outcome = core.run_closure(closure_request(None, read_parameter, torch.ones(1), closure_id="oldest"))
+    assert outcome.error is None, "forgotten: the coordinator never resends a closure it cancelled"
+
+
+def test_values_read_before_a_barrier_are_not_reused_by_a_closure_after_it(core, servers):
+    model, optimizer = distributed_linear()
+    x, y = torch.randn(4, 3), torch.randn(4, 2)
+    core.run_closure(request_with(servers, model, optimizer, x, y, closure_id="a", max_value_age=3600.0))
+    assert len(servers.traffic.pulled) == 2
+    same = request_with(servers, model, optimizer, x, y, closure_id="b", max_value_age=3600.0)
+    core.run_closure(same)
+    assert len(servers.traffic.pulled) == 2, "same generation: the returned values start it"
+    after = dataclasses.replace(
+        request_with(servers, model, optimizer, x, y, closure_id="c", max_value_age=3600.0), read_generation=1
+    )
+    core.run_closure(after)
+    assert len(servers.traffic.pulled) == 4, "a closure after join()/fetch() reads afresh"
+    again = dataclasses.replace(after, closure_id="d")
+    core.run_closure(again)
+    assert len(servers.traffic.pulled) == 4, "values read in its own generation are reused again"

@@ -16,7 +16,7 @@ class ResourceSpec(_message.Message):
     def __init__(self, resource_id: _Optional[str] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
 class RunClosureRequest(_message.Message):
-    __slots__ = ("closure_id", "attempt", "function_name", "payload", "resources", "cluster", "steps", "worker_index", "num_workers", "cluster_fingerprint", "max_value_age", "overlap_pushes")
+    __slots__ = ("closure_id", "attempt", "function_name", "payload", "resources", "cluster", "steps", "worker_index", "num_workers", "cluster_fingerprint", "max_value_age", "overlap_pushes", "read_generation")
     CLOSURE_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     FUNCTION_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class RunClosureRequest(_message.Message):
     CLUSTER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     MAX_VALUE_AGE_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_PUSHES_FIELD_NUMBER: _ClassVar[int]
+    READ_GENERATION_FIELD_NUMBER: _ClassVar[int]
     closure_id: str
     attempt: int
     function_name: str
@@ -41,10 +42,11 @@ class RunClosureRequest(_message.Message):
     cluster_fingerprint: str
     max_value_age: float
     overlap_pushes: bool
-    def __init__(self, closure_id: _Optional[str] = ..., attempt: _Optional[int] = ..., function_name: _Optional[str] = ..., payload: _Optional[bytes] = ..., resources: _Optional[_Iterable[_Union[ResourceSpec, _Mapping]]] = ..., cluster: _Optional[_Union[_cluster_pb2.ClusterContext, _Mapping]] = ..., steps: _Optional[int] = ..., worker_index: _Optional[int] = ..., num_workers: _Optional[int] = ..., cluster_fingerprint: _Optional[str] = ..., max_value_age: _Optional[float] = ..., overlap_pushes: _Optional[bool] = ...) -> None: ...
+    read_generation: int
+    def __init__(self, closure_id: _Optional[str] = ..., attempt: _Optional[int] = ..., function_name: _Optional[str] = ..., payload: _Optional[bytes] = ..., resources: _Optional[_Iterable[_Union[ResourceSpec, _Mapping]]] = ..., cluster: _Optional[_Union[_cluster_pb2.ClusterContext, _Mapping]] = ..., steps: _Optional[int] = ..., worker_index: _Optional[int] = ..., num_workers: _Optional[int] = ..., cluster_fingerprint: _Optional[str] = ..., max_value_age: _Optional[float] = ..., overlap_pushes: _Optional[bool] = ..., read_generation: _Optional[int] = ...) -> None: ...
 
 class ClosureFailure(_message.Message):
-    __slots__ = ("type", "message", "traceback", "pickled", "missing_resources", "parameter_server", "needs_cluster")
+    __slots__ = ("type", "message", "traceback", "pickled", "missing_resources", "parameter_server", "needs_cluster", "cancelled")
     TYPE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     TRACEBACK_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +54,7 @@ class ClosureFailure(_message.Message):
     MISSING_RESOURCES_FIELD_NUMBER: _ClassVar[int]
     PARAMETER_SERVER_FIELD_NUMBER: _ClassVar[int]
     NEEDS_CLUSTER_FIELD_NUMBER: _ClassVar[int]
+    CANCELLED_FIELD_NUMBER: _ClassVar[int]
     type: str
     message: str
     traceback: str
@@ -59,7 +62,8 @@ class ClosureFailure(_message.Message):
     missing_resources: _containers.RepeatedScalarFieldContainer[str]
     parameter_server: str
     needs_cluster: bool
-    def __init__(self, type: _Optional[str] = ..., message: _Optional[str] = ..., traceback: _Optional[str] = ..., pickled: _Optional[bytes] = ..., missing_resources: _Optional[_Iterable[str]] = ..., parameter_server: _Optional[str] = ..., needs_cluster: _Optional[bool] = ...) -> None: ...
+    cancelled: bool
+    def __init__(self, type: _Optional[str] = ..., message: _Optional[str] = ..., traceback: _Optional[str] = ..., pickled: _Optional[bytes] = ..., missing_resources: _Optional[_Iterable[str]] = ..., parameter_server: _Optional[str] = ..., needs_cluster: _Optional[bool] = ..., cancelled: _Optional[bool] = ...) -> None: ...
 
 class RunClosureResponse(_message.Message):
     __slots__ = ("result", "error", "worker_incarnation", "resources_held", "pushes_applied", "pushes_duplicate", "seconds")
@@ -90,6 +94,18 @@ class RunClosuresResponse(_message.Message):
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[RunClosureResponse]
     def __init__(self, results: _Optional[_Iterable[_Union[RunClosureResponse, _Mapping]]] = ...) -> None: ...
+
+class CancelClosuresRequest(_message.Message):
+    __slots__ = ("closure_ids",)
+    CLOSURE_IDS_FIELD_NUMBER: _ClassVar[int]
+    closure_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, closure_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class CancelClosuresResponse(_message.Message):
+    __slots__ = ("running",)
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    running: int
+    def __init__(self, running: _Optional[int] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
     __slots__ = ()

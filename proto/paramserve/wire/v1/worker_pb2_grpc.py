@@ -39,6 +39,11 @@ class WorkerStub:
                 request_serializer=paramserve_dot_wire_dot_v1_dot_worker__pb2.RunClosuresRequest.SerializeToString,
                 response_deserializer=paramserve_dot_wire_dot_v1_dot_worker__pb2.RunClosuresResponse.FromString,
                 _registered_method=True)
+        self.CancelClosures = channel.unary_unary(
+                '/paramserve.wire.v1.Worker/CancelClosures',
+                request_serializer=paramserve_dot_wire_dot_v1_dot_worker__pb2.CancelClosuresRequest.SerializeToString,
+                response_deserializer=paramserve_dot_wire_dot_v1_dot_worker__pb2.CancelClosuresResponse.FromString,
+                _registered_method=True)
         self.GetInfo = channel.unary_unary(
                 '/paramserve.wire.v1.Worker/GetInfo',
                 request_serializer=paramserve_dot_wire_dot_v1_dot_worker__pb2.GetInfoRequest.SerializeToString,
@@ -58,6 +63,16 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CancelClosures(self, request, context):
+        """Asks the worker to stop these closures at their next push or step: none of them pushes
+        again, and the RunClosures call carrying them answers them as cancelled. Sent when the
+        coordinator raises a closure's error (the closures in flight are cancelled first, as
+        TensorFlow does). Ids not running yet are refused when they arrive.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetInfo(self, request, context):
         """Who this worker process is (its incarnation changes when it restarts).
         """
@@ -72,6 +87,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.RunClosures,
                     request_deserializer=paramserve_dot_wire_dot_v1_dot_worker__pb2.RunClosuresRequest.FromString,
                     response_serializer=paramserve_dot_wire_dot_v1_dot_worker__pb2.RunClosuresResponse.SerializeToString,
+            ),
+            'CancelClosures': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelClosures,
+                    request_deserializer=paramserve_dot_wire_dot_v1_dot_worker__pb2.CancelClosuresRequest.FromString,
+                    response_serializer=paramserve_dot_wire_dot_v1_dot_worker__pb2.CancelClosuresResponse.SerializeToString,
             ),
             'GetInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetInfo,
@@ -106,6 +126,33 @@ class Worker:
             '/paramserve.wire.v1.Worker/RunClosures',
             paramserve_dot_wire_dot_v1_dot_worker__pb2.RunClosuresRequest.SerializeToString,
             paramserve_dot_wire_dot_v1_dot_worker__pb2.RunClosuresResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelClosures(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/paramserve.wire.v1.Worker/CancelClosures',
+            paramserve_dot_wire_dot_v1_dot_worker__pb2.CancelClosuresRequest.SerializeToString,
+            paramserve_dot_wire_dot_v1_dot_worker__pb2.CancelClosuresResponse.FromString,
             options,
             channel_credentials,
             insecure,
