@@ -181,14 +181,14 @@ def ddp_process(rank: int, port: int, steps: int, repeats: int, results: multipr
 def multi_worker_process(rank: int, port: int, steps: int, repeats: int, results: multiprocessing.Queue) -> None:
     from paramserve.coordinator.strategies.multi_worker import MultiWorkerMirroredStrategy
     from paramserve.coordinator.strategies.multi_worker_cluster import (
-        ClusterResolver,
         CollectiveCommunication,
         CommunicationOptions,
+        Rendezvous,
     )
 
     torch.set_num_threads(1)
     strategy = MultiWorkerMirroredStrategy(
-        CommunicationOptions(CollectiveCommunication.RING), ClusterResolver(rank, REPLICAS, "127.0.0.1", port)
+        CommunicationOptions(CollectiveCommunication.RING), Rendezvous(rank, REPLICAS, "127.0.0.1", port)
     )
     torch.manual_seed(0)
     with strategy.scope():

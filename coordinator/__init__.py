@@ -9,6 +9,13 @@ from paramserve.coordinator.checkpoint_manager import (
 )
 from paramserve.coordinator.cluster import ClusterSpec
 from paramserve.coordinator.cluster_coordinator import ClusterCoordinator, CoordinatorConfig
+from paramserve.coordinator.cluster_resolver import (
+    ClusterJobs,
+    ClusterResolver,
+    KubernetesClusterResolver,
+    SimpleClusterResolver,
+    TFConfigClusterResolver,
+)
 from paramserve.coordinator.discovery import DiscoveryPolicy
 from paramserve.coordinator.errors import (
     ClosureError,
@@ -18,7 +25,7 @@ from paramserve.coordinator.errors import (
 from paramserve.coordinator.failures import FailurePolicy
 from paramserve.coordinator.local_cluster import LocalCluster
 from paramserve.coordinator.recovery_policy import RecoveryPoint, RecoveryPolicy
-from paramserve.coordinator.remote_value import RemoteValue, RemoteValueState
+from paramserve.coordinator.remote_value import PerWorkerValues, RemoteValue, RemoteValueState
 from paramserve.coordinator.sidecar_evaluator import SidecarEvaluator, load_checkpoint_weights
 from paramserve.coordinator.strategies import (
     CentralStorageStrategy,
@@ -27,8 +34,10 @@ from paramserve.coordinator.strategies import (
     OneDeviceStrategy,
     ReduceOp,
     compute_average_loss,
+    experimental_set_strategy,
     get_strategy,
 )
+from paramserve.coordinator.strategies.input import DatasetCreator
 from paramserve.coordinator.strategies.parameter_server import ParameterServerStrategy
 from paramserve.coordinator.training import callbacks
 from paramserve.coordinator.training.callbacks import latest_checkpoint
@@ -37,7 +46,9 @@ from paramserve.psserver.partition import (
     FixedShardsPartitioner,
     MaxSizePartitioner,
     MinSizePartitioner,
+    Partitioner,
 )
+from paramserve.worker.resources import experimental_get_current_worker_index
 from paramserve.worker.variables import ShardedEmbedding, ShardedEmbeddingCollection
 
 __all__ = [
@@ -79,4 +90,15 @@ __all__ = [
     "metrics",
     "predict",
     "state_dict",
+    # TensorFlow's names of issue #22: cluster resolvers, per-worker values, dataset creators
+    "ClusterJobs",
+    "ClusterResolver",
+    "DatasetCreator",
+    "KubernetesClusterResolver",
+    "Partitioner",
+    "PerWorkerValues",
+    "SimpleClusterResolver",
+    "TFConfigClusterResolver",
+    "experimental_get_current_worker_index",
+    "experimental_set_strategy",
 ]

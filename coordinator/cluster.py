@@ -8,6 +8,9 @@ A ``ClusterSpec`` is resolved field by field, first match wins:
 3. ``TF_CONFIG`` (the JSON TensorFlow uses: ``{"cluster": {...}, "task": {...}}``; read by
    ``psserver.tf_config``, which the servers share).
 
+A strategy given a TensorFlow-style ``ClusterResolver`` (``coordinator.cluster_resolver``)
+takes its jobs instead (``ClusterSpec.from_cluster_resolver``).
+
 A worker service is a DNS name whose every address is a worker (a Compose service
 scaled with ``--scale``, a Kubernetes headless Service): the coordinator resolves it
 again and again and the workers it finds join and leave (``coordinator.discovery``).
@@ -26,8 +29,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from paramserve.coordinator.cluster_resolver import ClusterResolver
 from paramserve.psserver.tf_config import (
     EXAMPLE_TF_CONFIG,
+    ROLES,
     TF_CONFIG_ENV,
     ClusterSpecError,
     TaskSpec,
@@ -58,6 +63,10 @@ class ClusterSpec:
     (``coordinator.discovery``). Raises ``ClusterSpecError`` when there is no parameter
     server, no worker and no worker service, an address that does not parse, or the same
     address twice anywhere.
+
+    TensorFlow's ``tf.train.ClusterSpec({"ps": [...], "worker": [...], "chief": [...]})``
+    spelling works too: a jobs mapping given alone as the first argument (an "evaluator" job
+    is no part of the training cluster and is left out).
     """
 
     parameter_servers: tuple[str, ...]
@@ -66,6 +75,8 @@ class ClusterSpec:
     worker_service: str | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.parameter_servers, Mapping):
+            self._adopt_tf_jobs(self.parameter_servers)
         ps = _as_address_tuple(self.parameter_servers, "parameter_servers")
         workers = _as_address_tuple(self.workers, "workers")
         chief = self.chief.strip() if isinstance(self.chief, str) else self.chief
@@ -75,6 +86,23 @@ class ClusterSpec:
         object.__setattr__(self, "chief", chief)
         object.__setattr__(self, "workers", workers)
         object.__setattr__(self, "worker_service", service)
+
+    def _adopt_tf_jobs(self, jobs: Mapping[str, Any]) -> None:
+        """Takes TF's jobs mapping in place of the fields (still checked by __post_init__)."""
+        if self.workers or self.chief is not None or self.worker_service is not None:
+            raise ClusterSpecError(
+                "ClusterSpec got TensorFlow's jobs mapping and other fields too: pass the mapping alone, "
+                'e.g. ClusterSpec({"ps": [...], "worker": [...]}), or the fields alone'
+            )
+        unknown = sorted(set(jobs) - {*ROLES, "evaluator"})
+        if unknown:
+            raise ClusterSpecError(f"ClusterSpec got jobs {unknown}: a parameter-server cluster has {', '.join(ROLES)}")
+        chiefs = tuple(jobs.get("chief", ()))
+        if len(chiefs) > 1:
+            raise ClusterSpecError(f"ClusterSpec got {len(chiefs)} chiefs: a cluster has one")
+        object.__setattr__(self, "parameter_servers", tuple(jobs.get("ps", ())))
+        object.__setattr__(self, "workers", tuple(jobs.get("worker", ())))
+        object.__setattr__(self, "chief", chiefs[0] if chiefs else None)
 
     def num_ps(self) -> int:
         """How many parameter servers the cluster has."""
@@ -101,6 +129,50 @@ class ClusterSpec:
             _Resolved(jobs.get("ps", ()), "TF_CONFIG cluster.ps"),
             _Resolved(jobs.get("worker", ()), "TF_CONFIG cluster.worker"),
             _Resolved(_only_chief(jobs), "TF_CONFIG cluster.chief"),
+        )
+
+    @classmethod
+    def from_cluster_resolver(cls, resolver: ClusterResolver) -> ClusterSpec:
+        """The cluster a ``ClusterResolver`` describes (TF's jobs: "ps", "worker", "chief";
+        evaluators are no part of it), with its worker service when it has one.
+
+        Raises ``ClusterSpecError`` for another job, more than one chief, no parameter server,
+        no worker, or an address that does not parse.
+        """
+        jobs = resolver.cluster_spec().as_dict()
+        unknown = sorted(set(jobs) - set(ROLES))
+        if unknown:
+            raise ClusterSpecError(
+                f"{type(resolver).__name__} has jobs {unknown}: ParameterServerStrategy knows {', '.join(ROLES)}; "
+                "rename them (the coordinator is the 'chief')"
+            )
+        if len(jobs.get("chief", [])) > 1:
+            raise ClusterSpecError(f"{type(resolver).__name__} has {len(jobs['chief'])} chiefs: a cluster has one")
+        where = f"{type(resolver).__name__}.cluster_spec()"
+        service = resolver.worker_service()
+        return _build(
+            _Resolved(tuple(jobs.get("ps", ())), f"{where} job ps"),
+            _Resolved(() if service else tuple(jobs.get("worker", ())), f"{where} job worker"),
+            _Resolved(tuple(jobs.get("chief", ())), f"{where} job chief"),
+            _Resolved((service,), f"{type(resolver).__name__}.worker_service()") if service else None,
+        )
+
+    @classmethod
+    def resolve(
+        cls, cluster: ClusterSpec | ClusterResolver | None, environ: Mapping[str, str] | None = None
+    ) -> ClusterSpec:
+        """The cluster a strategy was given: a ClusterSpec as it is, a ClusterResolver's
+        (``from_cluster_resolver``), or None: ``from_env(environ=environ)``. Raises TypeError
+        for anything else, ``ClusterSpecError`` for a cluster that cannot be used."""
+        if cluster is None:
+            return cls.from_env(environ=environ)
+        if isinstance(cluster, ClusterSpec):
+            return cluster
+        if isinstance(cluster, ClusterResolver):
+            return cls.from_cluster_resolver(cluster)
+        raise TypeError(
+            f"the cluster is a {type(cluster).__name__}: pass a ClusterResolver (e.g. TFConfigClusterResolver()), "
+            "a ClusterSpec, or None to read it from the environment"
         )
 
     @classmethod

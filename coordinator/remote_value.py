@@ -6,14 +6,16 @@ the closure finished and returns its value or raises its error.
 
 from __future__ import annotations
 
+import copy
 import enum
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Generic, NoReturn, TypeVar
 
 from paramserve.coordinator import nest
 from paramserve.coordinator.errors import InvalidTransitionError
+from paramserve.worker.resources import select_for_worker
 
 __all__ = ["PerWorkerValues", "RemoteValue", "RemoteValueState", "fetch_structure"]
 
@@ -118,13 +120,28 @@ class RemoteValue(Generic[_T]):
 
 
 class PerWorkerValues:
-    """One value per worker (TF's ``PerWorkerValues``); ``fetch_structure`` turns it into a tuple."""
+    """One value per worker, by worker index (TF's ``PerWorkerValues``).
 
-    def __init__(self, values: tuple[Any, ...]):
+    Passed to ``ClusterCoordinator.schedule`` (as an argument, or inside one), each worker's
+    function gets that worker's value (``worker.resources.select_for_worker``: IndexError when
+    there are fewer values than workers); ``fetch_structure`` turns it into a tuple.
+    """
+
+    def __init__(self, values: Sequence[Any]):
         self.values = tuple(values)
 
     def __len__(self) -> int:
         return len(self.values)
+
+    def __reduce__(self) -> tuple[Any, tuple[tuple[Any, ...]]]:
+        # Unpickled on a worker, it becomes that worker's value.
+        return select_for_worker, (self.values,)
+
+    def __copy__(self) -> PerWorkerValues:
+        return PerWorkerValues(self.values)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> PerWorkerValues:
+        return PerWorkerValues(copy.deepcopy(self.values, memo))
 
     def __repr__(self) -> str:
         return f"PerWorkerValues({self.values!r})"

@@ -31,9 +31,9 @@ from paramserve.psserver.dataplane_client import DataPlaneLinks
 from paramserve.psserver.errors import ConfigurationError, VariableNotFoundError
 from paramserve.psserver.optimizer import OptimizerSpec
 from paramserve.psserver.partition import (
-    FixedShardsPartitioner,
     Partitioner,
     place_shards,
+    shard_count,
     split_rows,
 )
 from paramserve.psserver.probes import Prober, ServerProbe
@@ -201,7 +201,7 @@ class ParameterServerClient:
         shape = tuple(int(d) for d in shape)
         if not shape:
             return VariableLayout(name, shape, dtype, (ShardPlacement(0, self._take_servers(1)[0], 0, 0),))
-        num_shards = (partitioner or FixedShardsPartitioner(1))(shape, dtype)
+        num_shards = shard_count(partitioner, shape, dtype)
         ranges = split_rows(shape[0], num_shards)
         servers = self._take_servers(len(ranges))
         shards = tuple(ShardPlacement(i, servers[i], r.start, r.stop - r.start) for i, r in enumerate(ranges))

@@ -173,11 +173,14 @@ def _check_task(task_type: Any, index: Any, where: str) -> None:
 @dataclass(frozen=True)
 class TfConfig:
     """A parsed TF_CONFIG: its jobs (role -> addresses, evaluators left out: they are no part of
-    the training cluster), the evaluators' addresses and this process's task."""
+    the training cluster), the evaluators' addresses, this process's task, and the optional
+    ``rpc_layer`` (e.g. "grpc") and ``environment`` (e.g. "cloud") TensorFlow reads beside them."""
 
     jobs: Mapping[str, tuple[str, ...]]
     task: TaskSpec | None
     evaluators: tuple[str, ...] = field(default=())
+    rpc_layer: str | None = None
+    environment: str | None = None
 
     def task_address(self) -> str | None:
         """The address of this process's task (None without a task)."""
@@ -206,7 +209,15 @@ def parse_tf_config(text: str) -> TfConfig:
         )
     task = _parse_task(top.get("task"), jobs)
     training = {role: addrs for role, addrs in jobs.items() if role != "evaluator"}
-    return TfConfig(training, task, jobs.get("evaluator", ()))
+    extras = {key: _optional_text(top, key) for key in ("rpc_layer", "environment")}
+    return TfConfig(training, task, jobs.get("evaluator", ()), **extras)
+
+
+def _optional_text(top: Mapping[str, Any], key: str) -> str | None:
+    value = top.get(key)
+    if value is not None and not isinstance(value, str):
+        raise ClusterSpecError(f'TF_CONFIG {key} must be a string such as "grpc", got {value!r}: fix or remove it')
+    return value
 
 
 def task_address(role: str, environ: Mapping[str, str] | None = None) -> tuple[str, int] | None:

@@ -36,6 +36,7 @@ from paramserve.worker.resources import (
     WorkerContext,
     collecting_missing,
     using_resources,
+    using_worker_context,
 )
 from paramserve.worker.results import ClosureCancelled, ClosureFailure, closure_failure, dumps_value
 from paramserve.worker.transfers import transfers_for
@@ -262,7 +263,12 @@ class WorkerCore:
         # Gradients left by an earlier (perhaps failed) closure must not leak into this one.
         self._variables.clear_grads()
         try:
-            with using_access(access), using_resources(self._resources), computing_on(self._variables.device):
+            with (
+                using_access(access),
+                using_resources(self._resources),
+                using_worker_context(context),
+                computing_on(self._variables.device),
+            ):
                 self._create_resources(request.resources, context)
                 fn, args, kwargs = _load(request.payload, access)
                 result = None

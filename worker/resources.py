@@ -154,6 +154,57 @@ def using_resources(resources: Mapping[str, object]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def using_worker_context(context: WorkerContext) -> Iterator[None]:
+    """Makes ``context`` the one ``current_worker_context`` returns in this thread while a
+    closure, or the resource functions it needs, run on this worker."""
+    previous = getattr(_state, "worker", None)
+    _state.worker = context
+    try:
+        yield
+    finally:
+        _state.worker = previous
+
+
+def current_worker_context() -> WorkerContext | None:
+    """The WorkerContext of the closure running in this thread; None outside one (the coordinator)."""
+    context: WorkerContext | None = getattr(_state, "worker", None)
+    return context
+
+
+def experimental_get_current_worker_index() -> int:
+    """The index of the worker that runs the current closure (TF's
+    ``tf.distribute.experimental.coordinator.experimental_get_current_worker_index``): call it
+    inside a function ``ClusterCoordinator.schedule`` runs, or a dataset function
+    ``create_per_worker_dataset`` runs, e.g. to shard input by worker.
+
+    Raises RuntimeError anywhere else: the coordinator is no worker.
+    """
+    context = current_worker_context()
+    if context is None:
+        raise RuntimeError(
+            "experimental_get_current_worker_index() was called outside a closure running on a worker: call it "
+            "inside a function passed to ClusterCoordinator.schedule() or create_per_worker_dataset()"
+        )
+    return context.worker_index
+
+
+def select_for_worker(values: tuple[Any, ...]) -> Any:
+    """This worker's value of one-value-per-worker ``values`` (what a PerWorkerValues sent with a
+    closure unpickles to on a worker): ``values[worker_index]``.
+
+    Raises RuntimeError outside a worker closure, IndexError when there are fewer values than
+    the worker's index needs.
+    """
+    index = experimental_get_current_worker_index()
+    if index >= len(values):
+        raise IndexError(
+            f"worker {index} got a PerWorkerValues of {len(values)} values: give one value per worker "
+            "(ClusterCoordinator.num_workers)"
+        )
+    return values[index]
+
+
+@contextlib.contextmanager
 def collecting_missing() -> Iterator[list[str]]:
     """Inside ``using_resources``: missing ids are collected into the yielded list
     instead of raising at the first, so one reply names all of them."""

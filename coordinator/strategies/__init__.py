@@ -7,6 +7,7 @@ from paramserve.coordinator.strategies.base import (
     ReduceOp,
     ReplicaContext,
     Strategy,
+    experimental_set_strategy,
     get_replica_context,
     get_strategy,
     has_strategy,
@@ -20,19 +21,32 @@ from paramserve.coordinator.strategies.cross_device_ops import (
     ReductionToOneDevice,
 )
 from paramserve.coordinator.strategies.distributed_values import (
+    DistributedValues,
     Mirrored,
     PerReplica,
     SyncOnReadVariable,
+    ValueContext,
     VariableAggregation,
 )
-from paramserve.coordinator.strategies.input import InputOptions
+from paramserve.coordinator.strategies.extended import StrategyExtended
+from paramserve.coordinator.strategies.input import (
+    DatasetCreator,
+    DistributedDataset,
+    InputOptions,
+    InputReplicationMode,
+)
+from paramserve.coordinator.strategies.iterators import DistributedIterator, OptionalElement, TensorSpec
 from paramserve.coordinator.strategies.losses import (
     compute_average_loss,
     scale_regularization_loss,
 )
 from paramserve.coordinator.strategies.mirrored import MirroredStrategy, OneDeviceStrategy
 from paramserve.coordinator.strategies.multi_worker import MultiWorkerMirroredStrategy
-from paramserve.coordinator.strategies.multi_worker_cluster import CollectiveCommunication, CommunicationOptions
+from paramserve.coordinator.strategies.multi_worker_cluster import (
+    CollectiveCommunication,
+    CommunicationImplementation,
+    CommunicationOptions,
+)
 from paramserve.coordinator.strategies.parameter_server import ParameterServerStrategy
 
 __all__ = [
@@ -54,10 +68,13 @@ __all__ = [
     "MultiWorkerMirroredStrategy",
     "CommunicationOptions",
     "CollectiveCommunication",
+    "CommunicationImplementation",
     # variables on parameter servers (with ClusterCoordinator)
     "ParameterServerStrategy",
     # distributed values
     "PerReplica",
+    "DistributedValues",
+    "DistributedDataset",
     "Mirrored",
     "SyncOnReadVariable",
     "VariableAggregation",
@@ -69,4 +86,14 @@ __all__ = [
     "ReductionToOneDevice",
     "HierarchicalCopyAllReduce",
     "NcclAllReduce",
+    # TensorFlow's remaining Strategy API (issue #22)
+    "StrategyExtended",
+    "ValueContext",
+    "experimental_set_strategy",
+    # TensorFlow's input API (issue #22)
+    "InputReplicationMode",
+    "DatasetCreator",
+    "DistributedIterator",
+    "OptionalElement",
+    "TensorSpec",
 ]

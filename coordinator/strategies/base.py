@@ -9,7 +9,9 @@ Contexts, as in tf.distribute:
 - outside any scope the *default strategy* is current and every code path is
   the default replica context.
 
-Each thread keeps its own stack of active strategies/replica contexts.
+Each thread keeps its own stack of active strategies/replica contexts;
+``experimental_set_strategy`` makes one strategy current for every thread without a scope of
+its own (as TensorFlow's does, for notebooks).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import copy
 import enum
 import os
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -32,6 +35,10 @@ from paramserve.worker.resources import InputContext
 from paramserve.worker.variables import steps_elsewhere
 
 if TYPE_CHECKING:
+    from paramserve.coordinator.cluster_resolver import ClusterResolver
+    from paramserve.coordinator.strategies.distributed_values import ValueContext
+    from paramserve.coordinator.strategies.extended import StrategyExtended
+    from paramserve.coordinator.strategies.input import InputOptions
     from paramserve.coordinator.strategies.step_runners import StepFn, StepRunner
     from paramserve.coordinator.strategies.training_state import TrainingCheckpoints
 
@@ -42,11 +49,22 @@ class ReduceOp(enum.Enum):
 
 
 class ReplicaContext:
-    """The context of one replica while ``strategy.run`` executes it."""
+    """The context of one replica while ``strategy.run`` executes it (tf.distribute.ReplicaContext);
+    outside every scope, ``get_replica_context()`` gives the default one: replica 0 of 1."""
 
     def __init__(self, strategy: Strategy, replica_id_in_sync_group: int):
-        self.strategy = strategy
-        self.replica_id_in_sync_group = replica_id_in_sync_group
+        self._strategy = strategy
+        self._replica_id = replica_id_in_sync_group
+
+    @property
+    def strategy(self) -> Strategy:
+        """The strategy running this replica."""
+        return self._strategy
+
+    @property
+    def replica_id_in_sync_group(self) -> int:
+        """This replica's id, 0 to ``num_replicas_in_sync - 1``, across every process of the strategy."""
+        return self._replica_id
 
     @property
     def num_replicas_in_sync(self) -> int:
@@ -58,6 +76,45 @@ class ReplicaContext:
         return self.strategy._replica_all_reduce(
             self, ReduceOp(reduce_op) if isinstance(reduce_op, str) else reduce_op, value
         )
+
+    def all_gather(self, value: Any, axis: int) -> Any:
+        """Concatenates ``value`` (a tensor or a nest of tensors) of every replica along ``axis``, in
+        replica order; every replica gets the result, on its own device. All replicas must call it,
+        in the same order. Shapes may differ along ``axis`` only (across processes, not at all).
+        Gradients flow back as in TensorFlow: replica r's input gets its slice of the sum of every
+        replica's gradient, so each replica must then call ``backward`` through it too.
+
+        Raises:
+            ValueError: a scalar value or ``axis`` out of range (gather along an existing axis),
+                or shapes that differ elsewhere than along ``axis``.
+        """
+        from paramserve.coordinator.strategies.gathering import AllGather, normalized_axis
+
+        tensors = [torch.as_tensor(leaf) for leaf in nest.flatten(value)]
+        if not tensors:
+            return value
+        axes = {normalized_axis(tensor, axis, "all_gather") for tensor in tensors}
+        if len(axes) > 1:
+            raise ValueError(
+                f"all_gather: axis {axis} names different axes of tensors of different ranks: use axis >= 0"
+            )
+        gathered = AllGather.apply(self, axes.pop(), *tensors)
+        leaves = iter(gathered)
+        return nest.map_structure(lambda _: next(leaves), value)
+
+    def merge_call(
+        self, merge_fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        """Runs ``merge_fn(strategy, *args, **kwargs)`` once, in cross-replica context, with the
+        arguments of every replica merged: a value that differs between replicas becomes a
+        PerReplica (component r: replica r's), one every replica passed as the same object stays
+        itself. Every replica gets the result, each distributed value in it (a PerReplica or
+        Mirrored, not a SyncOnReadVariable) replaced by its own component. A merge point, like
+        ``optimizer.step()``: every replica must call it, the same number of times.
+
+        Raises whatever ``merge_fn`` raises (the other replicas then stop with ReplicaDeparted).
+        """
+        return self.strategy._merge_call(self, merge_fn, tuple(args), dict(kwargs or {}))
 
     def __repr__(self) -> str:
         return f"ReplicaContext({type(self.strategy).__name__}, replica {self.replica_id_in_sync_group})"
@@ -87,6 +144,18 @@ class Strategy(abc.ABC):
     @abc.abstractmethod
     def num_replicas_in_sync(self) -> int: ...
 
+    cluster_resolver: ClusterResolver | None = None
+    """Where the strategy's cluster comes from (tf.distribute.Strategy.cluster_resolver): None for the
+    strategies that live in one process; MultiWorkerMirroredStrategy sets its own."""
+
+    @property
+    def extended(self) -> StrategyExtended:
+        """The API for distribution-aware algorithms (tf.distribute.StrategyExtended): devices,
+        ``reduce_to``, ``update``... One object per strategy."""
+        from paramserve.coordinator.strategies.extended import extended_of  # imports this module
+
+        return extended_of(self)
+
     # ------------------------------------------------------------------ running
 
     @abc.abstractmethod
@@ -103,21 +172,88 @@ class Strategy(abc.ABC):
         """The components of a distributed value held in this process (a plain value: itself)."""
         from paramserve.coordinator.strategies.distributed_values import DistributedValue
 
+        adopt_global_scope(self)
         if isinstance(value, DistributedValue):
             return tuple(value.values)
         return (value,)
 
+    def gather(self, value: Any, axis: int) -> Any:
+        """Concatenates the components of a distributed value (what ``run`` returned) along
+        ``axis``, in replica order (tf.distribute.Strategy.gather): a detached tensor, on the host
+        CPU when it joins several components (one component stays where it is); a structure of
+        values gives a structure of tensors. Cross-replica context only. Under a strategy that
+        spans processes every process must call it (a collective) and gets the whole result.
+
+        Raises:
+            RuntimeError: called inside ``run`` (use ``get_replica_context().all_gather`` there).
+            ValueError: not a per-replica value of this strategy's replicas, a scalar, or ``axis``
+                out of range.
+        """
+        self._require_cross_replica("strategy.gather", "get_replica_context().all_gather(value, axis)")
+        if self._local_replicas < self.num_replicas_in_sync:  # the other components are in other processes
+            result = self.run(lambda v: _current_context().all_gather(v, axis), args=(value,))
+            return detached(nest.map_structure(lambda v: self.experimental_local_results(v)[0], result))
+        return detached(nest.map_structure(lambda v: self._gather_local(v, axis), value))
+
+    def _gather_local(self, value: Any, axis: int) -> torch.Tensor:
+        from paramserve.coordinator.strategies.gathering import normalized_axis
+
+        parts = [torch.as_tensor(part) for part in self.experimental_local_results(value)]
+        if len(parts) != self._local_replicas:
+            raise ValueError(
+                f"cannot gather a {type(value).__name__}: it is not a per-replica value of this strategy's "
+                f"{self._local_replicas} replicas (every replica returned the same object): gather what run returns"
+            )
+        for part in parts:
+            axis = normalized_axis(part, axis, "gather")
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat([part.to("cpu") for part in parts], dim=axis)
+
+    def experimental_distribute_values_from_function(self, value_fn: Callable[[ValueContext], Any]) -> Any:
+        """Distributed values for ``run``, ``reduce`` and the rest when the input is not a dataset
+        (tf.distribute's method): ``value_fn(ValueContext)`` is called once for each replica this
+        process holds, in replica order. With one replica here: its value itself; with several, a
+        PerReplica."""
+        from paramserve.coordinator.strategies.distributed_values import PerReplica, ValueContext
+
+        values = [value_fn(ValueContext(r, self.num_replicas_in_sync)) for r in self._local_replica_ids()]
+        return values[0] if len(values) == 1 else PerReplica(values)
+
     # ------------------------------------------------------------------ input
 
     @abc.abstractmethod
-    def experimental_distribute_dataset(self, dataset: Iterable[Any]) -> Iterable[Any]:
+    def experimental_distribute_dataset(
+        self, dataset: Iterable[Any], options: InputOptions | None = None
+    ) -> Iterable[Any]:
         """Splits each global batch of ``dataset`` evenly across the replicas (and
-        shards the dataset across workers); yields PerReplica batches."""
+        shards the dataset across workers); yields PerReplica batches. ``options``:
+        TF's InputOptions (device placement, short last batches)."""
 
     @abc.abstractmethod
-    def distribute_datasets_from_function(self, dataset_fn: Callable[[InputContext], Iterable[Any]]) -> Iterable[Any]:
-        """Calls ``dataset_fn`` once per input pipeline with its InputContext; the
-        function returns per-replica batches."""
+    def distribute_datasets_from_function(
+        self, dataset_fn: Callable[[InputContext], Iterable[Any]], options: InputOptions | None = None
+    ) -> Iterable[Any]:
+        """Calls ``dataset_fn`` once per input pipeline (or per replica, with
+        ``InputReplicationMode.PER_REPLICA``) with its InputContext; the function returns
+        per-replica batches."""
+
+    # ------------------------------------------------------------------ TensorFlow's deprecated spellings
+
+    def experimental_run_v2(
+        self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        """``run``'s name before TensorFlow 2.2; warns (DeprecationWarning, once) naming ``run``."""
+        _warn_renamed("experimental_run_v2", "run")
+        return self.run(fn, args, kwargs)
+
+    def experimental_distribute_datasets_from_function(
+        self, dataset_fn: Callable[[InputContext], Iterable[Any]], options: InputOptions | None = None
+    ) -> Iterable[Any]:
+        """``distribute_datasets_from_function``'s name before TensorFlow 2.4; warns
+        (DeprecationWarning, once) naming it."""
+        _warn_renamed("experimental_distribute_datasets_from_function", "distribute_datasets_from_function")
+        return self.distribute_datasets_from_function(dataset_fn, options)
 
     # ------------------------------------------------------------------ what fit and its callbacks ask
 
@@ -225,9 +361,111 @@ class Strategy(abc.ABC):
         several; here the tensor itself)."""
         return tensor
 
+    def _merge_call(
+        self, context: ReplicaContext, merge_fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """``ReplicaContext.merge_call`` where this process holds one replica: ``merge_fn`` on its
+        own arguments (under a multi-process strategy it may reduce across processes itself)."""
+        from paramserve.coordinator.strategies.distributed_values import select_replica
+
+        with self._cross_replica():
+            result = merge_fn(self, *args, **kwargs)
+        return select_replica(result, self._local_index(context.replica_id_in_sync_group))
+
+    def _replica_all_gather(
+        self, context: ReplicaContext, tensors: list[torch.Tensor], axis: int
+    ) -> list[torch.Tensor]:
+        """``ReplicaContext.all_gather`` where this process holds one replica: each tensor goes in
+        its replica's place of a zero tensor N times longer along ``axis`` and these are summed
+        over the processes (``_sum_across_processes``), which leaves the concatenation."""
+        from paramserve.coordinator.strategies.gathering import gather_by_sum
+
+        return gather_by_sum(self, context.replica_id_in_sync_group, tensors, axis)
+
+    def _local_replica_ids(self) -> list[int]:
+        """The ids of the replicas this process holds, as its ``run`` numbers them."""
+        if self._local_replicas == self.num_replicas_in_sync:
+            return list(range(self.num_replicas_in_sync))
+        ids = self.run(lambda: _current_context().replica_id_in_sync_group)  # asked of run: it alone knows
+        return [int(i) for i in self.experimental_local_results(ids)]
+
+    def _current_replica(self) -> ReplicaContext | None:
+        """This thread's ReplicaContext when it runs one of this strategy's replicas (in ``run``)."""
+        stack = _stack()
+        if stack and stack[-1].replica is not None and stack[-1].replica.strategy is self:
+            return stack[-1].replica
+        return None
+
+    def _require_cross_replica(self, what: str, instead: str) -> None:
+        if self._current_replica() is not None:
+            raise RuntimeError(f"{what} is for cross-replica context (outside run); inside run use {instead}")
+
+    @contextlib.contextmanager
+    def _cross_replica(self) -> Iterator[None]:
+        """This strategy's cross-replica context in this thread, even inside one of its replicas
+        (a merge_call's merge_fn, an update's fn): ``get_replica_context()`` is None there."""
+        _stack().append(_Entry(self, None))
+        try:
+            yield
+        finally:
+            _stack().pop()
+
+    # ------------------------------------------------------------------ what StrategyExtended asks
+
+    def _worker_devices(self) -> tuple[str, ...]:
+        """The names of the devices this process's replicas compute on."""
+        raise RuntimeError(
+            f"{type(self).__name__} does not compute on devices it chooses in this process (TensorFlow's default "
+            "strategy has no worker devices either): use a strategy with devices, e.g. OneDeviceStrategy('cpu')"
+        )
+
+    def _parameter_devices(self) -> tuple[str, ...]:
+        """The names of the devices this process keeps variables on (by default: where it computes)."""
+        return self._worker_devices()
+
+    def _refuse_colocation(self) -> str | None:
+        """Why ``extended.colocate_vars_with`` cannot hold under this strategy (None: it holds)."""
+        return None
+
+    def _variable_copies(self, var: Any) -> tuple[Any, ...]:
+        """Every copy of ``var`` that an update must change, in replica order."""
+        return self.experimental_local_results(var)
+
+    def _after_update(self, var: Any) -> None:
+        """Hook: what a strategy does once ``extended.update`` has changed every copy of ``var``
+        (nothing by default)."""
+        return None
+
+    def _owns_variable(self, v: Any) -> bool:
+        """Whether ``v`` is a parameter or buffer of a module built in this strategy's scope, or a
+        SyncOnReadVariable of this strategy (``extended.variable_created_in_scope``)."""
+        from paramserve.coordinator.strategies.distributed_values import SyncOnReadVariable
+
+        if isinstance(v, SyncOnReadVariable):
+            return v.strategy is self
+        if not isinstance(v, torch.Tensor):
+            return False
+        models = [model for model, owner in list(_models.items()) if owner is self]
+        return any(t is v for model in models for t in (*model.parameters(), *model.buffers()))
+
+    def _value_container(self, value: Any) -> Any:
+        """The variable that ``value``, one replica's copy of it, belongs to (itself when none)."""
+        return value
+
+    def _reduce_to(self, reduce_op: ReduceOp, value: Any, devices: list[torch.device]) -> Any:
+        """``extended.reduce_to``: ``reduce``, then a copy on each of ``devices`` (a tensor for one
+        device, a Mirrored for several)."""
+        from paramserve.coordinator.strategies.distributed_values import Mirrored
+
+        reduced = torch.as_tensor(self.reduce(reduce_op, value))
+        if len(devices) == 1:
+            return reduced.to(devices[0])
+        return Mirrored([reduced.to(device, copy=True) for device in devices])
+
     @contextlib.contextmanager
     def _in_replica(self, replica_id: int) -> Iterator[ReplicaContext]:
         """Enters replica context for this thread (used by ``run`` implementations)."""
+        adopt_global_scope(self)
         context = ReplicaContext(self, replica_id)
         _stack().append(_Entry(self, context))
         try:
@@ -253,16 +491,29 @@ class SingleReplicaStrategy(Strategy):
             value = value.sum(dim=axis) if op is ReduceOp.SUM else value.mean(dim=axis)
         return detached(value)
 
-    def experimental_distribute_dataset(self, dataset: Iterable[Any]) -> Iterable[Any]:
-        return dataset
+    def experimental_distribute_dataset(
+        self, dataset: Iterable[Any], options: InputOptions | None = None
+    ) -> Iterable[Any]:
+        return dataset  # one replica on this process's device: nothing to split or place
 
-    def distribute_datasets_from_function(self, dataset_fn: Callable[[InputContext], Iterable[Any]]) -> Iterable[Any]:
+    def distribute_datasets_from_function(
+        self, dataset_fn: Callable[[InputContext], Iterable[Any]], options: InputOptions | None = None
+    ) -> Iterable[Any]:
         return dataset_fn(InputContext())
 
 
 class DefaultStrategy(SingleReplicaStrategy):
     """The no-op strategy current when no other is in scope: ``run(fn)`` simply calls fn.
     A singleton: get it with ``get_strategy()``."""
+
+    def _owns_variable(self, v: Any) -> bool:
+        """As TensorFlow's default strategy: a variable that no other strategy created."""
+        from paramserve.coordinator.strategies.distributed_values import SyncOnReadVariable
+
+        if isinstance(v, SyncOnReadVariable):
+            return v.strategy is self
+        owners = {id(owner): owner for owner in list(_models.values())}.values()
+        return isinstance(v, torch.Tensor) and not any(owner._owns_variable(v) for owner in owners)
 
     _instance: DefaultStrategy | None = None
     _lock = threading.Lock()
@@ -309,23 +560,28 @@ def _stack() -> list[_Entry]:
 
 
 def get_strategy() -> Strategy:
-    """The strategy whose scope (or run) is current in this thread, else the default strategy."""
+    """The strategy whose scope (or run) is current in this thread, else the one
+    ``experimental_set_strategy`` made current, else the default strategy."""
     stack = _stack()
-    return stack[-1].strategy if stack else DefaultStrategy()
+    if stack:
+        return stack[-1].strategy
+    current = _global
+    return current.strategy if current is not None else DefaultStrategy()
 
 
 def has_strategy() -> bool:
-    """True inside a non-default strategy's scope."""
+    """True inside a non-default strategy's scope (or while one is set)."""
     return not isinstance(get_strategy(), DefaultStrategy)
 
 
 def get_replica_context() -> ReplicaContext | None:
-    """The current ReplicaContext; None in cross-replica context (inside a scope, outside run);
-    the default replica context outside every scope."""
+    """The current ReplicaContext; None in cross-replica context (inside a scope, outside run,
+    or while ``experimental_set_strategy`` has set one); the default replica context outside
+    every scope."""
     stack = _stack()
-    if not stack:
-        return ReplicaContext(DefaultStrategy(), 0)
-    return stack[-1].replica
+    if stack:
+        return stack[-1].replica
+    return None if _global is not None else ReplicaContext(DefaultStrategy(), 0)
 
 
 def in_cross_replica_context() -> bool:
@@ -341,6 +597,95 @@ def replica_thread_context(strategy: Strategy, replica_id: int) -> Iterator[Repl
             yield context
     finally:
         _stack().pop()
+
+
+@dataclass
+class _GlobalScope:
+    """The scope ``experimental_set_strategy`` holds open, and the thread it is open in."""
+
+    strategy: Strategy
+    scope: contextlib.AbstractContextManager[Strategy]
+    thread: int
+
+
+_global_lock = threading.Lock()
+_global: _GlobalScope | None = None
+
+
+def experimental_set_strategy(strategy: Strategy | None) -> None:
+    """Makes ``strategy`` current without ``with strategy.scope():`` (tf.distribute's function, for
+    notebooks where each cell would need the block); None makes the default strategy current again.
+    Setting another strategy first leaves the previous one's scope.
+
+    The scope is open in the calling thread, where it captures the modules and optimizers built,
+    as ``with strategy.scope():`` does; in other threads without a scope of their own the strategy
+    is current too (cross-replica context). A scope distributes what it built when it exits, and
+    this one stays open: the strategy's ``run``, ``experimental_local_results`` and ``extended``
+    first close and reopen it, so a model built in one cell is distributed when the next uses it.
+    Unset it (None) before closing the strategy.
+
+    Raises:
+        RuntimeError: called inside ``with strategy.scope():`` or ``run`` (leave it first), or
+            from another thread than the one that set the current strategy.
+    """
+    global _global
+    with _global_lock:
+        current, thread = _global, threading.get_ident()
+        if current is not None and current.thread != thread:
+            raise RuntimeError(
+                f"experimental_set_strategy: {type(current.strategy).__name__} was set by another thread, "
+                "where its scope is open: call experimental_set_strategy from that thread"
+            )
+        if len(_stack()) != (current is not None):
+            raise RuntimeError(
+                "experimental_set_strategy must not be called inside a strategy's scope or run: "
+                "leave the `with strategy.scope():` block first"
+            )
+        if current is not None:
+            _global = None
+            current.scope.__exit__(None, None, None)  # distributes what the scope built
+        if strategy is not None:
+            scope = strategy.scope()
+            scope.__enter__()
+            _global = _GlobalScope(strategy, scope, thread)
+
+
+def adopt_global_scope(strategy: Strategy) -> None:
+    """When ``experimental_set_strategy(strategy)`` holds this thread's only scope, closes and
+    reopens it, so that the strategy distributes what was built in it so far."""
+    current = _global
+    if current is None or current.strategy is not strategy or current.thread != threading.get_ident():
+        return
+    if len(_stack()) != 1:  # inside a nested scope or run: they end first
+        return
+    try:
+        current.scope.__exit__(None, None, None)
+    finally:  # even when distributing failed, the strategy stays set with an open scope
+        scope = strategy.scope()
+        scope.__enter__()
+        current.scope = scope
+
+
+_renamed_warned: set[str] = set()
+
+
+def _warn_renamed(old: str, new: str) -> None:
+    """One DeprecationWarning per process for each of TensorFlow's old names."""
+    if old in _renamed_warned:
+        return
+    _renamed_warned.add(old)
+    warnings.warn(
+        f"Strategy.{old} is TensorFlow's deprecated name: call strategy.{new} (same arguments)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+
+
+def _current_context() -> ReplicaContext:
+    context = get_replica_context()
+    if context is None:
+        raise RuntimeError("expected to run in replica context (inside strategy.run)")
+    return context
 
 
 def _param_groups(optimizer: Any) -> list[dict[str, Any]]:

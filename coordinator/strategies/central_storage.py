@@ -29,7 +29,14 @@ from paramserve.coordinator.strategies.replicated import (
     _ReplicatedStrategy,
     _resolve_devices,
 )
-from paramserve.psserver.devices import resolve_device
+from paramserve.psserver.devices import cuda_device_count, resolve_device
+
+
+def default_parameter_device(compute_devices: Sequence[str], cuda_devices: int) -> str:
+    """TensorFlow's choice of the parameter device when none is given: on a machine with exactly
+    one GPU, the first compute device (the variables stay where the computation is); else the
+    CPU, which every compute device reaches alike."""
+    return compute_devices[0] if cuda_devices == 1 else "cpu"
 
 
 class CentralStorageStrategy(_ReplicatedStrategy):
@@ -45,20 +52,23 @@ class CentralStorageStrategy(_ReplicatedStrategy):
 
     Args:
         compute_devices: default all GPUs, else one CPU replica; ``["cpu:0", "cpu:1"]``
-            gives two CPU replicas.
-        parameter_device: where the variables live (default the CPU).
+            gives two CPU replicas. TensorFlow's names ("/gpu:0") work too.
+        parameter_device: where the variables live; default as TensorFlow chooses: the GPU when
+            the machine has exactly one (the first compute device), else the CPU.
         cross_device_ops: how gradients are summed onto the parameter device.
     """
 
     def __init__(
         self,
         compute_devices: Sequence[str | torch.device] | None = None,
-        parameter_device: str | torch.device = "cpu",
+        parameter_device: str | torch.device | None = None,
         cross_device_ops: CrossDeviceOps | None = None,
     ):
         names, resolved = _resolve_devices(
             compute_devices if compute_devices is not None else _local_devices(), "compute_devices"
         )
+        if parameter_device is None:
+            parameter_device = default_parameter_device(names, cuda_device_count())
         self.parameter_device_name, self.parameter_device = resolve_device(parameter_device)
         super().__init__(names, resolved, cross_device_ops or ReductionToOneDevice(self.parameter_device))
 
@@ -77,6 +87,20 @@ class CentralStorageStrategy(_ReplicatedStrategy):
 
     def _before_run(self) -> None:
         self._refresh([p for root in self._roots for p in root.parameters()])
+
+    def _parameter_devices(self) -> tuple[str, ...]:
+        return (self.parameter_device_name,)
+
+    def _variable_copies(self, var: Any) -> tuple[Any, ...]:
+        """A parameter is stored once, centrally: an update changes that one (and ``_after_update``
+        refreshes the replicas' copies from it)."""
+        if isinstance(var, nn.Parameter) and id(var) in self._param_replicas:
+            return (var,)
+        return super()._variable_copies(var)
+
+    def _after_update(self, var: Any) -> None:
+        if isinstance(var, nn.Parameter) and id(var) in self._param_replicas:
+            self._refresh([var])
 
     @torch.no_grad()
     def _refresh(self, params: Iterable[nn.Parameter]) -> None:
@@ -157,7 +181,7 @@ class _CentralOptimizer:
         return None  # a pickled (or deep-copied) optimizer is a plain one of the user's class
 
 
-def _zero(params: Iterable[nn.Parameter], set_to_none: bool) -> None:
+def _zero(params: Iterable[torch.Tensor], set_to_none: bool) -> None:
     for param in params:
         if param.grad is None:
             continue

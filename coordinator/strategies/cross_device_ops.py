@@ -8,7 +8,12 @@ Every implementation gives the same numbers; they differ in how tensors move:
 - ``NcclAllReduce``: ``torch.cuda.nccl`` all-reduce; needs two or more GPUs.
 
 Results are always new tensors, one per destination, so replicas that later
-modify their copy in place never alias each other.
+modify their copy in place never alias each other. ``num_packs`` (HierarchicalCopyAllReduce,
+NcclAllReduce, as in TensorFlow) packs the values of one ``batch_all_reduce`` into that many
+flat tensors per replica: fewer, larger transfers, the same sums.
+
+Destinations are torch devices or device names; names, TensorFlow's ('/gpu:1',
+'/job:worker/replica:0/task:0/device:CPU:0') included, go through ``as_device``.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import torch
 
 from paramserve.coordinator.strategies.base import ReduceOp
 from paramserve.coordinator.strategies.distributed_values import DistributedValue, Mirrored
+from paramserve.psserver.devices import resolve_device
 
 Destinations = torch.device | str | Sequence[torch.device | str]
 
@@ -27,6 +33,9 @@ Destinations = torch.device | str | Sequence[torch.device | str]
 class CrossDeviceOps:
     """Base: reduce and broadcast tensors held one per replica. Subclasses override
     ``_sum_to_all`` (and may override ``all_reduce``) to change how data moves."""
+
+    num_packs: int = 0
+    """How many flat tensors ``batch_all_reduce`` packs its values into per replica (0: none)."""
 
     def reduce(self, reduce_op: ReduceOp | str, per_replica_value: Any, destinations: Destinations) -> Any:
         """Reduces the components of ``per_replica_value`` (a PerReplica/Mirrored or a sequence
@@ -61,8 +70,37 @@ class CrossDeviceOps:
         return Mirrored([_finish(op, total, len(tensors)).to(device) for total, device in zip(totals, devices)])
 
     def batch_all_reduce(self, reduce_op: ReduceOp | str, per_replica_values: Sequence[Any]) -> list[Mirrored]:
-        """``all_reduce`` of several values (e.g. every gradient of a step)."""
-        return [self.all_reduce(reduce_op, value) for value in per_replica_values]
+        """``all_reduce`` of several values (e.g. every gradient of a step). With ``num_packs``,
+        dense values of one dtype (on the same devices) travel packed: per replica concatenated
+        into one flat tensor split in ``num_packs`` chunks, each all-reduced; each result is then
+        a view of its replica's reduced flat tensor."""
+        if self.num_packs == 0 or len(per_replica_values) < 2:
+            return [self.all_reduce(reduce_op, value) for value in per_replica_values]
+        columns = [_components(value) for value in per_replica_values]
+        results: list[Mirrored | None] = [None] * len(columns)
+        for group in _pack_groups(columns):
+            packed = [columns[i] for i in group]
+            reduced = (
+                self._packed_all_reduce(reduce_op, packed)
+                if len(group) > 1
+                else [self.all_reduce(reduce_op, packed[0])]
+            )
+            for i, mirrored in zip(group, reduced):
+                results[i] = mirrored
+        return [r if r is not None else self.all_reduce(reduce_op, c) for r, c in zip(results, columns)]
+
+    def _packed_all_reduce(self, reduce_op: ReduceOp | str, columns: list[list[torch.Tensor]]) -> list[Mirrored]:
+        replicas = len(columns[0])
+        flats = [torch.cat([column[r].reshape(-1) for column in columns]) for r in range(replicas)]
+        packs = max(1, min(self.num_packs, flats[0].numel()))
+        chunks = [torch.tensor_split(flat, packs) for flat in flats]
+        reduced = [self.all_reduce(reduce_op, [chunks[r][p] for r in range(replicas)]) for p in range(packs)]
+        wholes = [torch.cat([m.values[r] for m in reduced]) for r in range(replicas)]
+        sizes = [column[0].numel() for column in columns]
+        pieces = [torch.split(whole, sizes) for whole in wholes]
+        return [
+            Mirrored([pieces[r][i].view(column[r].shape) for r in range(replicas)]) for i, column in enumerate(columns)
+        ]
 
     # ------------------------------------------------------------------ data movement
 
@@ -79,7 +117,8 @@ class CrossDeviceOps:
         return [total.to(t.device, copy=True) for t in tensors]
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
+        packs = f"num_packs={self.num_packs}" if self.num_packs else ""
+        return f"{type(self).__name__}({packs})"
 
 
 class ReductionToOneDevice(CrossDeviceOps):
@@ -91,7 +130,7 @@ class ReductionToOneDevice(CrossDeviceOps):
     """
 
     def __init__(self, reduce_to_device: torch.device | str | None = None):
-        self.reduce_to_device = torch.device(reduce_to_device) if reduce_to_device is not None else None
+        self.reduce_to_device = as_device(reduce_to_device) if reduce_to_device is not None else None
 
     def _sum_to_one(self, tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
         where = self.reduce_to_device or device
@@ -107,7 +146,18 @@ class ReductionToOneDevice(CrossDeviceOps):
 
 class HierarchicalCopyAllReduce(CrossDeviceOps):
     """On two or more GPUs: sums within each half of the GPUs, then across the halves'
-    leaders, then copies back down. Elsewhere (CPU, one GPU) it is ReductionToOneDevice."""
+    leaders, then copies back down. Elsewhere (CPU, one GPU) it is ReductionToOneDevice.
+
+    Args:
+        num_packs: how many flat tensors a ``batch_all_reduce`` packs its values into (0: no
+            packing; default 1, as in TensorFlow).
+
+    Raises:
+        ValueError: ``num_packs`` is not a non-negative integer.
+    """
+
+    def __init__(self, num_packs: int = 1):
+        self.num_packs = _checked_num_packs(num_packs)
 
     def _sum_to_all(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         if len({t.device for t in tensors if t.is_cuda}) < 2 or not all(t.is_cuda for t in tensors):
@@ -131,11 +181,17 @@ class HierarchicalCopyAllReduce(CrossDeviceOps):
 class NcclAllReduce(CrossDeviceOps):
     """All-reduce with NVIDIA NCCL (``torch.cuda.nccl``) across two or more local GPUs.
 
+    Args:
+        num_packs: how many flat tensors a ``batch_all_reduce`` packs its values into, so that
+            one NCCL call carries many gradients (0: one call per value; default 1, as in TensorFlow).
+
     Raises:
+        ValueError: ``num_packs`` is not a non-negative integer.
         RuntimeError: at construction when fewer than two CUDA devices exist.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, num_packs: int = 1) -> None:
+        self.num_packs = _checked_num_packs(num_packs)
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count < 2:
             raise RuntimeError(
@@ -172,6 +228,32 @@ class NcclAllReduce(CrossDeviceOps):
 # ------------------------------------------------------------------ helpers
 
 
+def as_device(spec: torch.device | str) -> torch.device:
+    """The torch device a destination names. A name goes through ``psserver.devices.resolve_device``,
+    the one parser of device names ("cpu", "cuda:1", and TensorFlow's "/gpu:1", "/device:GPU:0",
+    "/job:worker/replica:0/task:0/device:CPU:0"); a torch.device is itself.
+
+    Raises:
+        ValueError: not a device name, or a GPU this machine does not have.
+    """
+    return spec if isinstance(spec, torch.device) else resolve_device(spec)[1]
+
+
+def _checked_num_packs(num_packs: int) -> int:
+    if isinstance(num_packs, bool) or not isinstance(num_packs, int) or num_packs < 0:
+        raise ValueError(f"num_packs must be a non-negative integer (0: no packing), got {num_packs!r}")
+    return num_packs
+
+
+def _pack_groups(columns: list[list[torch.Tensor]]) -> list[list[int]]:
+    """Which values may share a pack: dense ones whose dtype and device agree, replica by replica."""
+    groups: dict[tuple[tuple[torch.dtype, torch.device], ...], list[int]] = {}
+    for i, column in enumerate(columns):
+        if all(t.layout is torch.strided for t in column):
+            groups.setdefault(tuple((t.dtype, t.device) for t in column), []).append(i)
+    return list(groups.values())
+
+
 def _components(value: Any) -> list[torch.Tensor]:
     """The tensors of a per-replica value, checked to be reducible together."""
     tensors = list(value.values) if isinstance(value, DistributedValue) else list(value)
@@ -201,8 +283,8 @@ def _is_single(destinations: Destinations) -> bool:
 
 def _destination_list(destinations: Destinations) -> list[torch.device]:
     if _is_single(destinations):
-        return [torch.device(destinations)]  # type: ignore[arg-type]
-    targets = [torch.device(d) for d in destinations]  # type: ignore[union-attr]
+        return [as_device(destinations)]  # type: ignore[arg-type]
+    targets = [as_device(d) for d in destinations]  # type: ignore[union-attr]
     if not targets:
         raise ValueError("no destination devices given: pass a device or a non-empty list of devices")
     return targets

@@ -6,16 +6,22 @@
 - ``SyncOnReadVariable``: a variable (metric, batch-norm statistic) that each
   replica updates locally without synchronisation; reading it in
   cross-replica context aggregates the copies.
+
+``ValueContext`` is what ``experimental_distribute_values_from_function`` tells the function
+that builds each replica's value; ``regroup`` and ``select_replica`` turn one structure per
+replica into one with distributed leaves and back.
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from paramserve.coordinator import nest
 from paramserve.coordinator.strategies.base import (
     Strategy,
     get_replica_context,
@@ -38,6 +44,10 @@ class DistributedValue:
     def __repr__(self) -> str:
         inner = ", ".join(f"{i}: {v!r}" for i, v in enumerate(self.values))
         return f"{type(self).__name__}({{{inner}}})"
+
+
+DistributedValues = DistributedValue
+"""TensorFlow's name (``tf.distribute.DistributedValues``)."""
 
 
 class PerReplica(DistributedValue):
@@ -196,8 +206,9 @@ def _replica_devices(strategy: Strategy, fallback: torch.device) -> tuple[torch.
     return (fallback,) * strategy._local_replicas
 
 
-def regroup(per_replica: Sequence[Any]) -> Any:
-    """Turns one structure per replica into one structure whose differing leaves are PerReplica.
+def regroup(per_replica: Sequence[Any], wrap: type[DistributedValue] = PerReplica) -> Any:
+    """Turns one structure per replica into one structure whose differing leaves are ``wrap``
+    values (PerReplica; Mirrored for the results of an update, which agree by construction).
 
     Leaves that are the same object on every replica stay plain (as TF merges them);
     with one replica the structure itself is returned."""
@@ -208,10 +219,49 @@ def regroup(per_replica: Sequence[Any]) -> Any:
         return first
     same_type = all(type(v) is type(first) for v in per_replica)
     if same_type and isinstance(first, (tuple, list)) and all(len(v) == len(first) for v in per_replica):
-        columns = [regroup([v[i] for v in per_replica]) for i in range(len(first))]
+        columns = [regroup([v[i] for v in per_replica], wrap) for i in range(len(first))]
         if isinstance(first, tuple) and hasattr(first, "_fields"):
             return type(first)(*columns)
         return type(first)(columns)
     if same_type and isinstance(first, dict) and all(v.keys() == first.keys() for v in per_replica):
-        return type(first)((k, regroup([v[k] for v in per_replica])) for k in first)
-    return PerReplica(list(per_replica))
+        return type(first)((k, regroup([v[k] for v in per_replica], wrap)) for k in first)
+    return wrap(list(per_replica))
+
+
+def select_replica(structure: Any, replica: int) -> Any:
+    """Replica ``replica``'s view of ``structure``: each PerReplica or Mirrored leaf replaced by
+    its component (a SyncOnReadVariable stays whole: each replica reads its own copy of it)."""
+
+    def pick(leaf: Any) -> Any:
+        if not isinstance(leaf, DistributedValue) or isinstance(leaf, SyncOnReadVariable):
+            return leaf
+        if len(leaf.values) == 1:
+            return leaf.values[0]
+        if replica >= len(leaf.values):
+            raise ValueError(
+                f"a {type(leaf).__name__} with {len(leaf.values)} components has none for replica {replica}: "
+                "return one component per replica (or a plain value every replica shares)"
+            )
+        return leaf.values[replica]
+
+    return nest.map_structure(pick, structure)
+
+
+@dataclass(frozen=True)
+class ValueContext:
+    """What ``experimental_distribute_values_from_function`` tells ``value_fn`` about the replica
+    it builds a value for (tf.distribute.ValueContext).
+
+    Raises:
+        ValueError: no replicas, or an id outside 0 .. num_replicas_in_sync - 1.
+    """
+
+    replica_id_in_sync_group: int = 0
+    num_replicas_in_sync: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.replica_id_in_sync_group < self.num_replicas_in_sync:
+            raise ValueError(
+                f"ValueContext: replica id {self.replica_id_in_sync_group} is not one of "
+                f"{self.num_replicas_in_sync} replicas (ids 0 to num_replicas_in_sync - 1)"
+            )

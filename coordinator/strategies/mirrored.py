@@ -151,6 +151,9 @@ class OneDeviceStrategy(Strategy):
     ) -> DistributedDatasetsFromFunction:
         return DistributedDatasetsFromFunction(dataset_fn, [InputContext()], [self.device], options)
 
+    def _worker_devices(self) -> tuple[str, ...]:
+        return (self.device_name,)
+
     def __repr__(self) -> str:
         return f"OneDeviceStrategy({self.device_name!r})"
 

@@ -34,7 +34,8 @@ exchange gradient accumulation over several backward passes needs no
 ``no_sync()``.
 
 Where the cluster comes from and how the processes communicate: ``multi_worker_cluster``
-(``ClusterResolver``, ``CommunicationOptions``). A process group that already exists is
+(``Rendezvous``, from a ``ClusterResolver`` or the environment; ``CommunicationOptions``). A
+process group that already exists is
 adopted with ``MultiWorkerMirroredStrategy.from_process_group()``.
 """
 
@@ -56,6 +57,7 @@ from torch.optim import optimizer as optimizer_hooks
 
 from paramserve.coordinator import nest
 from paramserve.coordinator.cluster import ClusterSpecError
+from paramserve.coordinator.cluster_resolver import ClusterResolver
 from paramserve.coordinator.strategies._capture import recording_modules
 from paramserve.coordinator.strategies.base import (
     InputContext,
@@ -64,8 +66,14 @@ from paramserve.coordinator.strategies.base import (
     Strategy,
 )
 from paramserve.coordinator.strategies.distributed_values import DistributedValue
-from paramserve.coordinator.strategies.input import InputOptions, split_batch
-from paramserve.coordinator.strategies.multi_worker_cluster import ClusterResolver, CommunicationOptions
+from paramserve.coordinator.strategies.input import InputOptions, check_per_worker, prefetch_depth, split_batch
+from paramserve.coordinator.strategies.iterators import DistributedIterator
+from paramserve.coordinator.strategies.multi_worker_cluster import (
+    CollectiveCommunication,
+    CommunicationOptions,
+    Rendezvous,
+    strategy_arguments,
+)
 from paramserve.psserver.devices import computing_on, cuda_device_count
 
 if TYPE_CHECKING:
@@ -85,11 +93,15 @@ BUCKET_BYTES = 64 << 20
 class MultiWorkerMirroredStrategy(Strategy):
     """Synchronous data-parallel training, one replica per process, over torch.distributed.
 
-    Args:
+    Args, in TensorFlow's order (paramserve's earlier order, communication options first, is
+    accepted too: they are told apart by type):
+        cluster_resolver: the cluster and this process's task, a ``ClusterResolver`` (e.g.
+            ``TFConfigClusterResolver()``; ``strategy.cluster_resolver`` returns it), or a
+            ``Rendezvous`` (rank, size, meeting point); default ``Rendezvous.from_env(environ)``
+            (TF_CONFIG, else torchrun's variables, else one process alone).
         communication_options: the collective implementation and timeout; default AUTO.
-        cluster_resolver: this process's rank and the group's meeting point;
-            default ``ClusterResolver.from_env(environ)``.
         environ: the environment read when ``cluster_resolver`` is None; default ``os.environ``.
+        communication: TF's experimental form, an implementation (``CollectiveCommunication``).
 
     Construction joins the group (it blocks until every process has joined or the
     timeout expires). The processes first tell each other which GPU each would drive
@@ -101,21 +113,22 @@ class MultiWorkerMirroredStrategy(Strategy):
 
     Raises ``CommunicationOptionsError`` (NCCL without GPUs, before any connection; NCCL
     for processes that share a GPU, once they have met, on every process alike),
-    ``ClusterSpecError`` (malformed TF_CONFIG or torchrun environment, task not in the
-    cluster), ``RuntimeError`` if a default process group already exists (use
-    ``from_process_group``).
+    ``ClusterSpecError`` (malformed TF_CONFIG or torchrun environment, a resolver without
+    a task, task not in the cluster), ``TypeError`` for a cluster_resolver of another type,
+    ``RuntimeError`` if a default process group already exists (use ``from_process_group``).
     """
 
     def __init__(
         self,
-        communication_options: CommunicationOptions | None = None,
-        cluster_resolver: ClusterResolver | None = None,
+        cluster_resolver: ClusterResolver | Rendezvous | CommunicationOptions | None = None,
+        communication_options: CommunicationOptions | ClusterResolver | Rendezvous | None = None,
         *,
         environ: Mapping[str, str] | None = None,
+        communication: CollectiveCommunication | str | None = None,
     ):
-        options = communication_options or CommunicationOptions()
+        cluster, options = strategy_arguments(cluster_resolver, communication_options, communication)
         options.backend()  # what this process alone can tell (NCCL without GPUs) fails before connecting
-        resolver = cluster_resolver or ClusterResolver.from_env(environ)
+        resolver = Rendezvous.resolve(cluster, environ)
         if dist.is_initialized():
             raise RuntimeError(
                 "a torch.distributed process group is already initialised in this process: "
@@ -138,6 +151,8 @@ class MultiWorkerMirroredStrategy(Strategy):
             backend, store=store, rank=resolver.rank, world_size=resolver.world_size, timeout=options.timeout()
         )
         self._setup(options, resolver, backend, _world(), owns_group=True)
+        if isinstance(cluster, ClusterResolver):
+            self.cluster_resolver = cluster
         self._store: dist.Store | None = store
 
     @classmethod
@@ -161,7 +176,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         backend = str(dist.get_backend(group))
         rank, world_size = dist.get_rank(group), dist.get_world_size(group)
         local_rank = torch.cuda.current_device() if backend == "nccl" else 0
-        resolver = ClusterResolver(rank, world_size, None, None, local_rank, source="existing process group")
+        resolver = Rendezvous(rank, world_size, None, None, local_rank, source="existing process group")
         strategy = cls.__new__(cls)
         strategy._setup(communication_options or CommunicationOptions(), resolver, backend, group, owns_group=False)
         strategy._store = None
@@ -170,13 +185,14 @@ class MultiWorkerMirroredStrategy(Strategy):
     def _setup(
         self,
         options: CommunicationOptions,
-        resolver: ClusterResolver,
+        resolver: Rendezvous,
         backend: str,
         group: dist.ProcessGroup,
         owns_group: bool,
     ) -> None:
         self.communication_options = options
-        self.cluster_resolver = resolver
+        self.rendezvous = resolver
+        self.cluster_resolver = resolver.cluster_resolver()
         self.backend = backend
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         self._group: dist.ProcessGroup | None = group
@@ -283,7 +299,8 @@ class MultiWorkerMirroredStrategy(Strategy):
 
     def all_reduce_gradients(self, params: Iterable[torch.Tensor]) -> None:
         """Replaces each ``param.grad`` by the SUM over processes: one all-reduce per dtype
-        (per ``BUCKET_BYTES`` of gradients of that dtype). The new gradients are views
+        (per ``CommunicationOptions.bytes_per_pack``, default ``BUCKET_BYTES``, of gradients of
+        that dtype). The new gradients are views
         of the reduced bucket.
 
         A parameter without a gradient here counts as zeros; it gets the sum when
@@ -291,7 +308,8 @@ class MultiWorkerMirroredStrategy(Strategy):
         process must call this with the same parameters in the same order.
         Raises ``TypeError`` on sparse gradients.
         """
-        for bucket in _buckets(list(params)):
+        pack = self.communication_options.bytes_per_pack or BUCKET_BYTES
+        for bucket in _buckets(list(params), pack):
             self._all_reduce_bucket(bucket)
 
     def _all_reduce_bucket(self, params: Sequence[torch.Tensor]) -> None:
@@ -314,6 +332,9 @@ class MultiWorkerMirroredStrategy(Strategy):
                 param.grad = grad if grad.device == param.device else grad.to(param.device)
 
     # ------------------------------------------------------------------ running
+
+    def _worker_devices(self) -> tuple[str, ...]:
+        return (str(self.device),)  # this process's replica
 
     def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None) -> Any:
         """Runs ``fn`` once, in this process's replica context (replica id = rank); returns its result.
@@ -387,8 +408,10 @@ class MultiWorkerMirroredStrategy(Strategy):
         parts move to ``self.device``. A shuffling DataLoader must shuffle the same
         way on every process (give it a ``generator`` seeded alike), or the
         processes slice different global batches. Raises ``TypeError`` for a
-        map-style Dataset, which yields examples, not batches.
+        map-style Dataset, which yields examples, not batches, and NotImplementedError for
+        PER_REPLICA options.
         """
+        check_per_worker(options, "MultiWorkerMirroredStrategy.experimental_distribute_dataset")
         if isinstance(dataset, torch.utils.data.Dataset) and not isinstance(dataset, torch.utils.data.IterableDataset):
             raise TypeError(
                 f"{type(dataset).__name__} yields single examples: wrap it in "
@@ -396,9 +419,13 @@ class MultiWorkerMirroredStrategy(Strategy):
             )
         return _ShardedBatches(dataset, self._rank, self._world_size, options or InputOptions(), self.device)
 
-    def distribute_datasets_from_function(self, dataset_fn: Callable[[InputContext], Iterable[Any]]) -> Iterable[Any]:
+    def distribute_datasets_from_function(
+        self, dataset_fn: Callable[[InputContext], Iterable[Any]], options: InputOptions | None = None
+    ) -> Iterable[Any]:
         """Calls ``dataset_fn`` once, with this process's InputContext (one input pipeline per
-        process: ``input_pipeline_id`` = rank); it returns this replica's batches."""
+        process: ``input_pipeline_id`` = rank); it returns this replica's batches. Raises
+        NotImplementedError for PER_REPLICA options (TensorFlow supports them in MirroredStrategy only)."""
+        check_per_worker(options, "MultiWorkerMirroredStrategy.distribute_datasets_from_function")
         context = InputContext(
             num_input_pipelines=self._world_size,
             input_pipeline_id=self._rank,
@@ -483,7 +510,7 @@ def _import_dynamo_before_the_group() -> None:
     import torch._dynamo  # noqa: F401
 
 
-def _meeting_store(resolver: ClusterResolver, timeout: datetime.timedelta) -> dist.Store:
+def _meeting_store(resolver: Rendezvous, timeout: datetime.timedelta) -> dist.Store:
     """Where the processes meet: rank 0's TCP store at the master address (the others connect,
     retrying until ``timeout``), or an in-memory store for a group of one (no port to find or
     leak). Raises ``ClusterSpecError`` for a group of several without a master address."""
@@ -615,7 +642,10 @@ class _ShardedBatches:
         self._dataset, self._rank, self._world_size = dataset, rank, world_size
         self._options, self._device = options, device
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> DistributedIterator:
+        return DistributedIterator(self._elements(), prefetch_depth(self._options, [self._device]))
+
+    def _elements(self) -> Iterator[Any]:
         for index, batch in enumerate(self._dataset):
             parts = split_batch(batch, self._world_size, self._options.partial_batch, index)
             if parts is None:  # a short batch dropped: every process drops it

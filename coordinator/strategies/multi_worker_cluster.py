@@ -1,8 +1,10 @@
 """The cluster MultiWorkerMirroredStrategy trains on: which processes form its group and where
-they meet (``ClusterResolver``), and how they communicate (``CommunicationOptions``,
+they meet (``Rendezvous``), and how they communicate (``CommunicationOptions``,
 ``CollectiveCommunication``, ``select_backend``).
 
-Where the cluster comes from (``ClusterResolver.from_env``), first match wins:
+A ``ClusterResolver`` (``coordinator.cluster_resolver``: TF_CONFIG, a given cluster,
+Kubernetes) becomes a Rendezvous with ``Rendezvous.from_cluster_resolver``. Without one, the
+group comes from the environment (``Rendezvous.from_env``), first match wins:
 ``TF_CONFIG`` (chief and workers; rank = the chief, then the workers by index;
 the first task's address is where the group meets), torchrun's ``RANK`` /
 ``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT`` / ``LOCAL_RANK``, else one
@@ -20,20 +22,21 @@ import enum
 import logging
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from paramserve.coordinator.cluster import ClusterSpecError, parse_address, parse_tf_config
+from paramserve.coordinator.cluster_resolver import ClusterJobs, ClusterResolver, SimpleClusterResolver
 
 __all__ = [
-    "ClusterResolver",
     "CollectiveCommunication",
     "CommunicationImplementation",
     "CommunicationOptions",
     "CommunicationOptionsError",
+    "Rendezvous",
     "select_backend",
 ]
 
@@ -135,12 +138,17 @@ class CommunicationOptions:
         implementation: a ``CollectiveCommunication`` (or its name); default AUTO.
         timeout_seconds: how long joining the group and each collective may wait
             before failing; None means torch's default (30 minutes).
+        bytes_per_pack: the largest flat tensor one gradient all-reduce carries (TF's packs;
+            0, the default: 64 MiB). Smaller packs bound the extra memory of packing; larger
+            ones make fewer collectives.
 
-    Raises ``CommunicationOptionsError`` on an unknown implementation or a timeout <= 0.
+    Raises ``CommunicationOptionsError`` on an unknown implementation, a timeout <= 0 or a
+    negative ``bytes_per_pack``.
     """
 
     implementation: CollectiveCommunication = CollectiveCommunication.AUTO
     timeout_seconds: float | None = None
+    bytes_per_pack: int = 0
 
     def __post_init__(self) -> None:
         implementation: Any = self.implementation
@@ -158,6 +166,9 @@ class CommunicationOptions:
         timeout = self.timeout_seconds
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
             raise CommunicationOptionsError(f"timeout_seconds must be a positive number or None, got {timeout!r}")
+        pack = self.bytes_per_pack
+        if isinstance(pack, bool) or not isinstance(pack, int) or pack < 0:
+            raise CommunicationOptionsError(f"bytes_per_pack must be an integer >= 0 (0: automatic), got {pack!r}")
 
     def backend(self, gpus: Sequence[str | None] | None = None) -> str:
         """The torch.distributed backend ("gloo" or "nccl") on this machine, for a group whose
@@ -168,17 +179,45 @@ class CommunicationOptions:
         return datetime.timedelta(seconds=self.timeout_seconds or DEFAULT_TIMEOUT_SECONDS)
 
 
+def strategy_arguments(
+    first: Any, second: Any, communication: CollectiveCommunication | str | None = None
+) -> tuple[Any, CommunicationOptions]:
+    """MultiWorkerMirroredStrategy's cluster and communication options from its two positional
+    arguments, in TensorFlow's order ``(cluster_resolver, communication_options)`` or
+    paramserve's earlier ``(communication_options, cluster_resolver)`` (communication options
+    are told apart from a cluster by their type), and from TF's experimental
+    ``communication=`` (an implementation). Returns ``(cluster, options)``; the cluster is
+    whatever was passed (None: from the environment).
+
+    Raises TypeError when both arguments are communication options, ValueError when
+    ``communication`` is given beside communication options.
+    """
+    options_given = [a for a in (first, second) if isinstance(a, CommunicationOptions)]
+    if len(options_given) > 1:
+        raise TypeError("two CommunicationOptions were passed: pass cluster_resolver=..., communication_options=...")
+    cluster = second if isinstance(first, CommunicationOptions) else first
+    options = options_given[0] if options_given else None
+    if communication is not None:
+        if options is not None:
+            raise ValueError(
+                "communication= and communication_options= both choose the implementation: pass "
+                "communication_options=CommunicationOptions(implementation=...) alone"
+            )
+        options = CommunicationOptions(implementation=communication)  # type: ignore[arg-type]  # validated there
+    return cluster, options or CommunicationOptions()
+
+
 # --------------------------------------------------------------------------- the cluster
 
 
 @dataclass(frozen=True)
-class ClusterResolver:
+class Rendezvous:
     """This process's place in the group: its rank, the group's size and where it meets.
 
     ``master_addr``/``master_port`` is the address rank 0 listens on to form the
     group (None: a group of one, formed in memory, or a group that already exists). ``task_type``/``task_id`` are
-    the TF_CONFIG task when the cluster came from TF_CONFIG. ``source`` says where
-    the description came from (for logs).
+    the task when the cluster came from TF_CONFIG or a ClusterResolver, and ``cluster`` its jobs
+    (None: not known). ``source`` says where the description came from (for logs).
     """
 
     rank: int
@@ -189,6 +228,7 @@ class ClusterResolver:
     task_type: str = "worker"
     task_id: int = 0
     source: str = "explicit"
+    cluster: ClusterJobs | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
@@ -209,8 +249,30 @@ class ClusterResolver:
         host = f"[{self.master_addr}]" if ":" in self.master_addr else self.master_addr
         return f"tcp://{host}:{self.master_port}"
 
+    def cluster_resolver(self) -> ClusterResolver:
+        """This group as a ClusterResolver (what ``strategy.cluster_resolver`` returns when the
+        strategy was given none): its jobs when known, its task, and its master address."""
+        return SimpleClusterResolver(
+            self.cluster or ClusterJobs(), self.init_method() or "", self.task_type, self.task_id
+        )
+
     @classmethod
-    def from_tf_config(cls, text: str) -> ClusterResolver:
+    def resolve(cls, resolver: ClusterResolver | Rendezvous | None, environ: Mapping[str, str] | None) -> Rendezvous:
+        """The group of a ClusterResolver (``from_cluster_resolver``), a Rendezvous as it is, or,
+        for None, the environment's (``from_env(environ)``). Raises TypeError for anything else."""
+        if resolver is None:
+            return cls.from_env(environ)
+        if isinstance(resolver, Rendezvous):
+            return resolver
+        if isinstance(resolver, ClusterResolver):
+            return cls.from_cluster_resolver(resolver)
+        raise TypeError(
+            f"cluster_resolver is a {type(resolver).__name__}: pass a ClusterResolver (e.g. "
+            "TFConfigClusterResolver()), a Rendezvous, or None to read the group from the environment"
+        )
+
+    @classmethod
+    def from_tf_config(cls, text: str) -> Rendezvous:
         """The cluster of a TF_CONFIG JSON text with ``chief``/``worker`` jobs and this process's task.
 
         Ranks follow the chief, then the workers by index; the group meets at the
@@ -221,29 +283,69 @@ class ClusterResolver:
         belong to ParameterServerStrategy).
         """
         config = parse_tf_config(text)  # checks the JSON, the roles and that the task is in its cluster
-        task, jobs = config.task, config.jobs
-        if jobs.get("ps"):
-            raise ClusterSpecError(
-                "TF_CONFIG has a ps job, but MultiWorkerMirroredStrategy has no parameter servers: "
-                "remove cluster.ps, or train with ParameterServerStrategy"
-            )
-        if task is None:
+        task = config.task
+        if task is None and not config.jobs.get("ps"):
             raise ClusterSpecError(
                 'TF_CONFIG has no task: set "task" to this process\'s place, e.g. {"type": "worker", "index": 0}'
             )
-        if task.type not in _TRAINING_ROLES:
+        jobs = ClusterJobs({**config.jobs, **({"evaluator": config.evaluators} if config.evaluators else {})})
+        return cls._from_jobs(jobs, task.type if task else None, task.index if task else None, "TF_CONFIG")
+
+    @classmethod
+    def from_cluster_resolver(cls, resolver: ClusterResolver) -> Rendezvous:
+        """This process's place in the cluster of a ``ClusterResolver`` (TF's way to give
+        MultiWorkerMirroredStrategy its cluster): ranks follow the chief, then the workers by
+        index; the group meets at the first task's address. A resolver with no job at all
+        describes one process alone, as TensorFlow reads it.
+
+        Raises ``ClusterSpecError`` when the resolver has no task_type/task_id (set them: a
+        KubernetesClusterResolver cannot know them), the task is not a chief or worker of the
+        cluster, the cluster has a ``ps`` job, another job, or an address twice.
+        """
+        cluster = resolver.cluster_spec()
+        source = type(resolver).__name__
+        if not cluster:
+            return cls(0, 1, source=f"{source} with an empty cluster: a single process", cluster=cluster)
+        other = sorted(set(cluster.jobs) - {*_TRAINING_ROLES, "ps", "evaluator"})
+        if other:
             raise ClusterSpecError(
-                f"TF_CONFIG task type {task.type!r} does not train under MultiWorkerMirroredStrategy: "
+                f"{source} has jobs {other}: MultiWorkerMirroredStrategy trains a 'chief' and 'worker' job; rename them"
+            )
+        if resolver.task_type is None or resolver.task_id is None:
+            raise ClusterSpecError(
+                f"{source} does not say which task this process is: set resolver.task_type (e.g. 'worker') and "
+                "resolver.task_id (its index) before building the strategy"
+            )
+        return cls._from_jobs(cluster, resolver.task_type, resolver.task_id, source)
+
+    @classmethod
+    def _from_jobs(cls, cluster: ClusterJobs, task_type: str | None, task_id: int | None, source: str) -> Rendezvous:
+        """The place of task ``task_type``/``task_id`` among the training tasks of ``cluster``."""
+        jobs = cluster.as_dict()
+        if jobs.get("ps"):
+            raise ClusterSpecError(
+                f"the cluster from {source} has a ps job, but MultiWorkerMirroredStrategy has no parameter servers: "
+                "remove the ps job, or train with ParameterServerStrategy"
+            )
+        if task_type not in _TRAINING_ROLES:
+            raise ClusterSpecError(
+                f"task type {task_type!r} from {source} does not train under MultiWorkerMirroredStrategy: "
                 f"use {' or '.join(_TRAINING_ROLES)}"
             )
         tasks = [(role, i, address) for role in _TRAINING_ROLES for i, address in enumerate(jobs.get(role, []))]
         _check_distinct(tasks)
-        rank = next(r for r, (role, i, _) in enumerate(tasks) if (role, i) == (task.type, task.index))
+        ranks = [r for r, (role, i, _) in enumerate(tasks) if (role, i) == (task_type, task_id)]
+        if not ranks:
+            raise ClusterSpecError(
+                f"task {task_type} {task_id!r} from {source} is not in its cluster, whose {task_type} job has "
+                f"{len(jobs.get(task_type, []))} task(s): fix the task index or add its address"
+            )
         host, port = parse_address(tasks[0][2])
-        return cls(rank, len(tasks), host, port, 0, task.type, task.index, "TF_CONFIG")
+        role, index, _ = tasks[ranks[0]]
+        return cls(ranks[0], len(tasks), host, port, 0, role, index, source, cluster)
 
     @classmethod
-    def from_torchrun_env(cls, environ: Mapping[str, str]) -> ClusterResolver:
+    def from_torchrun_env(cls, environ: Mapping[str, str]) -> Rendezvous:
         """The group torchrun describes in RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (and LOCAL_RANK).
 
         Raises ``ClusterSpecError`` when some are missing or malformed.
@@ -263,7 +365,7 @@ class ClusterResolver:
         return cls(rank, world_size, host, port, local_rank, "worker", rank, "torchrun environment")
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> ClusterResolver:
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Rendezvous:
         """TF_CONFIG if set, else torchrun's variables if RANK or WORLD_SIZE is set, else one process alone.
 
         ``environ`` defaults to ``os.environ``. Raises ``ClusterSpecError``.

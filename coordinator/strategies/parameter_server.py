@@ -31,9 +31,11 @@ from torch import nn
 
 from paramserve.coordinator.checkpoint_manager import CheckpointManager
 from paramserve.coordinator.cluster import ClusterSpec
+from paramserve.coordinator.cluster_resolver import ClusterResolver
 from paramserve.coordinator.contracts import CheckpointLog, DispatchControl, RecoverableVariables
 from paramserve.coordinator.strategies import _capture
 from paramserve.coordinator.strategies.base import DefaultStrategy, SingleReplicaStrategy, Strategy
+from paramserve.coordinator.strategies.input import InputOptions, check_per_worker
 from paramserve.coordinator.strategies.parameter_server_access import (
     CoordinatorAccess,
     _ClosureStrategy,
@@ -93,10 +95,13 @@ class ParameterServerStrategy(SingleReplicaStrategy):
     ``ClusterCoordinator.create_per_worker_dataset``).
 
     Args:
-        cluster: the cluster; default ``ClusterSpec.from_env()``.
+        cluster_resolver: the cluster: a ``ClusterResolver`` with "ps", "worker" and optionally
+            "chief" jobs (e.g. ``TFConfigClusterResolver()``, as TensorFlow takes it), a
+            ``ClusterSpec``, or None: ``ClusterSpec.from_env()``.
         variable_partitioner: splits large variables into shards along the first
-            axis (FixedShardsPartitioner, MinSizePartitioner, MaxSizePartitioner);
-            default: one shard per variable.
+            axis (FixedShardsPartitioner, MinSizePartitioner, MaxSizePartitioner, or any
+            callable ``(shape, dtype)`` returning TF's ``[shards, 1, ...]`` or a number of
+            shards; ``partition.shard_count`` reads it); default: one shard per variable.
         token: the cluster's shared token (servers and workers reject calls without it);
             default ``PARAMSERVE_TOKEN`` from ``environ`` (``paramserve launch`` sets it).
         client_config: deadlines and retries of parameter-server calls.
@@ -130,7 +135,7 @@ class ParameterServerStrategy(SingleReplicaStrategy):
 
     def __init__(
         self,
-        cluster: ClusterSpec | None = None,
+        cluster_resolver: ClusterSpec | ClusterResolver | None = None,
         variable_partitioner: Partitioner | None = None,
         *,
         token: str | None = None,
@@ -142,7 +147,8 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         reuse_variables: bool = False,
     ):
         env = os.environ if environ is None else environ
-        self.cluster = cluster or ClusterSpec.from_env(environ=env)
+        self.cluster = ClusterSpec.resolve(cluster_resolver, env)
+        self.cluster_resolver = cluster_resolver if isinstance(cluster_resolver, ClusterResolver) else None
         if not self.cluster.workers and self.cluster.worker_service is None:
             raise ValueError("ParameterServerStrategy needs at least one worker (or a worker service) in the cluster")
         self.variable_partitioner = variable_partitioner
@@ -319,14 +325,16 @@ class ParameterServerStrategy(SingleReplicaStrategy):
 
     # ------------------------------------------------------------------ the Strategy API (input)
 
-    def experimental_distribute_dataset(self, dataset: Any) -> Any:
+    def experimental_distribute_dataset(self, dataset: Any, options: InputOptions | None = None) -> Any:
         raise TypeError(
             "ParameterServerStrategy reads input on the workers: pass a dataset function to "
             "distribute_datasets_from_function(fn) or ClusterCoordinator.create_per_worker_dataset(fn)"
         )
 
-    def distribute_datasets_from_function(self, dataset_fn: Any) -> Any:
-        """A per-worker dataset: ``dataset_fn(ctx)`` runs on every worker (needs a ClusterCoordinator)."""
+    def distribute_datasets_from_function(self, dataset_fn: Any, options: InputOptions | None = None) -> Any:
+        """A per-worker dataset: ``dataset_fn(ctx)`` runs on every worker (needs a ClusterCoordinator).
+        Raises NotImplementedError for PER_REPLICA options: each worker reads its own input."""
+        check_per_worker(options, "ParameterServerStrategy.distribute_datasets_from_function")
         coordinator = self.coordinator
         if coordinator is None:
             raise RuntimeError(
@@ -678,6 +686,23 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         from paramserve.coordinator.checkpoint_manager import state_dict
 
         return state_dict(self, model)
+
+    # ------------------------------------------------------------------ what StrategyExtended asks
+
+    def _worker_devices(self) -> tuple[str, ...]:
+        """The workers closures run on (their addresses; each computes on its own device)."""
+        return tuple(self.cluster.workers)
+
+    def _parameter_devices(self) -> tuple[str, ...]:
+        """The parameter servers the variables are partitioned over (their addresses)."""
+        return tuple(self.cluster.parameter_servers)
+
+    def _refuse_colocation(self) -> str | None:
+        return (
+            "ParameterServerStrategy places each variable's shards with its variable_partitioner, not next to "
+            "another variable: pass variable_partitioner=FixedShardsPartitioner(1) to keep every variable whole "
+            "on one server (optimizer slots always live with their variable's shards)"
+        )
 
     def close(self) -> None:
         """Ends the strategy: removes the refresh hooks from its modules, gives the optimizers

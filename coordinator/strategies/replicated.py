@@ -38,6 +38,7 @@ from paramserve.coordinator.strategies.base import (
     ReduceOp,
     ReplicaContext,
     Strategy,
+    adopt_global_scope,
     detached,
     get_replica_context,
 )
@@ -49,10 +50,14 @@ from paramserve.coordinator.strategies.cross_device_ops import (
 )
 from paramserve.coordinator.strategies.distributed_values import (
     DistributedValue,
+    PerReplica,
     SyncOnReadVariable,
+    ValueContext,
     VariableAggregation,
     regroup,
+    select_replica,
 )
+from paramserve.coordinator.strategies.gathering import concatenate_replicas
 from paramserve.coordinator.strategies.input import (
     DistributedDataset,
     DistributedDatasetsFromFunction,
@@ -123,7 +128,8 @@ class _ReplicatedStrategy(Strategy):
         self._module_links: dict[int, _capture.ModuleLink] = {}  # id(user's module) -> link
         self._roots: list[nn.Module] = []
         self._known_modules: set[int] = set()
-        self._param_replicas: dict[int, tuple[nn.Parameter, ...]] = {}  # id(user's param) -> per replica
+        self._param_replicas: dict[int, tuple[torch.Tensor, ...]] = {}  # id(user's param or buffer) -> per replica
+        self._containers: dict[int, nn.Module | torch.Tensor] = {}  # id(a replica's copy) -> the user's object
         self._known_optimizers: set[int] = set()
         self._optimizers: list[torch.optim.Optimizer] = []
 
@@ -206,8 +212,13 @@ class _ReplicatedStrategy(Strategy):
             _capture.link_module(module, link)
             self._linked.append(module)
             self._module_links[id(module)] = link
-        for params in zip(original.parameters(), *(r.parameters() for r in replicas)):
-            self._param_replicas[id(params[0])] = tuple(params[1:])
+            self._containers.update((id(m), module) for m in counterparts if m is not module)
+        for tensors in [
+            *zip(original.parameters(), *(r.parameters() for r in replicas)),
+            *zip(original.buffers(), *(r.buffers() for r in replicas)),
+        ]:
+            self._param_replicas[id(tensors[0])] = tuple(tensors[1:])
+            self._containers.update((id(t), tensors[0]) for t in tensors[1:] if t is not tensors[0])
         self._roots.append(original)
 
     def _adopt_module(self, root: nn.Module) -> None:
@@ -227,8 +238,11 @@ class _ReplicatedStrategy(Strategy):
 
         Raises whatever a replica raised (its replica id in the exception's notes)."""
         context = get_replica_context()
-        if context is not None and context.strategy is self:
-            raise RuntimeError(f"{type(self).__name__}.run was called inside its own run: call fn directly there")
+        if (context is not None and context.strategy is self) or running_strategy() is self:
+            raise RuntimeError(
+                f"{type(self).__name__}.run was called inside its own run (or a merge_call there): call fn directly"
+            )
+        adopt_global_scope(self)
         args, kwargs = tuple(args), dict(kwargs or {})
         self._check_distributed_args((args, kwargs))
         with self._lock:
@@ -266,6 +280,7 @@ class _ReplicatedStrategy(Strategy):
                 _capture.unlink(obj)
             self._linked.clear()
             self._module_links.clear()
+            self._containers.clear()
             self._guards.release()
         self._release_models()
 
@@ -304,6 +319,32 @@ class _ReplicatedStrategy(Strategy):
         return self._merge(
             context.replica_id_in_sync_group, value, lambda nests: self._all_reduce_nests(reduce_op, nests)
         )
+
+    def _replica_all_gather(
+        self, context: ReplicaContext, tensors: list[torch.Tensor], axis: int
+    ) -> list[torch.Tensor]:
+        return self._merge(context.replica_id_in_sync_group, tensors, lambda lists: concatenate_replicas(lists, axis))
+
+    def _merge_call(
+        self, context: ReplicaContext, merge_fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """A merge point: the last replica to arrive runs replica 0's ``merge_fn`` (as TensorFlow
+        does: each replica's is its own closure) on the replicas' merged arguments, in
+        cross-replica context (the user's modules are themselves there, not a replica's copy);
+        each replica takes its component of the result."""
+
+        def combine(per_replica: list[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]]) -> list[Any]:
+            merged = regroup([(a, k) for _, a, k in per_replica])
+            if not (isinstance(merged, tuple) and isinstance(merged[0], tuple) and isinstance(merged[1], dict)):
+                raise ValueError(
+                    "merge_call got a different number of arguments (or other keyword names) from each replica: "
+                    "every replica must pass the same structure"
+                )
+            with self._cross_replica(), _capture.unredirected():
+                result = per_replica[0][0](self, *merged[0], **merged[1])
+            return [select_replica(result, r) for r in range(len(per_replica))]
+
+        return self._merge(context.replica_id_in_sync_group, (merge_fn, args, kwargs), combine)
 
     def _all_reduce_nests(self, op: ReduceOp, nests: list[Any]) -> list[Any]:
         flats = [[torch.as_tensor(leaf) for leaf in nest.flatten(n)] for n in nests]
@@ -370,14 +411,42 @@ class _ReplicatedStrategy(Strategy):
         return total if op is ReduceOp.SUM else total / sum(p.shape[axis] for p in parts)
 
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
-        """Components of a distributed value; for a module or parameter built in scope,
+        """Components of a distributed value; for a module, parameter or buffer built in scope,
         each replica's copy."""
+        adopt_global_scope(self)
         link = self._module_links.get(id(value)) if isinstance(value, nn.Module) else None
         if link is not None:
             return link.replicas
         if isinstance(value, torch.Tensor) and id(value) in self._param_replicas:
             return self._param_replicas[id(value)]
         return super().experimental_local_results(value)
+
+    def experimental_distribute_values_from_function(self, value_fn: Callable[[ValueContext], Any]) -> PerReplica:
+        """A PerReplica whose component r is ``value_fn(ValueContext(r, N))``, its tensors moved to
+        replica r's device (as TensorFlow builds each under the replica's device)."""
+        count = self.num_replicas_in_sync
+        return PerReplica([nest.to_device(value_fn(ValueContext(r, count)), d) for r, d in enumerate(self._devices)])
+
+    # ------------------------------------------------------------------ what StrategyExtended asks
+
+    def _worker_devices(self) -> tuple[str, ...]:
+        return self.device_names
+
+    def _owns_variable(self, v: Any) -> bool:
+        if isinstance(v, torch.Tensor) and (id(v) in self._param_replicas or id(v) in self._containers):
+            return True
+        return super()._owns_variable(v)
+
+    def _value_container(self, value: Any) -> Any:
+        return self._containers.get(id(value), value)
+
+    def _reduce_to(self, reduce_op: ReduceOp, value: Any, devices: list[torch.device]) -> Any:
+        """Through the cross-device ops, straight to ``devices``."""
+        destination: torch.device | list[torch.device] = devices[0] if len(devices) == 1 else devices
+        if isinstance(value, DistributedValue):
+            return detached(self.cross_device_ops.reduce(reduce_op, value, destination))
+        plain = torch.as_tensor(self._reduce_one(reduce_op, value, None))  # refuses to SUM a plain value
+        return detached(self.cross_device_ops.broadcast(plain, destination))
 
     def metric_state(self, template: Any, name: str) -> Any:
         """A copy per replica, merged when read (metrics are SyncOnRead, as in tf.distribute)."""

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from torch import Tensor
 
 from paramserve.coordinator.strategies.base import ReduceOp
+from paramserve.coordinator.strategies.input import DatasetCreator
 
 if TYPE_CHECKING:
     from paramserve.coordinator.strategies.base import Strategy
@@ -51,9 +52,11 @@ class StepRunner(Protocol):
 
 
 def distribute(strategy: Strategy, data: Any) -> Iterable[Any]:
-    """An in-process strategy's distributed view of ``data`` (a dataset function or batches)."""
+    """An in-process strategy's distributed view of ``data`` (a dataset function, a
+    DatasetCreator, distributed by its input options, or batches)."""
     if callable(data) and not isinstance(data, Iterable):
-        return strategy.distribute_datasets_from_function(data)
+        options = data.input_options if isinstance(data, DatasetCreator) else None
+        return strategy.distribute_datasets_from_function(data, options)
     return strategy.experimental_distribute_dataset(data)
 
 

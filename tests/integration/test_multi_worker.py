@@ -36,10 +36,10 @@ from paramserve.coordinator.strategies.multi_worker import (
     _own_gpu,
 )
 from paramserve.coordinator.strategies.multi_worker_cluster import (
-    ClusterResolver,
     CollectiveCommunication,
     CommunicationOptions,
     CommunicationOptionsError,
+    Rendezvous,
     select_backend,
 )
 
@@ -283,7 +283,7 @@ def test_tf_config_ranks_chief_first_then_workers_and_meets_at_the_first_task():
         "cluster": {"worker": ["127.0.0.1:2001", "127.0.0.1:2002"], "chief": ["127.0.0.1:2000"]},
         "task": {"type": "worker", "index": 1},
     }
-    resolver = ClusterResolver.from_env({"TF_CONFIG": json.dumps(config), "RANK": "0"})
+    resolver = Rendezvous.from_env({"TF_CONFIG": json.dumps(config), "RANK": "0"})
     assert (resolver.rank, resolver.world_size, resolver.init_method()) == (2, 3, "tcp://127.0.0.1:2000")
 
 
@@ -358,7 +358,7 @@ def test_nccl_for_two_processes_on_one_gpu_is_refused_by_both_before_training(tm
 
 
 def test_shutdown_lets_go_of_the_group_and_metrics_read_locally_after():
-    strategy = MultiWorkerMirroredStrategy(cluster_resolver=ClusterResolver(0, 1))
+    strategy = MultiWorkerMirroredStrategy(cluster_resolver=Rendezvous(0, 1))
     group = weakref.ref(dist.group.WORLD)
     with strategy.scope():
         mean = metrics.Mean()

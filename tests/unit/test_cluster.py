@@ -376,3 +376,16 @@ def test_from_env_logs_where_each_field_came_from(caplog: pytest.LogCaptureFixtu
         ClusterSpec.from_env({"ps": ["p:1"]}, {"PARAMSERVE_WORKERS": "w:1"})
     message = " ".join(r.getMessage() for r in caplog.records)
     assert "from flag ps" in message and "from PARAMSERVE_WORKERS" in message
+
+
+def test_tensorflows_cluster_spec_spelling_builds_the_same_cluster():
+    jobs = {"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2", "127.0.0.1:3"], "chief": ["127.0.0.1:4"]}
+    assert ClusterSpec({**jobs, "evaluator": ["127.0.0.1:5"]}) == ClusterSpec(
+        ("127.0.0.1:1",), ("127.0.0.1:2", "127.0.0.1:3"), chief="127.0.0.1:4"
+    )
+    with pytest.raises(ClusterSpecError, match="mapping alone"):
+        ClusterSpec(jobs, workers=("127.0.0.1:9",))
+    with pytest.raises(ClusterSpecError, match=r"jobs \['trainer'\]"):
+        ClusterSpec({**jobs, "trainer": ["127.0.0.1:6"]})
+    with pytest.raises(ClusterSpecError, match="2 chiefs"):
+        ClusterSpec({**jobs, "chief": ["127.0.0.1:4", "127.0.0.1:7"]})

@@ -18,13 +18,13 @@ from paramserve.psserver.partition import (
 class TestFixedShardsPartitioner:
     def test_caps_at_rows(self) -> None:
         partitioner = FixedShardsPartitioner(4)
-        assert partitioner((10, 3), torch.float32) == 4
-        assert partitioner((3, 3), torch.float32) == 3
+        assert partitioner((10, 3), torch.float32) == [4, 1]
+        assert partitioner((3, 3), torch.float32) == [3, 1]
 
     def test_scalar_and_empty_get_one_shard(self) -> None:
         partitioner = FixedShardsPartitioner(4)
-        assert partitioner((), torch.float32) == 1
-        assert partitioner((0, 5), torch.float32) == 1
+        assert partitioner((), torch.float32) == [1]
+        assert partitioner((0, 5), torch.float32) == [1, 1]
 
     @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
     def test_rejects_bad_count(self, bad: object) -> None:
@@ -35,25 +35,27 @@ class TestFixedShardsPartitioner:
 class TestMinSizePartitioner:
     def test_tf_documented_examples(self) -> None:
         # From TF's MinSizePartitioner docstring and sharded_variable_test.
-        assert MinSizePartitioner(min_shard_bytes=4, max_shards=2)((6, 1), torch.float32) == 2
-        assert MinSizePartitioner(min_shard_bytes=4, max_shards=10)((6, 1), torch.float32) == 6
+        assert MinSizePartitioner(min_shard_bytes=4, max_shards=2)((6, 1), torch.float32) == [2, 1]
+        assert MinSizePartitioner(min_shard_bytes=4, max_shards=10)((6, 1), torch.float32) == [6, 1]
 
     def test_small_variable_gets_one_shard(self) -> None:
-        assert MinSizePartitioner(max_shards=8)((10, 10), torch.float32) == 1
+        assert MinSizePartitioner(max_shards=8)((10, 10), torch.float32) == [1, 1]
 
     def test_rounds_up_like_tf(self) -> None:
         # 1024 x 1024 float32 = 4 MiB = 16 x 256 KiB (TF docstring example); 10 bytes / 3 rounds up to 4.
-        assert MinSizePartitioner(max_shards=100)((1024, 1024), torch.float32) == 16
-        assert MinSizePartitioner(min_shard_bytes=3, max_shards=100)((10,), torch.uint8) == 4
+        assert MinSizePartitioner(max_shards=100)((1024, 1024), torch.float32) == [16, 1]
+        assert MinSizePartitioner(min_shard_bytes=3, max_shards=100)((10,), torch.uint8) == [4]
 
     def test_capped_by_rows(self) -> None:
-        assert MinSizePartitioner(min_shard_bytes=1, max_shards=100)((3, 1000), torch.float64) == 3
+        assert MinSizePartitioner(min_shard_bytes=1, max_shards=100)((3, 1000), torch.float64) == [3, 1]
 
     def test_dtype_size_counts(self) -> None:
         shape = (1000, 64)
-        assert MinSizePartitioner(64 << 10, 100)(shape, torch.float64) == 2 * MinSizePartitioner(64 << 10, 100)(
-            shape, torch.float32
+        wide, narrow = (
+            MinSizePartitioner(64 << 10, 100)(shape, torch.float64),
+            MinSizePartitioner(64 << 10, 100)(shape, torch.float32),
         )
+        assert wide[0] == 2 * narrow[0]
 
     @pytest.mark.parametrize(
         "kwargs, name",
@@ -70,22 +72,22 @@ class TestMinSizePartitioner:
 
 class TestMaxSizePartitioner:
     def test_tf_documented_examples(self) -> None:
-        assert MaxSizePartitioner(max_shard_bytes=4)((6, 1), torch.float32) == 6
-        assert MaxSizePartitioner(max_shard_bytes=4, max_shards=2)((6, 1), torch.float32) == 2
-        assert MaxSizePartitioner(max_shard_bytes=1024)((6, 1), torch.float32) == 1
+        assert MaxSizePartitioner(max_shard_bytes=4)((6, 1), torch.float32) == [6, 1]
+        assert MaxSizePartitioner(max_shard_bytes=4, max_shards=2)((6, 1), torch.float32) == [2, 1]
+        assert MaxSizePartitioner(max_shard_bytes=1024)((6, 1), torch.float32) == [1, 1]
 
     def test_rows_per_shard_rounding(self) -> None:
         # 10 rows of 16 bytes; 40 bytes hold 2 rows -> 5 shards; 50 bytes hold 3 rows -> 4 shards.
-        assert MaxSizePartitioner(40)((10, 4), torch.float32) == 5
-        assert MaxSizePartitioner(50)((10, 4), torch.float32) == 4
+        assert MaxSizePartitioner(40)((10, 4), torch.float32) == [5, 1]
+        assert MaxSizePartitioner(50)((10, 4), torch.float32) == [4, 1]
 
     def test_row_larger_than_limit_gets_own_shard(self) -> None:
-        assert MaxSizePartitioner(1)((7, 100), torch.float32) == 7
+        assert MaxSizePartitioner(1)((7, 100), torch.float32) == [7, 1]
 
     def test_degenerate_shapes(self) -> None:
-        assert MaxSizePartitioner(4)((), torch.float32) == 1
-        assert MaxSizePartitioner(4)((0, 3), torch.float32) == 1
-        assert MaxSizePartitioner(4)((5, 0), torch.float32) == 1
+        assert MaxSizePartitioner(4)((), torch.float32) == [1]
+        assert MaxSizePartitioner(4)((0, 3), torch.float32) == [1, 1]
+        assert MaxSizePartitioner(4)((5, 0), torch.float32) == [1, 1]
 
     @pytest.mark.parametrize(
         "kwargs, name",

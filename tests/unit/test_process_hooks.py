@@ -28,7 +28,7 @@ SCRIPT = textwrap.dedent(
         CentralStorageStrategy, ClusterSpec, MirroredStrategy, MultiWorkerMirroredStrategy,
         OneDeviceStrategy, ParameterServerStrategy,
     )
-    from paramserve.coordinator.strategies.multi_worker_cluster import ClusterResolver
+    from paramserve.coordinator.strategies.multi_worker_cluster import Rendezvous
 
     def snapshot():
         hooks = {
@@ -58,7 +58,7 @@ SCRIPT = textwrap.dedent(
         "one_device": lambda: OneDeviceStrategy("cpu"),
         "mirrored": lambda: MirroredStrategy(["cpu:0", "cpu:1"]),
         "central_storage": lambda: CentralStorageStrategy(["cpu:0", "cpu:1"]),
-        "multi_worker": lambda: MultiWorkerMirroredStrategy(cluster_resolver=ClusterResolver(0, 1)),
+        "multi_worker": lambda: MultiWorkerMirroredStrategy(cluster_resolver=Rendezvous(0, 1)),
         "parameter_server": lambda: ParameterServerStrategy(ClusterSpec(("127.0.0.1:9",), ("127.0.0.1:10",))),
     }
     for name, make in factories.items():

@@ -15,7 +15,7 @@ from paramserve.coordinator.strategies import (
     OneDeviceStrategy,
     get_strategy,
 )
-from paramserve.coordinator.strategies.multi_worker_cluster import ClusterResolver
+from paramserve.coordinator.strategies.multi_worker_cluster import Rendezvous
 from paramserve.coordinator.training.callbacks import Callback
 from paramserve.coordinator.training.fit import evaluate, fit, predict
 
@@ -41,7 +41,7 @@ def global_batches():
 
 
 def make_multi_worker():
-    return MultiWorkerMirroredStrategy(cluster_resolver=ClusterResolver(0, 1))
+    return MultiWorkerMirroredStrategy(cluster_resolver=Rendezvous(0, 1))
 
 
 @pytest.mark.parametrize(
