@@ -240,3 +240,18 @@ def test_a_worker_added_while_training_runs_gets_closures(start_cluster, gate):
         coord.remove_worker(address)
         assert coord.num_workers == 1
         assert coord.schedule(item_at_gate, args=(iterator, gate.address)).fetch(DEADLINE)[0] == 0
+
+
+def index_and_value(value: object) -> tuple[int, object]:
+    from paramserve.coordinator import experimental_get_current_worker_index
+
+    return experimental_get_current_worker_index(), value
+
+
+def test_a_scheduled_function_knows_its_worker_and_gets_that_workers_value(coordinator):
+    from paramserve.coordinator import PerWorkerValues
+
+    per_worker = PerWorkerValues(["for worker 0", "for worker 1"])
+    results = coordinator.fetch([coordinator.schedule(index_and_value, args=(per_worker,)) for _ in range(40)])
+    assert {index for index, _ in results} <= {0, 1}
+    assert all(value == f"for worker {index}" for index, value in results), results
