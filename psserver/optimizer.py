@@ -335,12 +335,57 @@ def _within(rows: Tensor, count: int) -> bool:
 
 def _step_rows(spec: OptimizerSpec, steps: Sequence[RowStep]) -> None:
     """One torch.optim step of ``spec`` over gathered rows (one shard's or several), scattered back."""
-    optimizer = _build(spec, [step.param for step in steps])
+    optimizer = _row_optimizer(spec)
+    group = optimizer.param_groups[0]
+    group["params"] = [step.param for step in steps]
+    optimizer.state.clear()
     for step in steps:
         optimizer.state[step.param] = step.state
-    optimizer.step()
-    for step in steps:
-        step.owner.scatter_rows(step, optimizer.state[step.param])
+    try:
+        step_without_profiling(optimizer)
+        for step in steps:
+            step.owner.scatter_rows(step, optimizer.state[step.param])
+    finally:
+        group["params"] = []  # the rows are temporary: hold none of them between steps
+        optimizer.state.clear()
+
+
+def step_without_profiling(optimizer: torch.optim.Optimizer) -> None:
+    """``optimizer.step()`` without the wrapper torch.optim puts around every step (a profiler
+    range and the global step hooks, which a server never registers): on a server that steps
+    small shards thousands of times a second the range cost about 5% of its CPU. The wrapped
+    step (functools.wraps' ``__wrapped__``) still sets the grad mode; where torch wraps it
+    otherwise, this falls back to ``step()``."""
+    unwrapped = getattr(type(optimizer).step, "__wrapped__", None)
+    if unwrapped is None or not getattr(type(optimizer).step, "hooked", False):
+        optimizer.step()
+        return
+    unwrapped(optimizer)
+
+
+_row_optimizers = threading.local()
+_ROW_OPTIMIZERS_KEPT = 16
+"""Row-step optimizers each data-plane thread keeps, by spec (a spec changes with the learning rate)."""
+
+
+def _row_optimizer(spec: OptimizerSpec) -> torch.optim.Optimizer:
+    """A torch optimizer of ``spec`` whose parameter group a row step fills with its gathered
+    rows and empties after: building one per step (torch.optim's constructor, and the state it
+    initialises only to be replaced) cost more than a small shard's update. One per thread,
+    since data-plane threads step different shards at once."""
+    kept: OrderedDict[OptimizerSpec, torch.optim.Optimizer] | None = getattr(_row_optimizers, "by_spec", None)
+    if kept is None:
+        kept = _row_optimizers.by_spec = OrderedDict()
+    optimizer = kept.get(spec)
+    if optimizer is None:
+        optimizer = _build(spec, [torch.nn.Parameter(torch.zeros(1))])
+        optimizer.param_groups[0]["params"] = []
+        optimizer.state.clear()
+        kept[spec] = optimizer
+        while len(kept) > _ROW_OPTIMIZERS_KEPT:
+            kept.popitem(last=False)
+    kept.move_to_end(spec)
+    return optimizer
 
 
 @dataclass(eq=False)
@@ -407,7 +452,7 @@ class ShardOptimizer:
         self._check_grad(grad, tuple(self._param.shape))
         self._param.grad = grad.detach()
         try:
-            self._optimizer.step()
+            step_without_profiling(self._optimizer)
         finally:
             self._param.grad = None
 
@@ -615,7 +660,7 @@ class GroupedSteps:
             group.state[param] = optimizer._state()  # the shard's own state dict, updated in place
             param.grad = grad.detach()
         try:
-            group.step()
+            step_without_profiling(group)
         finally:
             for param in params:
                 param.grad = None

@@ -290,12 +290,12 @@ def group_rows(layout: VariableLayout, indices: torch.Tensor) -> Iterator[tuple[
             yield 0, torch.arange(count)
         return
     if count < 2 or bool((indices[1:] >= indices[:-1]).all()):
-        bounds = [*torch.searchsorted(indices, layout.row_starts()).tolist(), count]
+        bounds = [*torch.searchsorted(indices, layout.row_starts).tolist(), count]
         for index in range(len(layout.shards)):
             if bounds[index + 1] > bounds[index]:
                 yield index, torch.arange(bounds[index], bounds[index + 1])
         return
-    owners = torch.bucketize(indices, layout.row_starts(), right=True) - 1
+    owners = torch.bucketize(indices, layout.row_starts, right=True) - 1
     for index in torch.unique(owners).tolist():
         yield index, (owners == index).nonzero().reshape(-1)
 

@@ -10,6 +10,7 @@ messages and back.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -116,7 +117,10 @@ class VariableLayout:
     def shard_shape(self, shard: ShardPlacement) -> tuple[int, ...]:
         return (shard.num_rows, *self.shape[1:]) if self.shape else ()
 
+    @functools.cached_property
     def row_starts(self) -> Tensor:
+        """Each shard's first row, as the tensor searchsorted and bucketize take (built once per
+        layout: every lookup and push of a sharded table groups its rows by it). Read-only."""
         return torch.tensor([s.row_start for s in self.shards], dtype=torch.int64)
 
 

@@ -285,22 +285,31 @@ class ShardedEmbeddingCollection(nn.Module):
         )
 
     def forward(self, ids: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        features = list(ids)
-        flat = [self._global_rows(feature, ids[feature]) for feature in features]
-        rows = self.table(torch.cat(flat) if len(flat) > 1 else flat[0])
-        pieces = rows.split([f.numel() for f in flat])
+        features = tuple(ids)
+        flat = [ids[feature].reshape(-1) for feature in features]
+        counts = [piece.numel() for piece in flat]
+        rows = self.table(self._global_rows(features, torch.cat(flat).to(torch.int64), counts))
+        pieces = rows.split(counts)
         return {f: piece.reshape(*ids[f].shape, -1) for f, piece in zip(features, pieces)}
 
-    def _global_rows(self, feature: str, ids: torch.Tensor) -> torch.Tensor:
-        if feature not in self.offsets:
-            raise KeyError(f"no table for feature {feature!r}; the tables are {sorted(self.offsets)}")
-        flat = ids.reshape(-1).to(torch.int64)
-        if flat.numel():
-            low, high = torch.aminmax(flat)
-            if int(low) < 0 or int(high) >= self.rows[feature]:
-                bad = int(low) if int(low) < 0 else int(high)
-                raise IndexError(f"id {bad} of feature {feature!r} is outside its table's [0, {self.rows[feature]})")
-        return flat + self.offsets[feature]
+    def _global_rows(self, features: tuple[str, ...], flat: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Each feature's ids (``flat``: concatenated, ``counts`` per feature) as rows of the one
+        table: checked against their own table's size and moved by its offset, in a few tensor
+        operations for every feature at once (a model has tens of them)."""
+        unknown = [feature for feature in features if feature not in self.offsets]
+        if unknown:
+            raise KeyError(f"no table for feature {unknown[0]!r}; the tables are {sorted(self.offsets)}")
+        sizes = torch.tensor(counts)
+        offsets = torch.tensor([self.offsets[f] for f in features]).repeat_interleave(sizes)
+        limits = torch.tensor([self.rows[f] for f in features]).repeat_interleave(sizes)
+        outside = (flat < 0) | (flat >= limits)
+        if bool(outside.any()):
+            position = int(outside.nonzero()[0, 0])
+            feature = features[int(torch.searchsorted(sizes.cumsum(0), position, right=True))]
+            raise IndexError(
+                f"id {int(flat[position])} of feature {feature!r} is outside its table's [0, {self.rows[feature]})"
+            )
+        return flat + offsets
 
 
 # ------------------------------------------------------------------ optimizer

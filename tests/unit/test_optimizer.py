@@ -417,3 +417,19 @@ def test_arguments_beyond_a_float_or_an_int64_are_refused_by_name(value) -> None
     """JSON integers are unbounded: one past what math.isfinite takes was an INTERNAL error."""
     with pytest.raises(InvalidRequestError, match="'lr'"):
         OptimizerSpec("SGD", {"lr": value}).validate()
+
+
+@pytest.mark.parametrize("name", ["Adagrad", "Adam", "SGD"])
+def test_a_step_without_torch_optims_profiling_wrapper_is_bit_for_bit_a_step(name):
+    from paramserve.psserver.optimizer import step_without_profiling
+
+    torch.manual_seed(0)
+    start, grad = torch.randn(5, 3), torch.randn(5, 3)
+    ours, theirs = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
+    optimizers = [getattr(torch.optim, name)([p], lr=0.1) for p in (ours, theirs)]
+    for _ in range(3):
+        ours.grad, theirs.grad = grad.clone(), grad.clone()
+        step_without_profiling(optimizers[0])
+        optimizers[1].step()
+    assert torch.equal(ours, theirs)
+    assert torch.is_grad_enabled(), "the grad mode the step sets is restored"
