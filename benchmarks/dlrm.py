@@ -10,7 +10,8 @@ from a Zipf law, 13 dense features, bottom MLP 13-64-16, the 27 vectors concaten
 - dlrm_samples_<cap>: samples per second (summed over workers) of paramserve with 2 ps + 2
   workers on 127.0.0.1 (one torch thread per process; TF's tutorial partitioner,
   MinSizePartitioner(256 KiB, 2 shards): the tables, a ShardedEmbeddingCollection, in 2 shards,
-  each small layer whole on one server; 1 step per closure), beside the same model in one
+  each small layer whole on one server; 1 step per closure, or --steps-per-closure N: a
+  closure runs N steps, as TF's steps_per_execution), beside the same model in one
   local process at one thread (``nn.Embedding(sparse=True)`` + ``torch.optim.Adagrad``), on the
   same batches, same run; the two take turns, medians of --rounds. Start-up (table creation)
   is excluded from both and printed apart.
@@ -70,7 +71,9 @@ def local_run(cap: int, steps: int, warmup: int) -> Run:
     return Run(steps * BATCH / seconds, startup, 1000 * (time.process_time() - cpu) / steps)
 
 
-def paramserve_run(cap: int, steps: int, warmup: int, servers: int = 2, workers: int = 2) -> Run:
+def paramserve_run(
+    cap: int, steps: int, warmup: int, servers: int = 2, workers: int = 2, steps_per_closure: int = 1
+) -> Run:
     with LocalCluster(
         num_ps=servers,
         num_workers=workers,
@@ -91,15 +94,16 @@ def paramserve_run(cap: int, steps: int, warmup: int, servers: int = 2, workers:
                 batches = iter(
                     coordinator.create_per_worker_dataset(WorkerClicks(criteo_rows(cap), BATCH, BATCHES_PER_WORKER))
                 )
-                for _ in range(warmup):
-                    coordinator.schedule(train_clicks, args=(batches, model, optimizer))
+                for _ in range(max(1, warmup // steps_per_closure)):
+                    coordinator.schedule(train_clicks, args=(batches, model, optimizer), steps=steps_per_closure)
                 coordinator.join()
                 startup = time.perf_counter() - start
                 pids = [os.getpid(), *(p.pid for p in cluster.processes)]
                 cpu = sum(process_cpu_seconds(pid) for pid in pids)
                 start = time.perf_counter()
-                for _ in range(steps):
-                    coordinator.schedule(train_clicks, args=(batches, model, optimizer))
+                steps = steps // steps_per_closure * steps_per_closure
+                for _ in range(steps // steps_per_closure):
+                    coordinator.schedule(train_clicks, args=(batches, model, optimizer), steps=steps_per_closure)
                 coordinator.join()
                 seconds = time.perf_counter() - start
                 cpu = sum(process_cpu_seconds(pid) for pid in pids) - cpu
@@ -108,12 +112,12 @@ def paramserve_run(cap: int, steps: int, warmup: int, servers: int = 2, workers:
     return Run(steps * BATCH / seconds, startup, 1000 * cpu / steps)
 
 
-def compare(cap: int, steps: int, warmup: int, rounds: int) -> tuple[Result, float]:
+def compare(cap: int, steps: int, warmup: int, rounds: int, steps_per_closure: int = 1) -> tuple[Result, float]:
     ours: list[Run] = []
     local: list[Run] = []
     for round_ in range(rounds):  # the sides take turns, so drifts of a shared machine hit both
         local.append(local_run(cap, steps // 2, warmup))
-        ours.append(paramserve_run(cap, steps, warmup))
+        ours.append(paramserve_run(cap, steps, warmup, steps_per_closure=steps_per_closure))
         print(
             f"  [dlrm cap {cap:,} round {round_ + 1}/{rounds}] paramserve {ours[-1].samples_per_s:,.0f} samples/s "
             f"({ours[-1].cpu_ms_per_step:.2f} CPU-ms/step, start-up {ours[-1].startup_s:.1f} s), one process "
@@ -124,7 +128,7 @@ def compare(cap: int, steps: int, warmup: int, rounds: int) -> tuple[Result, flo
     value = statistics.median(r.samples_per_s for r in ours)
     baseline = statistics.median(r.samples_per_s for r in local)
     result = Result(
-        f"dlrm_samples_{cap}",
+        f"dlrm_samples_{cap}" + (f"_x{steps_per_closure}" if steps_per_closure > 1 else ""),
         value,
         "samples/s",
         baseline,
@@ -140,12 +144,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=1200, help="paramserve steps per run (summed over workers)")
     parser.add_argument("--warmup", type=int, default=60)
     parser.add_argument("--sweep", type=int, nargs="+", default=[100_000, 1_000_000, 10_000_000])
+    parser.add_argument(
+        "--steps-per-closure",
+        type=int,
+        default=1,
+        help="steps each scheduled closure runs (schedule(..., steps=N), TF's steps_per_execution); "
+        "metrics get the suffix _xN",
+    )
     args = parser.parse_args(argv)
     one_torch_thread()
     results: list[Result] = []
     speeds: list[float] = []
     for cap in args.sweep:
-        result, speed = compare(cap, args.steps, args.warmup, args.rounds)
+        result, speed = compare(cap, args.steps, args.warmup, args.rounds, args.steps_per_closure)
         results.append(result)
         speeds.append(speed)
     if len(speeds) > 1:

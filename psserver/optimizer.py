@@ -508,6 +508,12 @@ class ShardOptimizer:
                 gathered[key] = slot
         return gathered
 
+    @property
+    def holds_slots(self) -> bool:
+        """Whether the optimizer's state exists (after its first step, or from its constructor):
+        then writing a row step back allocates nothing and cannot fail halfway."""
+        return bool(self._state())
+
     def _scatter_state(self, unique: Tensor, stepped: Mapping[str, Any], temporary: Tensor) -> None:
         state = self._state()
         for key, slot in stepped.items():

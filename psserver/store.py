@@ -509,31 +509,39 @@ class ShardStore:
         memory, a bug) puts back what the push's earlier steps changed, from copies taken
         first (one copy of the pushed shards, or of the touched rows of a sparse push).
 
-        Plain SGD's groups (optimizer.in_place_sgd_rate: an in-place add of checked shapes,
-        which allocates nothing and cannot fail halfway) run last and are not copied: nothing
-        can fail after them."""
+        The order keeps those copies few. Stateful dense groups run first (copied: torch.optim
+        changes them in place, and something after them may fail). Row-sparse groups run next:
+        a row step computes on gathered copies and writes them back only once it succeeded, so
+        the last of them needs no copy when writing back allocates nothing (its shards hold their
+        slots already) and nothing fallible runs after it. Plain SGD's groups
+        (optimizer.in_place_sgd_rate: an in-place add of checked shapes, which allocates nothing
+        and cannot fail halfway) run last and are not copied either."""
         dense: dict[OptimizerSpec, list[tuple[ShardOptimizer, Tensor]]] = {}
         sparse: list[tuple[ShardOptimizer, ShardPush]] = []
-        undo: list[Callable[[], None]] = []
         for shard, push in fresh:
             optimizer = shard.optimizer
             assert optimizer is not None  # checked by _validate_push
             if push.rows is not None:
-                undo.append(optimizer.snapshot(push.rows))
                 sparse.append((optimizer, push))
             else:
                 dense.setdefault(optimizer.spec, []).append((optimizer, push.values))
         stateful = [group for spec, group in dense.items() if in_place_sgd_rate(spec) is None]
         in_place = [group for spec, group in dense.items() if in_place_sgd_rate(spec) is not None]
-        undo += [optimizer.snapshot(None) for group in stateful for optimizer, _ in group]
+        row_groups = list(_by_spec(sparse).values())
+        undo: list[Callable[[], None]] = [optimizer.snapshot(None) for group in stateful for optimizer, _ in group]
+        last_writes_back_whole = bool(row_groups) and all(optimizer.holds_slots for optimizer, _ in row_groups[-1])
+        copied = row_groups[:-1] if last_writes_back_whole else row_groups
+        undo += [optimizer.snapshot(push.rows) for group in copied for optimizer, push in group]
         try:
-            for rows_group in _by_spec(sparse).values():
+            for group in stateful:
+                self._grouped.apply_dense([o for o, _ in group], [g for _, g in group])
+            for rows_group in row_groups:
                 self._grouped.apply_rows(
                     [o for o, _ in rows_group],
                     [p.rows for _, p in rows_group],  # type: ignore[misc]  # sparse: rows set
                     [p.values for _, p in rows_group],
                 )
-            for group in stateful + in_place:
+            for group in in_place:
                 self._grouped.apply_dense([o for o, _ in group], [g for _, g in group])
         except Exception as exc:  # validated already: anything here is our bug or out of memory
             for restore in reversed(undo):

@@ -539,6 +539,47 @@ def test_a_push_whose_later_step_fails_leaves_no_part_applied() -> None:
     _assert_unchanged(store, before)
 
 
+def test_a_push_whose_last_row_step_fails_leaves_no_part_applied_and_copies_only_what_can_be_undone() -> None:
+    store = ShardStore()
+    adagrad, adam = OptimizerSpec("Adagrad", {"lr": 0.1}), OptimizerSpec("Adam", {"lr": 0.1})
+    first, last = ShardRef("table", 0), ShardRef("other", 0)
+    store.create_shards(
+        [
+            ShardState(ShardRef("b", 0), (3,), 0, torch.ones(3), adam),
+            ShardState(first, (6, 2), 0, torch.zeros(6, 2), adagrad),
+            ShardState(last, (6, 2), 0, torch.zeros(6, 2), OptimizerSpec("Adagrad", {"lr": 0.2})),
+        ]
+    )
+    store.push([ShardPush(ShardRef("b", 0), torch.ones(3))], "warm")
+    before = _snapshot(store)
+    real_rows, row_calls = store._grouped.apply_rows, []
+    snapshots: list[tuple[str, bool]] = []
+    for shard in (first, last, ShardRef("b", 0)):
+        optimizer = store._get(shard).optimizer
+        real_snapshot = optimizer.snapshot
+        optimizer.snapshot = lambda rows=None, _r=real_snapshot, _n=shard.variable: (  # type: ignore[method-assign]
+            snapshots.append((_n, rows is not None)) or _r(rows)
+        )
+
+    def fail_at_the_last_row_group(optimizers, rows, grads):
+        row_calls.append(optimizers[0].spec.kwargs["lr"])
+        if len(row_calls) == 2:
+            raise MemoryError("out of memory")  # inside the step: nothing of this group was written back
+        real_rows(optimizers, rows, grads)
+
+    store._grouped.apply_rows = fail_at_the_last_row_group
+    pushes = [
+        ShardPush(ShardRef("b", 0), torch.ones(3)),
+        ShardPush(first, torch.ones(2, 2), rows=torch.tensor([1, 4])),
+        ShardPush(last, torch.ones(2, 2), rows=torch.tensor([0, 5])),
+    ]
+    with pytest.raises(ParamServeError, match="undone"):
+        store.push(pushes, "k")
+    assert len(row_calls) == 2
+    assert sorted(snapshots) == [("b", False), ("table", True)], "the last row group writes back whole: no copy"
+    _assert_unchanged(store, before)
+
+
 def test_plain_sgd_steps_are_bit_for_bit_torch_optim_sgd() -> None:
     store = ShardStore()
     torch.manual_seed(0)
