@@ -48,6 +48,7 @@ from paramserve.psserver.partition import (
     MinSizePartitioner,
     Partitioner,
 )
+from paramserve.worker.dynamic_embedding import DynamicEmbedding
 from paramserve.worker.resources import experimental_get_current_worker_index
 from paramserve.worker.variables import ShardedEmbedding, ShardedEmbeddingCollection
 
@@ -59,6 +60,7 @@ __all__ = [
     "ClusterSpec",
     "CoordinatorConfig",
     "DiscoveryPolicy",
+    "DynamicEmbedding",
     "FailurePolicy",
     "FixedShardsPartitioner",
     "LocalCluster",

@@ -28,8 +28,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from paramserve.psserver import checkpoint
+from paramserve.psserver import checkpoint, dynamic_checkpoint
 from paramserve.psserver.atomic_files import atomic_torch_save
+from paramserve.psserver.dynamic_types import DynamicShardState, rehash
 from paramserve.psserver.errors import CheckpointError, ParamServeError
 from paramserve.psserver.types import ShardRef, ShardState, VariableLayout
 
@@ -99,7 +100,7 @@ class CheckpointManager:
         """
         self.strategy.materialize()
         for attempt in range(1, SAVE_ATTEMPTS + 1):
-            states, problem = self._export()
+            states, tables, problem = self._export()
             if problem is None:
                 break
             log.warning(
@@ -113,14 +114,15 @@ class CheckpointManager:
             extra={STEP_KEY: int(step), **(extra or {})},
             keep=self.max_to_keep,
             require_whole=True,
+            add_files=lambda staged: {dynamic_checkpoint.EXTRA_KEY: dynamic_checkpoint.write_tables(staged, tables)},
         )
         log.info("checkpoint of step %d written to %s (%d shards)", step, path, len(states))
         self.strategy.checkpoints.record(step, path, time.time())
         return path
 
-    def _export(self) -> tuple[list[ShardState], ExportProblem | None]:
-        """This strategy's checkpointed shards, named without the run name, and what keeps them
-        from being a whole checkpoint (None when nothing does)."""
+    def _export(self) -> tuple[list[ShardState], list[DynamicShardState], ExportProblem | None]:
+        """This strategy's checkpointed shards and dynamic tables' live rows, named without the
+        run name, and what keeps them from being a whole checkpoint (None when nothing does)."""
         strategy, client = self.strategy, self.strategy.client
         with strategy.quiesced(), strategy.state_change():  # paused first: a recovery may need the drain
             layouts = {
@@ -128,11 +130,13 @@ class CheckpointManager:
                 for name, layout in strategy.created_layouts().items()
                 if strategy.checkpoint_key(name) is not None
             }
+            dynamic = [name for name in strategy.dynamic_tables() if strategy.checkpoint_key(name) is not None]
             before = self._incarnations()
             try:
                 exported = client.export()
+                tables = client.dynamic.export(dynamic) if dynamic else {}
             except ParamServeError as err:
-                return [], ExportProblem(f"the export failed: {err}", (err.server,) if err.server else ())
+                return [], [], ExportProblem(f"the export failed: {err}", (err.server,) if err.server else ())
             after = self._incarnations()
         refs = [state.ref for states in exported.values() for state in states]
         missing = missing_shards(layouts, refs)
@@ -140,14 +144,22 @@ class CheckpointManager:
         if missing or restarted:
             servers = sorted({client.addresses[s] for s, _ in missing} | {client.addresses[s] for s in restarted})
             what = f"{len(missing)} shards are missing (e.g. {missing[0][1]})" if missing else "servers restarted"
-            return [], ExportProblem(f"{what} on parameter servers {', '.join(servers)}", tuple(servers))
-        keys = {name: strategy.checkpoint_key(name) for name in layouts}
-        return [
-            dataclasses.replace(state, ref=ShardRef(keys[state.ref.variable] or "", state.ref.shard))
-            for states in exported.values()
-            for state in states
-            if state.ref.variable in keys
-        ], None
+            return [], [], ExportProblem(f"{what} on parameter servers {', '.join(servers)}", tuple(servers))
+        keys = {name: strategy.checkpoint_key(name) for name in [*layouts, *dynamic]}
+        return (
+            [
+                dataclasses.replace(state, ref=ShardRef(keys[state.ref.variable] or "", state.ref.shard))
+                for states in exported.values()
+                for state in states
+                if state.ref.variable in keys
+            ],
+            [
+                dataclasses.replace(state, ref=ShardRef(keys[state.ref.variable] or "", state.ref.shard))
+                for states in tables.values()
+                for state in states
+            ],
+            None,
+        )
 
     def _incarnations(self) -> list[str | None]:
         client = self.strategy.client
@@ -194,6 +206,7 @@ class CheckpointManager:
         }
         layouts = {name: layout for name, layout in self.strategy.plan_layouts().items() if name in keys}
         _check_compatible(manifest, {keys[name]: layout for name, layout in layouts.items()}, resolved)
+        tables = self._dynamic_states(resolved, manifest, keys)
         states: dict[int, list[ShardState]] = defaultdict(list)
         for name, layout in layouts.items():
             live = self.strategy.live_optimizer(name) if keep_live_settings else None
@@ -203,11 +216,37 @@ class CheckpointManager:
                 states[shard.server].append(dataclasses.replace(state, optimizer=live) if live is not None else state)
         with self.strategy.quiesced(), self.strategy.state_change():
             self.strategy.restore_states(dict(states), layouts)
+            if tables:
+                self.strategy.restore_dynamic(tables)
         self.strategy.materialize()  # variables the checkpoint does not hold (none, once checked)
         step = int(manifest.extra.get(STEP_KEY, 0))
         log.info("restored step %d from %s onto %d parameter servers", step, resolved, self.strategy.cluster.num_ps())
         self.strategy.checkpoints.record(step, resolved, _written_at(resolved))
         return step
+
+    def _dynamic_states(
+        self, path: pathlib.Path, manifest: checkpoint.Manifest, keys: Mapping[str, str]
+    ) -> dict[int, list[DynamicShardState]]:
+        """The model's dynamic tables from checkpoint ``path``, each row on the server it belongs
+        to now; CheckpointError, before anything changes, for a table missing or of another dim."""
+        saved = dynamic_checkpoint.read_tables(path, manifest.extra)
+        servers = self.strategy.cluster.num_ps()
+        states: dict[int, list[DynamicShardState]] = defaultdict(list)
+        for name, table in self.strategy.dynamic_tables().items():
+            key = keys.get(name)
+            if key is None:
+                continue
+            if key not in saved:
+                raise CheckpointError(f"checkpoint {path} does not hold dynamic table {key!r}")
+            config = saved[key][0].config
+            if (config.dim, config.dtype) != (table.embedding_dim, table.dtype):
+                raise CheckpointError(
+                    f"dynamic table {key!r} has rows of {config.dim} {config.dtype} in {path}, "
+                    f"{table.embedding_dim} {table.dtype} in the model"
+                )
+            for state in rehash(saved[key], servers):
+                states[state.ref.shard].append(dataclasses.replace(state, ref=ShardRef(name, state.ref.shard)))
+        return dict(states)
 
 
 def _written_at(path: pathlib.Path) -> float:

@@ -76,6 +76,8 @@ class Closure:
     server_waits: int = 0
     read_generation: int = 0
     """The queue's read generation when it was queued (see ClosureQueue.read_barrier)."""
+    worker: str | None = None
+    """The worker it was last given to (None before): telemetry counts its outcome there."""
     state: ClosureState = ClosureState.QUEUED
     remote_value: RemoteValue[Any] = field(init=False)
 
@@ -200,6 +202,7 @@ class ClosureQueue:
             while self._queue and self._closed is None and len(taken) < limit:
                 closure = self._queue.popleft()
                 closure.transition(ClosureState.RUNNING)
+                closure.worker = worker
                 self._in_flight[closure.closure_id] = (closure, worker)
                 taken.append(closure)
             if taken:
@@ -316,6 +319,11 @@ class ClosureQueue:
     def in_flight(self) -> list[InFlight]:
         with self._cond:
             return [InFlight(c.closure_id, c.function_name, w, c.attempt) for c, w in self._in_flight.values()]
+
+    def in_flight_by_worker(self) -> dict[str, int]:
+        """How many closures each worker is running (the status page reads it every second)."""
+        with self._cond:
+            return dict(collections.Counter(worker for _, worker in self._in_flight.values()))
 
     # ---------------------------------------------------------------- internals (lock held)
 

@@ -9,7 +9,8 @@ closures are cancelled. Threads: one, ``paramserve-dispatch``, running every
 worker's dispatcher on an event loop (``coordinator.dispatch_loop``), however many
 workers there are; with a worker service in the cluster, ``paramserve-discovery``
 resolving it (``coordinator.discovery``). Metrics: ``coordinator.telemetry``, served over
-HTTP with ``metrics_port``.
+HTTP with ``metrics_port``; with ``status_port``, a status page (``coordinator.status_page``)
+and its threads.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any, NoReturn
 from paramserve.coordinator import nest
 from paramserve.coordinator.batching import BATCH_SECONDS
 from paramserve.coordinator.closures import Closure, ClosureQueue, find_resource_ids
+from paramserve.coordinator.cluster_status import status_key
 from paramserve.coordinator.contracts import CheckpointRecord, CoordinatedStrategy, RecoverableVariables
 from paramserve.coordinator.discovery import DiscoveryPolicy, Resolver, WorkerDiscovery, resolve_dns
 from paramserve.coordinator.dispatch_loop import DispatchLoop
@@ -38,6 +40,7 @@ from paramserve.coordinator.failures import FailurePolicy
 from paramserve.coordinator.ps_recovery import ParameterServerRecovery
 from paramserve.coordinator.recovery_policy import RecoveryPolicy
 from paramserve.coordinator.remote_value import RemoteValue, fetch_structure
+from paramserve.coordinator.status_page import ServerProber, StatusPage, StatusSources, check_status_exposure
 from paramserve.coordinator.telemetry import CoordinatorTelemetry
 from paramserve.coordinator.worker_transport import GrpcTransport, WorkerTransport
 from paramserve.psserver import convert
@@ -110,6 +113,27 @@ def _latest_checkpoint_of(recoverable: RecoverableVariables | None) -> Callable[
     return lambda: checkpoints.latest
 
 
+def _status_page(
+    queue: ClosureQueue,
+    telemetry: CoordinatorTelemetry,
+    recoverable: RecoverableVariables | None,
+    strategy: CoordinatedStrategy,
+) -> StatusPage:
+    """The coordinator's status page, reading the queue, the telemetry and the servers (never
+    the coordinator itself: see the finalizer)."""
+    client = recoverable.client if recoverable is not None else None
+    sources = StatusSources(
+        run=telemetry.run,
+        queued=lambda: queue.num_queued,
+        running=queue.in_flight_by_worker,
+        in_flight=lambda: queue.num_in_flight,
+        checkpoint=_latest_checkpoint_of(recoverable),
+        parameter_servers=tuple(strategy.cluster.parameter_servers),
+        probe_servers=ServerProber(client) if client is not None else None,
+    )
+    return StatusPage(sources, key=status_key(strategy.token) if strategy.token else None)
+
+
 def _stop_dispatch(
     queue: ClosureQueue,
     pool: DispatchLoop,
@@ -117,10 +141,13 @@ def _stop_dispatch(
     recovery: ParameterServerRecovery | None = None,
     discovery: WorkerDiscovery | None = None,
     telemetry: CoordinatorTelemetry | None = None,
+    status: StatusPage | None = None,
 ) -> int:
-    """Stops recovering servers and discovering workers, closes the queue (cancelling what
-    waits), stops the dispatch thread and the metrics endpoint; returns how many queued
-    closures were cancelled."""
+    """Stops the status page, recovering servers and discovering workers, closes the queue
+    (cancelling what waits), stops the dispatch thread and the metrics endpoint; returns how
+    many queued closures were cancelled."""
+    if status is not None and not status.stop(timeout):
+        log.error("the status page's threads still run after %ss", timeout)
     if recovery is not None:
         recovery.stop(timeout)
     if discovery is not None and not discovery.stop(timeout):
@@ -142,6 +169,10 @@ class ClusterCoordinator:
     ``metrics_port`` serves ``telemetry`` (Prometheus) at ``http://metrics_host:port/metrics``
     (0: a free port, then ``metrics_port`` says which); ``metrics_host`` is loopback by default:
     pass ``"0.0.0.0"`` for a Prometheus on another machine (metrics carry addresses, not secrets).
+    ``status_port`` serves the status page (``coordinator.status_page``: workers, parameter
+    servers, live charts of the training and its events; 0: a free port) at ``status_url``, on
+    ``status_host``: loopback by default; beyond it only with the cluster's token, whose derived
+    key the page then asks for (ConfigurationError otherwise, naming the fix).
     Starts the dispatch thread; call ``shutdown()`` (or use it as a context manager) to stop it.
     """
 
@@ -154,6 +185,8 @@ class ClusterCoordinator:
         metrics_port: int | None = None,
         metrics_host: str = "127.0.0.1",
         resolver: Resolver = resolve_dns,
+        status_port: int | None = None,
+        status_host: str = "127.0.0.1",
     ):
         self.strategy = strategy
         self.config = config or CoordinatorConfig()
@@ -161,6 +194,8 @@ class ClusterCoordinator:
         self._lock = threading.Lock()
         token, tls, max_bytes = strategy.token, strategy.tls, self.config.max_message_bytes
         _check_workers_authenticate(strategy.cluster.workers, token=token, tls=tls, insecure=self.config.insecure)
+        if status_port is not None:
+            check_status_exposure(status_host, token)
         recoverable = strategy.attach_coordinator(self)
         # The telemetry's callbacks hold the queue and the strategy's checkpoint log, never the
         # coordinator (see the finalizer below).
@@ -201,8 +236,12 @@ class ClusterCoordinator:
                 policy=self.config.discovery,
                 static=frozenset(strategy.cluster.workers),
             )
+        self._status: StatusPage | None = None
+        if status_port is not None:
+            self._status = _status_page(self._queue, self.telemetry, recoverable, strategy)
         # Dropped without shutdown() (or alive at interpreter exit): the dispatch thread stops.
-        # The callback holds the queue, the loop, recovery and discovery, never the coordinator itself.
+        # The callback holds the queue, the loop, recovery, discovery and the status page, never the
+        # coordinator itself.
         self._finalizer = weakref.finalize(
             self,
             _stop_dispatch,
@@ -212,6 +251,7 @@ class ClusterCoordinator:
             self.recovery,
             self._discovery,
             self.telemetry,
+            self._status,
         )
         for address in strategy.cluster.workers:
             self._pool.add_worker(address)
@@ -220,6 +260,12 @@ class ClusterCoordinator:
             self._discovery.start()
         if metrics_port is not None:
             self.telemetry.serve(metrics_host, metrics_port)
+        if self._status is not None:
+            try:
+                self._status.start(status_host, status_port or 0)
+            except BaseException:
+                self.shutdown()
+                raise
 
     # ---------------------------------------------------------------- scheduling
 
@@ -345,6 +391,20 @@ class ClusterCoordinator:
         return self.telemetry.port
 
     @property
+    def status_url(self) -> str | None:
+        """The status page's address (with ``?key=`` when the cluster has a token), None without one."""
+        return self._status.url if self._status is not None else None
+
+    def report(self, step: int | None = None, *, loss: Any = None, samples: Any = None, **metrics: Any) -> None:
+        """Tells the status page where training is: ``step`` (steps so far), ``loss``, ``samples``
+        (examples trained so far: the page charts their rate) and any other ``metrics`` by name
+        (at most 32). Each is a number (an int, a float, a one-element tensor); one left out
+        keeps its last value. Cheap (no I/O): call it whenever a value is at hand, e.g. after
+        fetching a closure's loss. ``fit`` calls it for you. Raises ValueError for a value that is
+        not a number."""
+        self.telemetry.report(step, loss=loss, samples=samples, **metrics)
+
+    @property
     def closed(self) -> bool:
         """True after shutdown()."""
         return self._closed
@@ -358,7 +418,13 @@ class ClusterCoordinator:
             self._closed = True
         self._finalizer.detach()
         cancelled = _stop_dispatch(
-            self._queue, self._pool, self.config.shutdown_timeout, self.recovery, self._discovery, self.telemetry
+            self._queue,
+            self._pool,
+            self.config.shutdown_timeout,
+            self.recovery,
+            self._discovery,
+            self.telemetry,
+            self._status,
         )
         log.info("coordinator shut down (%d queued closures cancelled)", cancelled)
 

@@ -68,6 +68,9 @@ THREAD_NAME = "paramserve-ps-recovery"
 
 
 class RecoveryObserver(Protocol):
+    def parameter_server_recovering(self, server: str) -> None:
+        """Recovery of ``server`` starts: training pauses until it is over."""
+
     def parameter_server_recovered(self, server: str, result: str, seconds: float) -> None:
         """One recovery ended: ``result`` is "restored", "intact" or "failed"; ``seconds`` from
         the replacement answering to dispatch resuming (0 when it never answered)."""
@@ -199,6 +202,8 @@ class ParameterServerRecovery:
     def _recover(self, server: int) -> None:
         address = self._addresses[server]
         log.warning("recovering parameter server %s: training paused", address)
+        if self.observer is not None:
+            self.observer.parameter_server_recovering(address)
         try:
             with self._variables.state_change():
                 outcome = self._recover_paused(server)

@@ -5,7 +5,10 @@ The closure queue and the dispatchers report what happens through ``CoordinatorO
 observer that counts it on a registry of its own and, when given a port, serves it over
 HTTP (``psserver.metrics_http``: with ``paramserve_build_info``, without ``*_created``).
 Queue depth, worker states and the checkpoint's age are read when Prometheus scrapes, so
-nothing here polls. Every name starts with ``paramserve_coordinator_``:
+nothing here polls. It also keeps ``run`` (``coordinator.cluster_status.RunLog``): each worker's
+closures and state, the recoveries, what the program reports (``report``) and the timeline of
+events, which the status page (``coordinator.status_page``) shows. Every metric's name starts
+with ``paramserve_coordinator_``:
 
 =============================================  ======================================================
 closures_scheduled_total                       closures queued by ``schedule``
@@ -35,6 +38,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from paramserve.coordinator.cluster_status import RunLog, check_report
 from paramserve.coordinator.contracts import CheckpointRecord
 from paramserve.psserver.metrics_http import MetricsEndpoint, register_build_info, serve_metrics
 
@@ -90,8 +94,9 @@ class CoordinatorTelemetry:
     """The coordinator's metrics on ``registry`` (a new one by default), fed as its observer.
 
     ``queue_depth`` / ``in_flight`` and ``checkpoint`` are read at scrape time.
-    Parameter-server recovery reports through ``parameter_server_recovered``.
-    ``serve(host, port)`` starts the HTTP endpoint; ``close()`` stops it.
+    Parameter-server recovery reports through ``parameter_server_recovering`` and
+    ``parameter_server_recovered``; the program through ``report``. ``run`` keeps all of it for
+    the status page. ``serve(host, port)`` starts the HTTP endpoint; ``close()`` stops it.
     """
 
     def __init__(
@@ -155,33 +160,50 @@ class CoordinatorTelemetry:
         self.registry.register(self._workers)
         self.registry.register(_CheckpointAge(checkpoint, clock))
         self._endpoint: MetricsEndpoint | None = None
+        self.run = RunLog(clock)
+        """What the status page shows: workers, recoveries, reports and the timeline."""
 
     # ---------------------------------------------------------------- CoordinatorObserver
 
     def closure_scheduled(self, closure: Closure) -> None:
         self.scheduled.inc()
+        self.run.closure_scheduled(closure)
 
     def closure_finished(self, closure: Closure) -> None:
         outcome = closure.state.value
         self.finished.labels(outcome).inc()
         if outcome == "succeeded":
             self.steps.inc(closure.steps)
+        self.run.closure_finished(closure)
 
     def closure_retried(self, closure: Closure, code: str) -> None:
         self.retried.labels(code).inc()
+        self.run.closure_retried(closure, code)
 
     def worker_state(self, address: str, state: str | None) -> None:
         change = self._workers.set(address, state)
         if change is not None:
             self.membership.labels(change).inc()
+        self.run.worker_state(address, state)
+
+    # ---------------------------------------------------------------- the program's own figures
+
+    def report(self, step: object = None, *, loss: object = None, samples: object = None, **metrics: object) -> None:
+        """See ``ClusterCoordinator.report``; raises ValueError for a value that is not a number."""
+        self.run.report(*check_report(step, loss, samples, metrics))
 
     # ---------------------------------------------------------------- parameter-server recovery
+
+    def parameter_server_recovering(self, server: str) -> None:
+        """Recovery of the parameter server at ``server`` starts (training pauses meanwhile)."""
+        self.run.parameter_server_recovering(server)
 
     def parameter_server_recovered(self, server: str, result: str, seconds: float) -> None:
         """A recovery of the parameter server at ``server`` ended with ``result`` (e.g. "restored",
         "failed") after ``seconds``: counts it and observes its duration."""
         self.ps_recoveries.labels(server, result).inc()
         self.ps_recovery_seconds.observe(seconds)
+        self.run.parameter_server_recovered(server, result, seconds)
 
     # ---------------------------------------------------------------- the endpoint
 

@@ -142,6 +142,18 @@ class Stub:
                 return None
             raise
 
+    def unary_stream(self, method: str, request: Any, options: CallOptions) -> Iterator[bytes]:
+        """A server-streaming call's raw chunks (the dynamic tables' export)."""
+        call = self._channel.unary_stream(self._prefix + method, request_serializer=type(request).SerializeToString)
+        return call(request, timeout=options.timeout, metadata=options.metadata())
+
+    def stream_unary(
+        self, method: str, make_chunks: Callable[[], Iterator[bytes]], response_cls: Any, options: CallOptions
+    ) -> Any:
+        """A client-streaming call of raw chunks (the dynamic tables' replace)."""
+        call = self._channel.stream_unary(self._prefix + method, response_deserializer=response_cls.FromString)
+        return call(make_chunks(), timeout=options.timeout, metadata=options.metadata())
+
     def unary(self, method: str, request, response_cls, options: CallOptions):  # type: ignore[no-untyped-def]
         callable_ = self._unary.get(method)
         if callable_ is None:

@@ -340,6 +340,7 @@ def save_checkpoint(
     keep: int = 0,
     before_commit: Callable[[], None] | None = None,
     require_whole: bool = False,
+    add_files: Callable[[Path], Mapping[str, Any]] | None = None,
 ) -> Path:
     """Writes ``states`` as a new checkpoint under ``root`` and returns its directory.
 
@@ -352,6 +353,8 @@ def save_checkpoint(
     the previous checkpoint and LATEST are untouched and nothing is left behind.
     ``require_whole``: every variable's shards must cover all its rows (a coordinator's
     checkpoint of the whole model; a server's own save holds only its shards).
+    ``add_files(staged)`` writes more files into the checkpoint before it is committed (the
+    dynamic tables: psserver/dynamic_checkpoint.py) and returns entries for ``extra``.
     """
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
         raise InvalidRequestError(f"keep must be an int >= 0 (0 keeps every checkpoint), got {keep!r}")
@@ -367,7 +370,8 @@ def save_checkpoint(
             staged = root / f"{TEMPORARY_PREFIX}{uuid.uuid4().hex}"
             staged.mkdir()
             try:
-                _write_contents(staged, groups, extra_json)
+                added = dict(add_files(staged)) if add_files is not None else {}
+                _write_contents(staged, groups, {**extra_json, **_extra_json(added)})
                 if before_commit is not None:
                     before_commit()
                 final = _commit(root, staged)

@@ -28,6 +28,7 @@ from paramserve.psserver import convert
 from paramserve.psserver.calls import CallOptions, ServerCalls, Stub
 from paramserve.psserver.channels import channel_options, open_channel
 from paramserve.psserver.dataplane_client import DataPlaneLinks
+from paramserve.psserver.dynamic_client import DynamicTableCalls
 from paramserve.psserver.errors import ConfigurationError, VariableNotFoundError
 from paramserve.psserver.optimizer import OptimizerSpec
 from paramserve.psserver.partition import (
@@ -44,6 +45,8 @@ from paramserve.psserver.step_work import (
     LayoutWire,
     ReadEntry,
     RowScatter,
+    dynamic_reads,
+    dynamic_row_parts,
     group_rows,
     index_error,
     push_parts,
@@ -135,7 +138,13 @@ class ParameterServerClient:
         self._layouts: dict[str, VariableLayout] = {}
         self._next_server = 0
         self._wire: dict[str, LayoutWire] = {}
+        self._dynamic: dict[str, tuple[int, torch.dtype]] = {}
+        """Dynamic tables this client reads and pushes: name -> (dim, dtype)."""
         self._steps = self._step_router()
+        self.dynamic = DynamicTableCalls(
+            self.addresses, self._stubs, self._calls, self._options, self._knows_dynamic, config.chunk_bytes
+        )
+        """The dynamic tables' control plane: create, stats, export, replace."""
 
     def _step_router(self) -> StepRouter:
         """The step's three routes over this client's channels (psserver/step_transport.py)."""
@@ -303,15 +312,23 @@ class ParameterServerClient:
         return PullResult({name: found[name].gathered(indices.shape)}, versions)
 
     def pull_unique_rows(
-        self, lookups: Mapping[str, torch.Tensor]
+        self, lookups: Mapping[str, torch.Tensor], *, dynamic: Mapping[str, tuple[int, torch.dtype]] | None = None
     ) -> tuple[dict[str, UniqueRows], dict[ShardRef, int]]:
         """Reads the distinct rows of every lookup (variable name: indices of any shape) in one
         exchange per server, however many tables the lookups touch; also the version each
         shard was read at. Raises IndexOutOfRangeError, before any call, for an index outside
-        its table."""
+        its table. ``dynamic``: tables among them that are dynamic (name: dim and dtype), whose
+        indices are ids (DtypeMismatchError for ids that are not integers); remembered, so
+        that their gradients push by id too."""
+        if dynamic:
+            self._knows_dynamic(dynamic)
         exchange = Exchange()
         found: dict[str, UniqueRows] = {}
         for name, indices in lookups.items():
+            shape = self._dynamic.get(name)
+            if shape is not None:
+                found[name] = dynamic_reads(exchange, name, indices, *shape, len(self.addresses))
+                continue
             found[name] = self._add_row_reads(exchange, self.layout(name), indices)
         _, versions = self._run(exchange, None, next(iter(lookups)) if len(lookups) == 1 else None)
         return found, versions
@@ -380,7 +397,12 @@ class ParameterServerClient:
         retry under the same ``key`` applies it at most once."""
         exchange = Exchange()
         for name, gradient in gradients.items():
-            for server, part in push_parts(self._wire_of(self.layout(name)), gradient, base_versions or {}):
+            shape = self._dynamic.get(name)
+            if shape is not None and isinstance(gradient, RowGradient):
+                parts = dynamic_row_parts(name, gradient, shape[0], len(self.addresses), base_versions or {})
+            else:
+                parts = push_parts(self._wire_of(self.layout(name)), gradient, base_versions or {})
+            for server, part in parts:
                 exchange.push(server, part)
         self._add_reads(exchange, names, out)
         variable = next(iter(gradients)) if len(gradients) == 1 else None
@@ -471,6 +493,10 @@ class ParameterServerClient:
         )
         self.adopt_layouts({layout.name: layout for layout in layouts})
 
+    def _knows_dynamic(self, tables: Mapping[str, tuple[int, torch.dtype]]) -> None:
+        with self._lock:
+            self._dynamic.update(tables)
+
     def set_hyperparameters(self, values: Mapping[str, float], variable: str | None = None) -> int:
         request = ps_pb2.SetHyperparametersRequest(variable=variable or "", values_json=json.dumps(dict(values)))
         results = self._calls.fan_out(
@@ -485,8 +511,10 @@ class ParameterServerClient:
         return sum(results.values())
 
     def delete_variable(self, name: str) -> None:
-        layout = self.layout(name)
-        servers = {s.server: None for s in layout.shards}
+        if name in self._dynamic:
+            servers = {server: None for server in range(len(self.addresses))}
+        else:
+            servers = {s.server: None for s in self.layout(name).shards}
         self._calls.fan_out(
             servers,
             lambda server, _: self._stubs[server].unary(
@@ -499,6 +527,7 @@ class ParameterServerClient:
         )
         with self._lock:
             self._layouts.pop(name, None)
+            self._dynamic.pop(name, None)
 
     def close(self) -> None:
         self._steps.close()

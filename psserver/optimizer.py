@@ -388,6 +388,41 @@ def _row_optimizer(spec: OptimizerSpec) -> torch.optim.Optimizer:
     return optimizer
 
 
+def row_state(spec: OptimizerSpec, dim: int, dtype: torch.dtype) -> dict[str, tuple[bool, Tensor]]:
+    """The state ``spec`` keeps for a parameter of rows of ``dim``, as a fresh optimizer has it:
+    name -> (row-shaped, one row's initial value or the whole shared tensor). What torch makes
+    in its constructor (Adagrad's ``initial_accumulator_value``) is taken from it, the rest
+    (made at the first step) starts at zeros, as the row step above assumes."""
+    layout = _slot_layout(spec, (dim,), False, dtype)
+    probe = torch.nn.Parameter(torch.zeros((1, dim), dtype=dtype))
+    made = _build(spec, [probe]).state.get(probe, {})
+    state = {}
+    for key, slot in layout.items():
+        if slot.value_shaped:
+            initial = made[key][0].clone() if key in made else torch.zeros(dim, dtype=slot.dtype)
+        else:
+            initial = made[key].clone() if key in made else torch.zeros(slot.shape, dtype=slot.dtype)
+        state[key] = (slot.value_shaped, initial)
+    return state
+
+
+def step_gathered(spec: OptimizerSpec, param: torch.nn.Parameter, state: dict[str, Any]) -> dict[str, Any]:
+    """One step of ``spec`` on a temporary parameter (gathered rows, its ``grad`` set) with its
+    state; returns the state after the step (``param`` is updated in place). The row step of
+    ``ShardOptimizer.apply_rows``, for rows gathered from elsewhere (dynamic tables)."""
+    optimizer = _row_optimizer(spec)
+    group = optimizer.param_groups[0]
+    group["params"] = [param]
+    optimizer.state.clear()
+    optimizer.state[param] = state
+    try:
+        step_without_profiling(optimizer)
+        return dict(optimizer.state[param])
+    finally:
+        group["params"] = []
+        optimizer.state.clear()
+
+
 @dataclass(eq=False)
 class RowStep:
     """One shard's share of a row-sparse step, between ShardOptimizer.gather_rows and

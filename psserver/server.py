@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 from grpc_health.v1 import health_pb2
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from paramserve.psserver.dataplane_server import DataPlaneServer
@@ -113,6 +113,38 @@ class ShardVersions(Collector):
         yield family
 
 
+class DynamicTableMetrics(Collector):
+    """The dynamic tables' shards on this server, read from the store when Prometheus scrapes:
+    ``paramserve_ps_dynamic_rows{table}`` (live rows), ``paramserve_ps_dynamic_bytes{table}``
+    (arena, index and sighting sketch), ``paramserve_ps_dynamic_admissions_total{table}`` and
+    ``paramserve_ps_dynamic_evictions_total{table,reason=ttl|capacity}``."""
+
+    def __init__(self, store: ShardStore):
+        self._store = store
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        rows = GaugeMetricFamily("paramserve_ps_dynamic_rows", "Live rows of a dynamic table here.", labels=["table"])
+        size = GaugeMetricFamily(
+            "paramserve_ps_dynamic_bytes", "Bytes a dynamic table's rows and index take here.", labels=["table"]
+        )
+        admissions = CounterMetricFamily(
+            "paramserve_ps_dynamic_admissions", "Rows a dynamic table made here.", labels=["table"]
+        )
+        evictions = CounterMetricFamily(
+            "paramserve_ps_dynamic_evictions",
+            "Rows a dynamic table evicted here, by reason.",
+            labels=["table", "reason"],
+        )
+        for stats in self._store.dynamic.stats():
+            table = stats.ref.variable
+            rows.add_metric([table], stats.live_rows)
+            size.add_metric([table], stats.bytes)
+            admissions.add_metric([table], stats.admissions)
+            evictions.add_metric([table, "ttl"], stats.evictions_ttl)
+            evictions.add_metric([table, "capacity"], stats.evictions_capacity)
+        yield from (rows, size, admissions, evictions)
+
+
 @dataclass
 class ParameterServer(RunningService):
     """A running parameter server; ``port`` is the one it bound (useful with port 0)."""
@@ -157,6 +189,7 @@ def build_server(config: ServerConfig, registry: CollectorRegistry | None = None
     steps = StepEngine(store, limits.step_limits())
     servicer = ParameterServerServicer(store, steps, config.chunk_bytes, limits)
     registry.register(ShardVersions(store))
+    registry.register(DynamicTableMetrics(store))
     service = GrpcService.for_config(
         config, handlers=[generic_handler(servicer)], service_names=[SERVICE_NAME], registry=registry, role="ps"
     )

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from paramserve.psserver import checkpoint, convert
+from paramserve.psserver import checkpoint, convert, dynamic_wire
+from paramserve.psserver.dynamic_types import DynamicStats
 from paramserve.psserver.error_boundary import parse, stream_boundary, unary_boundary
 from paramserve.psserver.errors import InvalidRequestError, MessageTooLargeError, VariableNotFoundError
 from paramserve.psserver.metadata import IDEMPOTENCY_METADATA_KEY, SERVICE_NAME
@@ -186,6 +187,48 @@ class ParameterServerServicer:
             raise VariableNotFoundError("no shard of this variable on this server", variable=request.variable)
         return ps_pb2.DeleteVariableResponse(shards_deleted=deleted).SerializeToString()
 
+    # -- dynamic tables (lookups and pushes travel as steps)
+
+    @unary_boundary
+    def CreateDynamicTable(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
+        request = parse(ps_pb2.CreateDynamicTableRequest, raw)
+        ref = convert.ref_from_proto(request.ref)
+        self._store.create_dynamic(ref, int(request.num_shards), dynamic_wire.config_from_proto(request.config))
+        return _dynamic_response([self._store.dynamic.get(ref).stats()])
+
+    @stream_boundary
+    def ExportDynamicTables(self, raw: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+        request = parse(ps_pb2.ExportShardsRequest, raw)
+        refs = [convert.ref_from_proto(r) for r in request.refs] or None
+        states = self._store.dynamic.export(refs)
+        parts = (dynamic_wire.shard_part(state) for state in states)
+        yield from encode_parts(parts, self._chunk_size(request.chunk_bytes))
+
+    @unary_boundary
+    def ReplaceDynamicTables(self, chunks: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
+        states = [
+            dynamic_wire.shard_from_part(header.dynamic, payload)
+            for header, payload in read_parts(chunks, self._allocate_dynamic)
+        ]
+        return _dynamic_response(self._store.dynamic.replace(states))
+
+    def _allocate_dynamic(self, header: tensor_pb2.PartHeader) -> torch.Tensor:
+        if header.WhichOneof("kind") != "dynamic":
+            raise InvalidRequestError("ReplaceDynamicTables takes parts with DynamicShardHeader headers")
+        size = dynamic_wire.shard_payload_bytes(header.dynamic)
+        if size > self._shard_limit or header.payload_bytes != size:
+            raise MessageTooLargeError(
+                f"a dynamic shard part declares {header.payload_bytes} bytes, its tensors {size}; "
+                f"this server's limit is {self._shard_limit} (--max-shard-bytes)",
+                variable=header.dynamic.ref.variable,
+            )
+        return byte_buffer(size)
+
+    @unary_boundary
+    def ListDynamicTables(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
+        parse(ps_pb2.ListDynamicTablesRequest, raw)
+        return _dynamic_response(self._store.dynamic.stats())
+
     # -- checkpoints on the server's filesystem
 
     @unary_boundary
@@ -260,6 +303,10 @@ def _shards_response(infos: Sequence[ShardInfo]) -> bytes:
     return ps_pb2.CreateShardsResponse(shards=[convert.info_to_proto(i) for i in infos]).SerializeToString()
 
 
+def _dynamic_response(stats: Sequence[DynamicStats]) -> bytes:
+    return ps_pb2.DynamicTablesResponse(tables=[dynamic_wire.stats_to_proto(s) for s in stats]).SerializeToString()
+
+
 def generic_handler(servicer: ParameterServerServicer) -> grpc.GenericRpcHandler:
     """Registers the servicer with raw-bytes (de)serialisers: it parses messages itself."""
     handlers = {
@@ -275,5 +322,9 @@ def generic_handler(servicer: ParameterServerServicer) -> grpc.GenericRpcHandler
         "Restore": grpc.unary_unary_rpc_method_handler(servicer.Restore),
         "SetHyperparameters": grpc.unary_unary_rpc_method_handler(servicer.SetHyperparameters),
         "GetDataPlane": grpc.unary_unary_rpc_method_handler(servicer.GetDataPlane),
+        "CreateDynamicTable": grpc.unary_unary_rpc_method_handler(servicer.CreateDynamicTable),
+        "ExportDynamicTables": grpc.unary_stream_rpc_method_handler(servicer.ExportDynamicTables),
+        "ReplaceDynamicTables": grpc.stream_unary_rpc_method_handler(servicer.ReplaceDynamicTables),
+        "ListDynamicTables": grpc.unary_unary_rpc_method_handler(servicer.ListDynamicTables),
     }
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)

@@ -14,6 +14,7 @@ import torch
 
 from paramserve.psserver import convert
 from paramserve.psserver.dataplane import fits_a_program
+from paramserve.psserver.dynamic_rows import owner_of
 from paramserve.psserver.errors import (
     DtypeMismatchError,
     IndexOutOfRangeError,
@@ -22,7 +23,7 @@ from paramserve.psserver.errors import (
 )
 from paramserve.psserver.streams import meta_of, tensor_payload
 from paramserve.psserver.tensors import as_byte_view, dtype_name
-from paramserve.psserver.types import PushOutcome, RowGradient, ShardRef, VariableLayout
+from paramserve.psserver.types import PushOutcome, RowGradient, ShardRef, UniqueRows, VariableLayout
 from paramserve.wire.v1 import parameter_server_pb2 as ps_pb2
 from paramserve.wire.v1 import tensor_pb2
 
@@ -36,6 +37,8 @@ __all__ = [
     "ShardWire",
     "StepResult",
     "destination_bytes",
+    "dynamic_reads",
+    "dynamic_row_parts",
     "group_rows",
     "index_error",
     "push_parts",
@@ -302,3 +305,60 @@ def group_rows(layout: VariableLayout, indices: torch.Tensor) -> Iterator[tuple[
 
 def index_error(name: str, index: int, rows: int) -> IndexOutOfRangeError:
     return IndexOutOfRangeError(f"row index {index} is outside [0, {rows})", variable=name)
+
+
+# ---------------------------------------------------------------- dynamic tables
+
+
+def _check_ids(name: str, ids: torch.Tensor) -> torch.Tensor:
+    if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+        raise DtypeMismatchError(f"ids of a dynamic table must be integers (int64), got {ids.dtype}", variable=name)
+    return ids.reshape(-1).to(torch.int64)
+
+
+def dynamic_reads(
+    exchange: Exchange, name: str, ids: torch.Tensor, dim: int, dtype: torch.dtype, num_servers: int
+) -> UniqueRows:
+    """Adds the reads of a dynamic table's rows for ``ids`` (any shape, any int64 values): the
+    distinct ids, each server's share (``owner_of``: splitmix64) in one read entry."""
+    unique, inverse = torch.unique(_check_ids(name, ids), return_inverse=True)
+    rows = torch.empty((unique.numel(), dim), dtype=dtype)
+    owners = owner_of(unique, num_servers)
+    for server in range(num_servers):
+        positions = (owners == server).nonzero().reshape(-1)
+        if positions.numel():
+            ref = ShardRef(name, server)
+            item = ps_pb2.PullItem(
+                ref=convert.ref_to_proto(ref), sparse=True, row_indices=convert.rows_to_bytes(unique[positions])
+            )
+            exchange.read(server, ReadEntry(item, RowScatter(rows, positions), ref))
+    return UniqueRows(unique, inverse, rows)
+
+
+def dynamic_row_parts(
+    name: str, gradient: RowGradient, dim: int, num_servers: int, base_versions: Mapping[ShardRef, int]
+) -> Iterator[tuple[int, PushPart]]:
+    """(server, part) for each server a dynamic table's row gradient (rows by id) updates."""
+    ids = _check_ids(name, gradient.indices)
+    if gradient.values.numel() != ids.numel() * dim:
+        raise ShapeMismatchError(
+            f"{ids.numel()} ids need gradients of {ids.numel()} x {dim}, got {tuple(gradient.values.shape)}",
+            variable=name,
+        )
+    values = gradient.values.reshape(ids.numel(), dim).detach().cpu()
+    owners = owner_of(ids, num_servers)
+    for server in range(num_servers):
+        positions = (owners == server).nonzero().reshape(-1)
+        if not positions.numel():
+            continue
+        ref = ShardRef(name, server)
+        mine, rows = ids[positions].contiguous(), values[positions].contiguous()
+        base = base_versions.get(ref, -1)
+        part = tensor_pb2.PushPart(
+            ref=convert.ref_to_proto(ref),
+            values=meta_of(rows),
+            sparse=True,
+            num_indices=mine.numel(),
+            base_version=base,
+        )
+        yield server, PushPart([tensor_payload(mine), tensor_payload(rows)], base, built=part)

@@ -24,6 +24,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 from torch import Tensor
 
+from paramserve.psserver.dynamic_table import DynamicTableConfig, DynamicTables, PushSettings
 from paramserve.psserver.errors import (
     DtypeMismatchError,
     InternalError,
@@ -154,6 +155,11 @@ class ShardStore:
         self._shards: dict[ShardRef, Shard] = {}
         self._shards_lock = threading.Lock()
         self._grouped = GroupedSteps()
+        self.dynamic = DynamicTables(
+            self._config.idempotency_capacity, PushSettings(self._config.allow_nonfinite, self._config.max_staleness)
+        )
+        """The dynamic embedding tables' shards (psserver/dynamic_table.py): read and pushed by
+        id through ``pull_rows`` and ``push``, as row reads and row pushes of other shards."""
         self.catalog_version = 0
         """Bumped by every create, replace or delete of shards: a PreparedStep of another
         catalog version may hold shards that are gone (prepare it again). Not the cluster
@@ -248,8 +254,21 @@ class ShardStore:
             shards = [s for ref, s in self._shards.items() if not variable or ref.variable == variable]
         return sorted(shards, key=lambda shard: shard.ref)
 
+    def create_dynamic(self, ref: ShardRef, num_shards: int, config: DynamicTableConfig) -> None:
+        """Creates this server's shard of a dynamic table (a retry of an identical create keeps
+        it); VariableExistsError when a variable of that name, or other settings, exists."""
+        with self._shards_lock:
+            if any(existing.variable == ref.variable for existing in self._shards):
+                raise VariableExistsError(
+                    "a variable of this name exists; a dynamic table needs its own", variable=ref.variable
+                )
+        self.dynamic.create(ref, num_shards, config)
+
     def delete_variable(self, variable: str) -> int:
         """Removes every shard of ``variable``; returns how many (0 if none, so a retry is safe)."""
+        dynamic = self.dynamic.delete(variable)
+        if dynamic:
+            return dynamic
         with self._shards_lock:
             refs = [ref for ref in self._shards if ref.variable == variable]
             for ref in refs:
@@ -285,6 +304,10 @@ class ShardStore:
         """Raises what ``read_many`` / ``pull_rows`` of these (shard, rows or None) would raise,
         reading nothing: for requests that must fail before they change anything."""
         for ref, rows in reads:
+            if rows is not None and self.dynamic.holds(ref):
+                with about(ref.variable):
+                    self.dynamic.get(ref).check_ids(rows)
+                continue
             shard = self._get(ref)
             if rows is not None:
                 with about(ref.variable):
@@ -303,8 +326,14 @@ class ShardStore:
         """Copies of the given local rows, in request order (duplicates allowed); O(len(rows)).
 
         Raises InvalidRequestError unless ``rows`` is 1-d int64, and
-        IndexOutOfRangeError naming the first index outside the shard.
+        IndexOutOfRangeError naming the first index outside the shard. For a dynamic table's
+        shard ``rows`` are ids: their rows, made or defaulted as its admission says.
         """
+        if self.dynamic.holds(ref):
+            table = self.dynamic.get(ref)
+            with about(ref.variable):
+                table.check_ids(rows)
+            return Pulled(*table.lookup(rows, self.dynamic.clock()))
         shard = self._get(ref)
         with about(ref.variable):
             check_rows(rows, shard)
@@ -317,6 +346,9 @@ class ShardStore:
         """Raises what ``push`` would for a gradient of this dtype and shape (``num_indices`` rows
         of a row-sparse push; None: dense), reading nothing: a server checks a push against its
         shard this way before it receives, or allocates room for, the push's bytes."""
+        if self.dynamic.holds(ref):
+            with about(ref.variable):
+                return self.dynamic.get(ref).check_push_header(dtype, shape, num_indices)
         shard = self._get(ref)
         with about(ref.variable):
             if shard.optimizer is None:
@@ -335,6 +367,9 @@ class ShardStore:
     def rows_nbytes(self, ref: ShardRef, rows: int | None) -> int:
         """Bytes a read of ``rows`` rows of the shard (None: all of it) returns; raises
         VariableNotFoundError for an unknown shard."""
+        if self.dynamic.holds(ref):
+            config = self.dynamic.get(ref).config
+            return (rows or 0) * config.dim * torch.empty((), dtype=config.dtype).element_size()
         value = self._get(ref).value
         if rows is None:
             return value.numel() * value.element_size()
@@ -351,6 +386,8 @@ class ShardStore:
         IndexOutOfRangeError, NonFiniteGradientError or StalePushError,
         changing nothing. The staleness bound is checked at validation.
         """
+        if any(self.dynamic.holds(push.ref) for push in pushes):
+            return self._push_with_dynamic(pushes, idempotency_key)
         try:
             plan = self._validate_pushes(pushes, idempotency_key)
         except ParamServeError as error:
@@ -362,6 +399,36 @@ class ShardStore:
             for outcome in outcomes:
                 self._observer.on_push(outcome)
         return outcomes
+
+    def _push_with_dynamic(self, pushes: Sequence[ShardPush], key: str) -> list[PushOutcome]:
+        """``push`` of parts some of which update dynamic tables: those are checked first, the
+        others pushed as usual (checked, then applied), then the dynamic ones applied (their
+        apply steps gathered copies and cannot fail halfway)."""
+        dynamic = [push for push in pushes if self.dynamic.holds(push.ref)]
+        try:
+            self._check_key(key)
+            for push in dynamic:
+                if push.rows is None:
+                    raise InvalidRequestError("a dynamic table takes row gradients by id, never a dense push")
+                with about(push.ref.variable):
+                    self.dynamic.get(push.ref).check_push(
+                        push.rows, push.values, push.base_version, key, self.dynamic.settings
+                    )
+        except ParamServeError as error:
+            if self._observer is not None:
+                self._observer.on_rejected(error)
+            raise
+        others = self.push([push for push in pushes if not self.dynamic.holds(push.ref)], key)
+        now = self.dynamic.clock()
+        applied = {
+            push.ref: self.dynamic.get(push.ref).push(push.rows, push.values, key, push.base_version, now)  # type: ignore[arg-type]
+            for push in dynamic
+        }
+        if self._observer is not None:
+            for outcome in applied.values():
+                self._observer.on_push(outcome)
+        applied.update({outcome.ref: outcome for outcome in others})
+        return [applied[push.ref] for push in pushes]
 
     def prepare_step(
         self, pushes: Sequence[tuple[ShardRef, torch.dtype, tuple[int, ...]]], reads: Sequence[ShardRef]

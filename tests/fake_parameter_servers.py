@@ -139,8 +139,10 @@ class FakeParameterServers:
         return PullResult(values, {ShardRef(n, 0): p.version for n, p in pulled.items()})
 
     def pull_unique_rows(
-        self, lookups: Mapping[str, torch.Tensor]
+        self, lookups: Mapping[str, torch.Tensor], *, dynamic: Mapping[str, tuple[int, torch.dtype]] | None = None
     ) -> tuple[dict[str, UniqueRows], dict[ShardRef, int]]:
+        if dynamic:
+            raise NotImplementedError("the in-memory fake has no dynamic tables: test them on real servers")
         self._check_up()
         self.traffic.row_exchanges += 1
         found: dict[str, UniqueRows] = {}

@@ -1,11 +1,13 @@
 """The worker: runs the closures a ClusterCoordinator schedules, reading and updating
 distributed variables on the parameter servers."""
 
+from paramserve.worker.dynamic_embedding import DynamicEmbedding
 from paramserve.worker.resources import PerWorkerResource, WorkerContext
 from paramserve.worker.server import WorkerConfig, build_worker
 from paramserve.worker.variables import ServerOptimizer, ShardedEmbedding, ShardedEmbeddingCollection
 
 __all__ = [
+    "DynamicEmbedding",
     "PerWorkerResource",
     "ServerOptimizer",
     "ShardedEmbedding",

@@ -51,10 +51,10 @@ class VariableClient(Protocol):
         tensors where it names the variable (a GPU worker's pinned buffers)."""
 
     def pull_unique_rows(
-        self, lookups: Mapping[str, torch.Tensor]
+        self, lookups: Mapping[str, torch.Tensor], *, dynamic: Mapping[str, tuple[int, torch.dtype]] | None = None
     ) -> tuple[dict[str, UniqueRows], dict[ShardRef, int]]:
         """The distinct rows of every lookup (table: indices) in one exchange per server, and
-        the version each shard was read at."""
+        the version each shard was read at; ``dynamic``: the dynamic tables among them (dim, dtype)."""
 
     def push_and_pull(
         self,
@@ -273,17 +273,24 @@ class ClosureAccess:
         reads parameters directly, without a module's refresh hook, sees fresh values."""
         self.refresh(list(self._used.values()))
 
-    def lookup(self, lookups: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def lookup(
+        self, lookups: Mapping[str, torch.Tensor], dynamic: Mapping[str, tuple[int, torch.dtype]] | None = None
+    ) -> dict[str, torch.Tensor]:
         """The rows the lookups name (indices on any device), on the worker's device, read in
         one exchange per server; only distinct rows travel, and their gradients are summed
-        per row before the push."""
+        per row before the push. ``dynamic``: tables among them that are dynamic (dim, dtype),
+        whose gradients push by id."""
         host = {name: indices.detach().to("cpu") for name, indices in lookups.items()}  # the client needs host ids
         client = self._require_client()
         self._settle()
-        found, versions = client.pull_unique_rows(host)
+        found, versions = client.pull_unique_rows(host, dynamic=dynamic)
         for ref, version in versions.items():
             self._row_versions.setdefault(ref, version)  # the oldest read is the gradient's base
         return {name: self._rows_of(name, host[name].shape, found[name]) for name in host}
+
+    def lookup_dynamic(self, table: str, ids: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
+        """A dynamic table's rows for ``ids`` (worker.dynamic_embedding), as ``lookup``."""
+        return self.lookup({table: ids}, dynamic={table: (dim, dtype)})[table]
 
     def _rows_of(self, name: str, shape: torch.Size, unique: UniqueRows) -> torch.Tensor:
         leaf = self._variables.transfers.to_device(unique.rows)

@@ -52,6 +52,10 @@ class VariableAccess(Protocol):
         server however many tables there are; each result has shape ``indices.shape + (dim,)``.
         On a worker, step() pushes their gradients, summed per distinct row."""
 
+    def lookup_dynamic(self, table: str, ids: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
+        """Rows of dynamic table ``table`` (worker.dynamic_embedding) for integer ``ids`` of any
+        shape: ``ids.shape + (dim,)``; on a worker step() pushes their gradients by id."""
+
     def apply_gradients(self, names: Sequence[str]) -> None:
         """Pushes the gradients of these variables to the servers."""
 
@@ -78,6 +82,9 @@ class NoAccess:
             f"embedding table {next(iter(lookups), '')!r} lives on parameter servers: use it inside "
             "strategy.scope() code run by a ClusterCoordinator, or after the strategy has created it"
         )
+
+    def lookup_dynamic(self, table: str, ids: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.lookup({table: ids})[table]
 
     def apply_gradients(self, names: Sequence[str]) -> None:
         raise RuntimeError("ServerOptimizer.step() needs a ParameterServerStrategy; none is active")
@@ -110,7 +117,8 @@ def using_access(access: VariableAccess) -> Iterator[VariableAccess]:
 class TableRegistry(Protocol):
     """What a strategy scope provides so that tables created in it become variables."""
 
-    def register_table(self, table: ShardedEmbedding) -> None: ...
+    def register_table(self, table: Any) -> None:
+        """``table``: a ShardedEmbedding or a DynamicEmbedding (worker.dynamic_embedding)."""
 
 
 def active_registry() -> TableRegistry | None:

@@ -46,6 +46,12 @@ SUBCOMMANDS = (
         "health", "paramserve.coordinator.commands.health", "main", "check that a server is SERVING (exit status 0)"
     ),
     Subcommand(
+        "status",
+        "paramserve.coordinator.commands.status",
+        "main",
+        "print what a coordinator's status page shows (workers, servers, training, events)",
+    ),
+    Subcommand(
         "evaluator",
         "paramserve.coordinator.commands.evaluate",
         "main",

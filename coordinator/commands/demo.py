@@ -2,8 +2,9 @@
 
 Starts two parameter servers and two workers on 127.0.0.1, trains an MLP on
 scikit-learn's bundled digits dataset with a ClusterCoordinator, writes
-checkpoints, and reports test accuracy. Every process it starts is stopped on
-the way out, also on Ctrl-C or an error.
+checkpoints, and reports test accuracy. It prints the address of the
+coordinator's status page (workers, servers, live charts, events) as it starts.
+Every process it starts is stopped on the way out, also on Ctrl-C or an error.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paramserve.coordinator.remote_value import RemoteValue, RemoteValueState
 from paramserve.worker.resources import WorkerContext
 
 log = logging.getLogger("paramserve.demo")
@@ -95,6 +97,7 @@ class DemoSummary:
     parameter_servers: int
     final_loss: float
     state_dict: str
+    status_url: str | None
 
 
 def run(args: argparse.Namespace) -> DemoSummary:
@@ -130,10 +133,18 @@ def run(args: argparse.Namespace) -> DemoSummary:
         manager = CheckpointManager(strategy, checkpoint_dir, max_to_keep=3)
         step = manager.restore_or_initialize() or 0
         with ClusterCoordinator(
-            strategy, metrics_port=args.metrics_port, metrics_host=args.metrics_host
+            strategy,
+            metrics_port=args.metrics_port,
+            metrics_host=args.metrics_host,
+            status_port=None if args.no_status_page else args.status_port,
+            status_host=args.status_host,
         ) as coordinator:
+            status_url = coordinator.status_url
+            if status_url is not None:
+                print(f"status page: {status_url}", file=sys.stderr, flush=True)
             batches = iter(coordinator.create_per_worker_dataset(_dataset_fn(args)))
             last = None
+            reported: RemoteValue[Any] | None = None
             with tqdm(
                 total=args.steps, initial=min(step, args.steps), unit="step", disable=args.quiet, file=sys.stderr
             ) as bar:
@@ -142,6 +153,7 @@ def run(args: argparse.Namespace) -> DemoSummary:
                     last = coordinator.schedule(train_step, args=(batches, model, optimizer), steps=steps)
                     step += steps
                     bar.update(steps)
+                    reported = _report_finished(coordinator, reported, last, step, args.batch_size)
                     if step % args.checkpoint_every < steps or step == args.steps:
                         coordinator.join()
                         manager.save(step)
@@ -162,7 +174,22 @@ def run(args: argparse.Namespace) -> DemoSummary:
         parameter_servers=spec.num_ps(),
         final_loss=final_loss,
         state_dict=str(exported),
+        status_url=status_url,
     )
+
+
+def _report_finished(
+    coordinator: Any, watched: RemoteValue[Any] | None, newest: RemoteValue[Any], step: int, batch_size: int
+) -> RemoteValue[Any]:
+    """Reports the loss of ``watched`` to the status page once it finished (never waits); returns
+    the closure to watch next. Its step is about ``step``: only a few closures run at a time."""
+    if watched is None:
+        return newest
+    if not watched.done():
+        return watched
+    if watched.state is RemoteValueState.READY:
+        coordinator.report(step=step, loss=float(watched.fetch()), samples=step * batch_size)
+    return newest
 
 
 @contextlib.contextmanager
@@ -243,6 +270,19 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         help="address the metrics endpoint listens on (default: %(default)s; 0.0.0.0 in containers, "
         "for Prometheus to scrape it)",
     )
+    parser.add_argument(
+        "--status-port",
+        type=int,
+        default=0,
+        help="serve the coordinator's status page on this port (default: a free one; the address is printed)",
+    )
+    parser.add_argument(
+        "--status-host",
+        default="127.0.0.1",
+        help="address the status page listens on (default: %(default)s; beyond loopback it asks for the key "
+        "derived from the cluster's token, which the printed address carries)",
+    )
+    parser.add_argument("--no-status-page", action="store_true", help="serve no status page")
     parser.add_argument(
         "--seed",
         type=int,

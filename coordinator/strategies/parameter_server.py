@@ -17,6 +17,7 @@ another run's trained values.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import pathlib
@@ -52,12 +53,14 @@ from paramserve.coordinator.strategies.parameter_server_training import (
 from paramserve.coordinator.strategies.step_runners import StepFn, StepRunner
 from paramserve.coordinator.strategies.training_state import TrainingCheckpoints
 from paramserve.psserver.client import ClientConfig, ParameterServerClient, layouts_from_infos
+from paramserve.psserver.dynamic_types import DynamicShardState
 from paramserve.psserver.errors import VariableExistsError
 from paramserve.psserver.optimizer import OptimizerSpec
 from paramserve.psserver.partition import Partitioner
 from paramserve.psserver.security import TOKEN_ENV, check_token
 from paramserve.psserver.types import ClusterContext, ShardPlacement, ShardState, VariableLayout
 from paramserve.wire.v1 import tensor_pb2
+from paramserve.worker.dynamic_embedding import DynamicEmbedding
 from paramserve.worker.variables import (
     RefreshBeforeForward,
     ServerOptimizer,
@@ -80,6 +83,7 @@ class Variable:
     dtype: torch.dtype
     parameter: nn.Parameter | None = None  # dense: the coordinator's own parameter
     table: ShardedEmbedding | None = None  # row variable: never materialised locally
+    dynamic: DynamicEmbedding | None = None  # a dynamic table: rows by id, no layout
     optimizer: OptimizerSpec | None = None
     checkpointed: bool = True  # a metric's state is not: checkpoints hold the model
 
@@ -171,7 +175,7 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         self._roots: list[tuple[str, nn.Module]] = []
         self._materialized = False
         self._created: set[str] = set()  # variables that exist on the servers (for this strategy)
-        self._pending_tables: list[ShardedEmbedding] = []
+        self._pending_tables: list[ShardedEmbedding | DynamicEmbedding] = []
         self._context: ClusterContext | None = None
         self._coordinator_ref: Callable[[], DispatchControl | None] = lambda: None  # weak: a dropped one is collected
         self._generation = 0  # restores so far (ClusterContext.generation)
@@ -224,8 +228,9 @@ class ParameterServerStrategy(SingleReplicaStrategy):
             for name, variable in self._variables.items():
                 if name not in variables and variable.parameter is not None:
                     unmark_variable(variable.parameter)
-                if name not in variables and variable.table is not None:
-                    variable.table.variable, variable.table.home = variable.table.requested_name or "", None
+                table = variable.table or variable.dynamic
+                if name not in variables and table is not None:
+                    table.variable, table.home = table.requested_name or "", None
             self._variables, self._roots = variables, roots
             for handle in self._hook_handles[handles:]:
                 handle.remove()
@@ -264,11 +269,11 @@ class ParameterServerStrategy(SingleReplicaStrategy):
             mark_variable(param, name)
             self._variables[name] = Variable(name, tuple(param.shape), param.dtype, parameter=param)
         for qualified, table in root.named_modules():
-            if isinstance(table, ShardedEmbedding) and not table.adopted():
+            if isinstance(table, (ShardedEmbedding, DynamicEmbedding)) and not table.adopted():
                 self.register_table(table, self._table_name(table, f"{prefix}.{qualified}"))
         self._hook_handles.append(root.register_forward_pre_hook(RefreshBeforeForward(self._access)))
 
-    def _table_name(self, table: ShardedEmbedding, default: str) -> str:
+    def _table_name(self, table: ShardedEmbedding | DynamicEmbedding, default: str) -> str:
         """The variable a table becomes: the name its user gave (under the run name), else
         ``default`` (its place in the model). Raises ValueError when another variable of this
         strategy has that name."""
@@ -313,15 +318,18 @@ class ParameterServerStrategy(SingleReplicaStrategy):
                 self._existing_on_servers([variable_name(p) or "" for p in parameters.values()])
             return parameters
 
-    def register_table(self, table: ShardedEmbedding, name: str | None = None) -> None:
-        """Called by ShardedEmbedding built in scope; named later by its root module."""
+    def register_table(self, table: ShardedEmbedding | DynamicEmbedding, name: str | None = None) -> None:
+        """Called by ShardedEmbedding and DynamicEmbedding built in scope; named later by its root module."""
         with self._lock:
             if name is None:
                 self._pending_tables.append(table)  # named when the scope closes
                 return
             table.variable = name
             table.home = self._access
-            self._variables[name] = Variable(name, table.shape, table.dtype, table=table)
+            if isinstance(table, DynamicEmbedding):
+                self._variables[name] = Variable(name, (0, table.embedding_dim), table.dtype, dynamic=table)
+            else:
+                self._variables[name] = Variable(name, table.shape, table.dtype, table=table)
 
     # ------------------------------------------------------------------ the Strategy API (input)
 
@@ -410,7 +418,7 @@ class ParameterServerStrategy(SingleReplicaStrategy):
             return [n for n, v in self._variables.items() if v.optimizer is None and n not in self._created]
         names = []
         for item in params:
-            item = item.variable if isinstance(item, ShardedEmbedding) else item
+            item = item.variable if isinstance(item, (ShardedEmbedding, DynamicEmbedding)) else item
             name = item if isinstance(item, str) else variable_name(item)
             if name is None or name not in self._variables:
                 raise ValueError(
@@ -436,7 +444,7 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         """Where this strategy's variables live (creating those not yet on the servers)."""
         self.materialize()
         layouts = self.client.layouts
-        return {name: layouts[name] for name in self.variables}
+        return {name: layouts[name] for name, v in self.variables.items() if v.dynamic is None}
 
     def plan_layouts(self) -> dict[str, VariableLayout]:
         """Where each variable's shards go with the current partitioner and servers."""
@@ -444,6 +452,7 @@ class ParameterServerStrategy(SingleReplicaStrategy):
             return {
                 name: self.client.plan_layout(name, v.shape, v.dtype, self.variable_partitioner)
                 for name, v in self._variables.items()
+                if v.dynamic is None
             }
 
     def materialize(
@@ -481,6 +490,20 @@ class ParameterServerStrategy(SingleReplicaStrategy):
                 variable = self._variables.get(state.ref.variable)
                 if variable is not None:  # the servers apply the restored settings from now on
                     variable.optimizer = state.optimizer
+            self._generation += 1
+            self._context = None
+
+    def dynamic_tables(self) -> dict[str, DynamicEmbedding]:
+        """This strategy's dynamic tables by variable name."""
+        with self._lock:
+            return {name: v.dynamic for name, v in self._variables.items() if v.dynamic is not None}
+
+    def restore_dynamic(self, states_by_server: Mapping[int, Sequence[DynamicShardState]]) -> None:
+        """Makes the dynamic tables of ``states_by_server`` exactly those rows on the servers (a
+        restore: each table replaced whole on every server). Call it inside ``quiesced()``."""
+        with self._lock:
+            self.client.dynamic.replace(states_by_server)
+            self._created.update(state.ref.variable for states in states_by_server.values() for state in states)
             self._generation += 1
             self._context = None
 
@@ -600,6 +623,10 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         CheckpointManager(self, path.parent).restore(path, keep_live_settings=True)
 
     def _create(self, variable: Variable) -> None:
+        if variable.dynamic is not None:
+            config = dataclasses.replace(variable.dynamic.config, optimizer=variable.optimizer)
+            self.client.dynamic.create(variable.name, config)
+            return
         if variable.table is not None:
             table = variable.table
             kind = table.initializer
@@ -631,7 +658,9 @@ class ParameterServerStrategy(SingleReplicaStrategy):
             if self._context is None:
                 layouts = self.client.layouts
                 self._context = ClusterContext(
-                    self.cluster.parameter_servers, {name: layouts[name] for name in self._created}, self._generation
+                    self.cluster.parameter_servers,
+                    {name: layouts[name] for name in self._created if name in layouts},
+                    self._generation,
                 )
             return self._context
 

@@ -78,6 +78,13 @@ class CoordinatorAccess:
         found, _ = self.strategy.client.pull_unique_rows(lookups)
         return {name: rows.gathered(lookups[name].shape) for name, rows in found.items()}
 
+    def lookup_dynamic(self, table: str, ids: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
+        """A dynamic table's rows for ``ids`` as the servers hold them (no gradient); a lookup
+        here counts towards admission as a worker's does."""
+        self.strategy.materialize()
+        found, _ = self.strategy.client.pull_unique_rows({table: ids}, dynamic={table: (dim, dtype)})
+        return found[table].gathered(ids.shape)
+
     def apply_gradients(self, names: Sequence[str]) -> None:
         self.strategy.materialize()
         gradients = {}

@@ -11,6 +11,7 @@ are built by it, never the other way round.
 
 from __future__ import annotations
 
+import collections
 import copy
 import os
 import pathlib
@@ -22,6 +23,7 @@ from torch import nn
 
 from paramserve.coordinator.checkpoint_manager import CheckpointManager
 from paramserve.coordinator.cluster_coordinator import ClusterCoordinator
+from paramserve.coordinator.remote_value import RemoteValue, RemoteValueState
 from paramserve.coordinator.strategies.step_runners import StepFn, add_statistics
 from paramserve.psserver import checkpoint
 from paramserve.psserver.optimizer import OptimizerSpec
@@ -115,7 +117,9 @@ class _WorkerSteps:
 
 class ParameterServerStepRunner:
     """``fit``'s steps as closures a ClusterCoordinator schedules on the workers (the one given,
-    or one of its own, shut down by ``close``). Statistics come back at the epoch's end."""
+    or one of its own, shut down by ``close``). Running statistics are those of the closures
+    finished so far (never waited for); the epoch's end waits for every one. ``report`` goes to
+    the coordinator's status page (``ClusterCoordinator.report``)."""
 
     def __init__(
         self,
@@ -129,7 +133,8 @@ class ParameterServerStepRunner:
         self._coordinator = coordinator if coordinator is not None else ClusterCoordinator(strategy)
         self._iterator = iter(self._coordinator.create_per_worker_dataset(dataset_fn))
         self._closure = _WorkerSteps(step)
-        self._values: list[Any] = []
+        self._values: collections.deque[RemoteValue[Any]] = collections.deque()
+        self._totals: torch.Tensor | None = None
 
     def prepare(self) -> None:
         self._strategy.materialize()  # after BackupAndRestore had its chance to restore instead
@@ -138,21 +143,28 @@ class ParameterServerStepRunner:
         return None  # the workers' datasets are endless
 
     def begin_epoch(self) -> None:
-        self._values = []
+        self._values.clear()
+        self._totals = None
 
     def run(self, steps: int) -> int:
         self._values.append(self._coordinator.schedule(self._closure, args=(self._iterator,), steps=steps))
         return steps
 
     def running_totals(self) -> torch.Tensor | None:
-        return None  # results are fetched at the epoch's end
+        # In order, up to the first closure not finished: a failed one stays for end_epoch's join.
+        while self._values and self._values[0].state is RemoteValueState.READY:
+            self._totals = add_statistics(self._totals, self._values.popleft().fetch())
+        return self._totals
 
     def end_epoch(self) -> torch.Tensor | None:
         self._coordinator.join()
-        totals = None
-        for value in self._values:
-            totals = add_statistics(totals, value.fetch())
-        return totals
+        while self._values:
+            self._totals = add_statistics(self._totals, self._values.popleft().fetch())
+        return self._totals
+
+    def report(self, step: int, logs: Mapping[str, float], examples: int) -> None:
+        metrics = {name: value for name, value in logs.items() if name not in ("loss", "step", "samples")}
+        self._coordinator.report(step, loss=logs.get("loss"), samples=examples, **metrics)
 
     def close(self) -> None:
         if self._owned:

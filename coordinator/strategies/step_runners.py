@@ -10,7 +10,7 @@ come back. ParameterServerStrategy's runner schedules them on workers
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from torch import Tensor
@@ -46,6 +46,10 @@ class StepRunner(Protocol):
 
     def end_epoch(self) -> Tensor | None:
         """Waits for the epoch's steps; returns the epoch's statistics."""
+
+    def report(self, step: int, logs: Mapping[str, float], examples: int) -> None:
+        """Where training is, for whoever watches the run: ``step`` steps and ``examples``
+        examples trained so far, and the running ``logs`` (loss, metrics). Never waits."""
 
     def close(self) -> None:
         """Releases what the runner started (called once, also after an error)."""
@@ -106,6 +110,9 @@ class InProcessStepRunner:
 
     def end_epoch(self) -> Tensor | None:
         return self._reduce_pending()
+
+    def report(self, step: int, logs: Mapping[str, float], examples: int) -> None:
+        """Nobody watches an in-process run but its callbacks."""
 
     def close(self) -> None:
         """Nothing to release: the strategy's threads belong to the strategy."""

@@ -75,6 +75,8 @@ class TrainingState:
     """The current epoch (from 0)."""
     step: int = 0
     """Steps run so far in all epochs."""
+    examples: int = 0
+    """Examples trained in the epochs finished so far (in this call of fit)."""
     initial_epoch: int = 0
     """The epoch training starts at; BackupAndRestore raises it when it resumes."""
     stop_training: bool = False

@@ -278,12 +278,24 @@ def _run_epoch(runner: StepRunner, hooks: CallbackList, state: TrainingState, lo
         done += ran
         state.step += ran
         if ran:
-            hooks.on_train_batch_end(state.step, _logs(runner.running_totals(), loop.metrics))
+            totals = runner.running_totals()
+            logs = _logs(totals, loop.metrics)
+            hooks.on_train_batch_end(state.step, logs)
+            runner.report(state.step, logs, state.examples + _examples(totals))
         if ran < wanted:
             break
     if done == 0:
         raise ValueError(f"epoch {state.epoch} ran no step: train_data yielded no batch")
-    return _logs(runner.end_epoch(), loop.metrics)
+    totals = runner.end_epoch()
+    state.examples += _examples(totals)
+    logs = _logs(totals, loop.metrics)
+    runner.report(state.step, logs, state.examples)
+    return logs
+
+
+def _examples(totals: Tensor | None) -> int:
+    """The examples counted in ``totals`` (see ``_batch_stats``)."""
+    return 0 if totals is None else int(totals[1])
 
 
 def _execution_size(done: int, steps_per_epoch: int | None, steps_per_execution: int) -> int:

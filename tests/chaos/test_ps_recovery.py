@@ -75,6 +75,10 @@ def train(cluster, tmp_path, *, kill_ps: int | None, recovery: RecoveryPolicy | 
             manager.save(step=(chunk + 1) * CHECKPOINT_EVERY)
         shards = {state.ref: state for states in strategy.client.export().values() for state in states}
         recoveries = list(coordinator.recovery.recoveries) if coordinator.recovery else []
+        if kill_ps is not None:  # the status page's timeline shows the recovery (coordinator.cluster_status)
+            server = cluster.parameter_servers[kill_ps]
+            kinds = [e.kind for e in coordinator.telemetry.run.view().events if e.subject == server]
+            assert "ps-recovering" in kinds and kinds[-1] == "ps-recovered", kinds
     result = accuracy(model)
     strategy.close()
     return result, shards, recoveries

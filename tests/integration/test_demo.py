@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -68,6 +69,9 @@ def test_demo_trains_reports_json_and_stops_every_process(tmp_path):
     assert summary["test_accuracy"] >= 0.9
     assert (summary["steps"], summary["workers"], summary["parameter_servers"]) == (600, 2, 2)
     assert (pathlib.Path(summary["checkpoint_dir"]) / "LATEST").exists()
+    # It printed its status page's address as it started (with the key of its cluster's token).
+    assert re.search(r"status page: http://127\.0\.0\.1:\d+/\?key=[0-9a-f]{64}", err)
+    assert summary["status_url"] in err
     assert wait_gone(str(tmp_path), time.monotonic() + 30) == []
 
     # The sidecar evaluator reads the parameter servers' checkpoints from the files alone.

@@ -374,3 +374,102 @@ def test_element_wise_losses_are_averaged_per_example():
     loss = evaluate(model, nn.MSELoss(reduction="none"), (x, y), metrics=())  # Keras: the loss alone
     with torch.no_grad():
         assert loss == pytest.approx(float(nn.functional.mse_loss(model(x), y)), rel=1e-6)
+
+
+class ReportingRunner:
+    """A StepRunner double: each step trains 10 examples at loss 0.5; records what fit reports."""
+
+    def __init__(self) -> None:
+        self.totals: torch.Tensor | None = None
+        self.reports: list[tuple[int, dict[str, float], int]] = []
+
+    def prepare(self) -> None: ...
+
+    def epoch_length(self) -> None:
+        return None
+
+    def begin_epoch(self) -> None:
+        self.totals = None
+
+    def run(self, steps: int) -> int:
+        step = torch.tensor([5.0, 10.0], dtype=torch.float64) * steps
+        self.totals = step if self.totals is None else self.totals + step
+        return steps
+
+    def running_totals(self) -> torch.Tensor | None:
+        return self.totals
+
+    def end_epoch(self) -> torch.Tensor | None:
+        return self.totals
+
+    def report(self, step: int, logs, examples: int) -> None:
+        self.reports.append((step, dict(logs), examples))
+
+    def close(self) -> None: ...
+
+
+def test_fit_reports_its_step_loss_and_examples_so_far_after_every_execution_and_epoch():
+    from paramserve.coordinator.training.callbacks import TrainingState
+    from paramserve.coordinator.training.fit import Loop, train
+
+    runner = ReportingRunner()
+    model = nn.Linear(2, 2)
+    state = TrainingState(model, None, None, epochs=2, steps_per_epoch=4)
+    train(runner, state, Loop(2, 4, 2, LOSS, (), None, None, (), False))  # type: ignore[arg-type]
+    loss = {"loss": 0.5}
+    assert runner.reports == [
+        (2, loss, 20),
+        (4, loss, 40),
+        (4, loss, 40),  # the epoch's end
+        (6, loss, 60),  # examples count across epochs
+        (8, loss, 80),
+        (8, loss, 80),
+    ]
+    assert state.examples == 80
+
+
+class ScriptedCoordinator:
+    """What ParameterServerStepRunner asks of a ClusterCoordinator; its closures finish when told."""
+
+    def __init__(self) -> None:
+        from paramserve.coordinator.remote_value import RemoteValue
+
+        self.values: list = []
+        self.reports: list = []
+        self._make = lambda: RemoteValue(f"c{len(self.values)}", "steps")
+
+    def create_per_worker_dataset(self, dataset_fn):
+        return []
+
+    def schedule(self, fn, args=(), steps=1):
+        self.values.append(self._make())
+        return self.values[-1]
+
+    def join(self) -> None:
+        for value in self.values:
+            if not value.done():
+                value.set_result(torch.tensor([1.0, 4.0], dtype=torch.float64))
+
+    def report(self, step, **values):
+        self.reports.append((step, values))
+
+
+def test_parameter_server_running_totals_are_the_closures_finished_so_far_in_order():
+    from paramserve.coordinator.errors import ClosureError
+    from paramserve.coordinator.strategies.parameter_server_training import ParameterServerStepRunner
+
+    coordinator = ScriptedCoordinator()
+    runner = ParameterServerStepRunner(None, lambda batch, size: None, lambda ctx: [], coordinator)  # type: ignore[arg-type]
+    runner.begin_epoch()
+    for _ in range(4):
+        runner.run(1)
+    assert runner.running_totals() is None, "nothing finished: nothing waited for"
+    coordinator.values[0].set_result(torch.tensor([2.0, 8.0], dtype=torch.float64))
+    coordinator.values[2].set_result(torch.tensor([3.0, 8.0], dtype=torch.float64))
+    assert runner.running_totals().tolist() == [2.0, 8.0]  # in order: the second has not finished
+    coordinator.values[1].set_error(ClosureError(remote_type="ValueError", message="bad", function_name="steps"))
+    assert runner.running_totals().tolist() == [2.0, 8.0], "a failed closure is left for the epoch's end"
+    runner.report(3, {"loss": 0.25, "accuracy": 0.5}, 8)
+    assert coordinator.reports == [(3, {"loss": 0.25, "samples": 8, "accuracy": 0.5})]
+    with pytest.raises(ClosureError):
+        runner.end_epoch()

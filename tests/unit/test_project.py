@@ -128,6 +128,7 @@ SERVER_MODULES = [
     "metrics_http",
     "cpus",
     "dataplane_server",
+    "dynamic_table",
 ]
 
 

@@ -234,3 +234,45 @@ class SetHyperparametersResponse(_message.Message):
     SHARDS_UPDATED_FIELD_NUMBER: _ClassVar[int]
     shards_updated: int
     def __init__(self, shards_updated: _Optional[int] = ...) -> None: ...
+
+class CreateDynamicTableRequest(_message.Message):
+    __slots__ = ("ref", "num_shards", "config")
+    REF_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    ref: _tensor_pb2.ShardRef
+    num_shards: int
+    config: _tensor_pb2.DynamicTableConfig
+    def __init__(self, ref: _Optional[_Union[_tensor_pb2.ShardRef, _Mapping]] = ..., num_shards: _Optional[int] = ..., config: _Optional[_Union[_tensor_pb2.DynamicTableConfig, _Mapping]] = ...) -> None: ...
+
+class DynamicTableStats(_message.Message):
+    __slots__ = ("ref", "num_shards", "config", "version", "live_rows", "admissions", "evictions_ttl", "evictions_capacity", "bytes")
+    REF_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    LIVE_ROWS_FIELD_NUMBER: _ClassVar[int]
+    ADMISSIONS_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_TTL_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    ref: _tensor_pb2.ShardRef
+    num_shards: int
+    config: _tensor_pb2.DynamicTableConfig
+    version: int
+    live_rows: int
+    admissions: int
+    evictions_ttl: int
+    evictions_capacity: int
+    bytes: int
+    def __init__(self, ref: _Optional[_Union[_tensor_pb2.ShardRef, _Mapping]] = ..., num_shards: _Optional[int] = ..., config: _Optional[_Union[_tensor_pb2.DynamicTableConfig, _Mapping]] = ..., version: _Optional[int] = ..., live_rows: _Optional[int] = ..., admissions: _Optional[int] = ..., evictions_ttl: _Optional[int] = ..., evictions_capacity: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class DynamicTablesResponse(_message.Message):
+    __slots__ = ("tables",)
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    tables: _containers.RepeatedCompositeFieldContainer[DynamicTableStats]
+    def __init__(self, tables: _Optional[_Iterable[_Union[DynamicTableStats, _Mapping]]] = ...) -> None: ...
+
+class ListDynamicTablesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

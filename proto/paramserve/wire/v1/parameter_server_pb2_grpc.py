@@ -95,6 +95,26 @@ class ParameterServerStub:
                 request_serializer=paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.GetDataPlaneRequest.SerializeToString,
                 response_deserializer=paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.DataPlaneInfo.FromString,
                 _registered_method=True)
+        self.CreateDynamicTable = channel.unary_unary(
+                '/paramserve.wire.v1.ParameterServer/CreateDynamicTable',
+                request_serializer=paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.CreateDynamicTableRequest.SerializeToString,
+                response_deserializer=paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.DynamicTablesResponse.FromString,
+                _registered_method=True)
+        self.ExportDynamicTables = channel.unary_stream(
+                '/paramserve.wire.v1.ParameterServer/ExportDynamicTables',
+                request_serializer=paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.ExportShardsRequest.SerializeToString,
+                response_deserializer=paramserve_dot_wire_dot_v1_dot_tensor__pb2.Chunk.FromString,
+                _registered_method=True)
+        self.ReplaceDynamicTables = channel.stream_unary(
+                '/paramserve.wire.v1.ParameterServer/ReplaceDynamicTables',
+                request_serializer=paramserve_dot_wire_dot_v1_dot_tensor__pb2.Chunk.SerializeToString,
+                response_deserializer=paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.DynamicTablesResponse.FromString,
+                _registered_method=True)
+        self.ListDynamicTables = channel.unary_unary(
+                '/paramserve.wire.v1.ParameterServer/ListDynamicTables',
+                request_serializer=paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.ListDynamicTablesRequest.SerializeToString,
+                response_deserializer=paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.DynamicTablesResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -194,6 +214,32 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CreateDynamicTable(self, request, context):
+        """Dynamic embedding tables (keyed by any int64 id, rows made on lookup): lookups and
+        row-gradient pushes travel in Step, Push and Pull like any sparse read and push.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ExportDynamicTables(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReplaceDynamicTables(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListDynamicTables(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -256,6 +302,26 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.GetDataPlane,
                     request_deserializer=paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.GetDataPlaneRequest.FromString,
                     response_serializer=paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.DataPlaneInfo.SerializeToString,
+            ),
+            'CreateDynamicTable': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateDynamicTable,
+                    request_deserializer=paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.CreateDynamicTableRequest.FromString,
+                    response_serializer=paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.DynamicTablesResponse.SerializeToString,
+            ),
+            'ExportDynamicTables': grpc.unary_stream_rpc_method_handler(
+                    servicer.ExportDynamicTables,
+                    request_deserializer=paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.ExportShardsRequest.FromString,
+                    response_serializer=paramserve_dot_wire_dot_v1_dot_tensor__pb2.Chunk.SerializeToString,
+            ),
+            'ReplaceDynamicTables': grpc.stream_unary_rpc_method_handler(
+                    servicer.ReplaceDynamicTables,
+                    request_deserializer=paramserve_dot_wire_dot_v1_dot_tensor__pb2.Chunk.FromString,
+                    response_serializer=paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.DynamicTablesResponse.SerializeToString,
+            ),
+            'ListDynamicTables': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListDynamicTables,
+                    request_deserializer=paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.ListDynamicTablesRequest.FromString,
+                    response_serializer=paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.DynamicTablesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -582,6 +648,114 @@ class ParameterServer:
             '/paramserve.wire.v1.ParameterServer/GetDataPlane',
             paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.GetDataPlaneRequest.SerializeToString,
             paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.DataPlaneInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateDynamicTable(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/paramserve.wire.v1.ParameterServer/CreateDynamicTable',
+            paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.CreateDynamicTableRequest.SerializeToString,
+            paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.DynamicTablesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportDynamicTables(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/paramserve.wire.v1.ParameterServer/ExportDynamicTables',
+            paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.ExportShardsRequest.SerializeToString,
+            paramserve_dot_wire_dot_v1_dot_tensor__pb2.Chunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReplaceDynamicTables(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/paramserve.wire.v1.ParameterServer/ReplaceDynamicTables',
+            paramserve_dot_wire_dot_v1_dot_tensor__pb2.Chunk.SerializeToString,
+            paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.DynamicTablesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListDynamicTables(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/paramserve.wire.v1.ParameterServer/ListDynamicTables',
+            paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.ListDynamicTablesRequest.SerializeToString,
+            paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.DynamicTablesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -99,16 +99,18 @@ class PushPart(_message.Message):
     def __init__(self, ref: _Optional[_Union[ShardRef, _Mapping]] = ..., values: _Optional[_Union[TensorMeta, _Mapping]] = ..., sparse: _Optional[bool] = ..., num_indices: _Optional[int] = ..., base_version: _Optional[int] = ...) -> None: ...
 
 class PartHeader(_message.Message):
-    __slots__ = ("shard", "pulled", "push", "payload_bytes")
+    __slots__ = ("shard", "pulled", "push", "dynamic", "payload_bytes")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     PULLED_FIELD_NUMBER: _ClassVar[int]
     PUSH_FIELD_NUMBER: _ClassVar[int]
+    DYNAMIC_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     shard: ShardSpec
     pulled: PulledPart
     push: PushPart
+    dynamic: DynamicShardHeader
     payload_bytes: int
-    def __init__(self, shard: _Optional[_Union[ShardSpec, _Mapping]] = ..., pulled: _Optional[_Union[PulledPart, _Mapping]] = ..., push: _Optional[_Union[PushPart, _Mapping]] = ..., payload_bytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, shard: _Optional[_Union[ShardSpec, _Mapping]] = ..., pulled: _Optional[_Union[PulledPart, _Mapping]] = ..., push: _Optional[_Union[PushPart, _Mapping]] = ..., dynamic: _Optional[_Union[DynamicShardHeader, _Mapping]] = ..., payload_bytes: _Optional[int] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("header", "data")
@@ -117,3 +119,47 @@ class Chunk(_message.Message):
     header: PartHeader
     data: bytes
     def __init__(self, header: _Optional[_Union[PartHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class DynamicTableConfig(_message.Message):
+    __slots__ = ("dim", "dtype", "optimizer", "initializer", "admit_after", "default_row", "ttl_steps", "ttl_seconds", "max_rows", "max_bytes", "admission_width", "block_rows")
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    INITIALIZER_FIELD_NUMBER: _ClassVar[int]
+    ADMIT_AFTER_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_ROW_FIELD_NUMBER: _ClassVar[int]
+    TTL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_ROWS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ADMISSION_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_ROWS_FIELD_NUMBER: _ClassVar[int]
+    dim: int
+    dtype: str
+    optimizer: OptimizerSpec
+    initializer: Initializer
+    admit_after: int
+    default_row: str
+    ttl_steps: int
+    ttl_seconds: float
+    max_rows: int
+    max_bytes: int
+    admission_width: int
+    block_rows: int
+    def __init__(self, dim: _Optional[int] = ..., dtype: _Optional[str] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., initializer: _Optional[_Union[Initializer, _Mapping]] = ..., admit_after: _Optional[int] = ..., default_row: _Optional[str] = ..., ttl_steps: _Optional[int] = ..., ttl_seconds: _Optional[float] = ..., max_rows: _Optional[int] = ..., max_bytes: _Optional[int] = ..., admission_width: _Optional[int] = ..., block_rows: _Optional[int] = ...) -> None: ...
+
+class DynamicShardHeader(_message.Message):
+    __slots__ = ("ref", "num_shards", "config", "tensors", "version", "applied_keys")
+    REF_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    ref: ShardRef
+    num_shards: int
+    config: DynamicTableConfig
+    tensors: _containers.RepeatedCompositeFieldContainer[NamedTensorMeta]
+    version: int
+    applied_keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, ref: _Optional[_Union[ShardRef, _Mapping]] = ..., num_shards: _Optional[int] = ..., config: _Optional[_Union[DynamicTableConfig, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[NamedTensorMeta, _Mapping]]] = ..., version: _Optional[int] = ..., applied_keys: _Optional[_Iterable[str]] = ...) -> None: ...

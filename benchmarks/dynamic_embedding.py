@@ -1,0 +1,167 @@
+"""Dynamic embedding tables under a stream of distinct ids: memory against a cap, eviction by
+age, and what a live row costs as the table grows.
+
+    python benchmarks/dynamic_embedding.py [--json] [--ids 10000000] [--cap-mb 128]
+        [--batch 65536] [--ttl-rows 200000] [--rows 1000000,10000000]
+
+Two ``paramserve ps`` processes (one torch thread each); this process drives them through the
+client a worker uses (one exchange per server for a lookup, one for the push of the row
+gradients), with dim-16 float32 rows and Adagrad (value + sum: 128 bytes of state a row).
+
+Resident memory is read 12 s after the last call, once the servers' trimmer has returned what
+the calls freed (as ps_memory.py does).
+
+- dyn_rss_vs_cap: --ids distinct ids (each looked up once and pushed once) stream through a
+  table capped at --cap-mb per server (``max_bytes``); the larger server's resident growth
+  (VmRSS after the stream, less before the table existed) beside the cap. The issue asks <= 1.1.
+- dyn_ttl_evicted: --ttl-rows rows are made and updated once; then other ids' pushes advance
+  the table past ``ttl_steps`` plus one sweep period (a tenth of the TTL): the share of those
+  rows gone (exported live rows counted), beside all of them.
+- dyn_bytes_per_row_<n>: tables grown to n live rows (no cap; one server process per size):
+  resident growth per live row, beside dim x (1 + slots) x 4 = 128 bytes.
+- dyn_us_per_row_<n>: at n live rows, the time a lookup and a push of a batch of existing ids
+  take per row (median of 5 batches).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+from _common import Result, memory_mb, one_torch_thread, print_report, worker_environment
+
+from paramserve.coordinator import LocalCluster
+from paramserve.psserver.client import ClientConfig, ParameterServerClient
+from paramserve.psserver.dynamic_types import DynamicTableConfig
+from paramserve.psserver.optimizer import OptimizerSpec
+from paramserve.psserver.types import RowGradient
+
+DIM = 16
+ROW_STATE_BYTES = DIM * 2 * 4  # value and Adagrad's sum, float32
+SHAPE = {"t": (DIM, torch.float32)}
+TRIM_WAIT_SECONDS = 12.0
+"""Longer than the servers' trimming interval (psserver/memory.py): what a step freed is back."""
+
+
+def cluster() -> LocalCluster:
+    return LocalCluster(num_ps=2, num_workers=1, env=worker_environment(), extra_ps_args=["--torch-threads", "1"])
+
+
+def table(client: ParameterServerClient, **settings: object) -> None:
+    config = DynamicTableConfig(dim=DIM, optimizer=OptimizerSpec("Adagrad", {"lr": 0.01}), **settings)  # type: ignore[arg-type]
+    client.dynamic.create("t", config)
+
+
+def step(client: ParameterServerClient, ids: torch.Tensor, key: str) -> None:
+    """A worker's step on the table: look the ids up, push a gradient for each."""
+    found, versions = client.pull_unique_rows({"t": ids}, dynamic=SHAPE)
+    client.push(
+        {"t": RowGradient(found["t"].ids, torch.full((found["t"].ids.numel(), DIM), 0.01))},
+        key=key,
+        base_versions=versions,
+    )
+
+
+def rss(local: LocalCluster) -> list[float]:
+    return [memory_mb(p.pid, "VmRSS") for p in local.processes if p.role == "ps"]
+
+
+def live(client: ParameterServerClient) -> list[int]:
+    return [s.live_rows for per in client.dynamic.stats().values() for s in per]
+
+
+def stream_under_cap(ids: int, cap_mb: int, batch: int) -> Result:
+    with cluster() as local:
+        client = ParameterServerClient(local.spec.parameter_servers, ClientConfig())
+        before = rss(local)
+        table(client, max_bytes=cap_mb << 20)
+        started = time.perf_counter()
+        for n, start in enumerate(range(0, ids, batch)):
+            step(client, torch.arange(start, min(ids, start + batch)) * 2654435761, f"s{n}")
+        seconds = time.perf_counter() - started
+        time.sleep(TRIM_WAIT_SECONDS)
+        after = rss(local)
+        rows = live(client)
+        client.close()
+    growth = max(a - b for a, b in zip(after, before))
+    print(
+        f"  [cap] {ids:,} ids in {seconds:.0f} s ({ids / seconds:,.0f} ids/s); live rows per server {rows}; "
+        f"RSS growth {[round(a - b, 1) for a, b in zip(after, before)]} MB against a cap of {cap_mb} MB",
+        flush=True,
+    )
+    return Result("dyn_rss_vs_cap", growth, "MB", cap_mb, f"max_bytes per server ({ids:,} distinct ids)")
+
+
+def ttl_eviction(rows: int, batch: int) -> Result:
+    ttl = 20
+    with cluster() as local:
+        client = ParameterServerClient(local.spec.parameter_servers, ClientConfig())
+        table(client, ttl_steps=ttl)
+        old = torch.arange(rows)
+        for n, start in enumerate(range(0, rows, batch)):
+            step(client, old[start : start + batch], f"old{n}")
+        made = sum(live(client))
+        others = torch.arange(-1000, 0)
+        # Every push advances both shards' step; ttl + one sweep period (ttl / 10) later.
+        for n in range(ttl + max(1, ttl // 10) + 1):
+            step(client, others, f"new{n}")
+        held = torch.cat([s.ids for per in client.dynamic.export(["t"]).values() for s in per])
+        left = int((held >= 0).sum())
+        client.close()
+    print(f"  [ttl] {made:,} rows made; {left:,} of them left one sweep period past their TTL", flush=True)
+    return Result("dyn_ttl_evicted", (rows - left) / rows, "share", 1.0, f"{rows:,} rows past ttl_steps={ttl}")
+
+
+def growth(sizes: list[int], batch: int) -> list[Result]:
+    results = []
+    for size in sizes:
+        with cluster() as local:
+            client = ParameterServerClient(local.spec.parameter_servers, ClientConfig())
+            before = rss(local)
+            table(client)
+            for start in range(0, size, batch):
+                ids = torch.arange(start, min(size, start + batch))
+                client.pull_unique_rows({"t": ids}, dynamic=SHAPE)
+            time.sleep(TRIM_WAIT_SECONDS)
+            after = rss(local)
+            held = sum(live(client))
+            timings = []
+            for n in range(5):
+                ids = torch.randint(0, size, (batch,)).unique()
+                started = time.perf_counter()
+                step(client, ids, f"t{n}")
+                timings.append((time.perf_counter() - started) / ids.numel() * 1e6)
+            client.close()
+        per_row = sum(a - b for a, b in zip(after, before)) * 2**20 / held
+        cost = statistics.median(timings)
+        print(f"  [{size:,} rows] {per_row:.0f} bytes a row resident; lookup + push {cost:.2f} us a row", flush=True)
+        results.append(Result(f"dyn_bytes_per_row_{size}", per_row, "B", ROW_STATE_BYTES, "dim x (1 + slots) x 4"))
+        results.append(Result(f"dyn_us_per_row_{size}", cost, "us", cost, "itself"))
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--ids", type=int, default=10_000_000)
+    parser.add_argument("--cap-mb", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=65536)
+    parser.add_argument("--ttl-rows", type=int, default=200_000)
+    parser.add_argument("--rows", default="1000000,10000000")
+    args = parser.parse_args(argv)
+    one_torch_thread()
+    results = [stream_under_cap(args.ids, args.cap_mb, args.batch), ttl_eviction(args.ttl_rows, args.batch)]
+    sized = growth([int(n) for n in args.rows.split(",")], args.batch)
+    first_cost = sized[1].value
+    for result in sized[1::2]:  # time per row at each size, beside the smallest's
+        result.baseline, result.baseline_name = first_cost, "the smallest table's"
+    results += sized
+    print_report("dynamic embedding tables", results, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,636 @@
+"""The cluster's status as a person reads it: the core of the status page and ``paramserve status``.
+
+Plain Python, no HTTP and no threads of its own (``coordinator.status_page`` serves it):
+
+- ``RunLog`` keeps what the coordinator's telemetry hears: each worker's state and its closures
+  done, failed and retried; the parameter servers' recoveries; what the program reports
+  (``ClusterCoordinator.report``: step, loss, samples, metrics); and one bounded timeline of
+  events (workers joining, lost and back, recoveries, checkpoints, errors). Thread-safe; the
+  clock is injected.
+- ``History`` keeps samples of the run's counters taken at regular times, bounded: when full it
+  drops every other sample and keeps one in two from then on, so it always spans the whole run.
+- ``ServerRates`` turns the parameter servers' probes into rows, with pushes per second from the
+  change of their shards' versions.
+- ``build_status`` is the pure function from those to the JSON-ready dict that ``/status.json``
+  serves, the page renders and ``paramserve status`` prints.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import hashlib
+import hmac
+import math
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from paramserve.coordinator.closures import Closure
+
+__all__ = [
+    "ALIVE",
+    "Event",
+    "History",
+    "JOINING",
+    "LOST",
+    "RunLog",
+    "STOPPED",
+    "Sample",
+    "ServerReading",
+    "ServerRates",
+    "StatusInputs",
+    "build_status",
+    "bytes_text",
+    "check_report",
+    "status_key",
+]
+
+ALIVE, JOINING, LOST, STOPPED = "alive", "joining", "lost", "stopped"
+"""A worker as the page shows it: takes closures; not served yet since it joined; its last call
+failed and it is probed; given up (its probes ran out, or the coordinator stopped)."""
+WORKER_ORDER = {LOST: 0, JOINING: 1, STOPPED: 2, ALIVE: 3}
+"""Workers that need a look first."""
+MAX_METRICS = 32
+MAX_NAME_CHARS = 64
+EVENTS_SHOWN = 100
+"""Events in one status (the newest); the log keeps more."""
+SCHEMA = 1
+_KEY_CONTEXT = b"paramserve/v1/status"
+
+
+def status_key(token: str) -> str:
+    """The status page's key for a cluster with ``token``: HMAC-SHA256(token, "paramserve/v1/status").
+    It reads the page and nothing else, and the token cannot be recovered from it (the page's
+    address may carry it: ``ClusterCoordinator.status_url``)."""
+    return hmac.new(token.encode(), _KEY_CONTEXT, hashlib.sha256).hexdigest()
+
+
+def worker_status(previous: str | None, reported: str) -> str:
+    """What the page shows for a worker whose dispatcher reported ``reported`` ("up", "down",
+    "stopped"; coordinator.dispatcher.WorkerState) after it showed ``previous`` (None: new)."""
+    if reported == "up":
+        return ALIVE
+    if reported == "down":
+        return JOINING if previous in (None, JOINING) else LOST
+    return STOPPED
+
+
+@dataclass(frozen=True)
+class Event:
+    """One entry of the timeline: ``kind`` is one of EVENT_KINDS; ``subject`` what it is about."""
+
+    time: float
+    kind: str
+    subject: str
+    message: str
+
+
+EVENT_KINDS = (
+    "worker-joined",
+    "worker-serving",
+    "worker-lost",
+    "worker-recovered",
+    "worker-stopped",
+    "worker-left",
+    "ps-recovering",
+    "ps-recovered",
+    "ps-recovery-failed",
+    "checkpoint",
+    "error",
+)
+
+
+@dataclass
+class WorkerFacts:
+    """One worker as the page shows it."""
+
+    address: str
+    order: int
+    state: str
+    since: float
+    done: int = 0
+    failed: int = 0
+    retried: int = 0
+    last_seen: float | None = None
+    device: str | None = None
+
+    def copy(self) -> WorkerFacts:
+        """A copy (the constructor: a quarter of ``copy.copy``'s cost, which 256 workers feel)."""
+        return WorkerFacts(
+            self.address,
+            self.order,
+            self.state,
+            self.since,
+            self.done,
+            self.failed,
+            self.retried,
+            self.last_seen,
+            self.device,
+        )
+
+
+@dataclass
+class ServerLog:
+    """What recovery told of one parameter server."""
+
+    recovering: bool = False
+    recoveries: int = 0
+    last_result: str | None = None
+    last_time: float | None = None
+
+
+@dataclass(frozen=True)
+class Report:
+    """The program's latest ``ClusterCoordinator.report``."""
+
+    time: float
+    step: int | None
+    loss: float | None
+    samples: float | None
+    metrics: Mapping[str, float]
+
+
+@dataclass(frozen=True)
+class RunView:
+    """A consistent copy of a RunLog."""
+
+    started: float
+    scheduled: int
+    done: int
+    failed: int
+    cancelled: int
+    retried: int
+    steps: int
+    workers: tuple[WorkerFacts, ...]
+    servers: Mapping[str, ServerLog]
+    report: Report | None
+    events: tuple[Event, ...]
+    events_total: int
+
+
+def check_report(
+    step: Any, loss: Any, samples: Any, metrics: Mapping[str, Any]
+) -> tuple[int | None, float | None, float | None, dict[str, float]]:
+    """``ClusterCoordinator.report``'s arguments as numbers; raises ValueError naming a bad one
+    (a number is anything ``float()`` takes: ints, floats, one-element tensors)."""
+    if len(metrics) > MAX_METRICS:
+        raise ValueError(f"report() takes at most {MAX_METRICS} metrics at a time, got {len(metrics)}")
+    values = {name: _number(name, value) for name, value in metrics.items()}
+    for name in values:
+        if not name or len(name) > MAX_NAME_CHARS:
+            raise ValueError(f"a metric name has 1 to {MAX_NAME_CHARS} characters, got {name!r}")
+    checked_step = None if step is None else int(_number("step", step))
+    checked_loss = None if loss is None else _number("loss", loss)
+    checked_samples = None if samples is None else _number("samples", samples)
+    return checked_step, checked_loss, checked_samples, values
+
+
+def _number(name: str, value: Any) -> float:
+    if isinstance(value, (str, bytes)):
+        raise ValueError(f"report(): {name} must be a number, got {value!r}")
+    try:
+        return float(value)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"report(): {name} must be a number, got {type(value).__name__}") from exc
+
+
+class RunLog:
+    """What the coordinator's telemetry heard, per worker and as a timeline (see the module).
+
+    The observer methods run on the dispatch and recovery threads and are quick (one lock, no
+    I/O). ``view()`` copies everything under that lock.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.time, max_events: int = 1000):
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._started = clock()
+        self._counts = collections.Counter[str]()
+        self._workers: dict[str, WorkerFacts] = {}
+        self._joined = 0
+        self._servers: dict[str, ServerLog] = {}
+        self._report: Report | None = None
+        self._events: collections.deque[Event] = collections.deque(maxlen=max_events)
+        self._events_total = 0
+
+    # ---------------------------------------------------------------- closures
+
+    def closure_scheduled(self, closure: Closure) -> None:
+        with self._lock:
+            self._counts["scheduled"] += 1
+
+    def closure_finished(self, closure: Closure) -> None:
+        outcome, now = closure.state.value, self._clock()
+        error = _error_line(closure) if outcome == "failed" else ""
+        with self._lock:
+            worker = self._workers.get(closure.worker or "")
+            if outcome == "succeeded":
+                self._counts["done"] += 1
+                self._counts["steps"] += closure.steps
+                if worker is not None:
+                    worker.done += 1
+                    worker.last_seen = now
+            elif outcome == "failed":
+                self._counts["failed"] += 1
+                if worker is not None:
+                    worker.failed += 1
+                    worker.last_seen = now
+                self._add(now, "error", closure.function_name, error)
+            else:
+                self._counts["cancelled"] += 1
+
+    def closure_retried(self, closure: Closure, code: str) -> None:
+        with self._lock:
+            self._counts["retried"] += 1
+            worker = self._workers.get(closure.worker or "")
+            if worker is not None:
+                worker.retried += 1
+
+    # ---------------------------------------------------------------- workers
+
+    def worker_state(self, address: str, state: str | None) -> None:
+        now = self._clock()
+        with self._lock:
+            worker = self._workers.get(address)
+            if state is None:
+                if worker is not None:
+                    del self._workers[address]
+                    self._add(now, "worker-left", address, "removed from the cluster")
+                return
+            shown = worker_status(worker.state if worker is not None else None, state)
+            if worker is None:
+                self._joined += 1
+                self._workers[address] = WorkerFacts(address, self._joined, shown, now)
+                self._add(
+                    now, "worker-joined", address, "joined" if shown == ALIVE else "joined; probed until it serves"
+                )
+                return
+            previous, worker.state = worker.state, shown
+            if shown == previous:
+                return
+            worker.since = now
+            if shown == ALIVE:
+                worker.last_seen = now
+                kind = "worker-serving" if previous == JOINING else "worker-recovered"
+                self._add(now, kind, address, "serves" if previous == JOINING else "serves again after it was lost")
+            elif shown == LOST:
+                self._add(now, "worker-lost", address, "its call failed: closures went to other workers; probed")
+            elif shown == STOPPED:
+                self._add(now, "worker-stopped", address, "given up (it did not come back, or the coordinator stopped)")
+
+    # ---------------------------------------------------------------- parameter servers and checkpoints
+
+    def parameter_server_recovering(self, server: str) -> None:
+        now = self._clock()
+        with self._lock:
+            self._servers.setdefault(server, ServerLog()).recovering = True
+            self._add(now, "ps-recovering", server, "lost or restarted: training paused while it is recovered")
+
+    def parameter_server_recovered(self, server: str, result: str, seconds: float) -> None:
+        now = self._clock()
+        with self._lock:
+            log = self._servers.setdefault(server, ServerLog())
+            log.recovering, log.recoveries, log.last_result, log.last_time = False, log.recoveries + 1, result, now
+            if result == "failed":
+                self._add(now, "ps-recovery-failed", server, "not recovered: the queued closures failed")
+            else:
+                self._add(now, "ps-recovered", server, f"{result} in {seconds:.2f}s: training resumed")
+
+    def checkpoint(self, step: int, path: str, written_at: float, size: int | None, whole: bool | None) -> None:
+        """A checkpoint was written or restored (``size`` in bytes and ``whole``: None when its
+        directory is not on this machine)."""
+        parts = [f"step {step}", path]
+        if size is not None:
+            parts.append(bytes_text(size))
+        if whole is not None:
+            parts.append("whole" if whole else "NOT whole")
+        with self._lock:
+            self._add(written_at, "checkpoint", f"step {step}", ", ".join(parts))
+
+    # ---------------------------------------------------------------- the program
+
+    def report(self, step: int | None, loss: float | None, samples: float | None, metrics: Mapping[str, float]) -> None:
+        """The program's own figures (checked by ``check_report``); what it leaves out keeps its
+        last value."""
+        now = self._clock()
+        with self._lock:
+            last = self._report
+            if last is not None:
+                step = last.step if step is None else step
+                loss = last.loss if loss is None else loss
+                samples = last.samples if samples is None else samples
+                metrics = {**last.metrics, **metrics}
+                if len(metrics) > MAX_METRICS:
+                    raise ValueError(f"report() keeps at most {MAX_METRICS} metrics in a run")
+            self._report = Report(now, step, loss, samples, dict(metrics))
+
+    # ---------------------------------------------------------------- reading
+
+    def view(self, *, details: bool = True) -> RunView:
+        """A copy of everything (without ``details``: no workers and no events, for the sampler)."""
+        with self._lock:
+            c = self._counts
+            return RunView(
+                started=self._started,
+                scheduled=c["scheduled"],
+                done=c["done"],
+                failed=c["failed"],
+                cancelled=c["cancelled"],
+                retried=c["retried"],
+                steps=c["steps"],
+                workers=tuple(w.copy() for w in self._workers.values()) if details else (),
+                servers={a: copy.copy(s) for a, s in self._servers.items()},
+                report=self._report,
+                events=tuple(self._events) if details else (),
+                events_total=self._events_total,
+            )
+
+    def _add(self, when: float, kind: str, subject: str, message: str) -> None:
+        self._events.append(Event(when, kind, subject, message))
+        self._events_total += 1
+
+
+def _error_line(closure: Closure) -> str:
+    """The first line of a failed closure's error (its RemoteValue raises it)."""
+    try:
+        closure.remote_value.fetch(timeout=0)
+    except Exception as exc:  # the error it holds, whatever its type
+        lines = str(exc).strip().splitlines()
+        return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:300]
+    return "failed"
+
+
+# -------------------------------------------------------------------- history
+
+
+@dataclass(frozen=True)
+class Sample:
+    """The run's counters at one time (cumulative counts; ``queued`` and ``running`` now)."""
+
+    time: float
+    scheduled: int
+    done: int
+    failed: int
+    steps: int
+    queued: int
+    running: int
+    samples: float | None = None
+    loss: float | None = None
+    metrics: Mapping[str, float] = field(default_factory=dict)
+
+
+class History:
+    """Samples over the whole run in at most ``capacity`` (+1: the newest) entries, and the
+    charts' ``series`` of them (computed once per sample taken, however often it is read).
+    Thread-safe."""
+
+    def __init__(self, capacity: int = 600):
+        if capacity < 2 or capacity % 2:
+            raise ValueError(f"capacity must be an even number >= 2, got {capacity}")
+        self._capacity = capacity
+        self._lock = threading.Lock()
+        self._kept: list[Sample] = []
+        self._stride = 1
+        self._offered = 0
+        self._newest: Sample | None = None
+        self._series: dict[str, Any] | None = None
+
+    def add(self, sample: Sample) -> None:
+        with self._lock:
+            self._newest, self._series = sample, None
+            keep = self._offered % self._stride == 0
+            self._offered += 1
+            if not keep:
+                return
+            self._kept.append(sample)
+            if len(self._kept) > self._capacity:
+                self._kept = self._kept[::2]  # the counters are cumulative: rates stay exact
+                self._stride *= 2
+
+    def samples(self) -> list[Sample]:
+        """Oldest first, ending with the newest sample taken."""
+        with self._lock:
+            kept = list(self._kept)
+            if self._newest is not None and (not kept or kept[-1] is not self._newest):
+                kept.append(self._newest)
+            return kept
+
+    def series(self) -> dict[str, Any]:
+        """``series(self.samples())``, cached until the next sample."""
+        with self._lock:
+            cached, taken = self._series, self._offered
+        if cached is None:
+            cached = series(self.samples())
+            with self._lock:
+                if self._offered == taken:  # no sample came meanwhile: this is the newest series
+                    self._series = cached
+        return cached
+
+
+# -------------------------------------------------------------------- parameter servers
+
+
+@dataclass(frozen=True)
+class ServerReading:
+    """One probe of a parameter server: what it holds (``versions``: each shard's version), or
+    None when it did not answer (``reachable``: its port still accepts connections: busy)."""
+
+    address: str
+    incarnation: str | None
+    reachable: bool = False
+    versions: Mapping[str, int] = field(default_factory=dict)
+    bytes: int = 0
+
+
+class ServerRates:
+    """The servers' rows from successive readings: pushes per second is the fastest-moving shard's
+    version change per second (every push bumps the version of each shard it updates)."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, tuple[float, ServerReading]] = {}
+        self._rates: dict[str, float | None] = {}
+        self._latest: dict[str, ServerReading] = {}
+
+    def update(self, now: float, readings: Iterable[ServerReading]) -> None:
+        """Takes one round of probes taken at ``now``."""
+        for reading in readings:
+            self._latest[reading.address] = reading
+            previous = self._last.get(reading.address)
+            if reading.incarnation is None:
+                self._rates[reading.address] = None
+                continue  # keep the last answer: the rate resumes from it
+            rate = None
+            if previous is not None and previous[1].incarnation == reading.incarnation and now > previous[0]:
+                before = previous[1].versions
+                changes = [v - before[ref] for ref, v in reading.versions.items() if ref in before]
+                rate = max(0, *changes) / (now - previous[0]) if changes else None  # no shard to compare yet
+            self._rates[reading.address] = rate
+            self._last[reading.address] = (now, reading)
+
+    def rows(self, addresses: Sequence[str], logs: Mapping[str, ServerLog]) -> list[dict[str, Any]]:
+        """One row per server of ``addresses``, with what recovery told of it (``logs``)."""
+        return [
+            _server_row(a, self._latest.get(a), self._last.get(a), self._rates.get(a), logs.get(a)) for a in addresses
+        ]
+
+
+def _server_row(
+    address: str,
+    reading: ServerReading | None,
+    answered: tuple[float, ServerReading] | None,
+    rate: float | None,
+    log: ServerLog | None,
+) -> dict[str, Any]:
+    held = answered[1] if answered is not None else None
+    if log is not None and log.recovering:
+        state = "recovering"
+    elif reading is None:
+        state = "unknown"
+    elif reading.incarnation is not None:
+        state = "serving"
+    else:
+        state = "busy" if reading.reachable else "unreachable"
+    return {
+        "address": address,
+        "state": state,
+        "shards": len(held.versions) if held is not None else None,
+        "bytes": held.bytes if held is not None else None,
+        "version": max(held.versions.values(), default=0) if held is not None else None,
+        "pushes_per_s": _round(rate),
+        "incarnation": held.incarnation[:8] if held is not None and held.incarnation else None,
+        "recoveries": log.recoveries if log is not None else 0,
+        "last_recovery": log.last_result if log is not None else None,
+        "last_recovery_time": log.last_time if log is not None else None,
+    }
+
+
+# -------------------------------------------------------------------- the status
+
+
+@dataclass(frozen=True)
+class StatusInputs:
+    """Everything ``build_status`` reads, taken at one time ``now`` (Unix seconds)."""
+
+    now: float
+    run: RunView
+    series: Mapping[str, Any]
+    """The charts' data (``series``: ``History.series()``)."""
+    servers: Sequence[Mapping[str, Any]]
+    queued: int
+    running: Mapping[str, int]
+    """Closures in flight by worker address."""
+
+
+def build_status(inputs: StatusInputs) -> dict[str, Any]:
+    """The status as a JSON-ready dict (schema ``SCHEMA``): summary, workers (problems first),
+    parameter servers, the charts' series and the newest events."""
+    run, now = inputs.run, inputs.now
+    workers = sorted(run.workers, key=lambda w: (WORKER_ORDER.get(w.state, 9), w.order))
+    counts = collections.Counter(w.state for w in run.workers)
+    running = sum(inputs.running.values())
+    report = run.report
+    return {
+        "schema": SCHEMA,
+        "time": now,
+        "started": run.started,
+        "state": _headline(inputs, running),
+        "summary": {
+            "workers": {s: counts.get(s, 0) for s in (ALIVE, JOINING, LOST, STOPPED)} | {"total": len(workers)},
+            "closures": {
+                "scheduled": run.scheduled,
+                "queued": inputs.queued,
+                "running": running,
+                "done": run.done,
+                "failed": run.failed,
+                "cancelled": run.cancelled,
+                "retried": run.retried,
+            },
+            "steps": run.steps,
+            "step": report.step if report is not None else None,
+            "loss": _round(report.loss) if report is not None else None,
+            "samples": _round(report.samples) if report is not None else None,
+            "metrics": {k: _round(v) for k, v in sorted(report.metrics.items())} if report is not None else {},
+            "reported": report.time if report is not None else None,
+        },
+        "workers": [_worker_row(w, inputs.running.get(w.address, 0)) for w in workers],
+        "servers": list(inputs.servers),
+        "series": inputs.series,
+        "events": [_event_row(e) for e in run.events[-EVENTS_SHOWN:]],
+        "events_total": run.events_total,
+    }
+
+
+def _headline(inputs: StatusInputs, running: int) -> str:
+    if any(s.get("state") == "recovering" for s in inputs.servers):
+        return "recovering"
+    if running or inputs.queued:
+        return "training"
+    return "idle"
+
+
+def _worker_row(worker: WorkerFacts, running: int) -> dict[str, Any]:
+    return {
+        "address": worker.address,
+        "state": worker.state,
+        "since": round(worker.since, 2),
+        "running": running,
+        "done": worker.done,
+        "failed": worker.failed,
+        "retried": worker.retried,
+        "last_seen": round(worker.last_seen, 2) if worker.last_seen is not None else None,
+        "device": worker.device,
+    }
+
+
+def _event_row(event: Event) -> dict[str, Any]:
+    return {"time": event.time, "kind": event.kind, "subject": event.subject, "message": event.message}
+
+
+def series(samples: Sequence[Sample]) -> dict[str, Any]:
+    """The charts' data: per interval between successive samples, its end time and the rates of
+    the cumulative counters; the gauges and the reported values as sampled."""
+    pairs = list(zip(samples, samples[1:]))
+    names = sorted({name for s in samples for name in s.metrics})
+
+    def rate(value: Callable[[Sample], float | None]) -> list[float | None]:
+        return [_rate(value(a), value(b), b.time - a.time) for a, b in pairs]
+
+    ends = [b for _, b in pairs]
+    return {
+        "t": [round(b.time, 3) for b in ends],
+        "scheduled_per_s": rate(lambda s: s.scheduled),
+        "done_per_s": rate(lambda s: s.done),
+        "failed_per_s": rate(lambda s: s.failed),
+        "steps_per_s": rate(lambda s: s.steps),
+        "samples_per_s": rate(lambda s: s.samples),
+        "queued": [b.queued for b in ends],
+        "running": [b.running for b in ends],
+        "loss": [_round(b.loss) for b in ends],
+        "metrics": {name: [_round(b.metrics.get(name)) for b in ends] for name in names},
+    }
+
+
+def _rate(before: float | None, after: float | None, seconds: float) -> float | None:
+    if before is None or after is None or seconds <= 0:
+        return None
+    return _round(max(0.0, after - before) / seconds)
+
+
+def _round(value: float | None) -> float | None:
+    """JSON has no NaN or infinity: those become null; the rest keeps 4 significant digits."""
+    if value is None or not math.isfinite(value):
+        return None
+    return float(f"{value:.4g}")
+
+
+def bytes_text(size: float) -> str:
+    """A size as the page and the terminal print it (``1.5 MiB``)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GiB"  # pragma: no cover - the loop returns

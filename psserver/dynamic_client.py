@@ -1,0 +1,99 @@
+"""The dynamic tables' control plane, as the client calls it: create a table on every server,
+read each shard's statistics, export its live rows, replace them (a restore). Lookups and row
+pushes are steps (psserver/client.py: ``pull_unique_rows(dynamic=...)`` and pushes of a
+RowGradient by id). ``ParameterServerClient.dynamic`` is one of these."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+
+from paramserve.psserver import convert
+from paramserve.psserver.calls import CallOptions, ServerCalls, Stub
+from paramserve.psserver.dynamic_types import DynamicShardState, DynamicStats, DynamicTableConfig
+from paramserve.psserver.dynamic_wire import config_to_proto, shard_from_part, shard_part, stats_from_proto
+from paramserve.psserver.streams import DEFAULT_CHUNK_BYTES, byte_buffer, encode_parts, read_parts
+from paramserve.psserver.types import ShardRef
+from paramserve.wire.v1 import parameter_server_pb2 as ps_pb2
+
+__all__ = ["DynamicTableCalls"]
+
+
+class DynamicTableCalls:
+    """Control-plane calls for dynamic tables over a client's stubs (with its retries and
+    deadlines); ``learned`` tells the client which tables it may now read and push by id."""
+
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        stubs: Sequence[Stub],
+        calls: ServerCalls,
+        options: CallOptions,
+        learned: Callable[[Mapping[str, tuple[int, torch.dtype]]], None],
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    ):
+        self._servers = range(len(addresses))
+        self._stubs = stubs
+        self._calls = calls
+        self._options = options
+        self._learned = learned
+        self._chunk_bytes = chunk_bytes
+
+    def create(self, name: str, config: DynamicTableConfig) -> list[DynamicStats]:
+        """Creates table ``name`` with one shard on every server (a retry keeps it); raises
+        VariableExistsError where it exists with other settings. Returns each shard's stats."""
+        config.validate()
+        message = config_to_proto(config)
+        created = self._calls.fan_out(
+            {server: None for server in self._servers},
+            lambda server, _: self._stubs[server].unary(
+                "CreateDynamicTable",
+                ps_pb2.CreateDynamicTableRequest(
+                    ref=convert.ref_to_proto(ShardRef(name, server)), num_shards=len(self._servers), config=message
+                ),
+                ps_pb2.DynamicTablesResponse,
+                self._options,
+            ),
+            variable=name,
+        )
+        self._learned({name: (config.dim, config.dtype)})
+        return [stats_from_proto(t) for server in sorted(created) for t in created[server].tables]
+
+    def stats(self) -> dict[int, list[DynamicStats]]:
+        """Every dynamic table shard each server holds: live rows, admissions, evictions, bytes."""
+        replies = self._calls.fan_out(
+            {server: None for server in self._servers},
+            lambda server, _: self._stubs[server].unary(
+                "ListDynamicTables", ps_pb2.ListDynamicTablesRequest(), ps_pb2.DynamicTablesResponse, self._options
+            ),
+        )
+        return {server: [stats_from_proto(t) for t in reply.tables] for server, reply in replies.items()}
+
+    def export(self, names: Sequence[str] | None = None) -> dict[int, list[DynamicShardState]]:
+        """Every live row of the tables ``names`` (all for None), by server."""
+
+        def export(server: int) -> list[DynamicShardState]:
+            refs = [convert.ref_to_proto(ShardRef(name, server)) for name in names or ()]
+            request = ps_pb2.ExportShardsRequest(refs=refs, chunk_bytes=self._chunk_bytes)
+            stream = self._stubs[server].unary_stream("ExportDynamicTables", request, self._options)
+            return [
+                shard_from_part(header.dynamic, payload)
+                for header, payload in read_parts(stream, lambda h: byte_buffer(h.payload_bytes))
+            ]
+
+        return self._calls.fan_out({server: None for server in self._servers}, lambda server, _: export(server))
+
+    def replace(self, states_by_server: Mapping[int, Sequence[DynamicShardState]]) -> None:
+        """Makes the servers' shards of these tables exactly ``states_by_server`` (a restore)."""
+        self._calls.fan_out(
+            dict(states_by_server),
+            lambda server, states: self._stubs[server].stream_unary(
+                "ReplaceDynamicTables",
+                lambda: encode_parts((shard_part(s) for s in states), self._chunk_bytes),
+                ps_pb2.DynamicTablesResponse,
+                self._options,
+            ),
+        )
+        states = [s for per in states_by_server.values() for s in per]
+        self._learned({s.ref.variable: (s.config.dim, s.config.dtype) for s in states})

@@ -1,0 +1,397 @@
+"""The data structures behind a dynamic embedding table, in torch and without locks.
+
+Pure and shared by both sides: the client partitions ids with :func:`owner_of`; the server
+keeps one shard's rows in a :class:`RowArena` (preallocated blocks of rows with a free list),
+finds them through an :class:`IdIndex` (open addressing over two flat tensors), counts
+sightings of ids not yet admitted in an :class:`AdmissionFilter` (a count-min sketch of fixed
+size), makes a new row with :func:`initial_rows` (deterministic per id and seed), and decides
+what to evict with :func:`expired` and :func:`least_recently_used`. None of them locks: the
+owning table's lock serialises every call (psserver/dynamic_table.py).
+
+The hash is splitmix64 (Steele, Lea and Flood, 2014: the finaliser of Java's SplittableRandom),
+computed on int64 tensors with wrapping arithmetic and logical shifts, so a batch of ids is
+hashed in a handful of vector operations and every process, on any machine, agrees.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "AdmissionFilter",
+    "IdIndex",
+    "RowArena",
+    "expired",
+    "initial_rows",
+    "least_recently_used",
+    "owner_of",
+    "splitmix64",
+]
+
+_MASK64 = (1 << 64) - 1
+
+
+def _signed(value: int) -> int:
+    """A 64-bit unsigned constant as the int64 with the same bits."""
+    value &= _MASK64
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_GOLDEN = _signed(0x9E3779B97F4A7C15)
+_MIX1 = _signed(0xBF58476D1CE4E5B9)
+_MIX2 = _signed(0x94D049BB133111EB)
+_INDEX_SALT = _signed(0x5851F42D4C957F2D)
+"""Mixed into an id before it picks its index bucket: the bucket must not follow from the
+owner (the same hash modulo the number of servers), or every id of a server would share a
+residue and leave buckets unused."""
+_FILTER_SALTS = (_signed(0x2545F4914F6CDD1D), _signed(0x9FB21C651E98DF25), _signed(0xD6E8FEB86659FD93))
+
+
+def _shift_right(x: Tensor, bits: int) -> Tensor:
+    """Logical (unsigned) right shift of int64 values: torch's ``>>`` is arithmetic."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def splitmix64(x: Tensor) -> Tensor:
+    """splitmix64 of each int64 value (its bits as an unsigned 64-bit integer), as int64."""
+    z = x.to(torch.int64) + _GOLDEN
+    z = (z ^ _shift_right(z, 30)) * _MIX1
+    z = (z ^ _shift_right(z, 27)) * _MIX2
+    return z ^ _shift_right(z, 31)
+
+
+def owner_of(ids: Tensor, num_shards: int) -> Tensor:
+    """The shard (one per parameter server) each id belongs to: the low 63 bits of
+    ``splitmix64(id)`` modulo ``num_shards``. Stable across processes and versions: a
+    checkpoint restored onto another number of servers moves each row by this rule."""
+    if num_shards < 1:
+        raise ValueError(f"a dynamic table needs at least one shard, got {num_shards}")
+    return (splitmix64(ids) & ((1 << 63) - 1)) % num_shards
+
+
+def _uniform(bits: Tensor) -> Tensor:
+    """Doubles in [0, 1) from the top 53 bits of each hash."""
+    return _shift_right(bits, 11).to(torch.float64) * (1.0 / (1 << 53))
+
+
+def initial_rows(ids: Tensor, dim: int, kind: str, a: float, b: float, seed: int, dtype: torch.dtype) -> Tensor:
+    """Each id's initial row: a function of (id, column, seed) only, so a row evicted and
+    admitted again, or made on another server, is the same row. ``kind``: "zeros", "constant"
+    (a), "normal" (mean a, std b; Box-Muller over two hashed uniforms) or "uniform" ([a, b))."""
+    n = ids.numel()
+    if kind == "zeros" or n == 0:
+        return torch.zeros((n, dim), dtype=dtype)
+    if kind == "constant":
+        return torch.full((n, dim), a, dtype=dtype)
+    base = splitmix64(ids.reshape(-1).to(torch.int64) ^ splitmix64(torch.tensor([seed], dtype=torch.int64)))
+    draws = 2 * dim if kind == "normal" else dim
+    counters = torch.arange(1, draws + 1, dtype=torch.int64) * _GOLDEN
+    uniform = _uniform(splitmix64(base[:, None] + counters[None, :]))
+    if kind == "uniform":
+        return (a + (b - a) * uniform).to(dtype)
+    if kind == "normal":
+        radius = torch.sqrt(-2.0 * torch.log1p(-uniform[:, :dim]))
+        return (a + b * radius * torch.cos(2.0 * math.pi * uniform[:, dim:])).to(dtype)
+    raise ValueError(f"unknown initializer {kind!r} for a dynamic table; use zeros, constant, normal or uniform")
+
+
+# ---------------------------------------------------------------- the index
+
+
+class IdIndex:
+    """id -> arena slot, by open addressing with linear probing over two flat tensors (keys
+    int64, slots int32; -1 empty, -2 deleted): 12 bytes a bucket, 2 to 4 buckets a live id
+    after a rebuild. Every call
+    takes a batch of ids and probes them together, one vector step per probe distance."""
+
+    EMPTY = -1
+    DELETED = -2
+
+    REBUILT_LOAD = 0.5
+
+    def __init__(self, capacity: int = 1024, max_load: float = 0.75):
+        if not self.REBUILT_LOAD < max_load < 1.0:
+            raise ValueError(f"max_load must be in ({self.REBUILT_LOAD}, 1), got {max_load}")
+        self.max_load = max_load
+        self.live = 0
+        self._used = 0  # live and deleted buckets: what probing walks over
+        self._allocate(_power_of_two(max(16, capacity)))
+
+    def _allocate(self, capacity: int) -> None:
+        self._keys = torch.zeros(capacity, dtype=torch.int64)
+        self._slots = torch.full((capacity,), self.EMPTY, dtype=torch.int32)
+        self._mask = capacity - 1
+        self._used = 0
+        self.live = 0
+
+    @property
+    def capacity(self) -> int:
+        return self._keys.numel()
+
+    @property
+    def nbytes(self) -> int:
+        return self._keys.numel() * 8 + self._slots.numel() * 4
+
+    def _start(self, ids: Tensor) -> Tensor:
+        return splitmix64(ids ^ _INDEX_SALT) & self._mask
+
+    def _probe(self, ids: Tensor) -> tuple[Tensor, Tensor]:
+        """(bucket, slot) of each id; slot -1 (and bucket meaningless) for an absent id."""
+        n = ids.numel()
+        buckets = torch.full((n,), -1, dtype=torch.int64)
+        slots = torch.full((n,), -1, dtype=torch.int64)
+        active = torch.arange(n)
+        position = self._start(ids)
+        while active.numel():
+            held = self._slots[position]
+            hit = (held >= 0) & (self._keys[position] == ids[active])
+            buckets[active[hit]] = position[hit]
+            slots[active[hit]] = held[hit].to(torch.int64)
+            going_on = ~hit & (held != self.EMPTY)
+            active, position = active[going_on], (position[going_on] + 1) & self._mask
+        return buckets, slots
+
+    def find(self, ids: Tensor) -> Tensor:
+        """The slot of each id (int64), -1 where the index does not hold it."""
+        return self._probe(ids)[1]
+
+    def insert(self, ids: Tensor, slots: Tensor) -> None:
+        """Adds ``ids`` (distinct, none held already) with their slots."""
+        self._reserve(ids.numel())
+        self._place(ids, slots.to(torch.int32))
+
+    def _place(self, ids: Tensor, slots: Tensor) -> None:
+        active = torch.arange(ids.numel())
+        position = self._start(ids)
+        while active.numel():
+            held = self._slots[position]
+            free = held < 0
+            claim, at = active[free], position[free]
+            self._keys[at] = ids[claim]  # several may claim one bucket: one write survives
+            won = self._keys[at] == ids[claim]
+            self._used += int((held[free][won] == self.EMPTY).sum())
+            self._slots[at[won]] = slots[claim[won]]
+            self.live += int(won.sum())
+            going_on = torch.ones(active.numel(), dtype=torch.bool)
+            going_on[free.nonzero().reshape(-1)[won]] = False
+            active, position = active[going_on], (position[going_on] + 1) & self._mask
+
+    def remove(self, ids: Tensor) -> Tensor:
+        """Forgets ``ids``; returns the slots they held (ids not held are skipped)."""
+        buckets, slots = self._probe(ids)
+        held = slots >= 0
+        self._slots[buckets[held]] = self.DELETED
+        self.live -= int(held.sum())
+        return slots[held]
+
+    def items(self) -> tuple[Tensor, Tensor]:
+        """Every live (id, slot), in bucket order."""
+        live = self._slots >= 0
+        return self._keys[live], self._slots[live].to(torch.int64)
+
+    def _reserve(self, extra: int) -> None:
+        """Rebuilds the index before probing would walk too far: when live and deleted buckets
+        would pass ``max_load``, at the size that puts the live ids at ``REBUILT_LOAD`` or below
+        (larger, or smaller after many deletions), so the next rebuild is at least a quarter of
+        the buckets' inserts or deletions away: O(1) amortised per id."""
+        if self._used + extra <= self.max_load * self.capacity:
+            return
+        ids, slots = self.items()
+        self._allocate(_power_of_two(max(16, math.ceil((self.live + extra) / self.REBUILT_LOAD))))
+        self._place(ids, slots.to(torch.int32))
+
+
+def _power_of_two(n: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(n)))
+
+
+# ---------------------------------------------------------------- the arena
+
+
+class RowArena:
+    """Rows in preallocated blocks of ``block_rows`` (the last block of a capped arena is cut
+    to the cap), one tensor per block and column, with a free list: a freed slot is reused by
+    the next allocation, so memory grows with the live rows' high-water mark, never past
+    ``max_rows``. ``columns``: name -> (row shape, dtype), e.g. ``{"value": ((16,),
+    torch.float32), "ids": ((), torch.int64)}``."""
+
+    def __init__(
+        self, columns: Mapping[str, tuple[tuple[int, ...], torch.dtype]], block_rows: int, max_rows: int | None = None
+    ):
+        if block_rows < 1 or (max_rows is not None and max_rows < 1):
+            raise ValueError(f"a row arena needs positive sizes, got block_rows={block_rows}, max_rows={max_rows}")
+        self.columns = dict(columns)
+        self.block_rows = block_rows if max_rows is None else min(block_rows, max_rows)
+        self.max_rows = max_rows
+        self._blocks: dict[str, list[Tensor]] = {name: [] for name in self.columns}
+        self._free = torch.empty(0, dtype=torch.int64)
+        self._free_count = 0
+        self.capacity = 0
+
+    @property
+    def live(self) -> int:
+        return self.capacity - self._free_count
+
+    @property
+    def nbytes(self) -> int:
+        return sum(block.nbytes for blocks in self._blocks.values() for block in blocks) + self._free.nbytes
+
+    def row_bytes(self) -> int:
+        """Bytes a row takes across every column."""
+        return sum(
+            math.prod(shape) * torch.empty((), dtype=dtype).element_size() for shape, dtype in self.columns.values()
+        )
+
+    def allocate(self, count: int) -> Tensor:
+        """``count`` free slots (int64); raises MemoryError past ``max_rows``."""
+        while self._free_count < count:
+            self._add_block()
+        self._free_count -= count
+        return self._free[self._free_count : self._free_count + count].clone()
+
+    def release(self, slots: Tensor) -> None:
+        """Returns ``slots`` (distinct, allocated) to the free list."""
+        n = slots.numel()
+        self._free[self._free_count : self._free_count + n] = slots
+        self._free_count += n
+
+    def _add_block(self) -> None:
+        rows = self.block_rows
+        if self.max_rows is not None:
+            rows = min(rows, self.max_rows - self.capacity)
+            if rows <= 0:
+                raise MemoryError(f"the row arena holds its cap of {self.max_rows} rows")
+        for name, (shape, dtype) in self.columns.items():
+            self._blocks[name].append(torch.zeros((rows, *shape), dtype=dtype))
+        free = torch.empty(self.capacity + rows, dtype=torch.int64)
+        free[: self._free_count] = self._free[: self._free_count]
+        # Reversed, so that allocations take a new block's slots in ascending order.
+        free[self._free_count : self._free_count + rows] = torch.arange(
+            self.capacity + rows - 1, self.capacity - 1, -1, dtype=torch.int64
+        )
+        self._free = free
+        self._free_count += rows
+        self.capacity += rows
+
+    def _grouped(self, slots: Tensor) -> Iterator[tuple[int, Tensor | None, Tensor]]:
+        """(block, positions in ``slots`` or None for all, offsets in the block) per block touched."""
+        if slots.numel() == 0:
+            return
+        which = slots // self.block_rows
+        low, high = (int(v) for v in torch.aminmax(which))
+        if low == high:
+            yield low, None, slots - low * self.block_rows
+            return
+        order = torch.argsort(which, stable=True)
+        counts = torch.bincount(which, minlength=high + 1)
+        for block, positions in zip(range(high + 1), order.split(counts.tolist())):
+            if positions.numel():
+                yield block, positions, slots[positions] - block * self.block_rows
+
+    def gather(self, column: str, slots: Tensor) -> Tensor:
+        """Copies of ``column`` at ``slots``, in their order."""
+        shape, dtype = self.columns[column]
+        blocks = self._blocks[column]
+        out = torch.empty((slots.numel(), *shape), dtype=dtype)
+        for block, positions, offsets in self._grouped(slots):
+            if positions is None:
+                torch.index_select(blocks[block], 0, offsets, out=out)
+            else:
+                out[positions] = blocks[block].index_select(0, offsets)
+        return out
+
+    def scatter(self, column: str, slots: Tensor, values: Tensor) -> None:
+        """Writes ``values[i]`` (shape ``[len(slots), *row shape]``) to ``column`` at ``slots[i]``."""
+        blocks = self._blocks[column]
+        for block, positions, offsets in self._grouped(slots):
+            piece = values if positions is None else values[positions]
+            blocks[block].index_copy_(0, offsets, piece.to(blocks[block].dtype))
+
+
+# ---------------------------------------------------------------- admission
+
+
+class AdmissionFilter:
+    """How often each id was seen, approximately and in fixed memory: a count-min sketch of
+    ``depth`` rows of ``width`` int32 counters. An estimate is never below the true count
+    (an id is never admitted late), and above it only when other ids share all its counters.
+    Every ``10 * width`` sightings every counter is halved (TinyLFU's reset), so ids seen long
+    ago stop crowding the sketch: an id must be seen N times within about that many sightings."""
+
+    def __init__(self, width: int, depth: int = 2):
+        if width < 1 or not 1 <= depth <= len(_FILTER_SALTS):
+            raise ValueError(f"an admission filter needs width >= 1 and depth in 1..{len(_FILTER_SALTS)}")
+        self.width = width
+        self.depth = depth
+        self._counts = torch.zeros((depth, width), dtype=torch.int32)
+        self._since_reset = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self._counts.nbytes
+
+    def _cells(self, ids: Tensor) -> Tensor:
+        rows = [(splitmix64(ids ^ salt) & ((1 << 63) - 1)) % self.width for salt in _FILTER_SALTS[: self.depth]]
+        return torch.stack(rows)  # [depth, n]
+
+    def add(self, ids: Tensor) -> Tensor:
+        """Counts one sighting of each id (distinct); returns each one's estimated count since."""
+        cells = self._cells(ids)
+        ones = torch.ones(ids.numel(), dtype=torch.int32)
+        for row in range(self.depth):
+            self._counts[row].index_add_(0, cells[row], ones)
+        estimate = self.estimate_cells(cells)
+        self._since_reset += ids.numel()
+        if self._since_reset >= 10 * self.width:
+            self._counts //= 2
+            self._since_reset = 0
+        return estimate
+
+    def estimate(self, ids: Tensor) -> Tensor:
+        return self.estimate_cells(self._cells(ids))
+
+    def estimate_cells(self, cells: Tensor) -> Tensor:
+        return torch.stack([self._counts[row][cells[row]] for row in range(self.depth)]).amin(0)
+
+    def forget(self, ids: Tensor) -> None:
+        """Zeroes the counters of ``ids`` (evicted: they are admitted again from scratch; ids
+        sharing a counter lose their count too, which only delays their admission)."""
+        cells = self._cells(ids)
+        for row in range(self.depth):
+            self._counts[row][cells[row]] = 0
+
+
+# ---------------------------------------------------------------- eviction decisions
+
+
+def expired(
+    updated_step: Tensor,
+    updated_at: Tensor,
+    step: int,
+    now: float,
+    ttl_steps: int | None,
+    ttl_seconds: float | None,
+) -> Tensor:
+    """Which rows outlived their time to live: not updated for more than ``ttl_steps`` of the
+    table's steps, or more than ``ttl_seconds`` (either one; None: that bound is off)."""
+    old = torch.zeros(updated_step.numel(), dtype=torch.bool)
+    if ttl_steps is not None:
+        old |= (step - updated_step) > ttl_steps
+    if ttl_seconds is not None:
+        old |= (now - updated_at) > ttl_seconds
+    return old
+
+
+def least_recently_used(used: Tensor, count: int, protected_from: int) -> Tensor:
+    """Positions of the ``count`` rows used longest ago, among those last used before tick
+    ``protected_from`` (rows the current request uses are never evicted to make room)."""
+    candidates = (used < protected_from).nonzero().reshape(-1)
+    count = min(count, candidates.numel())
+    if count <= 0:
+        return torch.empty(0, dtype=torch.int64)
+    picked = torch.topk(used[candidates], count, largest=False, sorted=False).indices
+    return candidates[picked]

@@ -1,0 +1,226 @@
+"""The pure parts of dynamic tables: hashing and partitioning, initial rows, the index, the row
+arena, admission counting, eviction decisions, and one shard's core with time passed in."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from paramserve.psserver.dynamic_rows import (
+    AdmissionFilter,
+    IdIndex,
+    RowArena,
+    expired,
+    initial_rows,
+    least_recently_used,
+    owner_of,
+    splitmix64,
+)
+from paramserve.psserver.dynamic_table import DynamicShard, PushSettings
+from paramserve.psserver.dynamic_types import DynamicTableConfig, rehash
+from paramserve.psserver.errors import DtypeMismatchError, InvalidRequestError, NonFiniteGradientError
+from paramserve.psserver.optimizer import OptimizerSpec
+from paramserve.psserver.types import ShardRef
+
+MASK = (1 << 64) - 1
+
+
+def reference_splitmix64(x: int) -> int:
+    z = (x + 0x9E3779B97F4A7C15) & MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK
+    return z ^ (z >> 31)
+
+
+def test_splitmix64_matches_the_reference_on_every_kind_of_int64():
+    values = [0, 1, -1, 2**63 - 1, -(2**63), 123456789, -987654321012]
+    assert reference_splitmix64(0) == 0xE220A8397B1DCDAF  # the published first output for seed 0
+    assert [h & MASK for h in splitmix64(torch.tensor(values)).tolist()] == [
+        reference_splitmix64(v & MASK) for v in values
+    ]
+
+
+def test_owners_are_stable_balanced_and_in_range():
+    ids = torch.arange(-50_000, 50_000) * 7
+    owners = owner_of(ids, 3)
+    assert torch.equal(owners, owner_of(ids.flip(0), 3).flip(0))
+    counts = torch.bincount(owners, minlength=3)
+    assert int(owners.min()) >= 0 and int(owners.max()) <= 2
+    assert float(counts.min()) > 0.97 * ids.numel() / 3
+    with pytest.raises(ValueError):
+        owner_of(ids, 0)
+
+
+def test_an_ids_initial_row_depends_on_id_and_seed_only():
+    one = initial_rows(torch.tensor([5, 9]), 6, "normal", 0.0, 2.0, 1, torch.float32)
+    alone = initial_rows(torch.tensor([9]), 6, "normal", 0.0, 2.0, 1, torch.float32)
+    assert torch.equal(one[1], alone[0]) and not torch.equal(one[0], one[1])
+    assert not torch.equal(alone, initial_rows(torch.tensor([9]), 6, "normal", 0.0, 2.0, 2, torch.float32))
+    many = initial_rows(torch.arange(20_000), 8, "normal", 0.0, 2.0, 0, torch.float64)
+    assert abs(float(many.mean())) < 0.05 and abs(float(many.std()) - 2.0) < 0.05
+    uniform = initial_rows(torch.arange(1000), 4, "uniform", -0.5, 0.5, 0, torch.float32)
+    assert float(uniform.min()) >= -0.5 and float(uniform.max()) < 0.5
+    assert torch.equal(initial_rows(torch.arange(3), 2, "zeros", 0, 0, 0, torch.float32), torch.zeros(3, 2))
+
+
+def test_the_index_agrees_with_a_dict_through_inserts_removals_and_rebuilds():
+    rng = random.Random(0)
+    index, model = IdIndex(capacity=16), {}
+    next_slot = 0
+    for _ in range(60):
+        fresh = list({rng.randrange(-(2**62), 2**62) for _ in range(rng.randrange(1, 300))} - set(model))
+        index.insert(torch.tensor(fresh, dtype=torch.int64), torch.arange(next_slot, next_slot + len(fresh)))
+        model.update({key: next_slot + i for i, key in enumerate(fresh)})
+        next_slot += len(fresh)
+        gone = rng.sample(sorted(model), k=len(model) // 3)
+        removed = index.remove(torch.tensor(gone + [7], dtype=torch.int64))  # 7: not held, skipped
+        assert sorted(removed.tolist()) == sorted(model.pop(key) for key in gone)
+    keys = torch.tensor(sorted(model), dtype=torch.int64)
+    assert index.find(keys).tolist() == [model[k] for k in sorted(model)]
+    assert index.live == len(model) and index.capacity <= 4 * max(16, len(model)) * 2
+    held, slots = index.items()
+    assert dict(zip(held.tolist(), slots.tolist())) == model
+
+
+def test_the_arena_reuses_freed_slots_and_never_passes_its_cap():
+    arena = RowArena({"value": ((3,), torch.float32), "ids": ((), torch.int64)}, block_rows=4, max_rows=10)
+    slots = arena.allocate(9)
+    arena.scatter("value", slots, torch.arange(27.0).reshape(9, 3))
+    assert torch.equal(arena.gather("value", slots.flip(0)), torch.arange(27.0).reshape(9, 3).flip(0))
+    arena.release(slots[:5])
+    again = arena.allocate(6)
+    assert arena.capacity == 10 and arena.live == 10
+    assert set(again.tolist()) >= set(slots[:5].tolist())
+    with pytest.raises(MemoryError):
+        arena.allocate(1)
+
+
+def test_the_admission_filter_never_counts_low_and_forgets_evicted_ids():
+    sketch = AdmissionFilter(width=64)
+    ids = torch.arange(200)
+    for _ in range(3):
+        counts = sketch.add(ids)
+    assert bool((counts >= 3).all()), "a count-min sketch only over-counts"
+    sketch.forget(torch.tensor([5]))
+    assert int(sketch.estimate(torch.tensor([5]))) == 0
+    wide = AdmissionFilter(width=1 << 16)
+    wide.add(torch.tensor([1, 2]))
+    assert wide.add(torch.tensor([1])).tolist() == [2] and wide.estimate(torch.tensor([2])).tolist() == [1]
+
+
+def test_counts_halve_after_ten_sightings_per_counter():
+    sketch = AdmissionFilter(width=8, depth=1)
+    for _ in range(79):
+        sketch.add(torch.tensor([3]))
+    assert int(sketch.estimate(torch.tensor([3]))) == 79
+    assert int(sketch.add(torch.tensor([3]))) == 80, "the 80th sighting is counted, then every counter halves"
+    assert int(sketch.estimate(torch.tensor([3]))) == 40
+
+
+def test_expiry_by_steps_and_by_seconds():
+    updated, at = torch.tensor([0, 5, 10]), torch.tensor([0.0, 50.0, 100.0], dtype=torch.float64)
+    assert expired(updated, at, 10, 100.0, 4, None).tolist() == [True, True, False]
+    assert expired(updated, at, 10, 100.0, None, 60.0).tolist() == [True, False, False]
+    assert expired(updated, at, 10, 100.0, None, None).tolist() == [False, False, False]
+
+
+def test_least_recently_used_spares_the_rows_the_current_request_uses():
+    used = torch.tensor([5, 1, 9, 3, 9])
+    assert sorted(least_recently_used(used, 2, protected_from=9).tolist()) == [1, 3]
+    assert sorted(least_recently_used(used, 10, protected_from=9).tolist()) == [0, 1, 3]
+
+
+# ---------------------------------------------------------------- one shard's core
+
+ADAM = OptimizerSpec("Adam", {"lr": 0.1})
+
+
+def shard(num_shards: int = 1, **settings: object) -> DynamicShard:
+    config = DynamicTableConfig(**{"dim": 3, "optimizer": ADAM, **settings})  # type: ignore[arg-type]
+    return DynamicShard(ShardRef("t", 0), num_shards, config, idempotency_capacity=16)
+
+
+def test_admission_counts_lookups_and_drops_gradients_of_ids_without_rows():
+    table = shard(admit_after=2)
+    ids = torch.tensor([1, 2])
+    first, _ = table.lookup(ids, now=0.0)
+    assert torch.equal(first, torch.zeros(2, 3)) and table.stats().live_rows == 0
+    table.push(ids, torch.ones(2, 3), "k", -1, now=0.0)
+    assert table.stats().live_rows == 0, "no row is made by a push"
+    second, _ = table.lookup(ids, now=0.0)
+    assert torch.equal(second, initial_rows(ids, 3, "normal", 0.0, 1.0, 0, torch.float32))
+
+
+def test_a_push_is_torch_adam_on_the_touched_rows_and_applies_once_per_key():
+    table = shard()
+    rows, _ = table.lookup(torch.tensor([4, 8]), now=0.0)
+    grads = torch.tensor([[1.0, -2.0, 0.5], [0.0, 1.0, 1.0]])
+    applied = table.push(torch.tensor([8, 4, 8]), torch.cat([grads[1:], grads[:1], grads[1:]]), "k", -1, now=1.0)
+    duplicate = table.push(torch.tensor([8]), torch.ones(1, 3), "k", -1, now=1.0)
+    reference = torch.nn.Parameter(rows.clone())
+    optimizer = torch.optim.Adam([reference], lr=0.1)
+    reference.grad = torch.stack([grads[0], 2 * grads[1]])
+    optimizer.step()
+    after, version = table.lookup(torch.tensor([4, 8]), now=1.0)
+    assert torch.allclose(after, reference.detach(), atol=1e-7)
+    assert applied.applied and not duplicate.applied and version == 1
+
+
+def test_rows_expire_by_seconds_at_the_next_sweep_and_come_back_as_new():
+    table = shard(ttl_seconds=10.0)
+    ids = torch.tensor([1, 2, 3])
+    table.lookup(ids, now=0.0)
+    table.push(torch.tensor([1]), torch.ones(1, 3), "a", -1, now=8.0)
+    table.lookup(torch.tensor([99]), now=12.0)  # a sweep is due (every 1 s): 2 and 3 are 12 s old
+    held = table.export().ids.tolist()
+    assert held == [1, 99] and table.stats().evictions_ttl == 2
+
+
+def test_a_row_cap_evicts_the_least_recently_used_first():
+    table = shard(max_rows=64)
+    table.lookup(torch.arange(64), now=0.0)
+    table.lookup(torch.arange(32), now=0.0)  # rows 32..63 are now the least recently used
+    table.lookup(torch.tensor([1000]), now=0.0)
+    held = set(table.export().ids.tolist())
+    assert table.stats().live_rows <= 64 and 1000 in held and set(range(32)) <= held
+    assert table.stats().evictions_capacity == 2, "a batch of max_rows / 32"
+
+
+def test_bad_pushes_raise_before_anything_changes():
+    table = shard(num_shards=2)
+    mine = torch.arange(50)[owner_of(torch.arange(50), 2) == 0][:2]
+    other = torch.arange(50)[owner_of(torch.arange(50), 2) == 1][:1]
+    table.lookup(mine, now=0.0)
+    before = table.export()
+    settings = PushSettings()
+    with pytest.raises(DtypeMismatchError):
+        table.check_push(mine.to(torch.float32), torch.ones(2, 3), -1, "x", settings)  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequestError, match="belongs to shard 1"):
+        table.check_push(other, torch.ones(1, 3), -1, "x", settings)
+    with pytest.raises(NonFiniteGradientError):
+        table.check_push(mine, torch.full((2, 3), float("nan")), -1, "x", settings)
+    after = table.export()
+    assert torch.equal(before.values, after.values) and before.version == after.version
+
+
+def test_rehash_moves_every_row_to_its_new_owner_and_keeps_its_age():
+    table = shard(ttl_steps=1000)
+    table.lookup(torch.arange(40), now=0.0)
+    for step in range(3):
+        table.push(torch.arange(step, 40, 7), torch.ones(len(range(step, 40, 7)), 3), f"k{step}", -1, now=0.0)
+    saved = table.export()
+    three = rehash([saved], 3)
+    assert [s.ref.shard for s in three] == [0, 1, 2]
+    for state in three:
+        assert bool((owner_of(state.ids, 3) == state.ref.shard).all())
+    ids = torch.cat([s.ids for s in three])
+    order = torch.argsort(ids)
+    assert torch.equal(ids[order], saved.ids)
+    assert torch.equal(torch.cat([s.values for s in three])[order], saved.values)
+    assert torch.equal(torch.cat([s.updated for s in three])[order], saved.updated)
+    back = rehash(three, 1)[0]
+    assert torch.equal(back.ids, saved.ids) and torch.equal(back.slots["exp_avg"], saved.slots["exp_avg"])
+    restored = DynamicShard.from_state(back, 16, now=0.0)
+    assert torch.equal(restored.export().values, saved.values) and restored.version == saved.version
