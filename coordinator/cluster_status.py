@@ -252,6 +252,12 @@ class RunLog:
 
     # ---------------------------------------------------------------- workers
 
+    def worker_device(self, address: str, device: str) -> None:
+        with self._lock:
+            worker = self._workers.get(address)
+            if worker is not None:
+                worker.device = device or None
+
     def worker_state(self, address: str, state: str | None) -> None:
         now = self._clock()
         with self._lock:
@@ -444,6 +450,8 @@ class ServerReading:
     reachable: bool = False
     versions: Mapping[str, int] = field(default_factory=dict)
     bytes: int = 0
+    memory: int = 0
+    """The server process's resident bytes (0: unknown)."""
 
 
 class ServerRates:
@@ -499,6 +507,7 @@ def _server_row(
         "state": state,
         "shards": len(held.versions) if held is not None else None,
         "bytes": held.bytes if held is not None else None,
+        "memory": held.memory or None if held is not None else None,
         "version": max(held.versions.values(), default=0) if held is not None else None,
         "pushes_per_s": _round(rate),
         "incarnation": held.incarnation[:8] if held is not None and held.incarnation else None,

@@ -148,6 +148,7 @@ class Dispatcher:
         self._running: list[Closure] = []  # the closures of the call in progress, not settled yet
         self._cluster_held = ""  # fingerprint of the cluster context the worker is known to hold
         self._incarnation: str | None = None
+        self._device = ""  # where the worker computes, as its last reply said
         observer.worker_state(address, self._state.value)
 
     @property
@@ -287,6 +288,9 @@ class Dispatcher:
         previous = self._incarnation
         self._incarnation = result.worker_incarnation
         self._held = frozenset(result.resources_held)
+        if result.device and result.device != self._device:
+            self._device = result.device
+            self._observer.worker_device(self.address, result.device)
         if previous is not None and previous != result.worker_incarnation:
             self._cluster_held = ""
             log.warning(

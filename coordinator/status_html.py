@@ -256,7 +256,8 @@ SCRIPT = """
       const tr = el("tr");
       tr.dataset.address = w.address;
       tr.dataset.state = w.state;
-      return cells(tr, [[w.address], [w.state, "state " + w.state], [num(w.running), "num"], [num(w.done), "num"],
+      return cells(tr, [[w.address], [w.state, "state " + w.state], [w.device || "\u2014"],
+        [num(w.running), "num"], [num(w.done), "num"],
         [num(w.failed), "num"], [num(w.retried), "num"], [ago(w.last_seen, s.time)], [ago(w.since, s.time)]]);
     });
     fillRows("servers-body", s.servers, (p) => {
@@ -265,6 +266,7 @@ SCRIPT = """
       tr.dataset.state = p.state;
       const recovery = p.last_recovery ? p.last_recovery + " " + ago(p.last_recovery_time, s.time) : "\\u2014";
       return cells(tr, [[p.address], [p.state, "state " + p.state], [num(p.shards), "num"], [bytes(p.bytes), "num"],
+        [p.memory == null ? "\u2014" : bytes(p.memory), "num"],
         [num(p.version), "num"], [num(p.pushes_per_s), "num"], [num(p.recoveries), "num"], [recovery]]);
     });
     fillRows("events-body", s.events.slice().reverse(), (e) => {
@@ -384,12 +386,13 @@ def _workers(workers: Sequence[Mapping[str, Any]], now: float) -> str:
     e = html.escape
     rows = "".join(
         f'<tr data-address="{e(w["address"])}" data-state="{e(w["state"])}"><td>{e(w["address"])}</td>'
-        f'<td class="state {e(w["state"])}">{e(w["state"])}</td>'
+        f'<td class="state {e(w["state"])}">{e(w["state"])}</td><td>{e(w["device"] or "—")}</td>'
         + "".join(f'<td class="num">{_num(w[k])}</td>' for k in ("running", "done", "failed", "retried"))
         + f"<td>{_ago(w['last_seen'], now)}</td><td>{_ago(w['since'], now)}</td></tr>"
         for w in workers
     )
-    headers = [("worker", False), ("state", False), ("running", True), ("done", True), ("failed", True)]
+    headers = [("worker", False), ("state", False), ("device", False), ("running", True), ("done", True)]
+    headers += [("failed", True)]
     headers += [("retried", True), ("last seen", False), ("since", False)]
     return _table("workers-body", headers, rows)
 
@@ -403,10 +406,12 @@ def _servers(servers: Sequence[Mapping[str, Any]], now: float) -> str:
             f'<tr data-address="{e(p["address"])}" data-state="{e(p["state"])}"><td>{e(p["address"])}</td>'
             f'<td class="state {e(p["state"])}">{e(p["state"])}</td><td class="num">{_num(p["shards"])}</td>'
             f'<td class="num">{bytes_text(p["bytes"]) if p["bytes"] is not None else "—"}</td>'
+            f'<td class="num">{bytes_text(p["memory"]) if p["memory"] is not None else "—"}</td>'
             f'<td class="num">{_num(p["version"])}</td><td class="num">{_num(p["pushes_per_s"])}</td>'
             f'<td class="num">{_num(p["recoveries"])}</td><td>{e(recovery)}</td></tr>'
         )
-    headers = [("server", False), ("state", False), ("shards", True), ("bytes", True), ("version", True)]
+    headers = [("server", False), ("state", False), ("shards", True), ("bytes", True), ("memory", True)]
+    headers += [("version", True)]
     headers += [("pushes/s", True), ("recoveries", True), ("last recovery", False)]
     return _table("servers-body", headers, rows)
 

@@ -152,7 +152,9 @@ class ServerProber:
                 continue
             versions = {str(info.ref): info.version for info in found.shards}
             size = sum(math.prod(info.shape) * info.dtype.itemsize for info in found.shards)
-            readings.append(ServerReading(address, found.incarnation, found.reachable, versions, size))
+            readings.append(
+                ServerReading(address, found.incarnation, found.reachable, versions, size, found.resident_bytes)
+            )
         return readings
 
     def close(self) -> None:

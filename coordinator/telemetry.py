@@ -72,6 +72,9 @@ class CoordinatorObserver(Protocol):
     def worker_state(self, address: str, state: str | None) -> None:
         """The worker at ``address`` joined or changed state (a WORKER_STATES value), or left (None)."""
 
+    def worker_device(self, address: str, device: str) -> None:
+        """The worker at ``address`` computes on ``device`` (told when it first answers, and when it changes)."""
+
 
 class _NoObserver:
     def closure_scheduled(self, closure: Closure) -> None:
@@ -84,6 +87,9 @@ class _NoObserver:
         pass
 
     def worker_state(self, address: str, state: str | None) -> None:
+        pass
+
+    def worker_device(self, address: str, device: str) -> None:
         pass
 
 
@@ -185,6 +191,9 @@ class CoordinatorTelemetry:
         if change is not None:
             self.membership.labels(change).inc()
         self.run.worker_state(address, state)
+
+    def worker_device(self, address: str, device: str) -> None:
+        self.run.worker_device(address, device)
 
     # ---------------------------------------------------------------- the program's own figures
 

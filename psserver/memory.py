@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = [
+    "resident_bytes",
     "SERVER_ARENAS",
     "TRIM_AFTER_BYTES",
     "TRIM_EVERY_SECONDS",
@@ -71,6 +72,15 @@ thread each keeps its own freed memory, which a trim cannot return while a live 
 above it. Two arenas hold about a third less resident memory after a model's steps, at no cost
 in step time measured (BENCHMARKS.md, ps_memory.py)."""
 _M_ARENA_MAX = -8  # glibc's mallopt parameter number
+
+
+def resident_bytes() -> int:
+    """This process's resident memory in bytes (Linux's /proc/self/statm); 0 where unknown."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def limit_arenas(count: int = SERVER_ARENAS) -> bool:

@@ -45,6 +45,8 @@ class ServerProbe:
     reachable: bool
     """It answered, or its port accepts connections: a busy server is slow to answer, but it is
     there and holds its shards."""
+    resident_bytes: int = 0
+    """Its process's resident memory, when asked for its shards (0: unknown)."""
 
 
 def accepts_connections(address: str, timeout: float = 1.0) -> bool:
@@ -99,7 +101,8 @@ class Prober:
             if err.code() not in RETRYABLE_CODES:
                 raise typed_error(err, self._addresses[server], None) from None
             return err.code()
-        return ServerProbe(reply.incarnation, [convert.info_from_proto(i) for i in reply.shards], reachable=True)
+        shards = [convert.info_from_proto(i) for i in reply.shards]
+        return ServerProbe(reply.incarnation, shards, reachable=True, resident_bytes=int(reply.resident_bytes))
 
     def _channel(self, server: int) -> grpc.Channel:
         with self._lock:

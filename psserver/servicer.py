@@ -21,6 +21,7 @@ from paramserve.psserver import checkpoint, convert, dynamic_wire
 from paramserve.psserver.dynamic_types import DynamicStats
 from paramserve.psserver.error_boundary import parse, stream_boundary, unary_boundary
 from paramserve.psserver.errors import InvalidRequestError, MessageTooLargeError, VariableNotFoundError
+from paramserve.psserver.memory import resident_bytes
 from paramserve.psserver.metadata import IDEMPOTENCY_METADATA_KEY, SERVICE_NAME
 from paramserve.psserver.security import checkpoint_root, confined_path
 from paramserve.psserver.steps import DEFAULT_MAX_PULL_BYTES, DEFAULT_MAX_PUSH_BYTES, StepEngine, StepLimits, reads_of
@@ -150,9 +151,12 @@ class ParameterServerServicer:
     @unary_boundary
     def ListShards(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
         request = parse(ps_pb2.ListShardsRequest, raw)
-        infos = [] if request.incarnation_only else self._store.list_shards()
+        if request.incarnation_only:  # the liveness probe: as cheap as it gets
+            return ps_pb2.ListShardsResponse(incarnation=self._store.incarnation).SerializeToString()
         return ps_pb2.ListShardsResponse(
-            shards=[convert.info_to_proto(i) for i in infos], incarnation=self._store.incarnation
+            shards=[convert.info_to_proto(i) for i in self._store.list_shards()],
+            incarnation=self._store.incarnation,
+            resident_bytes=resident_bytes(),
         ).SerializeToString()
 
     # -- updates

@@ -101,6 +101,8 @@ class ClosureOutcome:
     pushes_applied: int
     pushes_duplicate: int
     seconds: float
+    device: str = ""
+    """Where the closure computed ("cpu", "cuda:0")."""
 
 
 @dataclass(frozen=True)
@@ -232,6 +234,7 @@ class WorkerCore:
             pushes_applied=access.pushes_applied,
             pushes_duplicate=access.pushes_duplicate,
             seconds=time.perf_counter() - start,
+            device=str(self._variables.device),
         )
         return outcome, access
 

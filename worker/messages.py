@@ -81,6 +81,7 @@ def outcome_to_proto(outcome: ClosureOutcome) -> worker_pb2.RunClosureResponse:
         pushes_applied=outcome.pushes_applied,
         pushes_duplicate=outcome.pushes_duplicate,
         seconds=outcome.seconds,
+        device=outcome.device,
     )
     if outcome.error is not None:
         error = outcome.error
@@ -132,6 +133,7 @@ def outcome_from_proto(message: worker_pb2.RunClosureResponse) -> ClosureOutcome
         pushes_applied=int(message.pushes_applied),
         pushes_duplicate=int(message.pushes_duplicate),
         seconds=float(message.seconds),
+        device=message.device,
     )
 
 

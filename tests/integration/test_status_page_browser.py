@@ -111,8 +111,12 @@ def test_the_status_page_shows_the_cluster_a_lost_worker_and_its_recovery(start_
                 assert time.monotonic() - gone <= LOST_WITHIN_SECONDS
                 assert browser.wait_for(event_rows("worker-lost"), timeout=5)
                 # The server's row: its shards and the pushes per second its versions moved at.
-                pushes = "document.querySelector('#servers-body tr td:nth-child(6)').textContent"
+                pushes = "document.querySelector('#servers-body tr td:nth-child(7)').textContent"
                 assert float(browser.wait_for(f"Number({pushes}.replace(/,/g, '')) > 0 && {pushes}", timeout=30)) > 0
+                memory = "document.querySelector('#servers-body tr td:nth-child(5)').textContent"
+                assert browser.evaluate(memory).endswith("MiB"), "the server's resident memory is shown"
+                device = "document.querySelector('#workers-body tr td:nth-child(3)').textContent"
+                assert browser.wait_for(f"{device} == 'cpu' && {device}", timeout=10) == "cpu"
                 screenshots = os.environ.get("PARAMSERVE_STATUS_SCREENSHOTS")
                 browser.screenshot(tmp_path / "status-page.png")
                 if screenshots:

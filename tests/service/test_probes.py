@@ -63,3 +63,11 @@ def test_a_server_that_is_gone_is_unreachable():
         assert found.incarnation is None and not found.reachable
     finally:
         probes.close()
+
+
+def test_a_probe_for_shards_reads_the_servers_resident_memory_and_a_liveness_probe_does_not(start_ps):
+    server = start_ps()
+    with_shards = prober(f"127.0.0.1:{server.port}").probe(0, timeout=5.0, shards=True)
+    liveness = prober(f"127.0.0.1:{server.port}").probe(0, timeout=5.0)
+    assert with_shards.resident_bytes > 10 << 20, "a Python process with torch loaded holds tens of MB"
+    assert liveness.resident_bytes == 0

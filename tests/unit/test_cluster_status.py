@@ -379,3 +379,19 @@ def test_no_number_of_the_status_is_infinite():
     log.report(None, math.inf, math.nan, {"m": -math.inf})
     status = status_of(log, 1000.0, samples=[sample(0.0, 0), sample(1.0, 1, loss=math.nan)])
     json.dumps(status, allow_nan=False)
+
+
+def test_the_page_shows_where_each_worker_computes_and_each_servers_memory():
+    clock = Clock()
+    telemetry = CoordinatorTelemetry(queue_depth=lambda: 0, in_flight=lambda: 0, clock=clock)
+    telemetry.worker_state("w:1", "up")
+    telemetry.worker_state("w:2", "up")
+    telemetry.worker_device("w:1", "cuda:0")
+    telemetry.worker_device("w:9", "cpu")  # a worker the page does not know (left already): nothing to show
+    rates = ServerRates()
+    rates.update(1000.0, [ServerReading("ps:1", "inc", True, {"v/0": 3}, 1 << 20, 300 << 20)])
+    status = status_of(telemetry.run, 1000.0, servers=rates.rows(["ps:1"], telemetry.run.view().servers))
+    assert {w["address"]: w["device"] for w in status["workers"]} == {"w:1": "cuda:0", "w:2": None}
+    assert status["servers"][0]["memory"] == 300 << 20
+    page = render_page(status)
+    assert "cuda:0" in page and "300.0 MiB" in page, "the page without JavaScript shows them too"

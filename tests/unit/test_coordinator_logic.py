@@ -929,3 +929,47 @@ def test_a_dropped_coordinator_stops_its_dispatch_thread():
         del coordinator  # no shutdown()
     gc.collect()
     assert len(dispatch_threads()) == before, "weakref.finalize stopped each dropped coordinator's thread"
+
+
+def test_a_dispatcher_tells_where_its_worker_computes_once_and_again_when_it_changes():
+    devices: list[tuple[str, str]] = []
+
+    class Observer(_RecordingObserverBase):
+        def worker_device(self, address, device):
+            devices.append((address, device))
+
+    queue = ClosureQueue(10)
+    _queued(queue, _closure("a"), _closure("b"), _closure("c"))
+    on = [worker_pb2.RunClosureResponse(result=cloudpickle.dumps(1), worker_incarnation="i", device=d) for d in "xxy"]
+    transport = FakeTransport(script=[[on[0]], [on[1]], [on[2]]])
+    dispatcher = Dispatcher(
+        "w:0",
+        0,
+        queue=queue,
+        specs=ResourceSpecs(),
+        transport=transport,
+        cluster_context=lambda: CONTEXT,
+        num_workers=lambda: 1,
+        policy=POLICY,
+        observer=Observer(),
+    )
+    for _ in range(3):
+        _run(dispatcher, queue, limit=1)
+    assert devices == [("w:0", "x"), ("w:0", "y")]
+
+
+class _RecordingObserverBase:
+    def closure_scheduled(self, closure):
+        pass
+
+    def closure_finished(self, closure):
+        pass
+
+    def closure_retried(self, closure, code):
+        pass
+
+    def worker_state(self, address, state):
+        pass
+
+    def worker_device(self, address, device):
+        pass

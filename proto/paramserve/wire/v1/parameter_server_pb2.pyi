@@ -146,12 +146,14 @@ class ShardInfo(_message.Message):
     def __init__(self, ref: _Optional[_Union[_tensor_pb2.ShardRef, _Mapping]] = ..., variable_shape: _Optional[_Iterable[int]] = ..., row_start: _Optional[int] = ..., shard_meta: _Optional[_Union[_tensor_pb2.TensorMeta, _Mapping]] = ..., optimizer: _Optional[_Union[_tensor_pb2.OptimizerSpec, _Mapping]] = ..., version: _Optional[int] = ...) -> None: ...
 
 class ListShardsResponse(_message.Message):
-    __slots__ = ("shards", "incarnation")
+    __slots__ = ("shards", "incarnation", "resident_bytes")
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_BYTES_FIELD_NUMBER: _ClassVar[int]
     shards: _containers.RepeatedCompositeFieldContainer[ShardInfo]
     incarnation: str
-    def __init__(self, shards: _Optional[_Iterable[_Union[ShardInfo, _Mapping]]] = ..., incarnation: _Optional[str] = ...) -> None: ...
+    resident_bytes: int
+    def __init__(self, shards: _Optional[_Iterable[_Union[ShardInfo, _Mapping]]] = ..., incarnation: _Optional[str] = ..., resident_bytes: _Optional[int] = ...) -> None: ...
 
 class GetDataPlaneRequest(_message.Message):
     __slots__ = ()

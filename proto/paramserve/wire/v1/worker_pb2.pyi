@@ -66,7 +66,7 @@ class ClosureFailure(_message.Message):
     def __init__(self, type: _Optional[str] = ..., message: _Optional[str] = ..., traceback: _Optional[str] = ..., pickled: _Optional[bytes] = ..., missing_resources: _Optional[_Iterable[str]] = ..., parameter_server: _Optional[str] = ..., needs_cluster: _Optional[bool] = ..., cancelled: _Optional[bool] = ...) -> None: ...
 
 class RunClosureResponse(_message.Message):
-    __slots__ = ("result", "error", "worker_incarnation", "resources_held", "pushes_applied", "pushes_duplicate", "seconds")
+    __slots__ = ("result", "error", "worker_incarnation", "resources_held", "pushes_applied", "pushes_duplicate", "seconds", "device")
     RESULT_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     WORKER_INCARNATION_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +74,7 @@ class RunClosureResponse(_message.Message):
     PUSHES_APPLIED_FIELD_NUMBER: _ClassVar[int]
     PUSHES_DUPLICATE_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
     result: bytes
     error: ClosureFailure
     worker_incarnation: str
@@ -81,7 +82,8 @@ class RunClosureResponse(_message.Message):
     pushes_applied: int
     pushes_duplicate: int
     seconds: float
-    def __init__(self, result: _Optional[bytes] = ..., error: _Optional[_Union[ClosureFailure, _Mapping]] = ..., worker_incarnation: _Optional[str] = ..., resources_held: _Optional[_Iterable[str]] = ..., pushes_applied: _Optional[int] = ..., pushes_duplicate: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+    device: str
+    def __init__(self, result: _Optional[bytes] = ..., error: _Optional[_Union[ClosureFailure, _Mapping]] = ..., worker_incarnation: _Optional[str] = ..., resources_held: _Optional[_Iterable[str]] = ..., pushes_applied: _Optional[int] = ..., pushes_duplicate: _Optional[int] = ..., seconds: _Optional[float] = ..., device: _Optional[str] = ...) -> None: ...
 
 class RunClosuresRequest(_message.Message):
     __slots__ = ("closures",)
