@@ -130,3 +130,12 @@ def test_the_image_uses_the_cpu_torch_index_a_gpu_variant_and_a_writable_checkpo
     allowed = {entry[1:].rstrip("/") for entry in ignored if entry.startswith("!")}
     assert copied <= allowed, f"COPY of what .dockerignore leaves out: {copied - allowed}"
     assert (ROOT / "deploy/compose/paramserve_token.txt").as_posix().split("/")[-1] in (ROOT / ".gitignore").read_text()
+
+
+def test_the_coordinators_status_page_is_published_on_this_machines_loopback_only(model: dict[str, Any]) -> None:
+    service = model["services"]["coordinator"]
+    args = build_parser().parse_args(service["command"])
+    assert (args.status_host, args.status_port, args.no_status_page) == ("0.0.0.0", 8080, False)
+    assert args.token_file, "beyond the container's loopback the page asks for the key derived from the token"
+    [port] = service["ports"]  # as the Compose model normalizes it
+    assert (port["host_ip"], str(port["published"]), port["target"]) == ("127.0.0.1", "8080", 8080)

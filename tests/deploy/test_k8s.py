@@ -126,3 +126,13 @@ def test_every_container_is_non_root_has_requests_native_grpc_probes_and_the_tok
             port = args.port
             for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
                 assert container[probe]["grpc"] == {"port": port}, f"{name} {probe}"
+
+
+def test_the_coordinators_status_page_is_a_named_port_of_its_service() -> None:
+    [container] = by_kind("Job", "coordinator")["spec"]["template"]["spec"]["containers"]
+    args = build_parser().parse_args(container["args"])
+    assert (args.status_host, args.status_port, args.no_status_page) == ("0.0.0.0", 8080, False)
+    assert args.token_file, "beyond the pod's loopback the page asks for the key derived from the token"
+    assert {"name": "status", "containerPort": 8080} in container["ports"]
+    service_ports = by_kind("Service", "coordinator")["spec"]["ports"]
+    assert {"name": "status", "port": 8080, "targetPort": "status"} in service_ports
