@@ -338,8 +338,10 @@ class DataPlaneServer(Generic[_State]):
             _, proof = reader.read_head(MAX_HELLO_BYTES, 0, lambda kind: kind is FrameKind.PROOF)
             if not proofs_match(proof, self._key.client_proof(client_nonce, server_nonce)):
                 return self._refuse_handshake(sock, connection, "wrong_credential", f"a wrong credential: {fix}")
-        send_frame(sock, FrameKind.WELCOME)
+        # Out of the handshake before the WELCOME leaves: a client that has its WELCOME is admitted,
+        # never evicted as "still in its handshake" by a connection it opens right after.
         self._enter(connection, _Phase.IDLE, None)
+        send_frame(sock, FrameKind.WELCOME)
         return True
 
     def _refuse_handshake(self, sock: socket.socket, connection: _Connection, reason: str, what: str) -> bool:
