@@ -84,7 +84,7 @@ class Metric:
             raise TypeError(f"Metric wraps a torchmetrics.Metric, got {type(metric).__name__}")
         self.template = copy.deepcopy(metric)
         self.template.reset()
-        self.template.sync_on_compute = False  # a strategy decides how copies meet
+        sync_on_compute(self.template, False)  # a strategy decides how copies meet
         self.name = name or _snake(type(metric).__name__)
         self.strategy = strategy if strategy is not None else get_strategy()
         self._state: MetricState = self.strategy.metric_state(self.template, self.name)
@@ -267,6 +267,18 @@ def load_states(metric: torchmetrics.Metric, names: Sequence[str], flat: Tensor)
     metric._update_count = max(metric._update_count, 1)  # computed as a metric that saw data
 
 
+def sync_on_compute(metric: torchmetrics.Metric, on: bool) -> None:
+    """Whether ``metric.compute()`` gathers the copies of every process of its group.
+
+    torchmetrics reads the choice from ``_to_sync``, which it copies from ``sync_on_compute``
+    only when the metric is built (and after each ``forward``): assigning ``sync_on_compute``
+    alone changes nothing, and a metric built with the default would still gather over
+    whatever group the process has (on a GPU machine's NCCL group, from CPU tensors, it fails).
+    """
+    metric.sync_on_compute = on
+    metric._to_sync = on
+
+
 def state_size(metric: torchmetrics.Metric, names: Sequence[str]) -> int:
     return sum(getattr(metric, n).numel() for n in names)
 
@@ -281,7 +293,7 @@ class LocalMetricState:
     def __init__(self, template: torchmetrics.Metric, process_group: Any = None):
         self.metric = copy.deepcopy(template)
         if process_group is not None:
-            self.metric.sync_on_compute = True
+            sync_on_compute(self.metric, True)
             self.metric.process_group = process_group
         self._lock = threading.Lock()
 
@@ -298,7 +310,7 @@ class LocalMetricState:
     def leave_process_group(self) -> None:
         """Reads this process's copy alone from now on, and lets go of the group (its
         strategy has shut down; a reference kept would keep the group's threads alive)."""
-        self.metric.sync_on_compute = False
+        sync_on_compute(self.metric, False)
         self.metric.process_group = None
 
     def __getstate__(self) -> dict[str, Any]:

@@ -72,6 +72,8 @@ from paramserve.coordinator.strategies.multi_worker_cluster import (
     CollectiveCommunication,
     CommunicationOptions,
     Rendezvous,
+    chosen_backend,
+    process_group_backend,
     strategy_arguments,
 )
 from paramserve.psserver.devices import computing_on, cuda_device_count
@@ -148,7 +150,11 @@ class MultiWorkerMirroredStrategy(Strategy):
             backend,
         )
         dist.init_process_group(
-            backend, store=store, rank=resolver.rank, world_size=resolver.world_size, timeout=options.timeout()
+            process_group_backend(backend),
+            store=store,
+            rank=resolver.rank,
+            world_size=resolver.world_size,
+            timeout=options.timeout(),
         )
         self._setup(options, resolver, backend, _world(), owns_group=True)
         if isinstance(cluster, ClusterResolver):
@@ -173,7 +179,7 @@ class MultiWorkerMirroredStrategy(Strategy):
                 "call dist.init_process_group() first, or construct MultiWorkerMirroredStrategy() directly"
             )
         group = _world() if group is None else group
-        backend = str(dist.get_backend(group))
+        backend = chosen_backend(str(dist.get_backend(group)))
         rank, world_size = dist.get_rank(group), dist.get_world_size(group)
         local_rank = torch.cuda.current_device() if backend == "nccl" else 0
         resolver = Rendezvous(rank, world_size, None, None, local_rank, source="existing process group")

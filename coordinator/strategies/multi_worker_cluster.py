@@ -117,6 +117,22 @@ def select_backend(
     return "nccl" if cuda_available and nccl_available and shared is None else "gloo"
 
 
+def process_group_backend(backend: str) -> str:
+    """What ``init_process_group`` is given for the chosen ``backend``.
+
+    NCCL carries CUDA tensors only, while a group also gathers CPU tensors (metric states,
+    objects): alone it fails them with "No backend type associated with device type cpu". So an
+    NCCL group maps CPU tensors to gloo, with torch's device-to-backend form.
+    """
+    return "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
+
+
+def chosen_backend(group_backend: str) -> str:
+    """The backend a strategy names for a group's own backend string (the inverse of
+    ``process_group_backend``: a group that drives CUDA tensors with NCCL is an NCCL group)."""
+    return "nccl" if "nccl" in group_backend else group_backend
+
+
 def _why_not_one_gpu_each(gpus: Sequence[str | None]) -> str | None:
     """Why these processes (by rank) cannot each drive a GPU of its own; None when they can."""
     without = [rank for rank, gpu in enumerate(gpus) if gpu is None]

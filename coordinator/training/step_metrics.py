@@ -27,6 +27,7 @@ from paramserve.coordinator.metrics import (
     flatten_states,
     load_states,
     state_size,
+    sync_on_compute,
 )
 
 __all__ = ["MetricFn", "Metrics", "StepMetric", "resolve_metrics"]
@@ -44,7 +45,7 @@ class StepMetric:
         self.name = name
         self.template = copy.deepcopy(template)
         self.template.reset()
-        self.template.sync_on_compute = False
+        sync_on_compute(self.template, False)  # the strategy sums the states itself
         self.states = additive_states(self.template)
         self.size = state_size(self.template, self.states)
         self._prepare = prepare

@@ -147,3 +147,47 @@ def test_the_order_is_left_alone_when_dtypes_cannot_tell():
     predictions, targets = torch.tensor([0.9, 0.2]), torch.tensor([1.0, 0.0])
     assert metrics.torch_order(predictions, targets) == (predictions, targets)
     assert metrics.torch_order(targets.long(), predictions)[0] is predictions
+
+
+@pytest.fixture
+def a_process_group_in_this_process():
+    """A one-process gloo group, as a program that also uses torch.distributed has; its
+    all_gather refuses to run, so a metric that gathers where it should not fails the test."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    real = dist.all_gather
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a metric of an in-process strategy gathered over the process group")
+
+    dist.all_gather = refuse
+    try:
+        yield
+    finally:
+        dist.all_gather = real
+        dist.destroy_process_group()
+
+
+def test_in_process_metrics_never_gather_over_a_process_group_the_program_has(a_process_group_in_this_process):
+    """torchmetrics reads its sync switch when the metric is built; setting the attribute later
+    did nothing, so on a GPU machine's NCCL group these gathers failed (found on an H200)."""
+    from paramserve.coordinator.training.step_metrics import resolve_metrics
+
+    with OneDeviceStrategy("cpu").scope():
+        mean = metrics.Mean()
+    mean.update_state(torch.tensor([2.0, 4.0]))
+    assert mean.result().item() == 3.0
+
+    (accuracy,) = resolve_metrics(["accuracy"])
+    flat = accuracy.stats(torch.tensor([[0.1, 0.9], [0.8, 0.2]]), torch.tensor([1, 1]))
+    assert accuracy.value(flat) == 0.5
+
+
+def test_an_nccl_group_carries_cpu_tensors_over_gloo():
+    from paramserve.coordinator.strategies.multi_worker_cluster import chosen_backend, process_group_backend
+
+    assert process_group_backend("nccl") == "cpu:gloo,cuda:nccl"
+    assert process_group_backend("gloo") == "gloo"
+    for backend in ("nccl", "gloo"):
+        assert chosen_backend(process_group_backend(backend)) == backend
