@@ -111,7 +111,9 @@ class StepPrograms:
     """One connection's programs, by the client's number (1..MAX_PROGRAMS), and the tensor views
     each has of the connection's payload and reply buffers. The views are kept while the
     connection reuses the same buffers (a step then makes none) and all dropped when either
-    changes, so they never hold an old buffer alive."""
+    changes, so they never hold an old buffer alive. Views of a buffer the connection does not
+    reuse (over REUSED_BUFFER_LIMIT, made for one step) are never kept: kept, they would hold
+    that step's buffer, a model-sized one, between steps."""
 
     def __init__(self) -> None:
         self._programs: dict[int, StepProgram] = {}
@@ -140,7 +142,11 @@ class StepPrograms:
     def pushed_values(
         self, program: StepProgram, payload: torch.Tensor
     ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-        """``program.values_in(payload)``, made once per program and payload buffer."""
+        """``program.values_in(payload)``, made once per program and reused payload buffer."""
+        if not _reused(payload):
+            self._payload = (0, {})
+            views, flat, _ = program.values_in(payload)
+            return views, flat
         pointer, kept = self._payload
         if pointer != payload.data_ptr():
             kept = {}
@@ -154,7 +160,10 @@ class StepPrograms:
         return views, flat
 
     def reply_views(self, program: StepProgram, buffer: torch.Tensor) -> list[torch.Tensor]:
-        """``program.reply_views(buffer)``, made once per program and reply buffer."""
+        """``program.reply_views(buffer)``, made once per program and reused reply buffer."""
+        if not _reused(buffer):
+            self._reply = (0, {})
+            return program.reply_views(buffer)
         pointer, kept = self._reply
         if pointer != buffer.data_ptr():
             kept = {}
@@ -163,6 +172,11 @@ class StepPrograms:
         if views is None:
             views = kept[id(program)] = program.reply_views(buffer)
         return views
+
+
+def _reused(buffer: torch.Tensor) -> bool:
+    """Whether a connection keeps ``buffer`` for its next steps (see REUSED_BUFFER_LIMIT)."""
+    return buffer.numel() <= dataplane.REUSED_BUFFER_LIMIT
 
 
 def base_versions(plan: ps_pb2.StepPlan, program: StepProgram) -> Sequence[int]:

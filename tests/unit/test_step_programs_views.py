@@ -65,6 +65,28 @@ def test_an_old_buffer_is_let_go_once_the_connection_uses_another():
     assert storage() is None
 
 
+def test_a_one_step_buffer_is_never_held_between_steps(monkeypatch):
+    """A buffer over the reuse limit is made for one step (a large model's gradients or reply):
+    its views kept, the server held a model-sized buffer between steps (seen as 44 MB of 133 in
+    benchmarks/ps_memory.py)."""
+    from paramserve.psserver import dataplane
+
+    monkeypatch.setattr(dataplane, "REUSED_BUFFER_LIMIT", 35)
+    programs, store = StepPrograms(), make_store()
+    step = programs.define(1, program(store))
+    payload, reply = torch.zeros(36, dtype=torch.uint8), torch.zeros(36, dtype=torch.uint8)
+    views, flat = programs.pushed_values(step, payload)
+    replies = programs.reply_views(step, reply)
+    assert torch.equal(views[1], torch.zeros(3)) and [tuple(v.shape) for v in replies] == [(2, 3), (3,)]
+    held = [weakref.ref(payload.untyped_storage()), weakref.ref(reply.untyped_storage())]
+    anchors = [payload.untyped_storage(), reply.untyped_storage()]
+
+    del payload, reply, views, flat, replies, anchors
+    gc.collect()
+
+    assert [ref() for ref in held] == [None, None]
+
+
 def test_a_program_is_checked_again_when_the_store_changes():
     store = make_store()
     step = program(store)
