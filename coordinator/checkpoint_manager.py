@@ -11,6 +11,13 @@ save has it recovered and exports again. A restore lays the variables out for th
 *current* servers and partitioner, cuts each new shard from the saved rows, optimizer
 slots included (so a checkpoint from 2 servers restores onto 3), and replaces the
 servers' shards exactly (ReplaceShards), live or fresh.
+
+Dynamic tables may be saved incrementally (``full_every`` > 1): between full saves, a save
+holds only the rows changed since the save before it and the ids evicted since
+(psserver/dynamic_chain.py decides; the servers answer the export). Such a checkpoint needs the
+ones before it back to the last full save; pruning keeps them, and a restore reads the chain.
+The servers are told a save's marks only once it is committed, so a save that fails leaves the
+next one to hold its changes too.
 """
 
 from __future__ import annotations
@@ -30,8 +37,9 @@ from torch import nn
 
 from paramserve.psserver import checkpoint, dynamic_checkpoint
 from paramserve.psserver.atomic_files import atomic_torch_save
-from paramserve.psserver.dynamic_types import DynamicShardState, rehash
-from paramserve.psserver.errors import CheckpointError, ParamServeError
+from paramserve.psserver.dynamic_chain import SaveDecision, SavedLink, decide_save, next_link
+from paramserve.psserver.dynamic_types import DynamicSaveMark, DynamicShardState, rehash
+from paramserve.psserver.errors import CheckpointBaseMissingError, CheckpointError, ParamServeError
 from paramserve.psserver.types import ShardRef, ShardState, VariableLayout
 
 if TYPE_CHECKING:
@@ -51,6 +59,17 @@ class ExportProblem:
 
     reason: str
     servers: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Export:
+    """One consistent cut: the dense shards and dynamic tables to write (named as checkpoints
+    name them), the dynamic shards' marks by the servers' refs, or why it is not whole."""
+
+    states: list[ShardState]
+    tables: list[DynamicShardState]
+    exported: list[DynamicShardState]
+    problem: ExportProblem | None = None
 
 
 def missing_shards(layouts: Mapping[str, VariableLayout], exported: Sequence[ShardRef]) -> list[tuple[int, ShardRef]]:
@@ -73,15 +92,31 @@ class CheckpointManager:
     """Saves and restores a ParameterServerStrategy's variables in ``directory``.
 
     Args:
-        max_to_keep: checkpoints kept; older ones are deleted after a save (0 keeps all).
+        max_to_keep: checkpoints kept; older ones are deleted after a save (0 keeps all), but
+            never one that a kept checkpoint needs (the base of its dynamic tables' deltas).
+        full_every: dynamic tables are saved whole every ``full_every`` saves of this manager,
+            and as deltas (the rows changed and the ids evicted since the save before) in
+            between; 1 (the default) saves them whole every time. Dense variables are always
+            saved whole.
     """
 
-    def __init__(self, strategy: ParameterServerStrategy, directory: str | os.PathLike[str], *, max_to_keep: int = 3):
+    def __init__(
+        self,
+        strategy: ParameterServerStrategy,
+        directory: str | os.PathLike[str],
+        *,
+        max_to_keep: int = 3,
+        full_every: int = 1,
+    ):
         if max_to_keep < 0:
             raise ValueError(f"max_to_keep must be >= 0, got {max_to_keep}")
+        if isinstance(full_every, bool) or not isinstance(full_every, int) or full_every < 1:
+            raise ValueError(f"full_every must be an int >= 1, got {full_every!r}")
         self.strategy = strategy
         self.directory = pathlib.Path(directory)
         self.max_to_keep = max_to_keep
+        self.full_every = full_every
+        self._last: SavedLink | None = None  # the last save committed: what a delta builds on
 
     @property
     def latest(self) -> pathlib.Path | None:
@@ -96,33 +131,70 @@ class CheckpointManager:
         optimizer slots, versions and idempotency windows agree across servers). Dispatch
         resumes before the files are written. Whole or not at all: a server lost during the
         export is recovered and the export taken again (up to SAVE_ATTEMPTS times); then
-        CheckpointError says what was missing, and no checkpoint was written.
+        CheckpointError says what was missing, and no checkpoint was written. With
+        ``full_every`` > 1, dynamic tables may be written as deltas of the last save.
         """
         self.strategy.materialize()
+        decision = self._decide()
         for attempt in range(1, SAVE_ATTEMPTS + 1):
-            states, tables, problem = self._export()
-            if problem is None:
+            export = self._export(decision.since)
+            if export.problem is None:
                 break
+            problem = export.problem
             log.warning(
                 "checkpoint of step %d: export %d of %d is not whole (%s)", step, attempt, SAVE_ATTEMPTS, problem.reason
             )
             if attempt == SAVE_ATTEMPTS or not self._recovered(problem):
                 raise CheckpointError(f"no checkpoint of step {step} was written: {problem.reason}")
-        path = checkpoint.save_checkpoint(
-            self.directory,
-            states,
-            extra={STEP_KEY: int(step), **(extra or {})},
-            keep=self.max_to_keep,
-            require_whole=True,
-            add_files=lambda staged: {dynamic_checkpoint.EXTRA_KEY: dynamic_checkpoint.write_tables(staged, tables)},
+        previous = self._last if decision.delta else None
+        parent = previous.name if previous is not None and any(s.delta for s in export.tables) else None
+        needs = (*previous.needs, previous.name) if previous is not None and parent is not None else ()
+        try:
+            path = checkpoint.save_checkpoint(
+                self.directory,
+                export.states,
+                extra={STEP_KEY: int(step), **(extra or {})},
+                keep=self.max_to_keep,
+                require_whole=True,
+                add_files=lambda staged: {
+                    dynamic_checkpoint.EXTRA_KEY: dynamic_checkpoint.write_tables(staged, export.tables, parent)
+                },
+                needs=needs,
+            )
+        except CheckpointBaseMissingError:
+            self._last = None  # its base went away: the next save is full
+            raise
+        self._last = next_link(previous, decision, path.name, export.exported)
+        self._mark_saved(list(self._last.marks.values()))
+        kind = f"delta of {parent}" if parent else "full"
+        log.info(
+            "checkpoint of step %d written to %s (%d shards; dynamic tables: %s)", step, path, len(export.states), kind
         )
-        log.info("checkpoint of step %d written to %s (%d shards)", step, path, len(states))
         self.strategy.checkpoints.record(step, path, time.time())
         return path
 
-    def _export(self) -> tuple[list[ShardState], list[DynamicShardState], ExportProblem | None]:
-        """This strategy's checkpointed shards and dynamic tables' live rows, named without the
-        run name, and what keeps them from being a whole checkpoint (None when nothing does)."""
+    def _decide(self) -> SaveDecision:
+        last = self._last
+        whole = last is not None and checkpoint.is_whole(self.directory / last.name)
+        decision = decide_save(last, self.full_every, whole)
+        if self.full_every > 1:
+            log.info("dynamic tables: %s save (%s)", "delta" if decision.delta else "full", decision.reason)
+        return decision
+
+    def _mark_saved(self, marks: list[DynamicSaveMark]) -> None:
+        """Tells the servers the save holding them up to ``marks`` is committed (best effort:
+        a server that misses it keeps more evictions, and the next delta is still right)."""
+        if not marks or self.full_every <= 1:
+            return
+        try:
+            self.strategy.client.dynamic.mark_saved(marks)
+        except ParamServeError as err:
+            log.warning("the servers were not told that a checkpoint was committed: %s", err)
+
+    def _export(self, since: Mapping[ShardRef, DynamicSaveMark]) -> Export:
+        """This strategy's checkpointed shards and dynamic tables' live rows (whole, or changes
+        after ``since``), named without the run name, and what keeps them from being a whole
+        checkpoint (None when nothing does)."""
         strategy, client = self.strategy, self.strategy.client
         with strategy.quiesced(), strategy.state_change():  # paused first: a recovery may need the drain
             layouts = {
@@ -134,9 +206,11 @@ class CheckpointManager:
             before = self._incarnations()
             try:
                 exported = client.export()
-                tables = client.dynamic.export(dynamic) if dynamic else {}
+                incremental = self.full_every > 1
+                tables = client.dynamic.export(dynamic, incremental=incremental, since=since) if dynamic else {}
             except ParamServeError as err:
-                return [], [], ExportProblem(f"the export failed: {err}", (err.server,) if err.server else ())
+                failed = ExportProblem(f"the export failed: {err}", (err.server,) if err.server else ())
+                return Export([], [], [], failed)
             after = self._incarnations()
         refs = [state.ref for states in exported.values() for state in states]
         missing = missing_shards(layouts, refs)
@@ -144,9 +218,10 @@ class CheckpointManager:
         if missing or restarted:
             servers = sorted({client.addresses[s] for s, _ in missing} | {client.addresses[s] for s in restarted})
             what = f"{len(missing)} shards are missing (e.g. {missing[0][1]})" if missing else "servers restarted"
-            return [], [], ExportProblem(f"{what} on parameter servers {', '.join(servers)}", tuple(servers))
+            problem = ExportProblem(f"{what} on parameter servers {', '.join(servers)}", tuple(servers))
+            return Export([], [], [], problem)
         keys = {name: strategy.checkpoint_key(name) for name in [*layouts, *dynamic]}
-        return (
+        return Export(
             [
                 dataclasses.replace(state, ref=ShardRef(keys[state.ref.variable] or "", state.ref.shard))
                 for states in exported.values()
@@ -158,7 +233,7 @@ class CheckpointManager:
                 for states in tables.values()
                 for state in states
             ],
-            None,
+            [state for states in tables.values() for state in states],
         )
 
     def _incarnations(self) -> list[str | None]:
@@ -192,8 +267,17 @@ class CheckpointManager:
         meanwhile; workers then pull) or fresh ones, for any number of servers.
         ``keep_live_settings``: the optimizers keep the hyperparameters in force now instead of
         the checkpoint's (recovery rolling back every server). Raises CheckpointError, before
-        anything changes, when the checkpoint does not match the model or is not whole."""
+        anything changes, when the checkpoint does not match the model or is not whole, and
+        CheckpointBaseMissingError when it holds dynamic tables as deltas of a checkpoint that
+        is gone."""
         resolved = checkpoint.resolve(pathlib.Path(path))
+        missing = checkpoint.missing_bases(resolved)
+        if missing:
+            raise CheckpointBaseMissingError(
+                f"checkpoint {resolved} holds dynamic tables as changes since {', '.join(missing)}, which "
+                f"{'is' if len(missing) == 1 else 'are'} gone or not whole: restore a checkpoint whose bases are "
+                "all there (a full save, or a later one), and never delete a checkpoint that a kept one needs"
+            )
         if not checkpoint.is_whole(resolved):
             raise CheckpointError(
                 f"checkpoint {resolved} is not whole (shards or files are missing): restore another "
@@ -218,6 +302,7 @@ class CheckpointManager:
             self.strategy.restore_states(dict(states), layouts)
             if tables:
                 self.strategy.restore_dynamic(tables)
+            self._last = None  # the servers' shards are new: the next save is full
         self.strategy.materialize()  # variables the checkpoint does not hold (none, once checked)
         step = int(manifest.extra.get(STEP_KEY, 0))
         log.info("restored step %d from %s onto %d parameter servers", step, resolved, self.strategy.cluster.num_ps())
@@ -229,7 +314,7 @@ class CheckpointManager:
     ) -> dict[int, list[DynamicShardState]]:
         """The model's dynamic tables from checkpoint ``path``, each row on the server it belongs
         to now; CheckpointError, before anything changes, for a table missing or of another dim."""
-        saved = dynamic_checkpoint.read_tables(path, manifest.extra)
+        saved = dynamic_checkpoint.read_tables(path, manifest.extra)  # whole: deltas applied
         servers = self.strategy.cluster.num_ps()
         states: dict[int, list[DynamicShardState]] = defaultdict(list)
         for name, table in self.strategy.dynamic_tables().items():

@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 from paramserve.coordinator.cluster import ClusterSpec
 from paramserve.psserver.client import ParameterServerClient
+from paramserve.psserver.dynamic_types import DynamicShardState
 from paramserve.psserver.optimizer import OptimizerSpec
 from paramserve.psserver.security import ClientTls
 from paramserve.psserver.types import ClusterContext, ShardPlacement, ShardState, VariableLayout
@@ -158,6 +159,13 @@ class RecoverableVariables(Protocol):
     def restore_checkpoint(self, path: pathlib.Path) -> None:
         """Rolls every variable back to checkpoint ``path`` (RecoveryPoint.ALL), keeping the
         optimizer settings in force now."""
+
+    def created_dynamic_tables(self) -> list[str]:
+        """The dynamic embedding tables that exist on the servers (they have no layout: every
+        server holds one shard of each)."""
+
+    def restore_dynamic(self, states_by_server: Mapping[int, Sequence[DynamicShardState]]) -> None:
+        """Makes those dynamic tables' shards exactly ``states_by_server`` on those servers."""
 
     def state_change(self) -> contextlib.AbstractContextManager[None]:
         """Held while a checkpoint is taken or a server restored: the two never overlap."""

@@ -18,8 +18,10 @@ the thread ``paramserve-ps-recovery``:
 3. what it lost is restored from the newest whole checkpoint that holds it, at the recovery
    point the policy names (``LOST_SHARDS`` by default; ``ALL`` rolls every server back), with
    the optimizer settings in force now, not the checkpoint's (the program may have changed
-   the learning rate since). A server that lost nothing (a pause, a network blip) is left as
-   it is;
+   the learning rate since). Its shards of dynamic embedding tables come back as the
+   checkpoint holds them (the last full save and its deltas, applied in order), each row on
+   the server it belongs to now. A server that lost nothing (a pause, a network blip) is left
+   as it is;
 4. workers drop the values they hold (a new cluster-context generation) and dispatch
    resumes: the closures put back run again. Their pushes keep their idempotency keys,
    so a push a surviving server applied before the failure is not applied twice.
@@ -35,7 +37,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -54,11 +56,14 @@ from paramserve.coordinator.recovery_policy import (
     ServerWatch,
     Unrecoverable,
     judge_probe,
+    lost_tables,
     lost_variables,
     plan_restore,
 )
-from paramserve.psserver import checkpoint
-from paramserve.psserver.types import ShardInfo, ShardPlacement, ShardState, VariableLayout
+from paramserve.psserver import checkpoint, dynamic_checkpoint
+from paramserve.psserver.dynamic_types import DynamicShardState, rehash
+from paramserve.psserver.errors import CheckpointError
+from paramserve.psserver.types import ShardInfo, ShardPlacement, ShardRef, ShardState, VariableLayout
 
 __all__ = ["ParameterServerRecovery", "RecoveryObserver", "RecoveryOutcome", "THREAD_NAME"]
 
@@ -238,9 +243,11 @@ class ParameterServerRecovery:
             answered = self._clock()
             layouts = self._variables.created_layouts()
             lost = lost_variables(server, {info.ref for info in infos}, layouts)
-            plan = self._plan(lost)
+            tables = self._lost_tables(server)
+            plan = self._plan([*lost, *tables])
             log.warning("parameter server %s answers (incarnation %s): %s", address, incarnation[:8], plan.reason)
             self._execute(server, lost, plan)
+            self._restore_tables(server, tables, plan)
             self._watches[server] = ServerWatch(incarnation)
             with self._cond:  # what closures reported meanwhile was this failure
                 self._suspects.discard(server)
@@ -269,7 +276,14 @@ class ParameterServerRecovery:
             self._stopped.wait(self._policy.poll_interval)
         raise Unrecoverable("the coordinator shut down while waiting for it")
 
-    def _plan(self, lost: Mapping[str, VariableLayout]) -> RestorePlan:
+    def _lost_tables(self, server: int) -> list[str]:
+        created = self._variables.created_dynamic_tables()
+        if not created:
+            return []
+        held = self._variables.client.dynamic.stats([server]).get(server, [])
+        return lost_tables({stats.ref.variable for stats in held}, created)
+
+    def _plan(self, lost: Sequence[str]) -> RestorePlan:
         keys = {name: self._variables.checkpoint_key(name) for name in lost}
         facts = [_facts(path) for path in self._variables.checkpoints.candidates(checkpoint.list_checkpoints)]
         return plan_restore(lost, keys, facts, self._policy.recovery_point)
@@ -290,6 +304,17 @@ class ParameterServerRecovery:
         ]
         self._variables.restore_states({server: states}, dict(lost))
 
+    def _restore_tables(self, server: int, tables: Sequence[str], plan: RestorePlan) -> None:
+        """Makes the server's shards of the dynamic tables it lost the checkpoint's (at
+        RecoveryPoint.ALL, ``restore_checkpoint`` did, with every other server's)."""
+        if not tables or plan.checkpoint is None or plan.point is not RecoveryPoint.LOST_SHARDS:
+            return
+        try:
+            states = _table_shards(plan.checkpoint, server, self._addresses, tables, self._variables.checkpoint_key)
+        except CheckpointError as exc:
+            raise Unrecoverable(f"its dynamic tables cannot be read from {plan.checkpoint}: {exc}") from exc
+        self._variables.restore_dynamic({server: states})
+
     def _lost_state(self, name: str, layout: VariableLayout, shard: ShardPlacement, path: Path | None) -> ShardState:
         key = self._variables.checkpoint_key(name)
         if key is None or path is None:
@@ -304,4 +329,26 @@ def _facts(path: Path) -> CheckpointFacts:
     """What a checkpoint candidate holds, for ``plan_restore``."""
     if not checkpoint.is_whole(path):
         return CheckpointFacts(path, whole=False)
-    return CheckpointFacts(path, whole=True, variables=frozenset(checkpoint.variables(path)))
+    manifest = checkpoint.read_manifest(path)
+    held = [*manifest.variables, *dynamic_checkpoint.table_names(manifest.extra)]
+    return CheckpointFacts(path, whole=True, variables=frozenset(held))
+
+
+def _table_shards(
+    path: Path,
+    server: int,
+    addresses: Sequence[str],
+    tables: Sequence[str],
+    key_of: Callable[[str], str | None],
+) -> list[DynamicShardState]:
+    """Server ``server``'s shard of each of ``tables`` as checkpoint ``path`` holds them (its
+    chain of deltas applied), laid out for ``addresses``' servers; CheckpointError when unreadable."""
+    keys = {name: key for name in tables if (key := key_of(name)) is not None}
+    saved = dynamic_checkpoint.read_tables(path, checkpoint.read_manifest(path).extra, set(keys.values()))
+    states = []
+    for name, key in keys.items():
+        if key not in saved:
+            raise CheckpointError(f"it does not hold dynamic table {key!r}")
+        mine = next(state for state in rehash(saved[key], len(addresses)) if state.ref.shard == server)
+        states.append(dataclasses.replace(mine, ref=ShardRef(name, server)))
+    return states

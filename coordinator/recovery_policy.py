@@ -8,9 +8,11 @@ observation means and what to do, logging the decision's reason.
   incarnation restarted; one that cannot be reached twice in a row is lost; one whose
   connection is up but that answers late is busy (creating a large table, applying a large
   step), and a busy server is not a dead one: it is never recovered for being slow.
-- ``lost_variables``: which variables a server no longer holds (it restarted empty).
-- ``plan_restore``: where to restore them from: the newest whole checkpoint that holds them,
-  at the policy's recovery point, or why that cannot be done.
+- ``lost_variables``: which variables a server no longer holds (it restarted empty), and
+  ``lost_tables``: which dynamic embedding tables (every server holds a shard of each).
+- ``plan_restore``: where to restore them from: the newest whole checkpoint that holds them
+  (for a dynamic table saved incrementally, whole means its bases are there too), at the
+  policy's recovery point, or why that cannot be done.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ __all__ = [
     "Unrecoverable",
     "Verdict",
     "judge_probe",
+    "lost_tables",
     "lost_variables",
     "plan_restore",
 ]
@@ -143,14 +146,22 @@ def lost_variables(
     }
 
 
+def lost_tables(held: Collection[str], created: Collection[str]) -> list[str]:
+    """The dynamic tables of ``created`` (those on the servers) that a server does not hold
+    (``held``: the tables it lists); each server holds one shard of every table."""
+    return sorted(set(created) - set(held))
+
+
 @dataclass(frozen=True)
 class CheckpointFacts:
     """What recovery knows of one checkpoint candidate (read from its manifest)."""
 
     path: pathlib.Path
     whole: bool
-    """Every variable's saved shards cover all its rows and every shard file is there."""
+    """Every variable's saved shards cover all its rows, every shard file is there, and so are
+    the checkpoints it needs (the bases of its dynamic tables' deltas)."""
     variables: frozenset[str] = frozenset()
+    """What it holds, by checkpoint key: variables and dynamic tables."""
 
 
 @dataclass(frozen=True)
@@ -167,13 +178,14 @@ class Unrecoverable(Exception):
 
 
 def plan_restore(
-    lost: Mapping[str, VariableLayout],
+    lost: Collection[str],
     keys: Mapping[str, str | None],
     candidates: Sequence[CheckpointFacts],
     point: RecoveryPoint,
 ) -> RestorePlan:
-    """How to restore ``lost`` (variables by name; ``keys``: each one's name in checkpoints, None
-    for one no checkpoint holds) from ``candidates`` (best first). Raises Unrecoverable."""
+    """How to restore ``lost`` (variables and dynamic tables by name; ``keys``: each one's name in
+    checkpoints, None for one no checkpoint holds) from ``candidates`` (best first). Raises
+    Unrecoverable."""
     if not lost:
         return RestorePlan(None, None, "it holds all its shards: nothing to restore")
     needed = sorted(keys[name] or "" for name in lost if keys[name] is not None)

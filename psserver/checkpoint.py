@@ -21,6 +21,11 @@ touching a save in progress.
 Restores are by rows, not by saved shard: :func:`load_rows` assembles any row
 range of a variable from whichever saved shards overlap it, so a checkpoint
 written by two servers restores onto three.
+
+A checkpoint may *need* older ones of its root (the manifest's ``needs``: an incremental
+checkpoint of dynamic tables holds only what changed since them). It is whole only while they
+are, a save refuses to name one that is gone (CheckpointBaseMissingError), and pruning keeps
+every checkpoint a kept one needs.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ from paramserve.psserver.atomic_files import (
     write_new_file,
 )
 from paramserve.psserver.errors import (
+    CheckpointBaseMissingError,
     CheckpointError,
     InvalidRequestError,
     ParamServeError,
@@ -69,6 +75,7 @@ __all__ = [
     "sweep_leftovers",
     "gaps",
     "is_whole",
+    "missing_bases",
     "latest_checkpoint",
     "list_checkpoints",
     "resolve",
@@ -125,6 +132,8 @@ class Manifest:
     format_version: int
     variables: Mapping[str, VariableEntry]
     extra: Mapping[str, Any]
+    needs: tuple[str, ...] = ()
+    """Older checkpoints of the same root (names) this one cannot be restored without."""
 
 
 # ---------------------------------------------------------------------------
@@ -233,8 +242,12 @@ def _write_shard(path: Path, state: ShardState) -> None:
     write_new_file(path, lambda file: torch.save(payload, file))
 
 
-def _write_contents(directory: Path, groups: dict[str, list[ShardState]], extra: dict[str, Any]) -> None:
+def _write_contents(
+    directory: Path, groups: dict[str, list[ShardState]], extra: dict[str, Any], needs: Sequence[str]
+) -> None:
     manifest: dict[str, Any] = {"format": FORMAT, "format_version": FORMAT_VERSION, "extra": extra, "variables": {}}
+    if needs:
+        manifest["needs"] = list(needs)
     for index, (name, group) in enumerate(groups.items()):
         files = [_file_name(index, name, state.ref.shard) for state in group]
         for state, file in zip(group, files):
@@ -274,13 +287,26 @@ def _write_latest(root: Path, name: str) -> None:
     atomic_write(root / LATEST, lambda file: file.write(f"{name}\n".encode()))
 
 
+def _needed(paths: Sequence[Path]) -> set[str]:
+    """The names of the checkpoints that ``paths`` need (unreadable manifests need nothing)."""
+    names: set[str] = set()
+    for path in paths:
+        try:
+            names.update(read_manifest(path).needs)
+        except CheckpointError:
+            continue
+    return names
+
+
 def _prune(root: Path, keep: int, current: Path) -> None:
-    """Deletes all but the newest ``keep`` checkpoints (best effort: the save has committed)."""
+    """Deletes all but the newest ``keep`` checkpoints and those they need (best effort: the
+    save has committed)."""
     if keep == 0:
         return
     numbers = sorted(_checkpoint_numbers(root).items())
+    needed = _needed([path for _, path in numbers[-keep:]])
     for _, path in numbers[:-keep]:
-        if path == current:
+        if path == current or path.name in needed:
             continue
         trash = root / f".trash-{uuid.uuid4().hex}"
         try:
@@ -341,6 +367,7 @@ def save_checkpoint(
     before_commit: Callable[[], None] | None = None,
     require_whole: bool = False,
     add_files: Callable[[Path], Mapping[str, Any]] | None = None,
+    needs: Sequence[str] = (),
 ) -> Path:
     """Writes ``states`` as a new checkpoint under ``root`` and returns its directory.
 
@@ -355,6 +382,8 @@ def save_checkpoint(
     checkpoint of the whole model; a server's own save holds only its shards).
     ``add_files(staged)`` writes more files into the checkpoint before it is committed (the
     dynamic tables: psserver/dynamic_checkpoint.py) and returns entries for ``extra``.
+    ``needs``: older checkpoints of ``root`` (names) the new one cannot be restored without;
+    CheckpointBaseMissingError, before anything is written, when one of them is not whole.
     """
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
         raise InvalidRequestError(f"keep must be an int >= 0 (0 keeps every checkpoint), got {keep!r}")
@@ -367,11 +396,16 @@ def save_checkpoint(
         root.mkdir(parents=True, exist_ok=True)
         with _exclusive(root):
             _sweep_locked(root)  # what an interrupted save left
+            missing = [name for name in needs if not (_CHECKPOINT_NAME.match(name) and _whole_alone(root / name))]
+            if missing:
+                raise CheckpointBaseMissingError(
+                    f"cannot write a checkpoint that needs {missing[0]} under {root}: it is gone or not whole"
+                )
             staged = root / f"{TEMPORARY_PREFIX}{uuid.uuid4().hex}"
             staged.mkdir()
             try:
                 added = dict(add_files(staged)) if add_files is not None else {}
-                _write_contents(staged, groups, {**extra_json, **_extra_json(added)})
+                _write_contents(staged, groups, {**extra_json, **_extra_json(added)}, needs)
                 if before_commit is not None:
                     before_commit()
                 final = _commit(root, staged)
@@ -429,12 +463,37 @@ def latest_checkpoint(root: Path) -> Path | None:
 
 def is_whole(path: Path) -> bool:
     """Whether the checkpoint at ``path`` can be restored whole: its manifest reads, every
-    variable's saved shards cover each of its rows exactly once, and every shard file exists."""
+    variable's saved shards cover each of its rows exactly once, every shard file exists, and so
+    do the checkpoints it needs."""
+    return _whole_alone(Path(path)) and not missing_bases(Path(path))
+
+
+def missing_bases(path: Path) -> list[str]:
+    """The checkpoints that the checkpoint at ``path`` needs and that are gone or not whole
+    (each must be an older sibling: ``ckpt-<N>`` with a smaller N)."""
     try:
         manifest = read_manifest(Path(path))
     except CheckpointError:
+        return []
+    own = _CHECKPOINT_NAME.match(manifest.path.name)
+    return [
+        name
+        for name in manifest.needs
+        if not (
+            (match := _CHECKPOINT_NAME.match(name))
+            and own is not None
+            and int(match.group(1)) < int(own.group(1))
+            and _whole_alone(manifest.path.parent / name)
+        )
+    ]
+
+
+def _whole_alone(path: Path) -> bool:
+    try:
+        manifest = read_manifest(path)
+    except CheckpointError:
         return False
-    if manifest.path != Path(path):
+    if manifest.path != path:
         return False
     return all(
         not gaps(entry) and all((manifest.path / saved.file).is_file() for saved in entry.shards)
@@ -506,7 +565,8 @@ def read_manifest(path: Path) -> Manifest:
                 f"this version of paramserve reads {FORMAT!r} version {FORMAT_VERSION}"
             )
         entries = {str(name): _parse_variable(entry) for name, entry in raw["variables"].items()}
-        return Manifest(path, FORMAT_VERSION, entries, dict(raw.get("extra") or {}))
+        needs = tuple(str(name) for name in raw.get("needs") or ())
+        return Manifest(path, FORMAT_VERSION, entries, dict(raw.get("extra") or {}), needs)
     except CheckpointError:
         raise
     except RecursionError:  # a hostile manifest nested too deeply for the JSON reader

@@ -4,8 +4,9 @@ Pure and shared by both sides: the client partitions ids with :func:`owner_of`; 
 keeps one shard's rows in a :class:`RowArena` (preallocated blocks of rows with a free list),
 finds them through an :class:`IdIndex` (open addressing over two flat tensors), counts
 sightings of ids not yet admitted in an :class:`AdmissionFilter` (a count-min sketch of fixed
-size), makes a new row with :func:`initial_rows` (deterministic per id and seed), and decides
-what to evict with :func:`expired` and :func:`least_recently_used`. None of them locks: the
+size), makes a new row with :func:`initial_rows` (deterministic per id and seed), decides
+what to evict with :func:`expired` and :func:`least_recently_used`, and remembers the ids it
+evicted for an incremental checkpoint in a :class:`DeletionLog`. None of them locks: the
 owning table's lock serialises every call (psserver/dynamic_table.py).
 
 The hash is splitmix64 (Steele, Lea and Flood, 2014: the finaliser of Java's SplittableRandom),
@@ -23,6 +24,7 @@ from torch import Tensor
 
 __all__ = [
     "AdmissionFilter",
+    "DeletionLog",
     "IdIndex",
     "RowArena",
     "expired",
@@ -395,3 +397,57 @@ def least_recently_used(used: Tensor, count: int, protected_from: int) -> Tensor
         return torch.empty(0, dtype=torch.int64)
     picked = torch.topk(used[candidates], count, largest=False, sorted=False).indices
     return candidates[picked]
+
+
+# ---------------------------------------------------------------- what incremental checkpoints need
+
+DELETION_LOG_MIN_IDS = 65536
+"""A deletion log may always hold this many ids (512 KiB), and more up to half the live rows."""
+
+
+class DeletionLog:
+    """The ids a shard evicted, by the epoch (exports so far) they were evicted in, since the
+    oldest mark an incremental export may still be asked to answer after (``floor``): what a
+    delta lists as deleted. Keeps nothing until ``start`` (a shard never saved incrementally pays
+    nothing). Bounded: past ``max(DELETION_LOG_MIN_IDS, live rows / 2)`` ids it forgets them and
+    raises its floor, so the next save of the shard is whole (about as small, with that many
+    evictions)."""
+
+    def __init__(self) -> None:
+        self.floor: int | None = None
+        self._entries: list[tuple[int, Tensor]] = []
+        self._count = 0
+
+    def start(self, epoch: int) -> None:
+        """Keeps the evictions after epoch ``epoch`` (a no-op once started)."""
+        if self.floor is None:
+            self.floor = epoch
+
+    def answers(self, since: int, epoch: int) -> bool:
+        """Whether every id evicted after epoch ``since`` (up to ``epoch``, now) is here."""
+        return self.floor is not None and self.floor <= since <= epoch
+
+    def record(self, epoch: int, ids: Tensor, live_rows: int) -> None:
+        if self.floor is None or ids.numel() == 0:
+            return
+        self._entries.append((epoch, ids.clone()))
+        self._count += ids.numel()
+        if self._count > max(DELETION_LOG_MIN_IDS, live_rows // 2):
+            self._entries, self._count, self.floor = [], 0, epoch
+
+    def since(self, epoch: int) -> Tensor:
+        """The ids evicted after epoch ``epoch``, sorted and distinct."""
+        kept = [ids for at, ids in self._entries if at > epoch]
+        return torch.unique(torch.cat(kept)) if kept else torch.empty(0, dtype=torch.int64)
+
+    def trim(self, epoch: int) -> None:
+        """A delta will never again be asked for before ``epoch``: forgets what was evicted until then."""
+        if self.floor is None or epoch <= self.floor:
+            return
+        self.floor = epoch
+        self._entries = [(at, ids) for at, ids in self._entries if at > epoch]
+        self._count = sum(ids.numel() for _, ids in self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        return 8 * self._count

@@ -21,6 +21,16 @@ table step and time of its last update and the tick of its last use), found thro
   Eviction frees the row and its slots and zeroes the id's sighting count: the id starts
   again from unseen.
 
+**Incremental checkpoints.** Every export ends an *epoch* of the shard: its mark is (lineage,
+the epoch it ended), and each row remembers the epoch of its admission or last update
+(``changed``, 4 bytes), so the rows changed since a mark E are exactly those with
+``changed > E``. An export ``incremental`` starts a :class:`DeletionLog` of the ids evicted from
+then on (by epoch); an export with a mark ``since`` that the shard can answer (same lineage: not
+replaced since; its log reaches back to it) is a delta: those rows, and the ids evicted since
+that have no row now. ``mark_saved`` (a checkpoint holding the shard up to a mark was
+committed) trims the log. A shard made or replaced gets a new lineage, so no delta ever spans a
+restore.
+
 Every call is validated before it changes anything; the shard's lock serialises them.
 """
 
@@ -28,7 +38,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+import uuid
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +48,7 @@ from torch import Tensor
 
 from paramserve.psserver.dynamic_rows import (
     AdmissionFilter,
+    DeletionLog,
     IdIndex,
     RowArena,
     expired,
@@ -44,7 +56,7 @@ from paramserve.psserver.dynamic_rows import (
     least_recently_used,
     owner_of,
 )
-from paramserve.psserver.dynamic_types import DynamicShardState, DynamicStats, DynamicTableConfig
+from paramserve.psserver.dynamic_types import DynamicSaveMark, DynamicShardState, DynamicStats, DynamicTableConfig
 from paramserve.psserver.errors import (
     DtypeMismatchError,
     InvalidRequestError,
@@ -65,7 +77,13 @@ _SHARED_DEFAULT_ID = -(1 << 63)
 """The id whose initial row is a table's shared default row ("shared")."""
 _LRU_BATCH = 32
 """An eviction for room frees at least max_rows / this many rows (amortising its O(rows) pick)."""
-_METADATA = {"ids": torch.int64, "updated": torch.int64, "updated_at": torch.float64, "used": torch.int64}
+_METADATA = {
+    "ids": torch.int64,
+    "updated": torch.int64,
+    "updated_at": torch.float64,
+    "used": torch.int64,
+    "changed": torch.int32,
+}
 
 
 class DynamicShard:
@@ -79,6 +97,9 @@ class DynamicShard:
         self.lock = threading.Lock()
         self.version = 0
         self.window = IdempotencyWindow(idempotency_capacity)
+        self.lineage = uuid.uuid4().hex
+        self._epoch = 0  # exports so far: a row's "changed" is the epoch of its last change
+        self._deleted = DeletionLog()
         self._tick = 0
         self.admissions = self.evictions_ttl = self.evictions_capacity = 0
         dim, dtype = config.dim, config.dtype
@@ -205,6 +226,7 @@ class DynamicShard:
                 self._arena.scatter("updated", slots[held], torch.full((count,), self.version))
                 self._arena.scatter("updated_at", slots[held], torch.full((count,), now, dtype=torch.float64))
                 self._arena.scatter("used", slots[held], torch.full((count,), self._tick))
+                self._arena.scatter("changed", slots[held], self._stamp(count))
             else:
                 self.version += 1
             self.window.record(key)
@@ -252,6 +274,7 @@ class DynamicShard:
         self._arena.scatter("updated", slots, torch.full((ids.numel(),), self.version))
         self._arena.scatter("updated_at", slots, torch.full((ids.numel(),), now, dtype=torch.float64))
         self._arena.scatter("used", slots, torch.full((ids.numel(),), self._tick))
+        self._arena.scatter("changed", slots, self._stamp(ids.numel()))
         self._index.insert(ids, slots)
         self.admissions += ids.numel()
         return slots
@@ -262,9 +285,13 @@ class DynamicShard:
         self._evict(ids[victims], slots[victims])
         self.evictions_capacity += victims.numel()
 
+    def _stamp(self, count: int) -> Tensor:
+        return torch.full((count,), self._epoch, dtype=torch.int32)
+
     def _evict(self, ids: Tensor, slots: Tensor) -> None:
         self._index.remove(ids)
         self._arena.release(slots)
+        self._deleted.record(self._epoch, ids, self._arena.live)
         if self._filter is not None:
             self._filter.forget(ids)
 
@@ -305,6 +332,7 @@ class DynamicShard:
     def stats(self) -> DynamicStats:
         with self.lock:
             nbytes = self._arena.nbytes + self._index.nbytes + (self._filter.nbytes if self._filter else 0)
+            nbytes += self._deleted.nbytes
             return DynamicStats(
                 self.ref,
                 self.num_shards,
@@ -317,10 +345,23 @@ class DynamicShard:
                 nbytes,
             )
 
-    def export(self) -> DynamicShardState:
-        """A copy of every live row (sorted by id) with its slots and last-update step."""
+    def export(self, since: DynamicSaveMark | None = None, incremental: bool = False) -> DynamicShardState:
+        """A copy of every live row (sorted by id) with its slots and last-update step, with the
+        shard's mark now. ``incremental``: evictions are logged from now on (for later deltas).
+        ``since``: when the shard can answer it (same lineage, log reaching back), only the rows
+        changed since, and the ids evicted since that have no row now (a delta)."""
         with self.lock:
+            epoch, self._epoch = self._epoch, self._epoch + 1  # changes from now on are the next epoch's
+            if incremental:
+                self._deleted.start(epoch)
             ids, slots = self._index.items()
+            delta = since is not None and since.lineage == self.lineage and self._deleted.answers(since.through, epoch)
+            deleted = torch.empty(0, dtype=torch.int64)
+            if since is not None and delta:
+                changed = self._arena.gather("changed", slots) > since.through
+                ids, slots = ids[changed], slots[changed]
+                deleted = self._deleted.since(since.through)
+                deleted = deleted[self._index.find(deleted) < 0]
             order = torch.argsort(ids)
             ids, slots = ids[order], slots[order]
             return DynamicShardState(
@@ -334,12 +375,30 @@ class DynamicShard:
                 {key: value.clone() for key, value in self.shared.items()},
                 self.version,
                 self.window.keys(),
+                delta=delta,
+                deleted=deleted,
+                lineage=self.lineage,
+                through=epoch,
             )
+
+    def mark_saved(self, mark: DynamicSaveMark) -> bool:
+        """A checkpoint holding this shard up to ``mark`` is committed: no delta will be asked
+        for before it, so the evictions before it are forgotten. False for another lineage's."""
+        with self.lock:
+            if mark.lineage != self.lineage or mark.through >= self._epoch:
+                return False
+            self._deleted.trim(mark.through)
+            return True
 
     @classmethod
     def from_state(cls, state: DynamicShardState, idempotency_capacity: int, now: float) -> DynamicShard:
         """The shard ``state`` describes, exactly (rows, slots, steps, version, window); its rows
         count as updated at ``now`` for ``ttl_seconds``. Raises before building anything."""
+        if state.delta:
+            raise InvalidRequestError(
+                "a delta holds only the rows changed since an earlier export: apply it to its base first",
+                variable=state.ref.variable,
+            )
         shard = cls(state.ref, state.num_shards, state.config, idempotency_capacity)
         shard._check_state(state)
         n = state.ids.numel()
@@ -353,6 +412,7 @@ class DynamicShard:
         shard._arena.scatter("updated", slots, state.updated)
         shard._arena.scatter("updated_at", slots, torch.full((n,), now, dtype=torch.float64))
         shard._arena.scatter("used", slots, torch.zeros(n, dtype=torch.int64))
+        shard._arena.scatter("changed", slots, torch.zeros(n, dtype=torch.int32))
         shard._index.insert(state.ids, slots)
         shard.shared = {key: value.clone() for key, value in state.shared.items()} or shard.shared
         shard.version = int(state.version)
@@ -465,9 +525,23 @@ class DynamicTables:
                 del self._shards[ref]
         return len(refs)
 
-    def export(self, refs: Sequence[ShardRef] | None = None) -> list[DynamicShardState]:
+    def export(
+        self,
+        refs: Sequence[ShardRef] | None = None,
+        since: Mapping[ShardRef, DynamicSaveMark] | None = None,
+        incremental: bool = False,
+    ) -> list[DynamicShardState]:
+        """The shards of ``refs`` (every one for None); see ``DynamicShard.export``."""
         shards = self._all() if refs is None else [self.get(ref) for ref in refs]
-        return [shard.export() for shard in shards]
+        marks = since or {}
+        return [shard.export(marks.get(shard.ref), incremental) for shard in shards]
+
+    def mark_saved(self, marks: Sequence[DynamicSaveMark]) -> list[DynamicStats]:
+        """Tells each shard named that a checkpoint holding it up to its mark is committed; the
+        stats of those it applied to (a shard replaced or deleted since is skipped)."""
+        with self._lock:
+            found = [(self._shards[m.ref], m) for m in marks if m.ref in self._shards]
+        return [shard.stats() for shard, mark in found if shard.mark_saved(mark)]
 
     def stats(self) -> list[DynamicStats]:
         return [shard.stats() for shard in self._all()]

@@ -19,7 +19,15 @@ from paramserve.psserver.errors import DtypeMismatchError, InvalidRequestError
 from paramserve.psserver.optimizer import OptimizerSpec
 from paramserve.psserver.types import ShardRef
 
-__all__ = ["DEFAULT_ROWS", "INITIALIZERS", "DynamicShardState", "DynamicStats", "DynamicTableConfig", "rehash"]
+__all__ = [
+    "DEFAULT_ROWS",
+    "INITIALIZERS",
+    "DynamicSaveMark",
+    "DynamicShardState",
+    "DynamicStats",
+    "DynamicTableConfig",
+    "rehash",
+]
 
 DEFAULT_ROWS = ("zeros", "shared")
 INITIALIZERS = ("zeros", "constant", "normal", "uniform")
@@ -85,11 +93,26 @@ class DynamicTableConfig:
         return min(caps) if caps else None
 
 
+@dataclass(frozen=True)
+class DynamicSaveMark:
+    """A shard's state as of one export: its ``lineage`` (new whenever the shard is created or
+    replaced) and ``through``, the count of its changes then. An incremental export asks for the
+    changes after a mark; a committed checkpoint tells the server its mark (nothing before it
+    need be kept)."""
+
+    ref: ShardRef
+    lineage: str
+    through: int
+
+
 @dataclass
 class DynamicShardState:
-    """One server's shard of a dynamic table, whole: what is exported and checkpointed.
+    """One server's shard of a dynamic table: what is exported and checkpointed. Whole, or with
+    ``delta`` only the rows changed after an earlier mark, with ``deleted`` the ids evicted since
+    then that have no row now (the shard's version, shared state and window are always whole).
     ``ids`` sorted; ``updated``: the table step of each row's last update; ``slots``: row-shaped
-    optimizer state; ``shared``: the shard's other optimizer state (Adam's step)."""
+    optimizer state; ``shared``: the shard's other optimizer state (Adam's step); ``lineage``
+    and ``through``: its mark at the export."""
 
     ref: ShardRef
     num_shards: int
@@ -101,6 +124,14 @@ class DynamicShardState:
     shared: dict[str, Tensor] = field(default_factory=dict)
     version: int = 0
     applied_keys: list[str] = field(default_factory=list)
+    delta: bool = False
+    deleted: Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    lineage: str = ""
+    through: int = 0
+
+    @property
+    def mark(self) -> DynamicSaveMark:
+        return DynamicSaveMark(self.ref, self.lineage, self.through)
 
 
 @dataclass(frozen=True)
@@ -123,7 +154,10 @@ def rehash(states: Sequence[DynamicShardState], num_shards: int) -> list[Dynamic
     servers: each row moves to ``owner_of(id, num_shards)`` with its value, slots and age in
     steps. Each new shard's version is the largest saved one and a row's last-update step keeps
     its distance from its old shard's version; windows are merged; shared state (a step count)
-    is the largest saved. Same shard count: the states themselves."""
+    is the largest saved. Same shard count: the states themselves. Whole states only
+    (``dynamic_chain.apply_delta`` makes a delta whole first)."""
+    if any(s.delta for s in states):
+        raise InvalidRequestError("rehash takes whole shards, not deltas: apply each delta to its base first")
     if len(states) == num_shards and sorted(s.ref.shard for s in states) == list(range(num_shards)):
         return list(states)
     first = states[0]
@@ -151,6 +185,8 @@ def rehash(states: Sequence[DynamicShardState], num_shards: int) -> list[Dynamic
                 shared={key: value.clone() for key, value in shared.items()},
                 version=version,
                 applied_keys=keys,
+                lineage="",
+                through=0,
             )
         )
     return result

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from paramserve.psserver.convert import optimizer_from_proto, optimizer_to_proto, ref_from_proto, ref_to_proto
-from paramserve.psserver.dynamic_types import DynamicShardState, DynamicStats, DynamicTableConfig
+from paramserve.psserver.dynamic_types import DynamicSaveMark, DynamicShardState, DynamicStats, DynamicTableConfig
 from paramserve.psserver.errors import InvalidRequestError
 from paramserve.psserver.streams import meta_nbytes, meta_of, tensor_from_bytes, tensor_payload
 from paramserve.psserver.tensors import dtype_from_name, dtype_name
@@ -18,6 +18,8 @@ from paramserve.wire.v1 import tensor_pb2
 __all__ = [
     "config_from_proto",
     "config_to_proto",
+    "mark_from_proto",
+    "mark_to_proto",
     "shard_from_part",
     "shard_part",
     "shard_payload_bytes",
@@ -98,6 +100,14 @@ def stats_from_proto(message: ps_pb2.DynamicTableStats) -> DynamicStats:
     )
 
 
+def mark_to_proto(mark: DynamicSaveMark) -> ps_pb2.DynamicSaveMark:
+    return ps_pb2.DynamicSaveMark(ref=ref_to_proto(mark.ref), lineage=mark.lineage, through=mark.through)
+
+
+def mark_from_proto(message: ps_pb2.DynamicSaveMark) -> DynamicSaveMark:
+    return DynamicSaveMark(ref_from_proto(message.ref), message.lineage, int(message.through))
+
+
 def _tensors(state: DynamicShardState) -> list[tuple[str, torch.Tensor]]:
     return [
         ("ids", state.ids),
@@ -105,6 +115,7 @@ def _tensors(state: DynamicShardState) -> list[tuple[str, torch.Tensor]]:
         ("value", state.values),
         *((f"slot.{key}", value) for key, value in state.slots.items()),
         *((f"shared.{key}", value) for key, value in state.shared.items()),
+        *((("deleted", state.deleted),) if state.delta else ()),
     ]
 
 
@@ -116,6 +127,9 @@ def shard_part(state: DynamicShardState) -> tuple[tensor_pb2.PartHeader, list[me
         config=config_to_proto(state.config),
         version=state.version,
         applied_keys=list(state.applied_keys),
+        delta=state.delta,
+        lineage=state.lineage,
+        through=state.through,
     )
     pieces = []
     for name, tensor in _tensors(state):
@@ -142,6 +156,8 @@ def shard_from_part(header: tensor_pb2.DynamicShardHeader, payload: torch.Tensor
         raise InvalidRequestError(
             "a dynamic shard part carries ids, updated and value tensors filling its payload", variable=ref.variable
         )
+    if ("deleted" in tensors) != header.delta:
+        raise InvalidRequestError("a dynamic shard part carries deleted ids if and only if it is a delta")
     return DynamicShardState(
         ref=ref,
         num_shards=int(header.num_shards),
@@ -153,4 +169,8 @@ def shard_from_part(header: tensor_pb2.DynamicShardHeader, payload: torch.Tensor
         shared={name[7:]: t for name, t in tensors.items() if name.startswith("shared.")},
         version=int(header.version),
         applied_keys=list(header.applied_keys),
+        delta=bool(header.delta),
+        deleted=tensors.get("deleted", torch.empty(0, dtype=torch.int64)),
+        lineage=header.lineage,
+        through=int(header.through),
     )

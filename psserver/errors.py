@@ -101,6 +101,11 @@ class CheckpointError(ParamServeError):
     code = StatusCode.FAILED_PRECONDITION
 
 
+class CheckpointBaseMissingError(CheckpointError):
+    """An incremental checkpoint whose base (an older checkpoint it holds only the changes
+    since) is gone or not whole: it cannot be restored."""
+
+
 class MessageTooLargeError(ParamServeError):
     code = StatusCode.RESOURCE_EXHAUSTED
 
@@ -143,6 +148,7 @@ ERROR_TYPES: dict[str, type[ParamServeError]] = {
         NonFiniteGradientError,
         StalePushError,
         CheckpointError,
+        CheckpointBaseMissingError,
         MessageTooLargeError,
         AuthenticationError,
         PermissionDeniedError,

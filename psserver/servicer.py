@@ -202,9 +202,10 @@ class ParameterServerServicer:
 
     @stream_boundary
     def ExportDynamicTables(self, raw: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
-        request = parse(ps_pb2.ExportShardsRequest, raw)
+        request = parse(ps_pb2.ExportDynamicTablesRequest, raw)
         refs = [convert.ref_from_proto(r) for r in request.refs] or None
-        states = self._store.dynamic.export(refs)
+        since = {mark.ref: mark for mark in map(dynamic_wire.mark_from_proto, request.since)}
+        states = self._store.dynamic.export(refs, since, bool(request.incremental))
         parts = (dynamic_wire.shard_part(state) for state in states)
         yield from encode_parts(parts, self._chunk_size(request.chunk_bytes))
 
@@ -232,6 +233,12 @@ class ParameterServerServicer:
     def ListDynamicTables(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
         parse(ps_pb2.ListDynamicTablesRequest, raw)
         return _dynamic_response(self._store.dynamic.stats())
+
+    @unary_boundary
+    def MarkDynamicTablesSaved(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
+        request = parse(ps_pb2.MarkDynamicTablesSavedRequest, raw)
+        marks = [dynamic_wire.mark_from_proto(mark) for mark in request.marks]
+        return _dynamic_response(self._store.dynamic.mark_saved(marks))
 
     # -- checkpoints on the server's filesystem
 
@@ -330,5 +337,6 @@ def generic_handler(servicer: ParameterServerServicer) -> grpc.GenericRpcHandler
         "ExportDynamicTables": grpc.unary_stream_rpc_method_handler(servicer.ExportDynamicTables),
         "ReplaceDynamicTables": grpc.stream_unary_rpc_method_handler(servicer.ReplaceDynamicTables),
         "ListDynamicTables": grpc.unary_unary_rpc_method_handler(servicer.ListDynamicTables),
+        "MarkDynamicTablesSaved": grpc.unary_unary_rpc_method_handler(servicer.MarkDynamicTablesSaved),
     }
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)

@@ -498,6 +498,11 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         with self._lock:
             return {name: v.dynamic for name, v in self._variables.items() if v.dynamic is not None}
 
+    def created_dynamic_tables(self) -> list[str]:
+        """The dynamic tables that exist on the servers (recovery restores those a server lost)."""
+        with self._lock:
+            return [name for name, v in self._variables.items() if v.dynamic is not None and name in self._created]
+
     def restore_dynamic(self, states_by_server: Mapping[int, Sequence[DynamicShardState]]) -> None:
         """Makes the dynamic tables of ``states_by_server`` exactly those rows on the servers (a
         restore: each table replaced whole on every server). Call it inside ``quiesced()``."""

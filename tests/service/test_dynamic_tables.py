@@ -8,6 +8,7 @@ import pytest
 import torch
 from prometheus_client import generate_latest
 
+from paramserve.psserver.dynamic_chain import apply_delta
 from paramserve.psserver.dynamic_rows import initial_rows, owner_of
 from paramserve.psserver.dynamic_types import DynamicTableConfig, rehash
 from paramserve.psserver.errors import DtypeMismatchError, ShapeMismatchError, VariableExistsError
@@ -139,6 +140,31 @@ def test_export_restores_bit_identically_onto_three_servers(servers, start_ps, m
         assert torch.equal(before, after)
     rows, _ = lookup(other, ids.tolist())
     assert torch.equal(rows, lookup(client, ids.tolist())[0])
+
+
+def test_an_incremental_export_sends_the_changes_since_a_mark_and_a_saved_mark_trims(servers, make_client):
+    client = make_client(addresses(servers))
+    client.dynamic.create("users", config(ttl_steps=3))
+    lookup(client, list(range(40)))
+    base = {s.ref: s for per in client.dynamic.export(["users"], incremental=True).values() for s in per}
+    assert not any(s.delta for s in base.values())
+    kept = torch.tensor([0, 1, 2, 3])  # on both servers; the other rows go stale and are evicted
+    for step in range(6):
+        client.push({"users": RowGradient(kept, torch.ones(4, DIM))}, key=f"s{step}")
+    lookup(client, [100, 101])
+    marks = {ref: state.mark for ref, state in base.items()}
+    deltas = {s.ref: s for per in client.dynamic.export(["users"], since=marks).values() for s in per}
+    assert all(s.delta for s in deltas.values())
+    assert sorted(torch.cat([s.ids for s in deltas.values()]).tolist()) == [0, 1, 2, 3, 100, 101]
+    assert sorted(torch.cat([s.deleted for s in deltas.values()]).tolist()) == list(range(4, 40))
+    whole = {s.ref: s for per in client.dynamic.export(["users"]).values() for s in per}
+    for ref, delta in deltas.items():
+        merged = apply_delta(base[ref], delta)
+        assert torch.equal(merged.ids, whole[ref].ids) and torch.equal(merged.values, whole[ref].values)
+        assert torch.equal(merged.slots["sum"], whole[ref].slots["sum"]) and merged.version == whole[ref].version
+    client.dynamic.mark_saved([delta.mark for delta in deltas.values()])
+    again = [s for per in client.dynamic.export(["users"], since=marks).values() for s in per]
+    assert not any(s.delta for s in again), "the servers forgot what was evicted before the saved marks"
 
 
 def test_bad_input_gets_a_specific_error_and_changes_nothing(servers, make_client):

@@ -17,7 +17,7 @@ from paramserve.psserver.checkpoint import (
     save_checkpoint,
     variables,
 )
-from paramserve.psserver.errors import CheckpointError, InvalidRequestError
+from paramserve.psserver.errors import CheckpointBaseMissingError, CheckpointError, InvalidRequestError
 from paramserve.psserver.optimizer import OptimizerSpec
 from paramserve.psserver.partition import split_rows
 from paramserve.psserver.store import ShardPush, ShardStore, StoreConfig
@@ -292,3 +292,35 @@ def test_gaps_name_missing_and_doubled_rows() -> None:
     assert checkpoint.gaps(variable((5, 10))) == [(0, 5)]
     assert checkpoint.gaps(variable((0, 6), (5, 10))) == [(5, 6)]
     assert checkpoint.gaps(checkpoint.VariableEntry((), torch.float32, None, shards((0, 1)))) == []
+
+
+def test_a_checkpoint_that_needs_older_ones_is_whole_only_while_they_are(tmp_path: Path) -> None:
+    states = _trained_store().export()
+    base = save_checkpoint(tmp_path, states)
+    delta = save_checkpoint(tmp_path, states, needs=[base.name])
+    assert read_manifest(delta).needs == (base.name,) and checkpoint.is_whole(delta)
+    assert checkpoint.missing_bases(delta) == [] and checkpoint.missing_bases(base) == []
+    (base / checkpoint.MANIFEST).unlink()
+    assert checkpoint.missing_bases(delta) == [base.name] and not checkpoint.is_whole(delta)
+    assert latest_checkpoint(tmp_path) is None, "neither can be restored now"
+
+
+def test_a_save_refuses_to_need_a_checkpoint_that_is_gone_and_writes_nothing(tmp_path: Path) -> None:
+    states = _trained_store().export()
+    first = save_checkpoint(tmp_path, states)
+    with pytest.raises(CheckpointBaseMissingError, match="needs ckpt-00000007"):
+        save_checkpoint(tmp_path, states, needs=["ckpt-00000007"])
+    with pytest.raises(CheckpointBaseMissingError):
+        save_checkpoint(tmp_path, states, needs=["../elsewhere"])
+    assert latest_checkpoint(tmp_path) == first and len(checkpoint.list_checkpoints(tmp_path)) == 1
+
+
+def test_pruning_keeps_what_a_kept_checkpoint_needs(tmp_path: Path) -> None:
+    states = _trained_store().export()
+    full = save_checkpoint(tmp_path, states, keep=2)
+    one = save_checkpoint(tmp_path, states, keep=2, needs=[full.name])
+    two = save_checkpoint(tmp_path, states, keep=2, needs=[full.name, one.name])
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == [full.name, one.name, two.name]
+    save_checkpoint(tmp_path, states, keep=2)  # a full one: the chain before it goes once it is old
+    last = save_checkpoint(tmp_path, states, keep=2)
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["ckpt-00000004", last.name]

@@ -18,6 +18,7 @@ from paramserve.coordinator.recovery_policy import (
     ServerWatch,
     Unrecoverable,
     judge_probe,
+    lost_tables,
     lost_variables,
     plan_restore,
 )
@@ -101,6 +102,22 @@ def test_lost_variables_are_those_with_a_shard_placed_on_the_server_that_it_lack
         lost_variables(0, {LAYOUTS["a"].ref(LAYOUTS["a"].shards[0]), LAYOUTS["c"].ref(LAYOUTS["c"].shards[0])}, LAYOUTS)
         == {}
     )
+
+
+def test_lost_dynamic_tables_are_the_created_ones_the_server_does_not_list():
+    assert lost_tables(held=["users"], created=["users", "items"]) == ["items"]
+    assert lost_tables(held=[], created=["users", "items"]) == ["items", "users"]
+    assert lost_tables(held=["users", "old"], created=["users"]) == []
+
+
+def test_a_lost_dynamic_table_comes_from_the_newest_whole_checkpoint_holding_it():
+    candidates = [_facts("ckpt-3", whole=False, variables=("a", "users")), _facts("ckpt-2", variables=("a", "users"))]
+    plan = plan_restore(
+        ["run/a", "run/users"], {"run/a": "a", "run/users": "users"}, candidates, RecoveryPoint.LOST_SHARDS
+    )
+    assert plan.checkpoint == pathlib.Path("ckpt-2") and plan.point is RecoveryPoint.LOST_SHARDS
+    with pytest.raises(Unrecoverable, match="does not hold"):
+        plan_restore(["users"], {"users": "users"}, [_facts("ckpt-1")], RecoveryPoint.LOST_SHARDS)
 
 
 def _facts(name, whole=True, variables=("a", "b")):

@@ -278,3 +278,31 @@ class DynamicTablesResponse(_message.Message):
 class ListDynamicTablesRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class DynamicSaveMark(_message.Message):
+    __slots__ = ("ref", "lineage", "through")
+    REF_FIELD_NUMBER: _ClassVar[int]
+    LINEAGE_FIELD_NUMBER: _ClassVar[int]
+    THROUGH_FIELD_NUMBER: _ClassVar[int]
+    ref: _tensor_pb2.ShardRef
+    lineage: str
+    through: int
+    def __init__(self, ref: _Optional[_Union[_tensor_pb2.ShardRef, _Mapping]] = ..., lineage: _Optional[str] = ..., through: _Optional[int] = ...) -> None: ...
+
+class ExportDynamicTablesRequest(_message.Message):
+    __slots__ = ("refs", "chunk_bytes", "incremental", "since")
+    REFS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    INCREMENTAL_FIELD_NUMBER: _ClassVar[int]
+    SINCE_FIELD_NUMBER: _ClassVar[int]
+    refs: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.ShardRef]
+    chunk_bytes: int
+    incremental: bool
+    since: _containers.RepeatedCompositeFieldContainer[DynamicSaveMark]
+    def __init__(self, refs: _Optional[_Iterable[_Union[_tensor_pb2.ShardRef, _Mapping]]] = ..., chunk_bytes: _Optional[int] = ..., incremental: _Optional[bool] = ..., since: _Optional[_Iterable[_Union[DynamicSaveMark, _Mapping]]] = ...) -> None: ...
+
+class MarkDynamicTablesSavedRequest(_message.Message):
+    __slots__ = ("marks",)
+    MARKS_FIELD_NUMBER: _ClassVar[int]
+    marks: _containers.RepeatedCompositeFieldContainer[DynamicSaveMark]
+    def __init__(self, marks: _Optional[_Iterable[_Union[DynamicSaveMark, _Mapping]]] = ...) -> None: ...

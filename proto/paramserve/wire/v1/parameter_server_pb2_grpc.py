@@ -102,7 +102,7 @@ class ParameterServerStub:
                 _registered_method=True)
         self.ExportDynamicTables = channel.unary_stream(
                 '/paramserve.wire.v1.ParameterServer/ExportDynamicTables',
-                request_serializer=paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.ExportShardsRequest.SerializeToString,
+                request_serializer=paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.ExportDynamicTablesRequest.SerializeToString,
                 response_deserializer=paramserve_dot_wire_dot_v1_dot_tensor__pb2.Chunk.FromString,
                 _registered_method=True)
         self.ReplaceDynamicTables = channel.stream_unary(
@@ -113,6 +113,11 @@ class ParameterServerStub:
         self.ListDynamicTables = channel.unary_unary(
                 '/paramserve.wire.v1.ParameterServer/ListDynamicTables',
                 request_serializer=paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.ListDynamicTablesRequest.SerializeToString,
+                response_deserializer=paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.DynamicTablesResponse.FromString,
+                _registered_method=True)
+        self.MarkDynamicTablesSaved = channel.unary_unary(
+                '/paramserve.wire.v1.ParameterServer/MarkDynamicTablesSaved',
+                request_serializer=paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.MarkDynamicTablesSavedRequest.SerializeToString,
                 response_deserializer=paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.DynamicTablesResponse.FromString,
                 _registered_method=True)
 
@@ -240,6 +245,14 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def MarkDynamicTablesSaved(self, request, context):
+        """A checkpoint holding the shards' rows up to these marks is committed: the changes up to
+        them need not be kept for a later incremental export.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -310,7 +323,7 @@ def add_ParameterServerServicer_to_server(servicer, server):
             ),
             'ExportDynamicTables': grpc.unary_stream_rpc_method_handler(
                     servicer.ExportDynamicTables,
-                    request_deserializer=paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.ExportShardsRequest.FromString,
+                    request_deserializer=paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.ExportDynamicTablesRequest.FromString,
                     response_serializer=paramserve_dot_wire_dot_v1_dot_tensor__pb2.Chunk.SerializeToString,
             ),
             'ReplaceDynamicTables': grpc.stream_unary_rpc_method_handler(
@@ -321,6 +334,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
             'ListDynamicTables': grpc.unary_unary_rpc_method_handler(
                     servicer.ListDynamicTables,
                     request_deserializer=paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.ListDynamicTablesRequest.FromString,
+                    response_serializer=paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.DynamicTablesResponse.SerializeToString,
+            ),
+            'MarkDynamicTablesSaved': grpc.unary_unary_rpc_method_handler(
+                    servicer.MarkDynamicTablesSaved,
+                    request_deserializer=paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.MarkDynamicTablesSavedRequest.FromString,
                     response_serializer=paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.DynamicTablesResponse.SerializeToString,
             ),
     }
@@ -700,7 +718,7 @@ class ParameterServer:
             request,
             target,
             '/paramserve.wire.v1.ParameterServer/ExportDynamicTables',
-            paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.ExportShardsRequest.SerializeToString,
+            paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.ExportDynamicTablesRequest.SerializeToString,
             paramserve_dot_wire_dot_v1_dot_tensor__pb2.Chunk.FromString,
             options,
             channel_credentials,
@@ -755,6 +773,33 @@ class ParameterServer:
             target,
             '/paramserve.wire.v1.ParameterServer/ListDynamicTables',
             paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.ListDynamicTablesRequest.SerializeToString,
+            paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.DynamicTablesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MarkDynamicTablesSaved(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/paramserve.wire.v1.ParameterServer/MarkDynamicTablesSaved',
+            paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.MarkDynamicTablesSavedRequest.SerializeToString,
             paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.DynamicTablesResponse.FromString,
             options,
             channel_credentials,

@@ -149,17 +149,23 @@ class DynamicTableConfig(_message.Message):
     def __init__(self, dim: _Optional[int] = ..., dtype: _Optional[str] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., initializer: _Optional[_Union[Initializer, _Mapping]] = ..., admit_after: _Optional[int] = ..., default_row: _Optional[str] = ..., ttl_steps: _Optional[int] = ..., ttl_seconds: _Optional[float] = ..., max_rows: _Optional[int] = ..., max_bytes: _Optional[int] = ..., admission_width: _Optional[int] = ..., block_rows: _Optional[int] = ...) -> None: ...
 
 class DynamicShardHeader(_message.Message):
-    __slots__ = ("ref", "num_shards", "config", "tensors", "version", "applied_keys")
+    __slots__ = ("ref", "num_shards", "config", "tensors", "version", "applied_keys", "delta", "lineage", "through")
     REF_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     APPLIED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    LINEAGE_FIELD_NUMBER: _ClassVar[int]
+    THROUGH_FIELD_NUMBER: _ClassVar[int]
     ref: ShardRef
     num_shards: int
     config: DynamicTableConfig
     tensors: _containers.RepeatedCompositeFieldContainer[NamedTensorMeta]
     version: int
     applied_keys: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, ref: _Optional[_Union[ShardRef, _Mapping]] = ..., num_shards: _Optional[int] = ..., config: _Optional[_Union[DynamicTableConfig, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[NamedTensorMeta, _Mapping]]] = ..., version: _Optional[int] = ..., applied_keys: _Optional[_Iterable[str]] = ...) -> None: ...
+    delta: bool
+    lineage: str
+    through: int
+    def __init__(self, ref: _Optional[_Union[ShardRef, _Mapping]] = ..., num_shards: _Optional[int] = ..., config: _Optional[_Union[DynamicTableConfig, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[NamedTensorMeta, _Mapping]]] = ..., version: _Optional[int] = ..., applied_keys: _Optional[_Iterable[str]] = ..., delta: _Optional[bool] = ..., lineage: _Optional[str] = ..., through: _Optional[int] = ...) -> None: ...
