@@ -188,6 +188,11 @@ def test_the_dashboard_shows_what_the_issue_asks_for(dashboard: dict[str, Any]) 
         "paramserve_coordinator_queued_closures",
         "paramserve_coordinator_checkpoint_age_seconds",
         "paramserve_build_info",
+        # issue 24: a dynamic table's live rows, memory, admissions and evictions, per server
+        "paramserve_ps_dynamic_rows",
+        "paramserve_ps_dynamic_bytes",
+        "paramserve_ps_dynamic_admissions_total",
+        "paramserve_ps_dynamic_evictions_total",
     ):
         assert needed in exprs, needed
     assert "histogram_quantile(0.5," in exprs and "histogram_quantile(0.99," in exprs
