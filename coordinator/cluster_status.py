@@ -6,46 +6,60 @@ Plain Python, no HTTP and no threads of its own (``coordinator.status_page`` ser
   done, failed and retried; the parameter servers' recoveries; what the program reports
   (``ClusterCoordinator.report``: step, loss, samples, metrics); and one bounded timeline of
   events (workers joining, lost and back, recoveries, checkpoints, errors). Thread-safe; the
-  clock is injected.
-- ``History`` keeps samples of the run's counters taken at regular times, bounded: when full it
-  drops every other sample and keeps one in two from then on, so it always spans the whole run.
+  clock is injected. ``RunLog.worker_table`` gives the workers' rows already as JSON text
+  (``WorkerTable``), kept until a worker changes.
 - ``ServerRates`` turns the parameter servers' probes into rows, with pushes per second from the
   change of their shards' versions.
-- ``build_status`` is the pure function from those to the JSON-ready dict that ``/status.json``
-  serves, the page renders and ``paramserve status`` prints.
+- ``build_status`` is the pure function from those and the charts' series
+  (``coordinator.status_history``) to the JSON-ready dict that the page renders
+  and ``paramserve status`` prints; ``encode_status`` is the same status as the JSON text that
+  ``/status.json`` serves, the workers' rows put in as they were encoded.
+- ``Cursor`` is where a reader of ``/status.json`` stands (``?since=``: the ``cursor`` of the last
+  answer it read); ``parse_cursor`` reads one and ``resume`` decides whether an answer can
+  continue it or must be the whole status.
 """
 
 from __future__ import annotations
 
 import collections
 import copy
+import functools
 import hashlib
 import hmac
+import json
 import math
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from paramserve.coordinator.status_history import rounded
+
 if TYPE_CHECKING:
     from paramserve.coordinator.closures import Closure
 
 __all__ = [
     "ALIVE",
+    "Cursor",
+    "CursorError",
     "Event",
-    "History",
     "JOINING",
     "LOST",
     "RunLog",
     "STOPPED",
-    "Sample",
     "ServerReading",
     "ServerRates",
     "StatusInputs",
+    "WorkerTable",
     "build_status",
     "bytes_text",
     "check_report",
+    "encode_status",
+    "events_after",
+    "parse_cursor",
+    "resume",
     "status_key",
 ]
 
@@ -216,6 +230,9 @@ class RunLog:
         self._report: Report | None = None
         self._events: collections.deque[Event] = collections.deque(maxlen=max_events)
         self._events_total = 0
+        self._version = 0
+        """Bumped whenever a worker's row changes: the last ``worker_table`` holds until then."""
+        self._table: tuple[int, Mapping[str, int], WorkerTable] | None = None
 
     # ---------------------------------------------------------------- closures
 
@@ -234,11 +251,13 @@ class RunLog:
                 if worker is not None:
                     worker.done += 1
                     worker.last_seen = now
+                    self._version += 1
             elif outcome == "failed":
                 self._counts["failed"] += 1
                 if worker is not None:
                     worker.failed += 1
                     worker.last_seen = now
+                    self._version += 1
                 self._add(now, "error", closure.function_name, error)
             else:
                 self._counts["cancelled"] += 1
@@ -249,19 +268,22 @@ class RunLog:
             worker = self._workers.get(closure.worker or "")
             if worker is not None:
                 worker.retried += 1
+                self._version += 1
 
     # ---------------------------------------------------------------- workers
 
     def worker_device(self, address: str, device: str) -> None:
         with self._lock:
             worker = self._workers.get(address)
-            if worker is not None:
+            if worker is not None and worker.device != (device or None):
                 worker.device = device or None
+                self._version += 1
 
     def worker_state(self, address: str, state: str | None) -> None:
         now = self._clock()
         with self._lock:
             worker = self._workers.get(address)
+            self._version += 1
             if state is None:
                 if worker is not None:
                     del self._workers[address]
@@ -336,8 +358,9 @@ class RunLog:
 
     # ---------------------------------------------------------------- reading
 
-    def view(self, *, details: bool = True) -> RunView:
-        """A copy of everything (without ``details``: no workers and no events, for the sampler)."""
+    def view(self, *, workers: bool = True, events: bool = True) -> RunView:
+        """A copy of everything, or of all but the workers and the events (``worker_table`` gives
+        the workers' rows without copying each worker)."""
         with self._lock:
             c = self._counts
             return RunView(
@@ -348,12 +371,23 @@ class RunLog:
                 cancelled=c["cancelled"],
                 retried=c["retried"],
                 steps=c["steps"],
-                workers=tuple(w.copy() for w in self._workers.values()) if details else (),
+                workers=tuple(w.copy() for w in self._workers.values()) if workers else (),
                 servers={a: copy.copy(s) for a, s in self._servers.items()},
                 report=self._report,
-                events=tuple(self._events) if details else (),
+                events=tuple(self._events) if events else (),
                 events_total=self._events_total,
             )
+
+    def worker_table(self, running: Mapping[str, int]) -> WorkerTable:
+        """The workers' rows (the module's ``worker_table``) with ``running``, the closures in
+        flight by worker address: the same table again while no worker changed and ``running``
+        is the same."""
+        with self._lock:
+            if self._table is not None and self._table[0] == self._version and self._table[1] == running:
+                return self._table[2]
+            table = worker_table(self._workers.values(), running)
+            self._table = (self._version, dict(running), table)
+            return table
 
     def _add(self, when: float, kind: str, subject: str, message: str) -> None:
         self._events.append(Event(when, kind, subject, message))
@@ -368,73 +402,6 @@ def _error_line(closure: Closure) -> str:
         lines = str(exc).strip().splitlines()
         return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:300]
     return "failed"
-
-
-# -------------------------------------------------------------------- history
-
-
-@dataclass(frozen=True)
-class Sample:
-    """The run's counters at one time (cumulative counts; ``queued`` and ``running`` now)."""
-
-    time: float
-    scheduled: int
-    done: int
-    failed: int
-    steps: int
-    queued: int
-    running: int
-    samples: float | None = None
-    loss: float | None = None
-    metrics: Mapping[str, float] = field(default_factory=dict)
-
-
-class History:
-    """Samples over the whole run in at most ``capacity`` (+1: the newest) entries, and the
-    charts' ``series`` of them (computed once per sample taken, however often it is read).
-    Thread-safe."""
-
-    def __init__(self, capacity: int = 600):
-        if capacity < 2 or capacity % 2:
-            raise ValueError(f"capacity must be an even number >= 2, got {capacity}")
-        self._capacity = capacity
-        self._lock = threading.Lock()
-        self._kept: list[Sample] = []
-        self._stride = 1
-        self._offered = 0
-        self._newest: Sample | None = None
-        self._series: dict[str, Any] | None = None
-
-    def add(self, sample: Sample) -> None:
-        with self._lock:
-            self._newest, self._series = sample, None
-            keep = self._offered % self._stride == 0
-            self._offered += 1
-            if not keep:
-                return
-            self._kept.append(sample)
-            if len(self._kept) > self._capacity:
-                self._kept = self._kept[::2]  # the counters are cumulative: rates stay exact
-                self._stride *= 2
-
-    def samples(self) -> list[Sample]:
-        """Oldest first, ending with the newest sample taken."""
-        with self._lock:
-            kept = list(self._kept)
-            if self._newest is not None and (not kept or kept[-1] is not self._newest):
-                kept.append(self._newest)
-            return kept
-
-    def series(self) -> dict[str, Any]:
-        """``series(self.samples())``, cached until the next sample."""
-        with self._lock:
-            cached, taken = self._series, self._offered
-        if cached is None:
-            cached = series(self.samples())
-            with self._lock:
-                if self._offered == taken:  # no sample came meanwhile: this is the newest series
-                    self._series = cached
-        return cached
 
 
 # -------------------------------------------------------------------- parameter servers
@@ -509,7 +476,7 @@ def _server_row(
         "bytes": held.bytes if held is not None else None,
         "memory": held.memory or None if held is not None else None,
         "version": max(held.versions.values(), default=0) if held is not None else None,
-        "pushes_per_s": _round(rate),
+        "pushes_per_s": rounded(rate),
         "incarnation": held.incarnation[:8] if held is not None and held.incarnation else None,
         "recoveries": log.recoveries if log is not None else 0,
         "last_recovery": log.last_result if log is not None else None,
@@ -520,6 +487,120 @@ def _server_row(
 # -------------------------------------------------------------------- the status
 
 
+class CursorError(ValueError):
+    """A ``since`` that is not a cursor this page gave (the message names it and the fix)."""
+
+
+_CURSOR = re.compile(r"([0-9a-f]{1,16})\.([0-9]{1,15})\.([0-9]{1,15})\.([0-9]{1,15})")
+
+
+@dataclass(frozen=True)
+class Cursor:
+    """Where a reader of ``/status.json`` stands: the status it holds ends at the ``run``'s
+    history ``layout`` with ``points`` final chart points, and ``events`` events of the run.
+    Its text (``str``) is the answer's ``cursor``, which the reader sends back as ``?since=``."""
+
+    run: str
+    """The page that answered (a restarted coordinator's page has another)."""
+    layout: int
+    points: int
+    events: int
+
+    def __str__(self) -> str:
+        return f"{self.run}.{self.layout}.{self.points}.{self.events}"
+
+
+def parse_cursor(text: str) -> Cursor:
+    """The cursor ``text`` (what ``str(Cursor)`` gives); raises CursorError naming ``since`` and
+    the fix for anything else."""
+    found = _CURSOR.fullmatch(text)
+    if found is None:
+        shown = text if len(text) <= 40 else text[:40] + "..."
+        raise CursorError(
+            f'since= takes the cursor of the last /status.json answer (its "cursor", e.g. '
+            f"since=3f9a1c2e.0.57.12), got {shown!r}: send back the cursor as it came, or leave since= "
+            "out for the whole status"
+        )
+    run, layout, points, events = found.groups()
+    return Cursor(run, int(layout), int(points), int(events))
+
+
+def resume(since: Cursor | None, now: Cursor) -> Cursor | None:
+    """The cursor an answer continues, for a reader at ``since`` when the page stands at ``now``:
+    ``since``, or None (the whole status) when there is none, it is of another run (the
+    coordinator restarted) or it is ahead of the page (more events or chart points than it has)."""
+    if since is None or since.run != now.run or since.events > now.events or since.layout > now.layout:
+        return None
+    if since.layout == now.layout and since.points > now.points:
+        return None
+    return since
+
+
+def events_after(events: Sequence[Event], total: int, after: int | None) -> Sequence[Event]:
+    """Of a run's newest ``events`` (its ``total`` so far), the newest EVENTS_SHOWN; with ``after``,
+    only those after the run's first ``after``."""
+    shown = events[-EVENTS_SHOWN:]
+    if after is None:
+        return shown
+    new = min(len(shown), max(0, total - after))
+    return shown[len(shown) - new :]
+
+
+@dataclass(frozen=True)
+class WorkerTable:
+    """The workers as the status shows them: their rows as one JSON array, problems first
+    (``text``), and how many are in each state, and in all (``counts``)."""
+
+    text: str
+    counts: Mapping[str, int]
+
+    def rows(self) -> list[dict[str, Any]]:
+        """The rows as dicts."""
+        rows: list[dict[str, Any]] = json.loads(self.text)
+        return rows
+
+
+def worker_table(workers: Iterable[WorkerFacts], running: Mapping[str, int]) -> WorkerTable:
+    """The rows of ``workers``, with ``running`` (closures in flight by worker address).
+
+    Each row is formatted as JSON text at once: the page asks for them every second, and a dict
+    per row would be hundreds of objects for the garbage collector to count (and to run for, on
+    the page's thread, in a coordinator that allocates many of its own)."""
+    ordered = sorted(workers, key=_problems_first)
+    counts = dict.fromkeys((ALIVE, JOINING, LOST, STOPPED), 0)
+    for worker in ordered:
+        counts[worker.state] = counts.get(worker.state, 0) + 1
+    counts["total"] = len(ordered)
+    text = "[" + ",".join([_worker_json(w, running.get(w.address, 0)) for w in ordered]) + "]"
+    return WorkerTable(text, counts)
+
+
+def _problems_first(worker: WorkerFacts) -> int:
+    return WORKER_ORDER.get(worker.state, 9) << 40 | worker.order  # one int: no tuple per worker
+
+
+def _worker_json(worker: WorkerFacts, running: int) -> str:
+    """One worker's row: address, state, since, running, done, failed, retried, last_seen (times
+    to the hundredth of a second) and device."""
+    w = worker
+    return (
+        f'{{"address":{_string_json(w.address)},"state":{_string_json(w.state)},"since":{_seconds_json(w.since)},'
+        f'"running":{int(running)},"done":{w.done},"failed":{w.failed},"retried":{w.retried},'
+        f'"last_seen":{_seconds_json(w.last_seen)},"device":{_string_json(w.device)}}}'
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _string_json(text: str | None) -> str:
+    """A string (addresses, states, devices: a few, met every second) or None as JSON."""
+    return json.dumps(text)
+
+
+def _seconds_json(seconds: float | None) -> str:
+    """A time to the hundredth of a second (what ``round(seconds, 2)`` gives) as JSON."""
+    return f"{seconds:.2f}" if seconds is not None and math.isfinite(seconds) else "null"
+
+
 @dataclass(frozen=True)
 class StatusInputs:
     """Everything ``build_status`` reads, taken at one time ``now`` (Unix seconds)."""
@@ -527,28 +608,48 @@ class StatusInputs:
     now: float
     run: RunView
     series: Mapping[str, Any]
-    """The charts' data (``series``: ``History.series()``)."""
+    """The charts' data (``series``: ``History.series()``; ``History.part``: the points after the
+    reader's, with ``keep``)."""
     servers: Sequence[Mapping[str, Any]]
     queued: int
     running: Mapping[str, int]
     """Closures in flight by worker address."""
+    workers: WorkerTable
+    """The workers' rows (``RunLog.worker_table(running)``)."""
+    cursor: Cursor | None = None
+    """Where this status ends (the reader's next ``since``)."""
+    since: Cursor | None = None
+    """The cursor this status continues (``resume``): its events are those after the reader's and
+    its series the points after the reader's first ``series["keep"]``; None: the whole status."""
 
 
 def build_status(inputs: StatusInputs) -> dict[str, Any]:
     """The status as a JSON-ready dict (schema ``SCHEMA``): summary, workers (problems first),
-    parameter servers, the charts' series and the newest events."""
+    parameter servers, the charts' series and the newest events (with ``since``: the events after
+    the reader's), and the ``cursor`` it ends at."""
+    return {**_status(inputs), "workers": inputs.workers.rows()}
+
+
+def encode_status(inputs: StatusInputs) -> bytes:
+    """``build_status(inputs)`` as strict JSON (no NaN), with the workers' rows as they were
+    encoded (``WorkerTable.text``)."""
+    head = json.dumps(_status(inputs), separators=(",", ":"), allow_nan=False)
+    return f'{head[:-1]},"workers":{inputs.workers.text}}}'.encode()
+
+
+def _status(inputs: StatusInputs) -> dict[str, Any]:
+    """The status but its workers' rows."""
     run, now = inputs.run, inputs.now
-    workers = sorted(run.workers, key=lambda w: (WORKER_ORDER.get(w.state, 9), w.order))
-    counts = collections.Counter(w.state for w in run.workers)
     running = sum(inputs.running.values())
     report = run.report
+    since = inputs.since.events if inputs.since is not None else None
     return {
         "schema": SCHEMA,
         "time": now,
         "started": run.started,
         "state": _headline(inputs, running),
         "summary": {
-            "workers": {s: counts.get(s, 0) for s in (ALIVE, JOINING, LOST, STOPPED)} | {"total": len(workers)},
+            "workers": dict(inputs.workers.counts),
             "closures": {
                 "scheduled": run.scheduled,
                 "queued": inputs.queued,
@@ -560,16 +661,17 @@ def build_status(inputs: StatusInputs) -> dict[str, Any]:
             },
             "steps": run.steps,
             "step": report.step if report is not None else None,
-            "loss": _round(report.loss) if report is not None else None,
-            "samples": _round(report.samples) if report is not None else None,
-            "metrics": {k: _round(v) for k, v in sorted(report.metrics.items())} if report is not None else {},
+            "loss": rounded(report.loss) if report is not None else None,
+            "samples": rounded(report.samples) if report is not None else None,
+            "metrics": {k: rounded(v) for k, v in sorted(report.metrics.items())} if report is not None else {},
             "reported": report.time if report is not None else None,
         },
-        "workers": [_worker_row(w, inputs.running.get(w.address, 0)) for w in workers],
         "servers": list(inputs.servers),
         "series": inputs.series,
-        "events": [_event_row(e) for e in run.events[-EVENTS_SHOWN:]],
+        "events": [_event_row(e) for e in events_after(run.events, run.events_total, since)],
         "events_total": run.events_total,
+        "cursor": str(inputs.cursor) if inputs.cursor is not None else None,
+        "since": str(inputs.since) if inputs.since is not None else None,
     }
 
 
@@ -581,59 +683,8 @@ def _headline(inputs: StatusInputs, running: int) -> str:
     return "idle"
 
 
-def _worker_row(worker: WorkerFacts, running: int) -> dict[str, Any]:
-    return {
-        "address": worker.address,
-        "state": worker.state,
-        "since": round(worker.since, 2),
-        "running": running,
-        "done": worker.done,
-        "failed": worker.failed,
-        "retried": worker.retried,
-        "last_seen": round(worker.last_seen, 2) if worker.last_seen is not None else None,
-        "device": worker.device,
-    }
-
-
 def _event_row(event: Event) -> dict[str, Any]:
     return {"time": event.time, "kind": event.kind, "subject": event.subject, "message": event.message}
-
-
-def series(samples: Sequence[Sample]) -> dict[str, Any]:
-    """The charts' data: per interval between successive samples, its end time and the rates of
-    the cumulative counters; the gauges and the reported values as sampled."""
-    pairs = list(zip(samples, samples[1:]))
-    names = sorted({name for s in samples for name in s.metrics})
-
-    def rate(value: Callable[[Sample], float | None]) -> list[float | None]:
-        return [_rate(value(a), value(b), b.time - a.time) for a, b in pairs]
-
-    ends = [b for _, b in pairs]
-    return {
-        "t": [round(b.time, 3) for b in ends],
-        "scheduled_per_s": rate(lambda s: s.scheduled),
-        "done_per_s": rate(lambda s: s.done),
-        "failed_per_s": rate(lambda s: s.failed),
-        "steps_per_s": rate(lambda s: s.steps),
-        "samples_per_s": rate(lambda s: s.samples),
-        "queued": [b.queued for b in ends],
-        "running": [b.running for b in ends],
-        "loss": [_round(b.loss) for b in ends],
-        "metrics": {name: [_round(b.metrics.get(name)) for b in ends] for name in names},
-    }
-
-
-def _rate(before: float | None, after: float | None, seconds: float) -> float | None:
-    if before is None or after is None or seconds <= 0:
-        return None
-    return _round(max(0.0, after - before) / seconds)
-
-
-def _round(value: float | None) -> float | None:
-    """JSON has no NaN or infinity: those become null; the rest keeps 4 significant digits."""
-    if value is None or not math.isfinite(value):
-        return None
-    return float(f"{value:.4g}")
 
 
 def bytes_text(size: float) -> str:

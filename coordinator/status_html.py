@@ -1,6 +1,9 @@
 """The status page's HTML: tables rendered here (it reads without JavaScript), a stylesheet, and
 one small inline script that polls ``status.json`` every second and redraws the summary, the
 tables, the timeline and the charts (SVG line charts drawn by hand: no library, no build step).
+The script asks for the whole status once, then ``?since=`` the cursor of the answer before, and
+merges what comes into what it holds: the chart points after the first ``series.keep`` of its
+own, and the new events after its own (``coordinator.cluster_status.Cursor``).
 
 Every value reaches the page escaped (``html.escape`` here, ``textContent`` in the script), and
 the Content-Security-Policy allows only this script and this stylesheet, by their hashes.
@@ -15,7 +18,7 @@ import html
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from paramserve.coordinator.cluster_status import bytes_text
+from paramserve.coordinator.cluster_status import EVENTS_SHOWN, bytes_text
 
 __all__ = ["CONTENT_SECURITY_POLICY", "SCRIPT", "STYLE", "render_page"]
 
@@ -74,6 +77,7 @@ SCRIPT = """
 (function () {
   const QUERY = document.body.dataset.query || "";
   const POLL = Number(document.body.dataset.poll) || 1000;
+  const EVENTS = Number(document.body.dataset.events) || 100;
   const SVG = "http://www.w3.org/2000/svg";
   const CHARTS = [
     {id: "closures", series: [["scheduled_per_s", "scheduled"], ["done_per_s", "done"], ["failed_per_s", "failed"]]},
@@ -280,11 +284,36 @@ SCRIPT = """
     drawCharts(s);
   }
 
+  // The status held: the answers merged so far (null: ask for the whole status).
+  let held = null;
+  function padded(values, length) {
+    const out = values ? values.slice(0, length) : [];
+    while (out.length < length) out.push(null);
+    return out;
+  }
+  function merge(s) {
+    if (s.since === null) return s;  // the whole status
+    if (held === null || s.since !== held.cursor) throw new Error("an answer to another cursor");
+    const keep = s.series.keep, fresh = s.series.t.length, series = {keep: 0, metrics: {}};
+    for (const key of Object.keys(s.series)) {
+      if (key !== "keep" && key !== "metrics") series[key] = padded(held.series[key], keep).concat(s.series[key]);
+    }
+    const names = new Set(Object.keys(held.series.metrics).concat(Object.keys(s.series.metrics)));
+    for (const name of names) {
+      series.metrics[name] = padded(held.series.metrics[name], keep).concat(padded(s.series.metrics[name], fresh));
+    }
+    s.series = series;
+    s.events = held.events.concat(s.events).slice(-EVENTS);
+    return s;
+  }
+
   function poll() {
-    fetch("status.json" + QUERY, {cache: "no-store"})
+    const since = held ? (QUERY ? "&" : "?") + "since=" + encodeURIComponent(held.cursor) : "";
+    fetch("status.json" + QUERY + since, {cache: "no-store"})
       .then((r) => (r.ok ? r.json() : Promise.reject(new Error("HTTP " + r.status))))
-      .then(render)
+      .then((s) => { held = merge(s); render(held); })
       .catch((err) => {
+        held = null;  // the next answer is the whole status
         document.body.classList.add("stale");
         setText("updated", "not updating: " + err.message);
       })
@@ -330,7 +359,7 @@ def render_page(status: Mapping[str, Any], *, query: str = "", poll_ms: int = PO
 <title>paramserve: {e(status["state"])}</title><link rel="icon" href="data:,">
 <noscript><meta http-equiv="refresh" content="{NO_SCRIPT_REFRESH_SECONDS}"></noscript>
 <style>{STYLE}</style></head>
-<body data-query="{e(query)}" data-poll="{int(poll_ms)}">
+<body data-query="{e(query)}" data-poll="{int(poll_ms)}" data-events="{EVENTS_SHOWN}">
 <header><h1>paramserve</h1><span id="state" class="badge {e(status["state"])}">{e(status["state"])}</span>
 <span id="updated" class="meta">updated {_clock(now)}, up {_duration(now - float(status["started"]))}</span></header>
 <main>

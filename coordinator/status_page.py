@@ -7,7 +7,10 @@ run:
 - ``/`` is HTML whose tables are rendered here, so it reads without JavaScript (and refreshes
   itself every few seconds then); a small inline script polls ``/status.json`` every second and
   redraws the tables, the charts and the timeline (``coordinator.status_html``);
-- ``/status.json`` is the status itself, which ``paramserve status ADDRESS`` prints;
+- ``/status.json`` is the status itself, which ``paramserve status ADDRESS`` prints; with
+  ``?since=CURSOR`` (the ``cursor`` of the answer before) only what the reader lacks of the charts
+  and the timeline (``cluster_status.Cursor``), which is what the page's script asks for: an
+  answer then costs the same however long the charts are; a cursor that is not one is 400;
 - anything else is 404, any method but GET 405.
 
 Threads, all named and stopped by ``stop()`` (``ClusterCoordinator.shutdown``):
@@ -27,11 +30,11 @@ from __future__ import annotations
 
 import hmac
 import http.server
-import json
 import logging
 import math
 import os
 import pathlib
+import secrets
 import socket
 import threading
 import time
@@ -42,16 +45,20 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from paramserve.coordinator.cluster_status import (
-    History,
+    Cursor,
+    CursorError,
     RunLog,
-    Sample,
     ServerRates,
     ServerReading,
     StatusInputs,
     build_status,
+    encode_status,
+    parse_cursor,
+    resume,
     status_key,
 )
 from paramserve.coordinator.contracts import CheckpointRecord
+from paramserve.coordinator.status_history import History, Sample
 from paramserve.coordinator.status_html import CONTENT_SECURITY_POLICY, render_page
 from paramserve.psserver import checkpoint
 from paramserve.psserver.channels import channel_options, open_channel
@@ -180,6 +187,7 @@ class StatusPage:
         self._probe_every = probe_every
         self._samples = 0
         self._clock = clock
+        self._run_id = secrets.token_hex(4)  # in every cursor: a restarted coordinator's page is another run
         self._history = History(history)
         self._rates = ServerRates()
         self._lock = threading.Lock()  # the rates and the CPU accounting
@@ -242,7 +250,7 @@ class StatusPage:
         """Takes one sample: the run's counters into the history, a new checkpoint, the servers' shards."""
         started = time.thread_time()
         sources, now = self._sources, self._clock()
-        view = sources.run.view(details=False)
+        view = sources.run.view(workers=False, events=False)
         report = view.report
         self._history.add(
             Sample(
@@ -267,14 +275,36 @@ class StatusPage:
         with self._lock:
             self._sampling_cpu += time.thread_time() - started
 
-    def status(self) -> dict[str, Any]:
-        """The status now (``cluster_status.build_status``)."""
+    def status(self, since: Cursor | None = None) -> dict[str, Any]:
+        """The status now (``cluster_status.build_status``); for a reader at ``since``, only the
+        chart points and events it lacks when the answer can continue its cursor
+        (``cluster_status.resume``), else the whole status."""
+        return build_status(self._inputs(since))
+
+    def status_json(self, since: Cursor | None = None) -> bytes:
+        """``status(since)`` as the JSON ``/status.json`` serves (``cluster_status.encode_status``)."""
+        return encode_status(self._inputs(since))
+
+    def _inputs(self, since: Cursor | None) -> StatusInputs:
         sources = self._sources
-        view = sources.run.view()
+        layout, points = self._history.position()
+        view = sources.run.view(workers=False)
+        since = resume(since, Cursor(self._run_id, layout, points, view.events_total))
+        series, layout, points = self._history.part(since.layout, since.points) if since else self._history.part()
         with self._lock:
             servers = self._rates.rows(sources.parameter_servers, view.servers)
-        inputs = StatusInputs(self._clock(), view, self._history.series(), servers, sources.queued(), sources.running())
-        return build_status(inputs)
+        running = sources.running()
+        return StatusInputs(
+            now=self._clock(),
+            run=view,
+            series=series,
+            servers=servers,
+            queued=sources.queued(),
+            running=running,
+            workers=sources.run.worker_table(running),
+            cursor=Cursor(self._run_id, layout, points, view.events_total),
+            since=since,
+        )
 
     def _sample_forever(self) -> None:
         while not self._stopped.is_set():
@@ -314,6 +344,13 @@ class StatusPage:
     def query(self) -> str:
         """What the page's script appends to ``status.json`` (the key, when there is one)."""
         return f"?key={self._key}" if self._key else ""
+
+
+def _since(values: list[str]) -> Cursor:
+    """The one ``since`` of a request's query (CursorError for none or several)."""
+    if len(values) != 1:
+        raise CursorError(f"since= is given {len(values)} times: give it once, the cursor of the last answer")
+    return parse_cursor(values[0])
 
 
 def _directory_bytes(path: pathlib.Path) -> int:
@@ -369,7 +406,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if url.path not in ("/", "/index.html", "/status.json"):
             self._send(404, "text/plain; charset=utf-8", b"not found: the page is / and its data /status.json\n")
             return
-        query = urllib.parse.parse_qs(url.query)
+        query = urllib.parse.parse_qs(url.query, keep_blank_values=True)
         if not page.authorized(query.get("key", [None])[0], self.headers.get("Authorization")):
             self._send(
                 401,
@@ -378,12 +415,17 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 b"gives, with ?key=, or pass the cluster's token to paramserve status\n",
             )
             return
-        status = page.status()
+        since = None
+        if url.path == "/status.json" and "since" in query:
+            try:
+                since = _since(query["since"])
+            except CursorError as err:
+                self._send(400, "text/plain; charset=utf-8", f"{err}\n".encode())
+                return
         if url.path == "/status.json":
-            body = json.dumps(status, separators=(",", ":"), allow_nan=False).encode()
-            self._send(200, "application/json", body)
+            self._send(200, "application/json", page.status_json(since))
         else:
-            html = render_page(status, query=page.query())
+            html = render_page(page.status(), query=page.query())
             self._send(
                 200, "text/html; charset=utf-8", html.encode(), {"Content-Security-Policy": CONTENT_SECURITY_POLICY}
             )

@@ -3,10 +3,12 @@
 A local cluster (1 parameter server, 3 workers) trains the digits MLP with ``fit`` on a
 coordinator that serves its status page; headless Chromium (tests/browser.py) opens the page and
 this test checks what it shows: every worker, a killed worker shown as lost within 2 s, its
-recovery and a checkpoint on the timeline, the charts drawn, no console error, and the tables
-again with JavaScript off. Skips where no Chromium is installed (``apt-get install chromium``;
-``.ci/run`` installs it where it can). With ``PARAMSERVE_STATUS_SCREENSHOTS=DIR`` the screenshot
-taken while the worker is lost is written to DIR (docs/ holds the one the docs show).
+recovery and a checkpoint on the timeline, the charts drawn (from answers to ``?since=``: only
+the points after the page's own), no console error, and the tables again with JavaScript off. A
+second test checks that the charts the script merges from those answers are the whole series.
+Both skip where no Chromium is installed (``apt-get install chromium``; ``.ci/run`` installs it
+where it can). With ``PARAMSERVE_STATUS_SCREENSHOTS=DIR`` the screenshot taken while the worker
+is lost is written to DIR (docs/ holds the one the docs show).
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from torch import nn
 
 from paramserve.coordinator.checkpoint_manager import CheckpointManager
 from paramserve.coordinator.cluster_coordinator import ClusterCoordinator
+from paramserve.coordinator.cluster_status import RunLog
 from paramserve.coordinator.commands.demo import MLP, worker_batches
+from paramserve.coordinator.status_page import StatusPage, StatusSources
 from paramserve.coordinator.strategies.parameter_server import ParameterServerStrategy
 from paramserve.coordinator.training.callbacks import Callback
 from paramserve.coordinator.training.fit import fit
@@ -103,6 +107,9 @@ def test_the_status_page_shows_the_cluster_a_lost_worker_and_its_recovery(start_
                 assert addresses == sorted(cluster.spec.workers), "every worker listed from the first paint"
                 for chart in CHARTS:  # fit reports loss, samples and accuracy through the coordinator
                     browser.wait_for(f"{drawn(chart)} >= 6", timeout=60)
+                # The charts grew from answers that carry only the points after the page's own.
+                asked = "performance.getEntriesByType('resource').map(e => e.name).filter(n => n.includes('since='))"
+                assert browser.evaluate(f"{asked}.length") >= 3, "the script asks for what it lacks"
 
                 killed = cluster.spec.workers[1]
                 cluster.kill_worker(1)
@@ -143,3 +150,59 @@ def test_the_status_page_shows_the_cluster_a_lost_worker_and_its_recovery(start_
             trainer.join(120)
     strategy.close()
     assert not trainer.is_alive() and failures == []
+
+
+class Clock:
+    def __init__(self, now: float = 1000.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_page_s_charts_are_the_whole_series_merged_from_answers_to_since():
+    """The script's merge: through thinnings of the history (a whole series resent), tails
+    replaced, and a metric that first comes mid-run, what it draws is the whole series."""
+    chromium = find_chromium()
+    if chromium is None:
+        pytest.skip("no Chromium on this machine: `apt-get install chromium` (Debian) runs this test")
+    clock, depth = Clock(), [0]
+    run = RunLog(clock)
+    for i in range(3):
+        run.worker_state(f"127.0.0.1:{7000 + i}", "up")
+    sources = StatusSources(
+        run=run,
+        queued=lambda: depth[0],
+        running=dict,
+        in_flight=lambda: 1,
+        checkpoint=lambda: None,
+        parameter_servers=(),
+    )
+    page = StatusPage(sources, interval=3600.0, history=8, clock=clock)  # the test takes the samples
+    page.start("127.0.0.1", 0)
+    try:
+        with Browser(chromium) as browser:
+            browser.open(page.url)
+            deadline = time.monotonic() + 10
+            while page.cpu_seconds[1] == 0 and time.monotonic() < deadline:  # the sampler's own first sample
+                time.sleep(0.01)
+            for i in range(1, 26):
+                clock.now += 1.0
+                depth[0] = i % 5
+                run.report(i, 1.0 / i, None, {"auc": i / 100} if i >= 10 else {})
+                page.sample()
+                if i % 3 and i != 25:
+                    continue
+                whole = page.status()["series"]
+                span = f"-{whole['t'][-1] - whole['t'][0]:.0f} s" if len(whole["t"]) > 1 else None
+                points = 2 * len(whole["t"]) if len(whole["t"]) > 1 else 0
+                auc = sum(v is not None for v in whole["metrics"].get("auc", []))
+                labels = "Array.from(document.querySelectorAll('#chart-queue svg text')).map(t => t.textContent)"
+                browser.wait_for(f"{drawn('queue')} == {points} && {labels}.includes({span!r})", timeout=10)
+                if auc > 1:
+                    browser.wait_for(f"{drawn('metric-auc')} == {auc}", timeout=10)
+            asked = "performance.getEntriesByType('resource').filter(e => e.name.includes('since=')).length"
+            assert browser.evaluate(asked) >= 5
+            assert browser.errors == [], "the page logged errors"
+    finally:
+        page.stop(10)

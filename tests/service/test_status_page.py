@@ -62,6 +62,7 @@ def page():
     served = StatusPage(sources, key=status_key(TOKEN), interval=0.05, probe_every=1)
     served.start("127.0.0.1", 0)
     served.probes = probes  # type: ignore[attr-defined]
+    served.run = run  # type: ignore[attr-defined]
     yield served
     served.stop(10)
 
@@ -116,6 +117,34 @@ def test_bad_requests_get_404_or_405_and_the_page_keeps_serving(page, method, pa
         reply = b"".join(iter(lambda: raw.recv(4096), b""))
         assert b"Error code: 400" in reply
     assert get(page, f"/status.json?key={status_key(TOKEN)}")[0] == 200
+
+
+def test_a_reader_with_a_cursor_gets_only_what_it_lacks(page):
+    key = status_key(TOKEN)
+    assert page.probes.calls.acquire(timeout=10) and page.probes.calls.acquire(timeout=10)
+    whole = json.loads(get(page, f"/status.json?key={key}")[2])
+    assert whole["since"] is None and whole["series"]["keep"] == 0 and len(whole["events"]) == 3
+    page.sample()
+    page.run.worker_state("127.0.0.1:7009", "up")
+    code, _, body = get(page, f"/status.json?key={key}&since={whole['cursor']}")
+    part = json.loads(body)
+    assert code == 200 and part["since"] == whole["cursor"] and part["cursor"] != whole["cursor"]
+    assert [e["subject"] for e in part["events"]] == ["127.0.0.1:7009"], "only the new event"
+    assert part["series"]["keep"] == len(whole["series"]["t"]) and len(part["series"]["t"]) >= 1
+    assert len(part["workers"]) == 4, "the tables come whole"
+    other_run = "0" + whole["cursor"]  # a cursor of another page (a restarted coordinator)
+    again = json.loads(get(page, f"/status.json?key={key}&since={other_run}")[2])
+    assert again["since"] is None and len(again["events"]) == 4, "the whole status"
+
+
+@pytest.mark.parametrize("since", ["", "nope", "1.2.3", "%00", "a.0.0.0&since=a.0.0.0", "9.9.9." + "9" * 30])
+def test_a_since_that_is_no_cursor_is_400_naming_it_and_the_page_keeps_serving(page, since):
+    key = status_key(TOKEN)
+    assert get(page, f"/status.json?since={since}")[0] == 401, "the key first"
+    code, headers, body = get(page, f"/status.json?key={key}&since={since}")
+    assert code == 400 and headers["Content-Type"].startswith("text/plain")
+    assert body.startswith(b"since= ") and b"cursor" in body
+    assert get(page, f"/status.json?key={key}")[0] == 200
 
 
 def test_paramserve_status_prints_the_page_s_facts(page, capsys, monkeypatch):

@@ -1,5 +1,5 @@
-"""The status page's core (coordinator.cluster_status), its HTML (status_html) and the terminal's
-text (commands/status): pure logic, time passed in."""
+"""The status page's core (coordinator.cluster_status, status_history), its HTML (status_html) and
+the terminal's text (commands/status): pure logic, time passed in."""
 
 from __future__ import annotations
 
@@ -16,23 +16,29 @@ import torch
 from paramserve.coordinator.closures import Closure, ClosureQueue
 from paramserve.coordinator.cluster_status import (
     ALIVE,
+    EVENTS_SHOWN,
     JOINING,
     LOST,
     STOPPED,
-    History,
+    Cursor,
+    CursorError,
+    Event,
     RunLog,
-    Sample,
     ServerRates,
     ServerReading,
     StatusInputs,
     build_status,
     check_report,
-    series,
+    encode_status,
+    events_after,
+    parse_cursor,
+    resume,
     status_key,
     worker_status,
 )
 from paramserve.coordinator.commands.status import format_status, status_request
 from paramserve.coordinator.errors import ClosureError
+from paramserve.coordinator.status_history import History, Sample, series
 from paramserve.coordinator.status_html import CONTENT_SECURITY_POLICY, SCRIPT, STYLE, render_page
 from paramserve.coordinator.telemetry import CoordinatorTelemetry
 from paramserve.psserver.security import bearer_metadata
@@ -48,7 +54,8 @@ class Clock:
 
 def status_of(log: RunLog, now: float, samples: list[Sample] | None = None, **overrides: object) -> dict:
     inputs = {"now": now, "run": log.view(), "servers": [], "queued": 0, "running": {}, **overrides}
-    return build_status(StatusInputs(series=series(samples or []), **inputs))  # type: ignore[arg-type]
+    workers = log.worker_table(inputs["running"])  # type: ignore[arg-type]
+    return build_status(StatusInputs(series=series(samples or []), workers=workers, **inputs))  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------- workers
@@ -251,6 +258,149 @@ def test_series_are_rates_of_the_counters_and_the_sampled_values():
     assert series["queued"] == [1, 1] and series["running"] == [2, 2]
 
 
+def test_history_series_is_the_series_of_its_samples_through_thinnings():
+    history = History(capacity=6)
+    for i in range(40):
+        history.add(sample(float(i), i * i, metrics={"m": float(i)} if i > 3 else {}))
+        assert history.series() == series(history.samples()), f"after sample {i}"
+
+
+def merged(held: dict | None, answer: dict) -> dict:
+    """What the page's script does with an answer (status_html.SCRIPT's merge), in Python."""
+    if answer["since"] is None:
+        return answer
+    assert held is not None and answer["since"] == held["cursor"]
+    keep, fresh = answer["series"]["keep"], len(answer["series"]["t"])
+
+    def padded(values: list | None, length: int) -> list:
+        kept = list(values or [])[:length]
+        return kept + [None] * (length - len(kept))
+
+    merged_series: dict = {"keep": 0, "metrics": {}}
+    for key, values in answer["series"].items():
+        if key not in ("keep", "metrics"):
+            merged_series[key] = padded(held["series"][key], keep) + values
+    for name in sorted({*held["series"]["metrics"], *answer["series"]["metrics"]}):
+        merged_series["metrics"][name] = padded(held["series"]["metrics"].get(name), keep) + padded(
+            answer["series"]["metrics"].get(name), fresh
+        )
+    events = (held["events"] + answer["events"])[-EVENTS_SHOWN:]
+    return {**answer, "series": merged_series, "events": events}
+
+
+def test_a_reader_that_merges_the_points_after_its_cursor_holds_the_whole_series():
+    history, log, held = History(capacity=8), RunLog(Clock()), None
+    keeps = []
+    for i in range(60):
+        history.add(sample(float(i), 3 * i, metrics={"auc": i / 100} if i >= 5 else {}))
+        if i % 7 == 0:
+            log.worker_state(f"w:{i}", "up")
+        if i % 3:  # the reader polls now and then, the sampler runs on
+            continue
+        layout, points = history.position()
+        view = log.view()
+        since = parse_cursor(held["cursor"]) if held is not None else None
+        since = resume(since, Cursor("5eed1", layout, points, view.events_total))
+        part, layout, points = history.part(since.layout, since.points) if since else history.part()
+        cursor = Cursor("5eed1", layout, points, view.events_total)
+        inputs = StatusInputs(float(i), view, part, [], 0, {}, log.worker_table({}), cursor=cursor, since=since)
+        answer = json.loads(json.dumps(build_status(inputs)))
+        keeps.append(answer["series"]["keep"])
+        held = merged(held, answer)
+        whole = {**series(history.samples()), "keep": 0}
+        assert held["series"] == whole, f"after sample {i}"
+        assert held["events"] == status_of(log, i)["events"]
+    assert max(keeps) > 0 and 0 in keeps[1:], "answers continue the reader's series, and resend it once thinned"
+
+
+def test_an_answer_for_a_reader_carries_only_the_newest_points():
+    history = History(capacity=600)
+    for i in range(500):
+        history.add(sample(float(i), i))
+    layout, points = history.position()
+    assert (layout, points) == (0, 499)
+    part, *_ = history.part(layout, points - 1)
+    assert part["keep"] == 498 and part["t"] == [499.0]
+    whole, *_ = history.part()
+    assert whole["keep"] == 0 and len(whole["t"]) == 499
+    assert history.part(layout, points + 1)[0]["keep"] == 0, "more points than there are: the whole series"
+    assert history.part(layout + 1, 3)[0]["keep"] == 0, "another layout: the whole series"
+
+
+def test_the_newest_sample_not_kept_is_a_tail_point_replaced_by_the_next():
+    history = History(capacity=6)
+    for i in range(7):  # thinned once: one sample in two kept from now on
+        history.add(sample(float(i), i))
+    layout, points = history.position()
+    assert (layout, points) == (1, 3)
+    history.add(sample(7.0, 7))  # not kept: the tail
+    part, layout_now, points_now = history.part(layout, points)
+    assert (part["keep"], part["t"], layout_now, points_now) == (3, [7.0], 1, 3)
+    history.add(sample(8.0, 8))  # kept: its point, from 6 to 8, replaces the tail's
+    part, *_ = history.part(layout, points)
+    assert (part["keep"], part["t"], part["done_per_s"]) == (3, [8.0], [1.0])
+
+
+def test_a_cursor_reads_back_from_its_text():
+    cursor = Cursor("3f9a1c2e", 2, 57, 12)
+    assert str(cursor) == "3f9a1c2e.2.57.12" and parse_cursor(str(cursor)) == cursor
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "abc",
+        "3f9a.0.57",
+        "3f9a.0.57.12.1",
+        "zz.0.0.0",
+        "3f9a.-1.0.0",
+        "3f9a.0.1e3.0",
+        "3f9a.0.0." + "9" * 16,
+        "3F9A.0.0.0",
+        " 3f9a.0.0.0",
+        "3f9a.0.0.0\n",
+        "<script>.0.0.0" + "x" * 100,
+    ],
+)
+def test_a_since_that_is_no_cursor_is_refused_naming_the_parameter_and_the_fix(text):
+    with pytest.raises(CursorError) as refused:
+        parse_cursor(text)
+    message = str(refused.value)
+    assert message.startswith("since= takes the cursor of the last /status.json answer")
+    assert "leave since= out" in message and len(message) < 300
+
+
+NOW = Cursor("5eed1", 2, 40, 30)
+
+
+@pytest.mark.parametrize(
+    ("since", "resumed"),
+    [
+        (None, None),
+        (Cursor("5eed1", 2, 40, 30), Cursor("5eed1", 2, 40, 30)),  # nothing new: an answer of nothing new
+        (Cursor("5eed1", 2, 12, 7), Cursor("5eed1", 2, 12, 7)),
+        (Cursor("5eed1", 1, 300, 7), Cursor("5eed1", 1, 300, 7)),  # thinned since: whole series, new events
+        (Cursor("5eed0", 2, 12, 7), None),  # a restarted coordinator's page: another run
+        (Cursor("5eed1", 2, 12, 31), None),  # more events than the run had: the whole status
+        (Cursor("5eed1", 2, 41, 7), None),  # more points than the layout has
+        (Cursor("5eed1", 3, 0, 7), None),  # a layout it has not reached
+    ],
+)
+def test_an_answer_continues_the_reader_s_cursor_unless_it_is_of_another_run_or_ahead(since, resumed):
+    assert resume(since, NOW) == resumed
+
+
+def test_events_after_a_cursor_are_the_new_ones_and_at_most_the_newest_shown():
+    events = [Event(float(i), "error", f"e{i}", "") for i in range(150)]
+    total = 400  # the log dropped older ones
+    assert events_after(events, total, None) == events[-EVENTS_SHOWN:]
+    assert events_after(events, total, total) == []
+    assert events_after(events, total, total - 3) == events[-3:]
+    assert events_after(events, total, 10) == events[-EVENTS_SHOWN:]
+    assert events_after([], 0, 0) == []
+
+
 # ---------------------------------------------------------------- parameter servers
 
 
@@ -293,6 +443,66 @@ def test_the_status_lists_problems_first_and_is_strict_json():
     assert status["summary"]["loss"] is None and status["summary"]["step"] == 7
     assert status["state"] == "training"
     json.dumps(status, allow_nan=False)
+
+
+def test_the_worker_table_is_json_rows_problems_first_and_kept_until_a_worker_changes():
+    clock = Clock(1000.123)
+    log = RunLog(clock)
+    queue = ClosureQueue(10, observer=log)
+    hostile = 'w"\\</script>:1'
+    for address in ("w:1", hostile, "w:3"):
+        log.worker_state(address, "up")
+    clock.now = 1002.456
+    log.worker_state("w:3", "down")
+    log.worker_device("w:1", "cuda:0")
+    table = log.worker_table({"w:1": 2})
+    assert table.counts == {"alive": 2, "joining": 0, "lost": 1, "stopped": 0, "total": 3}
+    rows = table.rows()
+    assert [r["address"] for r in rows] == ["w:3", "w:1", hostile]
+    assert rows[1] == {
+        "address": "w:1",
+        "state": "alive",
+        "since": 1000.12,
+        "running": 2,
+        "done": 0,
+        "failed": 0,
+        "retried": 0,
+        "last_seen": None,
+        "device": "cuda:0",
+    }
+    assert rows[0]["since"] == 1002.46 and rows[2]["device"] is None and rows[2]["running"] == 0
+    assert log.worker_table({"w:1": 2}) is table, "nothing changed: the same table"
+    assert log.worker_table({"w:1": 1}) is not table, "other closures in flight"
+    table = log.worker_table({})
+    log.worker_device("w:1", "cuda:0")
+    assert log.worker_table({}) is table, "the same device again changes nothing"
+    closure = Closure("step", b"")
+    queue.put(closure, timeout=1)
+    [taken] = queue.take("w:1", 1)
+    queue.succeed(taken, 1)
+    changed = log.worker_table({})
+    assert changed is not table and (changed.rows()[1]["done"], changed.rows()[1]["last_seen"]) == (1, 1002.46)
+
+
+def test_the_status_as_json_is_the_status():
+    log = RunLog(Clock())
+    for i in range(5):
+        log.worker_state(f"w:{i}", "up")
+    log.worker_state("w:2", "down")
+    log.report(3, 0.5, float("nan"), {"auc": 0.75})
+    running = {"w:0": 1, "w:4": 2}
+    inputs = StatusInputs(
+        now=1001.0,
+        run=log.view(),
+        series=series([sample(999.0, 0), sample(1000.0, 4)]),
+        servers=[],
+        queued=2,
+        running=running,
+        workers=log.worker_table(running),
+        cursor=Cursor("ab", 0, 1, 6),
+    )
+    assert json.loads(encode_status(inputs)) == build_status(inputs)
+    assert build_status(inputs)["cursor"] == "ab.0.1.6" and build_status(inputs)["since"] is None
 
 
 # ---------------------------------------------------------------- the page
