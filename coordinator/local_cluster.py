@@ -10,7 +10,10 @@ who want a cluster on one machine::
 Each server is a fresh interpreter (``python -m <module>``; gRPC and fork do not
 mix) in its own session, so a Ctrl-C in the terminal reaches only this process,
 which then stops the servers itself: from ``__exit__``, from ``start()`` when it
-fails, or from an ``atexit`` hook when the program ends without stopping them.
+fails, or from an ``atexit`` hook when the program ends without stopping them. A program
+killed outright (SIGKILL, the OOM killer) runs none of these; each server's stdin is a pipe
+this process holds, and a server started with ``--stop-when-stdin-closes`` stops once it
+closes, so no server outlives its program.
 A server asked for ``--port 0`` picks a free port and reports it through the
 ``--port-file`` contract: once serving it atomically writes
 ``{"port": int, "metrics_port": int | null, "pid": int}`` to that path.
@@ -333,6 +336,7 @@ class LocalCluster:
                 _signal_group(old.proc, signal.SIGTERM)
                 if not _wait_until(old.proc, time.monotonic() + _KILL_WAIT_SECONDS):
                     _kill_and_reap(old.proc)
+            _let_go(old.proc)
             new = self._launch(role, index, port=old.port)
             self._children[role][index] = new  # recorded first: stop() must reach it whatever happens
             try:
@@ -411,7 +415,7 @@ class LocalCluster:
 
     def _argv(self, role: str, port: int, port_file: Path) -> list[str]:
         argv = [sys.executable, "-m", self._modules[role], "--host", HOST, "--port", str(port)]
-        argv += ["--port-file", str(port_file)]
+        argv += ["--port-file", str(port_file), "--stop-when-stdin-closes"]
         if self._token_file is not None:
             argv += ["--token-file", str(self._token_file)]
         return argv + list(self._extra_args[role])
@@ -428,7 +432,10 @@ class LocalCluster:
             offset = log.tell()
             proc = subprocess.Popen(
                 argv,
-                stdin=subprocess.DEVNULL,
+                # A pipe only this process holds (not inherited: Python's pipes are close-on-exec):
+                # it closes when this process ends however it ends, and the server then stops
+                # (--stop-when-stdin-closes), so no server outlives a killed program.
+                stdin=subprocess.PIPE,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=self._child_env,
@@ -597,7 +604,17 @@ def _wait_until(proc: subprocess.Popen[bytes], deadline: float) -> bool:
         proc.wait(timeout=max(0.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
         return False
+    _let_go(proc)
     return True
+
+
+def _let_go(proc: subprocess.Popen[bytes]) -> None:
+    """Closes this end of an exited child's stdin pipe (its --stop-when-stdin-closes)."""
+    if proc.stdin is not None and not proc.stdin.closed:
+        try:
+            proc.stdin.close()
+        except OSError:  # the child is gone: nothing left to tell it
+            pass
 
 
 def _kill_and_reap(proc: subprocess.Popen[bytes]) -> None:

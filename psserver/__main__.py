@@ -138,7 +138,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     config = config_from_args(args, parser)
     check_port_file(args.port_file)
     server = build_server(config)
-    serve_until_signal(server, args.port_file, args.grace_seconds, "paramserve.ps")
+    serve_until_signal(server, args.port_file, args.grace_seconds, "paramserve.ps", args.stop_when_stdin_closes)
     return 0
 
 

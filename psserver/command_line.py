@@ -117,6 +117,12 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         "--port-file", type=pathlib.Path, help="once serving, atomically write {port, metrics_port, pid} as JSON here"
     )
     net.add_argument(
+        "--stop-when-stdin-closes",
+        action="store_true",
+        help="stop gracefully, as on SIGTERM, once standard input reaches its end: a launcher holding the "
+        "pipe's other end (LocalCluster) takes its servers with it however it ends, SIGKILL included",
+    )
+    net.add_argument(
         "--metrics-port",
         type=port_number,
         help="serve Prometheus metrics over HTTP on this port (0: a free one; default: off)",
@@ -257,11 +263,20 @@ def write_port_file(path: pathlib.Path, port: int, metrics_port: int | None) -> 
     atomic_write(path, lambda handle: handle.write(payload))
 
 
-def serve_until_signal(server: RunningService, port_file: pathlib.Path | None, grace: float, name: str) -> None:
-    """Blocks until SIGTERM/SIGINT, then stops ``server`` gracefully."""
+def serve_until_signal(
+    server: RunningService,
+    port_file: pathlib.Path | None,
+    grace: float,
+    name: str,
+    stop_when_stdin_closes: bool = False,
+) -> None:
+    """Blocks until SIGTERM/SIGINT (or, with ``stop_when_stdin_closes``, the end of standard
+    input), then stops ``server`` gracefully."""
     stop_requested = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop_requested.set())
+    if stop_when_stdin_closes:
+        watch_launcher(sys.stdin.fileno(), stop_requested, logging.getLogger(name))
     logging.getLogger(name).info(
         "serving on port %d (metrics port %s, %d torch threads)",
         server.port,
@@ -273,6 +288,24 @@ def serve_until_signal(server: RunningService, port_file: pathlib.Path | None, g
     stop_requested.wait()
     logging.getLogger(name).info("stopping: draining for up to %.1fs", grace)
     server.stop(grace)
+
+
+def watch_launcher(stdin: int, stop_requested: threading.Event, log: logging.Logger) -> threading.Thread:
+    """Sets ``stop_requested`` once file descriptor ``stdin`` ends: the launcher's end of the
+    pipe closed, which the kernel does when the launcher exits by any means (a SIGKILL, an OOM
+    kill), where no atexit hook or signal handler of its own runs. Bytes written to the pipe are
+    ignored. It reads the descriptor itself, not ``sys.stdin``: a daemon thread blocked inside
+    a buffered reader makes the interpreter abort at exit (it cannot take the reader's lock)."""
+
+    def watch() -> None:
+        while os.read(stdin, 4096):
+            pass
+        log.warning("the launcher is gone (standard input closed): stopping")
+        stop_requested.set()
+
+    thread = threading.Thread(target=watch, name="paramserve-launcher-watch", daemon=True)
+    thread.start()
+    return thread
 
 
 def configure_logging(level: str, role: str) -> None:

@@ -112,7 +112,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if idle_gpus is not None:
         logging.getLogger("paramserve.worker").warning("%s", idle_gpus)
     worker = build_worker(config)
-    serve_until_signal(worker, args.port_file, args.grace_seconds, "paramserve.worker")
+    serve_until_signal(worker, args.port_file, args.grace_seconds, "paramserve.worker", args.stop_when_stdin_closes)
     return 0
 
 

@@ -34,7 +34,12 @@ from paramserve.coordinator.local_cluster import (
 FAKE_MODULE = "paramserve_fake_server"
 FAKE_SERVER = textwrap.dedent(
     """
-    import argparse, json, os, signal, socket, stat, sys
+    import argparse, json, os, signal, socket, stat, sys, threading
+
+    def exit_when_stdin_closes():
+        while os.read(0, 4096):
+            pass
+        os._exit(0)
 
     def main():
         p = argparse.ArgumentParser()
@@ -45,7 +50,10 @@ FAKE_SERVER = textwrap.dedent(
         p.add_argument("--fail-at-start", action="store_true")
         p.add_argument("--never-ready", action="store_true")
         p.add_argument("--ignore-sigterm", action="store_true")
+        p.add_argument("--stop-when-stdin-closes", action="store_true")
         args = p.parse_args()
+        if args.stop_when_stdin_closes:
+            threading.Thread(target=exit_when_stdin_closes, daemon=True).start()
         if args.host != "127.0.0.1":
             sys.exit("fake server: refusing to bind anything but 127.0.0.1")
         print("fake server: starting", flush=True)
@@ -404,6 +412,61 @@ def test_parent_ending_without_stop_stops_the_cluster(mode: str, fake_env: dict[
             parent.wait(timeout=30)
         for pid in pids:  # never leak a server, whatever failed above
             if is_alive(pid):
+                os.killpg(pid, signal.SIGKILL)
+
+
+def gone(pid: int) -> bool:
+    """Exited: no such process, or a zombie its new parent has not reaped yet."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+KILLED_PARENT = textwrap.dedent(
+    """
+    import json, sys, threading
+    from pathlib import Path
+    from paramserve.coordinator.local_cluster import LocalCluster
+
+    cluster = LocalCluster(1, 1, run_dir=Path(sys.argv[1]))
+    cluster.start()
+    print(json.dumps([p.pid for p in cluster.processes]), flush=True)
+    threading.Event().wait()  # until SIGKILLed: no atexit hook, no signal handler runs
+    """
+)
+
+
+def test_real_servers_stop_when_the_program_that_launched_them_is_sigkilled(tmp_path: Path) -> None:
+    """An OOM kill or a `kill -9` of the user's program runs none of its cleanup: its servers
+    notice the end of the pipe it held as their stdin (--stop-when-stdin-closes) and stop."""
+    parent = subprocess.Popen(
+        [sys.executable, "-c", KILLED_PARENT, str(tmp_path / "run")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    pids: list[int] = []
+    try:
+        line = parent.stdout.readline()  # type: ignore[union-attr]
+        assert line, f"parent died early: {parent.communicate(timeout=30)[1]}"
+        pids = json.loads(line)
+        assert len(pids) == 2 and not any(gone(pid) for pid in pids)
+        parent.kill()
+        parent.communicate(timeout=30)
+        deadline = time.monotonic() + 60
+        while not all(gone(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert all(gone(pid) for pid in pids), "a server outlived the program that launched it"
+        logs = "".join(path.read_text() for path in (tmp_path / "run").glob("*.log"))
+        assert logs.count("the launcher is gone (standard input closed): stopping") == 2, logs
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait(timeout=30)
+        for pid in pids:  # never leak a server, whatever failed above
+            if not gone(pid):
                 os.killpg(pid, signal.SIGKILL)
 
 
