@@ -290,7 +290,7 @@ class CheckpointManager:
         }
         layouts = {name: layout for name, layout in self.strategy.plan_layouts().items() if name in keys}
         _check_compatible(manifest, {keys[name]: layout for name, layout in layouts.items()}, resolved)
-        tables = self._dynamic_states(resolved, manifest, keys)
+        tables = self._dynamic_states(resolved, manifest, keys, keep_live_settings)
         states: dict[int, list[ShardState]] = defaultdict(list)
         for name, layout in layouts.items():
             live = self.strategy.live_optimizer(name) if keep_live_settings else None
@@ -310,10 +310,11 @@ class CheckpointManager:
         return step
 
     def _dynamic_states(
-        self, path: pathlib.Path, manifest: checkpoint.Manifest, keys: Mapping[str, str]
+        self, path: pathlib.Path, manifest: checkpoint.Manifest, keys: Mapping[str, str], keep_live_settings: bool
     ) -> dict[int, list[DynamicShardState]]:
         """The model's dynamic tables from checkpoint ``path``, each row on the server it belongs
-        to now; CheckpointError, before anything changes, for a table missing or of another dim."""
+        to now (stepping with the optimizer settings in force now for ``keep_live_settings``);
+        CheckpointError, before anything changes, for a table missing or of another dim."""
         saved = dynamic_checkpoint.read_tables(path, manifest.extra)  # whole: deltas applied
         servers = self.strategy.cluster.num_ps()
         states: dict[int, list[DynamicShardState]] = defaultdict(list)
@@ -329,8 +330,10 @@ class CheckpointManager:
                     f"dynamic table {key!r} has rows of {config.dim} {config.dtype} in {path}, "
                     f"{table.embedding_dim} {table.dtype} in the model"
                 )
+            live = self.strategy.live_optimizer(name) if keep_live_settings else None
             for state in rehash(saved[key], servers):
-                states[state.ref.shard].append(dataclasses.replace(state, ref=ShardRef(name, state.ref.shard)))
+                state = dataclasses.replace(state, ref=ShardRef(name, state.ref.shard))
+                states[state.ref.shard].append(state.with_optimizer(live))
         return dict(states)
 
 

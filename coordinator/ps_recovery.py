@@ -305,15 +305,17 @@ class ParameterServerRecovery:
         self._variables.restore_states({server: states}, dict(lost))
 
     def _restore_tables(self, server: int, tables: Sequence[str], plan: RestorePlan) -> None:
-        """Makes the server's shards of the dynamic tables it lost the checkpoint's (at
-        RecoveryPoint.ALL, ``restore_checkpoint`` did, with every other server's)."""
+        """Makes the server's shards of the dynamic tables it lost the checkpoint's, stepping with
+        the optimizer settings in force now (at RecoveryPoint.ALL, ``restore_checkpoint`` did,
+        with every other server's)."""
         if not tables or plan.checkpoint is None or plan.point is not RecoveryPoint.LOST_SHARDS:
             return
         try:
             states = _table_shards(plan.checkpoint, server, self._addresses, tables, self._variables.checkpoint_key)
         except CheckpointError as exc:
             raise Unrecoverable(f"its dynamic tables cannot be read from {plan.checkpoint}: {exc}") from exc
-        self._variables.restore_dynamic({server: states})
+        live = [state.with_optimizer(self._variables.live_optimizer(state.ref.variable)) for state in states]
+        self._variables.restore_dynamic({server: live})
 
     def _lost_state(self, name: str, layout: VariableLayout, shard: ShardPlacement, path: Path | None) -> ShardState:
         key = self._variables.checkpoint_key(name)

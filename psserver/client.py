@@ -498,9 +498,16 @@ class ParameterServerClient:
             self._dynamic.update(tables)
 
     def set_hyperparameters(self, values: Mapping[str, float], variable: str | None = None) -> int:
+        """Changes optimizer hyperparameters of ``variable`` (dense or a dynamic table) on the
+        servers holding its shards, or of every variable on every server for None; returns how
+        many shards changed."""
         request = ps_pb2.SetHyperparametersRequest(variable=variable or "", values_json=json.dumps(dict(values)))
+        if variable and variable not in self._dynamic:  # only its servers: the others hold none of it
+            servers = {s.server: None for s in self.layout(variable).shards}
+        else:
+            servers = {server: None for server in range(len(self.addresses))}
         results = self._calls.fan_out(
-            {server: None for server in range(len(self.addresses))},
+            servers,
             lambda server, _: (
                 self._stubs[server]
                 .unary("SetHyperparameters", request, ps_pb2.SetHyperparametersResponse, self._options)

@@ -75,6 +75,11 @@ def owner_of(ids: Tensor, num_shards: int) -> Tensor:
     return (splitmix64(ids) & ((1 << 63) - 1)) % num_shards
 
 
+_INITIAL_CHUNK = 4096
+"""Ids whose initial rows are drawn at once: the draws take 2 x dim x 8 bytes an id several
+times over (a batch of 32k ids at dim 16: tens of MB), so a large admission is drawn in chunks."""
+
+
 def _uniform(bits: Tensor) -> Tensor:
     """Doubles in [0, 1) from the top 53 bits of each hash."""
     return _shift_right(bits, 11).to(torch.float64) * (1.0 / (1 << 53))
@@ -89,6 +94,14 @@ def initial_rows(ids: Tensor, dim: int, kind: str, a: float, b: float, seed: int
         return torch.zeros((n, dim), dtype=dtype)
     if kind == "constant":
         return torch.full((n, dim), a, dtype=dtype)
+    if n > _INITIAL_CHUNK:  # a row at a time is a function of its id: chunks bound the temporaries
+        flat = ids.reshape(-1)
+        return torch.cat(
+            [
+                initial_rows(flat[i : i + _INITIAL_CHUNK], dim, kind, a, b, seed, dtype)
+                for i in range(0, n, _INITIAL_CHUNK)
+            ]
+        )
     base = splitmix64(ids.reshape(-1).to(torch.int64) ^ splitmix64(torch.tensor([seed], dtype=torch.int64)))
     draws = 2 * dim if kind == "normal" else dim
     counters = torch.arange(1, draws + 1, dtype=torch.int64) * _GOLDEN
@@ -107,18 +120,23 @@ def initial_rows(ids: Tensor, dim: int, kind: str, a: float, b: float, seed: int
 class IdIndex:
     """id -> arena slot, by open addressing with linear probing over two flat tensors (keys
     int64, slots int32; -1 empty, -2 deleted): 12 bytes a bucket, 2 to 4 buckets a live id
-    after a rebuild. Every call
-    takes a batch of ids and probes them together, one vector step per probe distance."""
+    after a rebuild. Every call takes a batch of ids and probes them together, one vector step
+    per probe distance. A rebuild drops the old buckets before it makes the new ones, and
+    rebuilds in place at the same size. ``max_capacity``: the most buckets it grows to (a
+    byte-capped table's, which its cap counts); past that it is rebuilt in place."""
 
     EMPTY = -1
     DELETED = -2
+    BUCKET_BYTES = 12
 
     REBUILT_LOAD = 0.5
 
-    def __init__(self, capacity: int = 1024, max_load: float = 0.75):
+    def __init__(self, capacity: int = 1024, max_load: float = 0.75, max_capacity: int | None = None):
         if not self.REBUILT_LOAD < max_load < 1.0:
             raise ValueError(f"max_load must be in ({self.REBUILT_LOAD}, 1), got {max_load}")
         self.max_load = max_load
+        self.max_capacity = None if max_capacity is None else _power_of_two(max(16, max_capacity))
+        capacity = capacity if self.max_capacity is None else min(capacity, self.max_capacity)
         self.live = 0
         self._used = 0  # live and deleted buckets: what probing walks over
         self._allocate(_power_of_two(max(16, capacity)))
@@ -202,9 +220,21 @@ class IdIndex:
         the buckets' inserts or deletions away: O(1) amortised per id."""
         if self._used + extra <= self.max_load * self.capacity:
             return
-        ids, slots = self.items()
-        self._allocate(_power_of_two(max(16, math.ceil((self.live + extra) / self.REBUILT_LOAD))))
-        self._place(ids, slots.to(torch.int32))
+        live = self._slots >= 0
+        ids, slots = self._keys[live], self._slots[live]
+        del live
+        capacity = _power_of_two(max(16, math.ceil((self.live + extra) / self.REBUILT_LOAD)))
+        if self.max_capacity is not None and capacity > self.max_capacity:
+            capacity = self.max_capacity
+            if self.live + extra > self.max_load * capacity:
+                raise MemoryError(f"an index of at most {capacity} buckets cannot hold {self.live + extra} ids")
+        if capacity == self.capacity:  # in place: the table is never held twice
+            self._slots.fill_(self.EMPTY)
+            self._used = self.live = 0
+        else:
+            self._keys = self._slots = torch.empty(0)  # the old buckets go before the new ones come
+            self._allocate(capacity)
+        self._place(ids, slots)
 
 
 def _power_of_two(n: int) -> int:
@@ -222,11 +252,16 @@ class RowArena:
     torch.float32), "ids": ((), torch.int64)}``."""
 
     def __init__(
-        self, columns: Mapping[str, tuple[tuple[int, ...], torch.dtype]], block_rows: int, max_rows: int | None = None
+        self,
+        columns: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+        block_rows: int,
+        max_rows: int | None = None,
+        fill: Mapping[str, int] | None = None,
     ):
         if block_rows < 1 or (max_rows is not None and max_rows < 1):
             raise ValueError(f"a row arena needs positive sizes, got block_rows={block_rows}, max_rows={max_rows}")
         self.columns = dict(columns)
+        self.fill = dict(fill or {})  # column -> what a new block's slots hold (else zeros)
         self.block_rows = block_rows if max_rows is None else min(block_rows, max_rows)
         self.max_rows = max_rows
         self._blocks: dict[str, list[Tensor]] = {name: [] for name in self.columns}
@@ -268,7 +303,7 @@ class RowArena:
             if rows <= 0:
                 raise MemoryError(f"the row arena holds its cap of {self.max_rows} rows")
         for name, (shape, dtype) in self.columns.items():
-            self._blocks[name].append(torch.zeros((rows, *shape), dtype=dtype))
+            self._blocks[name].append(torch.full((rows, *shape), self.fill.get(name, 0), dtype=dtype))
         free = torch.empty(self.capacity + rows, dtype=torch.int64)
         free[: self._free_count] = self._free[: self._free_count]
         # Reversed, so that allocations take a new block's slots in ascending order.
@@ -293,6 +328,19 @@ class RowArena:
         for block, positions in zip(range(high + 1), order.split(counts.tolist())):
             if positions.numel():
                 yield block, positions, slots[positions] - block * self.block_rows
+
+    @property
+    def blocks(self) -> int:
+        return len(next(iter(self._blocks.values())))
+
+    def column(self, name: str, block: int | None = None) -> Tensor:
+        """A copy of column ``name`` at every slot in order (of block ``block`` only: its slots
+        from ``block * block_rows`` on), free slots included."""
+        blocks = self._blocks[name]
+        if block is not None:
+            return blocks[block].clone()
+        shape, dtype = self.columns[name]
+        return torch.cat(blocks) if blocks else torch.empty((0, *shape), dtype=dtype)
 
     def gather(self, column: str, slots: Tensor) -> Tensor:
         """Copies of ``column`` at ``slots``, in their order."""
@@ -391,12 +439,12 @@ def expired(
 def least_recently_used(used: Tensor, count: int, protected_from: int) -> Tensor:
     """Positions of the ``count`` rows used longest ago, among those last used before tick
     ``protected_from`` (rows the current request uses are never evicted to make room)."""
-    candidates = (used < protected_from).nonzero().reshape(-1)
-    count = min(count, candidates.numel())
+    spared = used >= protected_from
+    count = min(count, used.numel() - int(spared.sum()))
     if count <= 0:
         return torch.empty(0, dtype=torch.int64)
-    picked = torch.topk(used[candidates], count, largest=False, sorted=False).indices
-    return candidates[picked]
+    # One copy with the spared rows last (not a list of candidates): 9 bytes a row at the peak.
+    return torch.topk(used.masked_fill(spared, torch.iinfo(used.dtype).max), count, largest=False, sorted=False).indices
 
 
 # ---------------------------------------------------------------- what incremental checkpoints need

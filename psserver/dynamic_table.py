@@ -36,6 +36,7 @@ Every call is validated before it changes anything; the shard's lock serialises 
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 import uuid
@@ -67,14 +68,16 @@ from paramserve.psserver.errors import (
     VariableNotFoundError,
 )
 from paramserve.psserver.idempotency import IdempotencyWindow
-from paramserve.psserver.optimizer import row_state, step_gathered
-from paramserve.psserver.shards import all_finite
+from paramserve.psserver.optimizer import row_state, same_state_layout, step_gathered, updated_spec
+from paramserve.psserver.shards import about, all_finite
 from paramserve.psserver.types import PushOutcome, ShardRef
 
 __all__ = ["DynamicShard", "DynamicTables", "PushSettings"]
 
 _SHARED_DEFAULT_ID = -(1 << 63)
 """The id whose initial row is a table's shared default row ("shared")."""
+_FREE = torch.iinfo(torch.int64).max
+"""The last use of a free arena slot: never among the least recently used, never swept."""
 _LRU_BATCH = 32
 """An eviction for room frees at least max_rows / this many rows (amortising its O(rows) pick)."""
 _METADATA = {
@@ -113,10 +116,11 @@ class DynamicShard:
         width = config.admission_width or (4 * config.max_rows if config.max_rows else 1 << 20)
         self._filter = AdmissionFilter(width) if config.admit_after > 1 else None
         probe = RowArena(columns, 1)
-        self.max_rows = config.row_cap(probe.row_bytes(), self._filter.nbytes if self._filter else 0)
+        self.max_rows, buckets = config.capacity(probe.row_bytes(), self._filter.nbytes if self._filter else 0)
         block = config.block_rows or max(1024, (8 << 20) // probe.row_bytes())
-        self._arena = RowArena(columns, block, self.max_rows)
-        self._index = IdIndex(capacity=min(1024, 2 * (self.max_rows or 1024)))
+        self._arena = RowArena(columns, block, self.max_rows, fill={"used": _FREE})
+        # Under max_bytes, the index grows up to the buckets the cap counts, never past them.
+        self._index = IdIndex(capacity=min(1024, 2 * (self.max_rows or 1024)), max_capacity=buckets)
         self._default = (
             initial_rows(
                 torch.tensor([_SHARED_DEFAULT_ID]),
@@ -250,6 +254,24 @@ class DynamicShard:
             else:
                 self.shared[key] = stepped[key]
 
+    def with_hyperparameters(self, values: Mapping[str, Any]) -> DynamicTableConfig:
+        """The table's settings after optimizer hyperparameters ``values`` apply, validated as a
+        dense variable's are (its row slots cannot change: they are the arena's columns);
+        changes nothing. Raises InvalidRequestError."""
+        spec = self.config.optimizer
+        if spec is None:
+            raise InvalidRequestError("the variable has no optimizer", variable=self.ref.variable)
+        with about(self.ref.variable):
+            updated = updated_spec(spec, values)
+            dim, dtype = self.config.dim, self.config.dtype
+            same_state_layout(spec, row_state(spec, dim, dtype), row_state(updated, dim, dtype))
+        return dataclasses.replace(self.config, optimizer=updated)
+
+    def reconfigure(self, config: DynamicTableConfig) -> None:
+        """Steps with ``config`` (from ``with_hyperparameters``) from the next push on."""
+        with self.lock:
+            self.config = config
+
     # -- admission and eviction
 
     def _admit(self, ids: Tensor, now: float) -> Tensor:
@@ -280,9 +302,10 @@ class DynamicShard:
         return slots
 
     def _evict_for_room(self, count: int) -> None:
-        ids, slots = self._index.items()
-        victims = least_recently_used(self._arena.gather("used", slots), count, protected_from=self._tick)
-        self._evict(ids[victims], slots[victims])
+        # Over the arena's slots, not the index's items: a free slot's last use is _FREE, never
+        # picked, and the scan copies one column (8 bytes a row), not every id and slot.
+        victims = least_recently_used(self._arena.column("used"), count, protected_from=self._tick)
+        self._evict(self._arena.gather("ids", victims), victims)
         self.evictions_capacity += victims.numel()
 
     def _stamp(self, count: int) -> Tensor:
@@ -290,6 +313,7 @@ class DynamicShard:
 
     def _evict(self, ids: Tensor, slots: Tensor) -> None:
         self._index.remove(ids)
+        self._arena.scatter("used", slots, torch.full((slots.numel(),), _FREE))
         self._arena.release(slots)
         self._deleted.record(self._epoch, ids, self._arena.live)
         if self._filter is not None:
@@ -310,21 +334,22 @@ class DynamicShard:
     def sweep(self, now: float) -> int:
         """Evicts every row past its TTL now; returns how many (callers hold the lock)."""
         self._last_sweep = (self.version, now)
-        ids, slots = self._index.items()
-        if ids.numel() == 0:
-            return 0
-        old = expired(
-            self._arena.gather("updated", slots),
-            self._arena.gather("updated_at", slots),
-            self.version,
-            now,
-            self.config.ttl_steps,
-            self.config.ttl_seconds,
-        )
-        count = int(old.sum())
-        if count:
-            self._evict(ids[old], slots[old])
-            self.evictions_ttl += count
+        count = 0
+        for block in range(self._arena.blocks):  # a block at a time: the scan's copies stay small
+            old = expired(
+                self._arena.column("updated", block),
+                self._arena.column("updated_at", block),
+                self.version,
+                now,
+                self.config.ttl_steps,
+                self.config.ttl_seconds,
+            )
+            old &= self._arena.column("used", block) != _FREE
+            slots = old.nonzero().reshape(-1) + block * self._arena.block_rows
+            if slots.numel():
+                self._evict(self._arena.gather("ids", slots), slots)
+                count += slots.numel()
+        self.evictions_ttl += count
         return count
 
     # -- state
@@ -517,6 +542,14 @@ class DynamicTables:
             for shard in built:
                 self._shards[shard.ref] = shard
         return [shard.stats() for shard in built]
+
+    def hyperparameter_changes(
+        self, variable: str | None, values: Mapping[str, Any]
+    ) -> list[tuple[DynamicShard, DynamicTableConfig]]:
+        """Each shard of ``variable`` (of every table with an optimizer for None) with its
+        settings after ``values`` apply (``DynamicShard.with_hyperparameters``); changes nothing."""
+        shards = [s for s in self._all() if s.ref.variable == variable or (variable is None and s.config.optimizer)]
+        return [(shard, shard.with_hyperparameters(values)) for shard in shards]
 
     def delete(self, variable: str) -> int:
         with self._lock:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from paramserve.psserver.dynamic_rows import owner_of
+from paramserve.psserver.dynamic_rows import DELETION_LOG_MIN_IDS, IdIndex, owner_of
 from paramserve.psserver.errors import DtypeMismatchError, InvalidRequestError
 from paramserve.psserver.optimizer import OptimizerSpec
 from paramserve.psserver.types import ShardRef
@@ -31,8 +31,14 @@ __all__ = [
 
 DEFAULT_ROWS = ("zeros", "shared")
 INITIALIZERS = ("zeros", "constant", "normal", "uniform")
-INDEX_BYTES_PER_ROW = 48
-"""The most an IdIndex takes per live row (4 buckets of 12 bytes, just after a rebuild)."""
+FREE_LIST_BYTES_PER_ROW = 8
+"""A row's entry in its arena's free list (int64)."""
+DELETION_LOG_BYTES_PER_ROW = 4
+"""What a deletion log may hold per live row: the ids of up to half the live rows, 8 bytes each."""
+WORKING_BYTES_PER_ROW = 17
+"""The temporaries of the largest operation over every row, per row: a least-recently-used pick
+(each slot's last use copied, a flag, and a masked copy: 8 + 1 + 8); an in-place rebuild of the
+index takes less (each live id and slot, 12, and a flag a bucket, at most 4 buckets a row)."""
 
 
 @dataclass(frozen=True)
@@ -81,16 +87,43 @@ class DynamicTableConfig:
         if self.optimizer is not None:
             self.optimizer.validate()
 
-    def row_cap(self, row_bytes: int, fixed_bytes: int) -> int | None:
-        """The rows one server may hold: ``max_rows``, and what ``max_bytes`` leaves room for
-        after ``fixed_bytes`` (the sighting sketch), at ``row_bytes`` a row plus its index."""
-        caps = [] if self.max_rows is None else [self.max_rows]
-        if self.max_bytes is not None:
-            rows = (self.max_bytes - fixed_bytes) // (row_bytes + 8 + INDEX_BYTES_PER_ROW)
-            if rows < 1:
-                raise InvalidRequestError(f"max_bytes={self.max_bytes} leaves no room for a row of {row_bytes} bytes")
-            caps.append(rows)
-        return min(caps) if caps else None
+    def largest_allocation(self) -> int:
+        """About the most bytes one allocation of a shard of this table takes (an upper bound:
+        a column of an arena block at 8 bytes a value, or the sighting sketch), known before
+        any is made: a server refuses a table whose allocation would pass its shard limit."""
+        row = self.dim * 8
+        block = self.block_rows or max(1024, (8 << 20) // row)
+        if self.max_rows is not None:
+            block = min(block, self.max_rows)
+        sketch = 0
+        if self.admit_after > 1:
+            sketch = 8 * (self.admission_width or (4 * self.max_rows if self.max_rows else 1 << 20))
+        return max(row * block, sketch)
+
+    def capacity(self, row_bytes: int, sketch_bytes: int) -> tuple[int | None, int | None]:
+        """(rows, index buckets) of one server's shard: ``max_rows``, and what ``max_bytes``
+        leaves room for when everything the shard holds counts: per row its ``row_bytes``, its
+        free-list entry, its share of the deletion log and of the temporaries of an operation
+        over every row (so the cap holds while one runs, not only between); once, the sighting sketch
+        (``sketch_bytes``), the deletion log's floor and the id index at the most buckets it
+        may grow to (the power of two that leaves room for the most rows, at most
+        ``IdIndex.REBUILT_LOAD`` of them full). Index buckets None: no bound (no ``max_bytes``).
+        Raises InvalidRequestError when ``max_bytes`` leaves no room."""
+        if self.max_bytes is None:
+            return self.max_rows, None
+        per_row = row_bytes + FREE_LIST_BYTES_PER_ROW + DELETION_LOG_BYTES_PER_ROW + WORKING_BYTES_PER_ROW
+        fixed = sketch_bytes + 8 * DELETION_LOG_MIN_IDS
+        best: tuple[int, int] = (0, 0)
+        buckets = 16
+        while IdIndex.BUCKET_BYTES * buckets < self.max_bytes:
+            room = (self.max_bytes - fixed - IdIndex.BUCKET_BYTES * buckets) // per_row
+            rows = min(room, int(buckets * IdIndex.REBUILT_LOAD), self.max_rows or room)
+            if rows > best[0]:
+                best = (rows, buckets)
+            buckets *= 2
+        if best[0] < 1:
+            raise InvalidRequestError(f"max_bytes={self.max_bytes} leaves no room for a row of {row_bytes} bytes")
+        return best
 
 
 @dataclass(frozen=True)
@@ -132,6 +165,13 @@ class DynamicShardState:
     @property
     def mark(self) -> DynamicSaveMark:
         return DynamicSaveMark(self.ref, self.lineage, self.through)
+
+    def with_optimizer(self, spec: OptimizerSpec | None) -> DynamicShardState:
+        """This shard stepping with ``spec`` (the settings in force now, e.g. a learning rate
+        changed since the save) instead of its own; itself for None."""
+        if spec is None:
+            return self
+        return dataclasses.replace(self, config=dataclasses.replace(self.config, optimizer=spec))
 
 
 @dataclass(frozen=True)

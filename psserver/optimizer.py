@@ -423,6 +423,33 @@ def step_gathered(spec: OptimizerSpec, param: torch.nn.Parameter, state: dict[st
         optimizer.state.clear()
 
 
+def updated_spec(spec: OptimizerSpec, values: Mapping[str, Any]) -> OptimizerSpec:
+    """``spec`` with hyperparameters ``values`` (e.g. ``{"lr": 0.01}``), validated: the check a
+    change of a dense variable's and a dynamic table's optimizer share.
+
+    Raises InvalidRequestError for no values, an unknown key or a bad value.
+    """
+    if not isinstance(values, Mapping) or not values:
+        raise InvalidRequestError('no hyperparameters given; pass e.g. {"lr": 0.01}')
+    known = _hyperparameter_names(spec.name)
+    for key in values:
+        if key not in known:
+            raise InvalidRequestError(f"optimizer {spec.name} has no hyperparameter {key!r}; it has {', '.join(known)}")
+    updated = spec.with_kwargs(values)
+    updated.validate()
+    return updated
+
+
+def same_state_layout(spec: OptimizerSpec, before: Mapping[str, Any], after: Mapping[str, Any]) -> None:
+    """Raises InvalidRequestError when the slots a changed ``spec`` keeps (``after``, by name) are
+    not those it kept (``before``): existing state cannot change its layout."""
+    if set(before) != set(after):
+        raise InvalidRequestError(
+            f"changing these hyperparameters of {spec.name} changes its state from slots "
+            f"{sorted(before)} to {sorted(after)}; create a new variable instead"
+        )
+
+
 @dataclass(eq=False)
 class RowStep:
     """One shard's share of a row-sparse step, between ShardOptimizer.gather_rows and
@@ -615,28 +642,10 @@ class ShardOptimizer:
         that would alter the optimizer's existing state (e.g. turning on
         ``amsgrad`` after Adam has stepped): create a new variable for that.
         """
-        if not isinstance(values, Mapping) or not values:
-            raise InvalidRequestError('no hyperparameters given; pass e.g. {"lr": 0.01}')
-        known = _hyperparameter_names(self._spec.name)
-        for key in values:
-            if key not in known:
-                raise InvalidRequestError(
-                    f"optimizer {self._spec.name} has no hyperparameter {key!r}; it has {', '.join(known)}"
-                )
-        updated = self._spec.with_kwargs(values)
-        updated.validate()
-        self._check_same_layout(updated)
+        updated = updated_spec(self._spec, values)
+        if self._state():  # else torch will create whatever state the new spec needs
+            same_state_layout(self._spec, _layout_for(self._spec, self._param), _layout_for(updated, self._param))
         return updated
-
-    def _check_same_layout(self, updated: OptimizerSpec) -> None:
-        if not self._state():
-            return  # torch will create whatever state the new spec needs
-        before, after = set(_layout_for(self._spec, self._param)), set(_layout_for(updated, self._param))
-        if before != after:
-            raise InvalidRequestError(
-                f"changing these hyperparameters of {self._spec.name} changes its state from slots "
-                f"{sorted(before)} to {sorted(after)}; create a new variable instead"
-            )
 
     def set_hyperparameters(self, values: Mapping[str, Any]) -> None:
         """Applies ``values`` (e.g. ``{"lr": 0.01}``) from the next step on; all or nothing."""

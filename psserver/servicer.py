@@ -18,7 +18,7 @@ import grpc
 import torch
 
 from paramserve.psserver import checkpoint, convert, dynamic_wire
-from paramserve.psserver.dynamic_types import DynamicStats
+from paramserve.psserver.dynamic_types import DynamicStats, DynamicTableConfig
 from paramserve.psserver.error_boundary import parse, stream_boundary, unary_boundary
 from paramserve.psserver.errors import InvalidRequestError, MessageTooLargeError, VariableNotFoundError
 from paramserve.psserver.memory import resident_bytes
@@ -197,7 +197,9 @@ class ParameterServerServicer:
     def CreateDynamicTable(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
         request = parse(ps_pb2.CreateDynamicTableRequest, raw)
         ref = convert.ref_from_proto(request.ref)
-        self._store.create_dynamic(ref, int(request.num_shards), dynamic_wire.config_from_proto(request.config))
+        config = dynamic_wire.config_from_proto(request.config)
+        self._check_allocation(ref.variable, config)
+        self._store.create_dynamic(ref, int(request.num_shards), config)
         return _dynamic_response([self._store.dynamic.get(ref).stats()])
 
     @stream_boundary
@@ -215,7 +217,18 @@ class ParameterServerServicer:
             dynamic_wire.shard_from_part(header.dynamic, payload)
             for header, payload in read_parts(chunks, self._allocate_dynamic)
         ]
+        for state in states:
+            self._check_allocation(state.ref.variable, state.config)
         return _dynamic_response(self._store.dynamic.replace(states))
+
+    def _check_allocation(self, variable: str, config: DynamicTableConfig) -> None:
+        if config.largest_allocation() > self._shard_limit:
+            raise MessageTooLargeError(
+                f"a shard of this dynamic table would allocate about {config.largest_allocation()} bytes at once "
+                f"(its dim, block_rows, or admission sketch: admission_width, else 4 x max_rows); this server's "
+                f"limit is {self._shard_limit} (--max-shard-bytes)",
+                variable=variable,
+            )
 
     def _allocate_dynamic(self, header: tensor_pb2.PartHeader) -> torch.Tensor:
         if header.WhichOneof("kind") != "dynamic":

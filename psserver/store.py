@@ -634,13 +634,15 @@ class ShardStore:
 
     def set_hyperparameters(self, variable: str | None, values: Mapping[str, Any]) -> int:
         """Changes optimizer hyperparameters (e.g. ``{"lr": 0.01}``) of ``variable``'s shards,
-        or of every shard with an optimizer for None; returns how many shards changed.
+        dense or of a dynamic table, or of every shard with an optimizer for None; returns how
+        many shards changed.
 
         All or nothing: raises VariableNotFoundError for an unknown variable and
         InvalidRequestError for a variable without optimizer or a bad value.
         """
         shards = self._select(variable)
-        if variable and not shards:
+        tables = self.dynamic.hyperparameter_changes(variable or None, values)
+        if variable and not shards and not tables:
             raise VariableNotFoundError("no shard of the variable is on this server", variable=variable)
         if variable and any(shard.optimizer is None for shard in shards):
             raise InvalidRequestError("the variable has no optimizer", variable=variable)
@@ -651,7 +653,9 @@ class ShardStore:
                     shard.optimizer.with_hyperparameters(values)  # type: ignore[union-attr]
             for shard in targets:
                 shard.optimizer.set_hyperparameters(values)  # type: ignore[union-attr]
-        return len(targets)
+        for table, config in tables:  # validated above, so this cannot fail halfway
+            table.reconfigure(config)
+        return len(targets) + len(tables)
 
 
 _PUSH_TRANSIENTS = 4

@@ -508,7 +508,11 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         restore: each table replaced whole on every server). Call it inside ``quiesced()``."""
         with self._lock:
             self.client.dynamic.replace(states_by_server)
-            self._created.update(state.ref.variable for states in states_by_server.values() for state in states)
+            for state in (state for states in states_by_server.values() for state in states):
+                self._created.add(state.ref.variable)
+                variable = self._variables.get(state.ref.variable)
+                if variable is not None:  # the servers apply the restored settings from now on
+                    variable.optimizer = state.config.optimizer
             self._generation += 1
             self._context = None
 

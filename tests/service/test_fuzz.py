@@ -1,6 +1,7 @@
 """Issue 10: a property-based fuzz (hypothesis) of every parameter-server RPC with arbitrary
 bytes and arbitrary well-formed-but-hostile messages: never INTERNAL or UNKNOWN, and a
-protected variable stays bit-identical with its version unchanged."""
+protected variable and a protected dynamic table stay bit-identical with their versions
+unchanged."""
 
 from __future__ import annotations
 
@@ -10,18 +11,29 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from paramserve.psserver.dynamic_types import DynamicTableConfig
 from paramserve.psserver.metadata import IDEMPOTENCY_METADATA_KEY, SERVICE_NAME
 from paramserve.psserver.optimizer import OptimizerSpec
 from paramserve.wire.v1 import parameter_server_pb2 as ps_pb2
 from paramserve.wire.v1 import tensor_pb2
 
-UNARY = ["Step", "DeleteVariable", "ListShards", "Save", "Restore", "SetHyperparameters"]
-REQUEST_STREAM = ["CreateShards", "Push"]
-RESPONSE_STREAM = ["Pull", "ExportShards"]
+UNARY = [
+    "Step",
+    "DeleteVariable",
+    "ListShards",
+    "Save",
+    "Restore",
+    "SetHyperparameters",
+    "CreateDynamicTable",
+    "ListDynamicTables",
+    "MarkDynamicTablesSaved",
+]
+REQUEST_STREAM = ["CreateShards", "Push", "ReplaceDynamicTables"]
+RESPONSE_STREAM = ["Pull", "ExportShards", "ExportDynamicTables"]
 FORBIDDEN = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
 EXAMPLES = 500
 
-names = st.sampled_from(["w", "", "x\u00e9", "\x00", "w" * 300])
+names = st.sampled_from(["w", "t", "", "x\u00e9", "\x00", "w" * 300])
 ints = st.integers(min_value=-(1 << 63), max_value=(1 << 63) - 1)
 metas = st.builds(
     tensor_pb2.TensorMeta,
@@ -49,9 +61,68 @@ shard_specs = st.builds(
         kwargs_json=st.sampled_from(['{"lr": 1}', '{"betas": [0.9]}', "[[[", "{}"]),
     ),
 )
+sizes = st.one_of(st.integers(-2, 64), ints)
+dynamic_configs = st.builds(
+    tensor_pb2.DynamicTableConfig,
+    dim=sizes,
+    dtype=st.sampled_from(["float32", "int64", "nope", ""]),
+    optimizer=st.builds(
+        tensor_pb2.OptimizerSpec,
+        name=st.sampled_from(["SGD", "Adagrad", "x"]),
+        kwargs_json=st.sampled_from(['{"lr": 1}', '{"lr": -1}', "[[[", "{}"]),
+    ),
+    initializer=st.builds(
+        tensor_pb2.Initializer, kind=st.sampled_from(["normal", "zeros", "x", ""]), a=st.floats(), b=st.floats()
+    ),
+    admit_after=sizes,
+    default_row=st.sampled_from(["zeros", "shared", "x", ""]),
+    ttl_steps=sizes,
+    ttl_seconds=st.floats(),
+    max_rows=sizes,
+    max_bytes=sizes,
+    admission_width=sizes,
+    block_rows=sizes,
+)
+huge = st.one_of(st.integers(1, 64), st.integers(1 << 30, (1 << 63) - 1))
+valid_configs = st.builds(  # well formed, so that a huge size reaches the server's checks
+    lambda dim, admit, width, rows, block: tensor_pb2.DynamicTableConfig(
+        dim=dim,
+        dtype="float32",
+        optimizer=tensor_pb2.OptimizerSpec(name="SGD", kwargs_json='{"lr": 1}'),
+        admit_after=admit,
+        admission_width=width,
+        max_rows=rows,
+        block_rows=block,
+    ),
+    huge,
+    st.integers(1, 3),
+    st.one_of(st.just(0), huge),
+    st.one_of(st.just(0), huge),
+    st.one_of(st.just(0), huge),
+)
+dynamic_configs = st.one_of(dynamic_configs, valid_configs)
+marks = st.builds(ps_pb2.DynamicSaveMark, ref=refs, lineage=st.text(max_size=8), through=ints)
+dynamic_headers = st.builds(
+    tensor_pb2.DynamicShardHeader,
+    ref=refs,
+    num_shards=st.integers(-2, 4),
+    config=dynamic_configs,
+    tensors=st.lists(
+        st.builds(
+            tensor_pb2.NamedTensorMeta, name=st.sampled_from(["ids", "values", "updated", "slot.sum", "x"]), meta=metas
+        ),
+        max_size=5,
+    ),
+    version=ints,
+    applied_keys=st.lists(st.text(max_size=4), max_size=2),
+    delta=st.booleans(),
+    lineage=st.text(max_size=8),
+    through=ints,
+)
 headers = st.one_of(
     st.builds(tensor_pb2.PartHeader, push=push_parts, payload_bytes=ints),
     st.builds(tensor_pb2.PartHeader, shard=shard_specs, payload_bytes=ints),
+    st.builds(tensor_pb2.PartHeader, dynamic=dynamic_headers, payload_bytes=ints),
 )
 chunks = st.one_of(
     st.binary(max_size=64),
@@ -71,6 +142,24 @@ messages = st.one_of(
         st.one_of(st.text(max_size=64), st.just('{"lr": ' + "9" * 5000 + "}"), st.just("[" * 5000)),
     ),
     st.builds(lambda d: ps_pb2.SaveRequest(directory=d).SerializeToString(), st.text(max_size=64)),
+    st.builds(
+        lambda ref, n, config: ps_pb2.CreateDynamicTableRequest(
+            ref=ref, num_shards=n, config=config
+        ).SerializeToString(),
+        refs,
+        st.integers(-2, 4),
+        dynamic_configs,
+    ),
+    st.builds(
+        lambda refs, chunk, incremental, since: ps_pb2.ExportDynamicTablesRequest(
+            refs=refs, chunk_bytes=chunk, incremental=incremental, since=since
+        ).SerializeToString(),
+        st.lists(refs, max_size=3),
+        ints,
+        st.booleans(),
+        st.lists(marks, max_size=3),
+    ),
+    st.builds(lambda m: ps_pb2.MarkDynamicTablesSavedRequest(marks=m).SerializeToString(), st.lists(marks, max_size=3)),
     st.builds(lambda p: ps_pb2.RestoreRequest(path=p).SerializeToString(), st.text(max_size=64)),
 )
 
@@ -86,8 +175,12 @@ def target():
     # "keep" is protected: no generated request names it (others may create, change or delete "w").
     client.create_variable("keep", value, optimizer=OptimizerSpec("SGD", {"lr": 0.5}))
     client.create_variable("w", torch.zeros(6, 4), optimizer=OptimizerSpec("SGD", {"lr": 0.5}))
+    # "kept" is a protected dynamic table (no generated ref names it), "t" one they may change.
+    for table in ("kept", "t"):
+        client.dynamic.create(table, DynamicTableConfig(dim=4, optimizer=OptimizerSpec("SGD", {"lr": 0.5})))
+        client.pull_unique_rows({table: torch.arange(20)}, dynamic={table: (4, torch.float32)})
     channel = grpc.insecure_channel(server.address)
-    yield channel, client, value
+    yield channel, client, (value, table_rows(client))
     channel.close()
     client.close()
     server.stop(grace=0)
@@ -101,9 +194,17 @@ def outcome(call) -> grpc.StatusCode:
     return grpc.StatusCode.OK
 
 
-def protected(client, value) -> None:
+def table_rows(client) -> tuple[list[int], torch.Tensor, int]:
+    (state,) = client.dynamic.export(["kept"])[0]
+    return state.ids.tolist(), state.values, state.version
+
+
+def protected(client, before) -> None:
+    value, rows = before
     pulled = client.pull(["keep"])
     assert torch.equal(pulled.tensors["keep"], value) and set(pulled.versions.values()) == {0}
+    ids, values, version = table_rows(client)
+    assert (ids, version) == (rows[0], rows[2]) and torch.equal(values, rows[1])
 
 
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
@@ -183,4 +284,82 @@ def test_data_plane_steps_never_fail_internally(target, plan, then, payload):
         assert kind in (FrameKind.REPLY, FrameKind.ERROR)
         if kind == FrameKind.ERROR:
             assert ps_pb2.DataPlaneError.FromString(header).error_type not in ("InternalError", "ParamServeError")
+    protected(client, value)
+
+
+dynamic_refs = st.builds(tensor_pb2.ShardRef, variable=st.sampled_from(["t", "u", ""]), shard=st.integers(-1, 2))
+dynamic_requests = st.one_of(
+    st.binary(max_size=128),
+    st.builds(
+        lambda ref, n, config: ps_pb2.CreateDynamicTableRequest(
+            ref=ref, num_shards=n, config=config
+        ).SerializeToString(),
+        dynamic_refs,
+        st.integers(-1, 3),
+        dynamic_configs,
+    ),
+    st.builds(
+        lambda refs, chunk, incremental, since: ps_pb2.ExportDynamicTablesRequest(
+            refs=refs, chunk_bytes=chunk, incremental=incremental, since=since
+        ).SerializeToString(),
+        st.lists(dynamic_refs, max_size=2),
+        st.one_of(st.integers(-1, 64), ints),
+        st.booleans(),
+        st.lists(st.builds(ps_pb2.DynamicSaveMark, ref=dynamic_refs, lineage=st.text(max_size=4), through=ints)),
+    ),
+    st.builds(lambda m: ps_pb2.MarkDynamicTablesSavedRequest(marks=m).SerializeToString(), st.lists(marks, max_size=3)),
+)
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    method=st.sampled_from(
+        ["CreateDynamicTable", "ListDynamicTables", "MarkDynamicTablesSaved", "ExportDynamicTables"]
+    ),
+    body=dynamic_requests,
+)
+def test_dynamic_table_requests_never_fail_internally(target, method, body):
+    """The dynamic tables' control plane (well-formed settings with huge sizes included: a
+    table whose allocation would pass the server's shard limit is refused before any is made)."""
+    channel, client, value = target
+    if method == "ExportDynamicTables":
+        code = outcome(lambda: list(channel.unary_stream(f"/{SERVICE_NAME}/{method}")(body, timeout=10)))
+    else:
+        code = outcome(lambda: channel.unary_unary(f"/{SERVICE_NAME}/{method}")(body, timeout=10))
+    assert code not in FORBIDDEN
+    protected(client, value)
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    header=st.builds(
+        tensor_pb2.PartHeader,
+        dynamic=st.builds(
+            tensor_pb2.DynamicShardHeader,
+            ref=dynamic_refs,
+            num_shards=st.integers(-1, 3),
+            config=dynamic_configs,
+            tensors=st.lists(
+                st.builds(
+                    tensor_pb2.NamedTensorMeta,
+                    name=st.sampled_from(["ids", "values", "updated"]),
+                    meta=st.builds(
+                        tensor_pb2.TensorMeta,
+                        dtype=st.sampled_from(["float32", "int64"]),
+                        shape=st.lists(st.integers(0, 3), max_size=2),
+                    ),
+                ),
+                max_size=3,
+            ),
+            version=ints,
+        ),
+        payload_bytes=st.integers(0, 64),
+    ),
+    data=st.binary(max_size=64),
+)
+def test_replaced_dynamic_tables_never_fail_internally(target, header, data):
+    channel, client, value = target
+    body = [tensor_pb2.Chunk(header=header, data=data).SerializeToString()]
+    code = outcome(lambda: channel.stream_unary(f"/{SERVICE_NAME}/ReplaceDynamicTables")(iter(body), timeout=10))
+    assert code not in FORBIDDEN
     protected(client, value)

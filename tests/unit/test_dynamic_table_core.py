@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from paramserve.psserver.dynamic_rows import (
+    DELETION_LOG_MIN_IDS,
     AdmissionFilter,
     IdIndex,
     RowArena,
@@ -82,6 +83,44 @@ def test_the_index_agrees_with_a_dict_through_inserts_removals_and_rebuilds():
     assert index.live == len(model) and index.capacity <= 4 * max(16, len(model)) * 2
     held, slots = index.items()
     assert dict(zip(held.tolist(), slots.tolist())) == model
+
+
+def test_an_index_at_its_most_buckets_is_rebuilt_in_place_and_never_grows():
+    rng = random.Random(1)
+    index, model = IdIndex(capacity=16, max_capacity=256), {}
+    index.insert(torch.arange(100), torch.arange(100))  # grows to its most buckets at once
+    index.remove(torch.arange(100))
+    keys, slots = index._keys.data_ptr(), index._slots.data_ptr()
+    for round_ in range(40):  # churn: deleted buckets pile up and force rebuilds at the same size
+        fresh = list({rng.randrange(-(2**62), 2**62) for _ in range(100 - len(model))} - set(model))
+        index.insert(torch.tensor(fresh, dtype=torch.int64), torch.arange(len(fresh)) + 1000 * round_)
+        model.update({key: 1000 * round_ + i for i, key in enumerate(fresh)})
+        gone = rng.sample(sorted(model), k=60)
+        index.remove(torch.tensor(gone, dtype=torch.int64))
+        for key in gone:
+            del model[key]
+    held, at = index.items()
+    assert dict(zip(held.tolist(), at.tolist())) == model
+    assert index.capacity == 256 and (index._keys.data_ptr(), index._slots.data_ptr()) == (keys, slots)
+    with pytest.raises(MemoryError):
+        index.insert(torch.arange(10**6, 10**6 + 200), torch.arange(200))
+
+
+@pytest.mark.parametrize("max_bytes", [1 << 20, 3 << 20, 128 << 20, 1 << 30])
+def test_a_byte_cap_counts_everything_a_shard_holds(max_bytes: int):
+    config = DynamicTableConfig(dim=16, max_bytes=max_bytes)
+    rows, buckets = config.capacity(row_bytes=164, sketch_bytes=4096)
+    assert rows is not None and buckets is not None and rows <= buckets * IdIndex.REBUILT_LOAD
+    held = rows * (164 + 8 + 4 + 17) + 4096 + 8 * DELETION_LOG_MIN_IDS + IdIndex.BUCKET_BYTES * buckets
+    assert held <= max_bytes
+    assert all(  # no other power of two of buckets leaves room for more rows
+        min((max_bytes - 4096 - 8 * DELETION_LOG_MIN_IDS - 12 * (1 << k)) // 193, (1 << k) // 2) <= rows
+        for k in range(4, 31)
+    )
+    assert DynamicTableConfig(dim=16, max_bytes=max_bytes, max_rows=100).capacity(164, 0)[0] == 100
+    assert DynamicTableConfig(dim=16, max_rows=100).capacity(164, 0) == (100, None)
+    with pytest.raises(InvalidRequestError, match="leaves no room"):
+        DynamicTableConfig(dim=16, max_bytes=1000).capacity(164, 0)
 
 
 def test_the_arena_reuses_freed_slots_and_never_passes_its_cap():
@@ -224,3 +263,47 @@ def test_rehash_moves_every_row_to_its_new_owner_and_keeps_its_age():
     assert torch.equal(back.ids, saved.ids) and torch.equal(back.slots["exp_avg"], saved.slots["exp_avg"])
     restored = DynamicShard.from_state(back, 16, now=0.0)
     assert torch.equal(restored.export().values, saved.values) and restored.version == saved.version
+
+
+def test_a_changed_learning_rate_steps_the_next_push_and_bad_values_change_nothing():
+    table = shard(optimizer=OptimizerSpec("SGD", {"lr": 0.1}))
+    before, _ = table.lookup(torch.tensor([5]), now=0.0)
+    for bad, match in [
+        ({"lr": -1.0}, "Invalid learning rate"),
+        ({"nope": 1.0}, "has no hyperparameter 'nope'"),
+        ({"momentum": 0.9}, "changes its state"),  # a momentum slot: the arena has no column for it
+        ({}, "no hyperparameters given"),
+    ]:
+        with pytest.raises(InvalidRequestError, match=match) as raised:
+            table.with_hyperparameters(bad)
+        assert raised.value.variable == "t"
+    assert table.config.optimizer == OptimizerSpec("SGD", {"lr": 0.1})
+    table.reconfigure(table.with_hyperparameters({"lr": 0.5}))
+    grad = torch.tensor([[1.0, -2.0, 0.25]])
+    table.push(torch.tensor([5]), grad, "k", -1, now=0.0)
+    after, _ = table.lookup(torch.tensor([5]), now=0.0)
+    assert torch.equal(after, before - 0.5 * grad)
+    assert table.export().config.optimizer == OptimizerSpec("SGD", {"lr": 0.5})
+
+
+def test_evictions_for_room_and_by_age_never_pick_a_free_slot():
+    table = shard(max_rows=64, ttl_steps=3, block_rows=16)
+    for step in range(30):  # new ids every step: room is made again and again, old rows expire
+        ids = torch.arange(10 * step, 10 * step + 10 + step % 7)
+        table.lookup(ids, now=0.0)
+        table.push(ids, torch.ones(ids.numel(), 3), f"k{step}", -1, now=0.0)
+        held = table.export().ids
+        assert held.numel() == table.stats().live_rows <= 64
+        assert set(ids.tolist()) <= set(held.tolist()), "rows this step uses stay"
+    assert table.stats().evictions_ttl > 0
+    empty = shard(max_rows=4)
+    empty.lookup(torch.arange(10), now=0.0)  # more ids than the cap on an empty shard
+    assert empty.stats().live_rows == 4
+
+
+def test_the_largest_allocation_is_known_before_any_is_made():
+    assert DynamicTableConfig(dim=16).largest_allocation() == 16 * 8 * ((8 << 20) // (16 * 8))
+    assert DynamicTableConfig(dim=16, block_rows=10).largest_allocation() == 16 * 8 * 10
+    assert DynamicTableConfig(dim=16, max_rows=5).largest_allocation() == 16 * 8 * 5
+    assert DynamicTableConfig(dim=1, admit_after=2, max_rows=1 << 30).largest_allocation() == 8 * 4 * (1 << 30)
+    assert DynamicTableConfig(dim=1, admit_after=2, admission_width=7, block_rows=3).largest_allocation() == 8 * 7

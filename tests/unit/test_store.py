@@ -598,3 +598,21 @@ def test_plain_sgd_steps_are_bit_for_bit_torch_optim_sgd() -> None:
         reference.step()
     for index, param in enumerate(params):
         assert torch.equal(store.pull(ShardRef(f"v{index}", 0)).value, param.detach())
+
+
+def test_set_hyperparameters_reaches_dynamic_tables_all_or_nothing() -> None:
+    from paramserve.psserver.dynamic_types import DynamicTableConfig
+
+    store = _store()
+    table = ShardRef("table", 0)
+    store.create_dynamic(table, 1, DynamicTableConfig(dim=3, optimizer=SGD))
+    with pytest.raises(InvalidRequestError, match="changes its state"):  # fine for the dense shards (no state yet)
+        store.set_hyperparameters(None, {"momentum": 0.9})
+    assert all(info.optimizer == SGD for info in store.list_shards())
+    assert store.dynamic.get(table).config.optimizer == SGD
+    with pytest.raises(InvalidRequestError) as raised:
+        store.set_hyperparameters("table", {"lr": -1.0})
+    assert raised.value.variable == "table"
+    assert store.set_hyperparameters("table", {"lr": 2.0}) == 1
+    assert store.set_hyperparameters(None, {"lr": 1.0}) == 3
+    assert store.dynamic.get(table).config.optimizer == OptimizerSpec("SGD", {"lr": 1.0})
