@@ -260,6 +260,12 @@ class ParameterServerServicer:
         request = parse(ps_pb2.SaveRequest, raw)
         if not request.directory:
             raise InvalidRequestError("Save needs a directory")
+        tables = sorted(self._store.dynamic.names())
+        if tables:  # a checkpoint without them would restore as whole and lose every row
+            raise InvalidRequestError(
+                f"Save writes dense and row shards only, and this server holds dynamic tables {tables[:5]}: "
+                "save through the coordinator's CheckpointManager, which checkpoints them (whole or as deltas)"
+            )
         directory = confined_path(self._root, request.directory, authenticated=self._limits.authenticated)
         states = self._store.export(None)
         path = checkpoint.save_checkpoint(directory, states, keep=request.keep)

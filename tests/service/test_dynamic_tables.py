@@ -11,7 +11,7 @@ from prometheus_client import generate_latest
 from paramserve.psserver.dynamic_chain import apply_delta
 from paramserve.psserver.dynamic_rows import initial_rows, owner_of
 from paramserve.psserver.dynamic_types import DynamicTableConfig, rehash
-from paramserve.psserver.errors import DtypeMismatchError, ShapeMismatchError, VariableExistsError
+from paramserve.psserver.errors import DtypeMismatchError, InvalidRequestError, ShapeMismatchError, VariableExistsError
 from paramserve.psserver.optimizer import OptimizerSpec
 from paramserve.psserver.types import RowGradient
 
@@ -198,3 +198,15 @@ def test_the_servers_metrics_report_rows_admissions_evictions_and_bytes(servers,
     assert 'paramserve_ps_dynamic_admissions_total{table="users"}' in text
     assert 'paramserve_ps_dynamic_evictions_total{reason="capacity",table="users"}' in text
     assert 'paramserve_ps_dynamic_bytes{table="users"}' in text
+
+
+def test_a_server_side_save_refuses_rather_than_leave_dynamic_tables_out(servers, make_client, tmp_path):
+    """The servers' own Save RPC writes dense and row shards only: with a dynamic table it
+    would make a checkpoint that looks whole and restores without a single row of it."""
+    client = make_client(addresses(servers))
+    client.dynamic.create("users", config())
+    lookup(client, [1, 2, 3])
+    with pytest.raises(InvalidRequestError, match=r"dynamic tables \['users'\].*CheckpointManager"):
+        client.save(str(tmp_path / "run"))
+    assert not (tmp_path / "run").exists()
+    assert live_rows(client) == 3
