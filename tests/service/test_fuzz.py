@@ -102,6 +102,35 @@ valid_configs = st.builds(  # well formed, so that a huge size reaches the serve
 )
 dynamic_configs = st.one_of(dynamic_configs, valid_configs)
 marks = st.builds(ps_pb2.DynamicSaveMark, ref=refs, lineage=st.text(max_size=8), through=ints)
+
+
+def create_table_requests(table_refs: st.SearchStrategy, num_shards: st.SearchStrategy) -> st.SearchStrategy:
+    """Serialised CreateDynamicTable requests."""
+    return st.builds(
+        lambda ref, n, config: ps_pb2.CreateDynamicTableRequest(
+            ref=ref, num_shards=n, config=config
+        ).SerializeToString(),
+        table_refs,
+        num_shards,
+        dynamic_configs,
+    )
+
+
+def export_table_requests(
+    table_refs: st.SearchStrategy, chunk_bytes: st.SearchStrategy, save_marks: st.SearchStrategy
+) -> st.SearchStrategy:
+    """Serialised ExportDynamicTables requests, whole or incremental."""
+    return st.builds(
+        lambda refs, chunk, incremental, since: ps_pb2.ExportDynamicTablesRequest(
+            refs=refs, chunk_bytes=chunk, incremental=incremental, since=since
+        ).SerializeToString(),
+        table_refs,
+        chunk_bytes,
+        st.booleans(),
+        save_marks,
+    )
+
+
 dynamic_headers = st.builds(
     tensor_pb2.DynamicShardHeader,
     ref=refs,
@@ -142,23 +171,8 @@ messages = st.one_of(
         st.one_of(st.text(max_size=64), st.just('{"lr": ' + "9" * 5000 + "}"), st.just("[" * 5000)),
     ),
     st.builds(lambda d: ps_pb2.SaveRequest(directory=d).SerializeToString(), st.text(max_size=64)),
-    st.builds(
-        lambda ref, n, config: ps_pb2.CreateDynamicTableRequest(
-            ref=ref, num_shards=n, config=config
-        ).SerializeToString(),
-        refs,
-        st.integers(-2, 4),
-        dynamic_configs,
-    ),
-    st.builds(
-        lambda refs, chunk, incremental, since: ps_pb2.ExportDynamicTablesRequest(
-            refs=refs, chunk_bytes=chunk, incremental=incremental, since=since
-        ).SerializeToString(),
-        st.lists(refs, max_size=3),
-        ints,
-        st.booleans(),
-        st.lists(marks, max_size=3),
-    ),
+    create_table_requests(refs, st.integers(-2, 4)),
+    export_table_requests(st.lists(refs, max_size=3), ints, st.lists(marks, max_size=3)),
     st.builds(lambda m: ps_pb2.MarkDynamicTablesSavedRequest(marks=m).SerializeToString(), st.lists(marks, max_size=3)),
     st.builds(lambda p: ps_pb2.RestoreRequest(path=p).SerializeToString(), st.text(max_size=64)),
 )
@@ -290,21 +304,10 @@ def test_data_plane_steps_never_fail_internally(target, plan, then, payload):
 dynamic_refs = st.builds(tensor_pb2.ShardRef, variable=st.sampled_from(["t", "u", ""]), shard=st.integers(-1, 2))
 dynamic_requests = st.one_of(
     st.binary(max_size=128),
-    st.builds(
-        lambda ref, n, config: ps_pb2.CreateDynamicTableRequest(
-            ref=ref, num_shards=n, config=config
-        ).SerializeToString(),
-        dynamic_refs,
-        st.integers(-1, 3),
-        dynamic_configs,
-    ),
-    st.builds(
-        lambda refs, chunk, incremental, since: ps_pb2.ExportDynamicTablesRequest(
-            refs=refs, chunk_bytes=chunk, incremental=incremental, since=since
-        ).SerializeToString(),
+    create_table_requests(dynamic_refs, st.integers(-1, 3)),
+    export_table_requests(
         st.lists(dynamic_refs, max_size=2),
         st.one_of(st.integers(-1, 64), ints),
-        st.booleans(),
         st.lists(st.builds(ps_pb2.DynamicSaveMark, ref=dynamic_refs, lineage=st.text(max_size=4), through=ints)),
     ),
     st.builds(lambda m: ps_pb2.MarkDynamicTablesSavedRequest(marks=m).SerializeToString(), st.lists(marks, max_size=3)),
