@@ -279,9 +279,7 @@ class RowArena:
 
     def row_bytes(self) -> int:
         """Bytes a row takes across every column."""
-        return sum(
-            math.prod(shape) * torch.empty((), dtype=dtype).element_size() for shape, dtype in self.columns.values()
-        )
+        return sum(math.prod(shape) * dtype.itemsize for shape, dtype in self.columns.values())
 
     def allocate(self, count: int) -> Tensor:
         """``count`` free slots (int64); raises MemoryError past ``max_rows``."""

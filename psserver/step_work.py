@@ -73,7 +73,7 @@ class LayoutWire:
 
     @staticmethod
     def of(layout: VariableLayout) -> LayoutWire:
-        element = torch.empty((), dtype=layout.dtype).element_size()
+        element = layout.dtype.itemsize
         row_bytes = element * math.prod(layout.shape[1:]) if layout.shape else element
         shards = []
         for shard in layout.shards:

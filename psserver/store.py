@@ -369,7 +369,7 @@ class ShardStore:
         VariableNotFoundError for an unknown shard."""
         if self.dynamic.holds(ref):
             config = self.dynamic.get(ref).config
-            return (rows or 0) * config.dim * torch.empty((), dtype=config.dtype).element_size()
+            return (rows or 0) * config.dim * config.dtype.itemsize
         value = self._get(ref).value
         if rows is None:
             return value.numel() * value.element_size()
