@@ -72,8 +72,16 @@ def local_run(cap: int, steps: int, warmup: int) -> Run:
 
 
 def paramserve_run(
-    cap: int, steps: int, warmup: int, servers: int = 2, workers: int = 2, steps_per_closure: int = 1
+    cap: int,
+    steps: int,
+    warmup: int,
+    servers: int = 2,
+    workers: int = 2,
+    steps_per_closure: int = 1,
+    sync_dense: bool = False,
 ) -> Run:
+    """``sync_dense``: hybrid training (the layers replicated on the workers, averaged by
+    all-reduce every step; the tables on the servers)."""
     with LocalCluster(
         num_ps=servers,
         num_workers=workers,
@@ -82,7 +90,9 @@ def paramserve_run(
         extra_worker_args=["--torch-threads", "1"],
     ) as cluster:
         strategy = ParameterServerStrategy(
-            cluster.spec, variable_partitioner=MinSizePartitioner(min_shard_bytes=256 << 10, max_shards=servers)
+            cluster.spec,
+            variable_partitioner=MinSizePartitioner(min_shard_bytes=256 << 10, max_shards=servers),
+            sync_dense=sync_dense,
         )
         try:
             start = time.perf_counter()

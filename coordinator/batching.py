@@ -7,7 +7,7 @@ report the durations they measured. Apart from dispatch so that the sizing rule 
 
 from __future__ import annotations
 
-__all__ = ["BATCH_SECONDS", "BatchSizer"]
+__all__ = ["BATCH_SECONDS", "ROUND_FACTOR", "BatchSizer"]
 
 
 BATCH_SECONDS = 0.1
@@ -16,6 +16,12 @@ Each RunClosures call costs a millisecond or two of coordinator and worker CPU a
 worker's work; at 0.1 s a batch of 4 ms training steps carries 16 (max_batch) of them, which
 on 2 cores took the small-model benchmark from ~180 to ~250-300 steps/s. A closure keeps its id
 in a batch, so one retried after its worker died mid-batch still applies its pushes once."""
+
+
+ROUND_FACTOR = 4
+"""A hybrid-training round's share per worker lasts this many batches' time: a round costs more
+than a call (every member waits for the slowest, then one more collective ends the round), and
+its closures wait for no free worker (every worker has its share)."""
 
 
 class BatchSizer:
@@ -75,3 +81,11 @@ class BatchSizer:
         cheaper_than_a_call = int(self.call_overhead / seconds)
         lasting = max(1, int(self.target_seconds / seconds))
         return min(self.max_batch, queued, lasting, max(share, cheaper_than_a_call))
+
+    def round_share(self, queued: int, members: int) -> int:
+        """Closures per member of a hybrid-training round: as ``size`` with ROUND_FACTOR times
+        the target duration, and at most an even share of the queue."""
+        if self._seconds is None or queued <= 1:
+            return 1
+        lasting = max(1, int(ROUND_FACTOR * self.target_seconds / max(self._seconds, 1e-6)))
+        return min(self.max_batch, max(1, -(-queued // max(1, members))), lasting)

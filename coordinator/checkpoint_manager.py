@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from paramserve.coordinator.dense_checkpoint import DENSE_EXTRA_KEY, read_checkpoint_state, write_checkpoint_state
 from paramserve.psserver import checkpoint, dynamic_checkpoint
 from paramserve.psserver.atomic_files import atomic_torch_save
 from paramserve.psserver.dynamic_chain import SaveDecision, SavedLink, decide_save, next_link
@@ -70,6 +71,8 @@ class Export:
     tables: list[DynamicShardState]
     exported: list[DynamicShardState]
     problem: ExportProblem | None = None
+    dense: dict[str, Any] | None = None
+    """sync_dense: the replicated variables' state (coordinator.strategies.sync_dense)."""
 
 
 def missing_shards(layouts: Mapping[str, VariableLayout], exported: Sequence[ShardRef]) -> list[tuple[int, ShardRef]]:
@@ -157,7 +160,8 @@ class CheckpointManager:
                 keep=self.max_to_keep,
                 require_whole=True,
                 add_files=lambda staged: {
-                    dynamic_checkpoint.EXTRA_KEY: dynamic_checkpoint.write_tables(staged, export.tables, parent)
+                    dynamic_checkpoint.EXTRA_KEY: dynamic_checkpoint.write_tables(staged, export.tables, parent),
+                    **({DENSE_EXTRA_KEY: write_checkpoint_state(staged, export.dense)} if export.dense else {}),
                 },
                 needs=needs,
             )
@@ -203,6 +207,10 @@ class CheckpointManager:
                 if strategy.checkpoint_key(name) is not None
             }
             dynamic = [name for name in strategy.dynamic_tables() if strategy.checkpoint_key(name) is not None]
+            dense = None
+            if strategy.sync_dense is not None:  # read from the workers between rounds, in this cut
+                names = strategy.sync_dense.names()
+                dense = strategy.sync_dense.state_for_checkpoint({n: strategy.checkpoint_key(n) or n for n in names})
             before = self._incarnations()
             try:
                 exported = client.export()
@@ -234,6 +242,7 @@ class CheckpointManager:
                 for state in states
             ],
             [state for states in tables.values() for state in states],
+            dense=dense,
         )
 
     def _incarnations(self) -> list[str | None]:
@@ -291,6 +300,7 @@ class CheckpointManager:
         layouts = {name: layout for name, layout in self.strategy.plan_layouts().items() if name in keys}
         _check_compatible(manifest, {keys[name]: layout for name, layout in layouts.items()}, resolved)
         tables = self._dynamic_states(resolved, manifest, keys, keep_live_settings)
+        dense = self._dense_state(resolved, manifest)
         states: dict[int, list[ShardState]] = defaultdict(list)
         for name, layout in layouts.items():
             live = self.strategy.live_optimizer(name) if keep_live_settings else None
@@ -300,6 +310,8 @@ class CheckpointManager:
                 states[shard.server].append(dataclasses.replace(state, optimizer=live) if live is not None else state)
         with self.strategy.quiesced(), self.strategy.state_change():
             self.strategy.restore_states(dict(states), layouts)
+            if dense is not None and self.strategy.sync_dense is not None:
+                self.strategy.sync_dense.restore(dense, keys)
             if tables:
                 self.strategy.restore_dynamic(tables)
             self._last = None  # the servers' shards are new: the next save is full
@@ -308,6 +320,25 @@ class CheckpointManager:
         log.info("restored step %d from %s onto %d parameter servers", step, resolved, self.strategy.cluster.num_ps())
         self.strategy.checkpoints.record(step, resolved, _written_at(resolved))
         return step
+
+    def _dense_state(self, path: pathlib.Path, manifest: checkpoint.Manifest) -> dict[str, Any] | None:
+        """sync_dense: the replicated variables' state the checkpoint holds (named by checkpoint
+        key). Raises CheckpointError when it lacks one of them (a checkpoint written without
+        sync_dense) or its file is damaged; a strategy without sync_dense ignores it."""
+        sync_dense = self.strategy.sync_dense
+        if sync_dense is None or not sync_dense.names():
+            return None
+        entry = manifest.extra.get(DENSE_EXTRA_KEY)
+        try:
+            if not entry:
+                raise ValueError(f"checkpoint {path} holds no replicated dense variables (written without sync_dense?)")
+            state = read_checkpoint_state(path, entry)
+        except ValueError as exc:
+            raise CheckpointError(f"{exc}: restore a checkpoint written by a strategy built like this one") from exc
+        missing = [n for n in sync_dense.names() if (self.strategy.checkpoint_key(n) or n) not in state["values"]]
+        if missing:
+            raise CheckpointError(f"checkpoint {path} holds no state of the dense variables {missing[:3]}")
+        return state
 
     def _dynamic_states(
         self, path: pathlib.Path, manifest: checkpoint.Manifest, keys: Mapping[str, str], keep_live_settings: bool
@@ -373,7 +404,11 @@ def state_dict(strategy: ParameterServerStrategy, module: nn.Module | None = Non
     ShardedEmbedding tables appear as ``<name>.weight``, as an nn.Embedding would."""
     prefix, root = _root(strategy, module)
     strategy.materialize()
-    pulled = strategy.client.pull([n for n in strategy.variables if n.startswith(prefix + ".") or n == prefix]).tensors
+    names = [n for n, v in strategy.variables.items() if n.startswith(prefix + ".") or n == prefix]
+    pulled = strategy.client.pull([n for n in names if not strategy.variables[n].replicated]).tensors
+    if strategy.sync_dense is not None:
+        strategy.sync_dense.refresh()  # the replicated variables' values: the module's own
+
     result: dict[str, torch.Tensor] = {}
     for key, value in root.state_dict().items():
         name = f"{prefix}.{key}"

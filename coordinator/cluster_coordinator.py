@@ -32,6 +32,7 @@ from paramserve.coordinator.batching import BATCH_SECONDS
 from paramserve.coordinator.closures import Closure, ClosureQueue, find_resource_ids
 from paramserve.coordinator.cluster_status import status_key
 from paramserve.coordinator.contracts import CheckpointRecord, CoordinatedStrategy, RecoverableVariables
+from paramserve.coordinator.dense_rounds import DenseRounds, default_rendezvous_host
 from paramserve.coordinator.discovery import DiscoveryPolicy, Resolver, WorkerDiscovery, resolve_dns
 from paramserve.coordinator.dispatch_loop import DispatchLoop
 from paramserve.coordinator.dispatcher import ResourceSpecs, WireContext
@@ -160,6 +161,15 @@ def _stop_dispatch(
     return cancelled
 
 
+def _dense_rounds(strategy: CoordinatedStrategy) -> DenseRounds | None:
+    """Hybrid training's rounds, when the strategy replicates its dense variables (sync_dense)."""
+    sync_dense = strategy.sync_dense
+    if sync_dense is None:
+        return None
+    host = sync_dense.rendezvous_host or default_rendezvous_host(strategy.cluster.workers)
+    return DenseRounds(sync_dense.settings, sync_dense.initial_state, rendezvous_host=host, timeout=sync_dense.timeout)
+
+
 class ClusterCoordinator:
     """Schedules functions to run on the workers of ``strategy.cluster``.
 
@@ -211,6 +221,7 @@ class ClusterCoordinator:
         """Recovers failed parameter servers (None: recovery is off, or the strategy has none)."""
         if self.config.recovery.enabled and recoverable is not None:
             self.recovery = ParameterServerRecovery(recoverable, queue=self._queue, policy=self.config.recovery)
+        self._dense = _dense_rounds(strategy)
         self._pool = DispatchLoop(
             queue=self._queue,
             specs=self._specs,
@@ -223,7 +234,12 @@ class ClusterCoordinator:
             batch_seconds=self.config.batch_seconds,
             on_server_failure=self.recovery.report if self.recovery is not None else None,
             observer=self.telemetry,
+            dense=self._dense,
         )
+        sync_dense = strategy.sync_dense
+        if self._dense is not None and sync_dense is not None:
+            sync_dense.rounds_done = self._dense.rounds_done
+            sync_dense.read_state = self._pool.read_dense_state
         if self.recovery is not None:
             self.recovery.observer = self.telemetry
             self.recovery.start(self._pool)

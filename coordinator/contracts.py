@@ -171,6 +171,37 @@ class RecoverableVariables(Protocol):
         """Held while a checkpoint is taken or a server restored: the two never overlap."""
 
 
+@dataclass(frozen=True)
+class DenseSettings:
+    """What the strategy says about its replicated variables when a round is built."""
+
+    variables: tuple[str, ...]
+    optimizer: bytes
+    """cloudpickle of (torch.optim class, keyword arguments)."""
+    state_epoch: int
+    """Counts the strategy's restores of the dense values (a checkpoint restore)."""
+
+
+class DenseReplication(Protocol):
+    """Hybrid training's replicated dense variables (strategies.sync_dense.SyncDense): what the
+    coordinator's rounds (coordinator.dense_rounds) need, and how they tell it what happened."""
+
+    timeout: float
+    """Seconds a collective waits for the slowest worker before the group is broken."""
+    rendezvous_host: str | None
+    """The coordinator's host as the workers reach it (None: chosen from the workers' addresses)."""
+    rounds_done: Callable[[], int]
+    """Set by the coordinator: rounds finished so far."""
+    read_state: Callable[[float], bytes] | None
+    """Set by the coordinator: reads the workers' dense state between rounds."""
+
+    def settings(self) -> DenseSettings:
+        """The replicated variables, their optimizer and the state epoch, for the next round."""
+
+    def initial_state(self) -> bytes:
+        """What a worker without state of this epoch starts from."""
+
+
 class CoordinatedStrategy(Protocol):
     """What a ClusterCoordinator needs of the strategy it schedules for (tests pass doubles)."""
 
@@ -182,6 +213,10 @@ class CoordinatedStrategy(Protocol):
     """How old (seconds) the values a worker's last push returned may be to start its next closure."""
     overlap_pushes: bool
     """Whether a worker's step computes while its previous push is in flight (worker.pipeline)."""
+
+    @property
+    def sync_dense(self) -> DenseReplication | None:
+        """Hybrid training's replicated dense variables; None: every variable is on the servers."""
 
     def cluster_context(self) -> ClusterContext:
         """Where the variables live; called for every RunClosures call (may create variables first)."""

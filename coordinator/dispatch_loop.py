@@ -11,6 +11,10 @@ only from short closures under a backlog (``BatchSizer``): closures of one batch
 one after another on one worker, so a long closure is never held behind another
 while a worker could start it.
 
+Under hybrid training (``dense``) the loop runs rounds instead: every member of the workers'
+dense group gets a call at once, and the next round waits for all of them
+(``coordinator.dense_rounds``).
+
 What a dispatcher sends and how it acts on each failure is ``coordinator.dispatcher``;
 the call itself is ``coordinator.worker_transport``; batch sizes are
 ``coordinator.batching``.
@@ -28,11 +32,13 @@ from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 from paramserve.coordinator.batching import BATCH_SECONDS, BatchSizer
-from paramserve.coordinator.closures import ClosureQueue
+from paramserve.coordinator.closures import Closure, ClosureQueue
+from paramserve.coordinator.dense_rounds import DenseRounds, round_shares
 from paramserve.coordinator.dispatcher import Dispatcher, ResourceSpecs, WireContext, WorkerState
 from paramserve.coordinator.failures import FailurePolicy
 from paramserve.coordinator.telemetry import NO_OBSERVER, CoordinatorObserver
-from paramserve.coordinator.worker_transport import WorkerTransport
+from paramserve.coordinator.worker_transport import RpcFailure, WorkerTransport
+from paramserve.worker.dense_group import DenseRound
 
 __all__ = ["DispatchLoop", "THREAD_NAME"]
 
@@ -67,8 +73,11 @@ class DispatchLoop:
         batch_seconds: float = BATCH_SECONDS,
         on_server_failure: Callable[[str], None] | None = None,
         observer: CoordinatorObserver = NO_OBSERVER,
+        dense: DenseRounds | None = None,
     ):
         self._sizer = BatchSizer(max_batch, batch_seconds)
+        self._dense = dense
+        self._round: set[asyncio.Task[Any]] | None = None  # the calls of the round running
         self._observer = observer
         self._on_server_failure = on_server_failure
         self._server_hold = False  # dispatch held since a closure saw a parameter server fail
@@ -124,6 +133,8 @@ class DispatchLoop:
                 log.error("the dispatch loop did not stop its workers within %ss", timeout)
             self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout)
+        if self._dense is not None and not self._thread.is_alive():
+            self._dense.close()
         return not self._thread.is_alive()
 
     def cancel_running(self, timeout: float) -> int:
@@ -152,6 +163,15 @@ class DispatchLoop:
             yield
         finally:
             self._call(self._release())
+
+    def read_dense_state(self, timeout: float) -> bytes:
+        """Hybrid training: the dense variables' state as a worker of the group holds it, read
+        between rounds (empty when no worker holds any yet). Raises RuntimeError without a
+        dense group, TimeoutError when rounds still run after ``timeout`` seconds."""
+        if self._dense is None:
+            raise RuntimeError("this coordinator's strategy has no replicated dense variables (sync_dense=False)")
+        with self.paused(timeout):
+            return self._call(self._read_dense(timeout), timeout)
 
     def _wake(self) -> None:
         if not self._stopped and not self._loop.is_closed():
@@ -268,8 +288,25 @@ class DispatchLoop:
             self._drained.set()
         await self._drained.wait()
 
+    async def _read_dense(self, timeout: float) -> bytes:
+        assert self._dense is not None
+        request = self._dense.read_request()
+        for dispatcher in self.dispatchers():
+            if dispatcher.state is not WorkerState.UP:
+                continue
+            try:
+                return await dispatcher.read_dense_state(request, timeout)
+            except RpcFailure as failure:
+                log.warning(
+                    "worker %s did not give its dense state: %s %s", dispatcher.address, failure.code, failure.details
+                )
+        return b""
+
     def _assign(self) -> None:
         """Gives free workers batches while closures are queued (unless paused)."""
+        if self._dense is not None:
+            self._assign_round()
+            return
         while self._free and not self._stopped and not self._holds:
             queued = self._queue.num_queued
             if queued == 0:
@@ -281,7 +318,41 @@ class DispatchLoop:
                 return
             self._start(dispatcher, dispatcher.run(batch), carries_closures=True)
 
-    def _start(self, dispatcher: Dispatcher, work: Coroutine[Any, Any, Any], *, carries_closures: bool = False) -> None:
+    def _assign_round(self) -> None:
+        """Hybrid training: starts a round once every member of the group (every worker UP) is
+        free and closures are queued; each member gets its share, possibly none."""
+        if self._round is not None or self._stopped or self._holds or self._dense is None:
+            return
+        members = [d for d in self.dispatchers() if d.state is WorkerState.UP]
+        queued = self._queue.num_queued
+        if not members or queued == 0 or any(d not in self._free for d in members):
+            return
+        shares = round_shares(queued, len(members), self._sizer.round_share(queued, len(members)))
+        batches: list[list[Closure]] = [self._queue.take(d.address, n) if n else [] for d, n in zip(members, shares)]
+        if not any(batches):
+            return
+        try:
+            rounds = self._dense.rounds([d.address for d in members])
+        except Exception:
+            log.exception("the dense group's round could not be prepared; its closures wait")
+            for batch in batches:
+                self._queue.put_back(batch)
+            return
+        longest = max(len(batch) for batch in batches)
+        self._round = set()
+        for dispatcher, batch, dense in zip(members, batches, rounds):
+            self._free.remove(dispatcher)
+            self._round.add(
+                self._start(dispatcher, self._in_round(dispatcher, batch, dense, longest), carries_closures=True)
+            )
+
+    async def _in_round(self, dispatcher: Dispatcher, batch: list[Closure], dense: DenseRound, longest: int) -> None:
+        if await dispatcher.run_round(batch, dense, longest) and self._dense is not None:
+            self._dense.broke()
+
+    def _start(
+        self, dispatcher: Dispatcher, work: Coroutine[Any, Any, Any], *, carries_closures: bool = False
+    ) -> asyncio.Task[Any]:
         task = self._loop.create_task(work)
         self._tasks[dispatcher.address] = task
         if carries_closures:
@@ -289,11 +360,19 @@ class DispatchLoop:
             if self._drained is not None:
                 self._drained.clear()
         task.add_done_callback(lambda done: self._finished(dispatcher, done))
+        return task
 
     def _finished(self, dispatcher: Dispatcher, task: asyncio.Task[Any]) -> None:
         if self._tasks.get(dispatcher.address) is task:
             del self._tasks[dispatcher.address]
         self._running.discard(task)
+        if self._round is not None and task in self._round:
+            self._round.discard(task)
+            if not self._round:
+                self._round = None
+                assert self._dense is not None
+                self._dense.round_finished()
+                self._loop.call_soon(self._assign)  # the next round, whatever became of this member
         if not self._running and self._drained is not None:
             self._drained.set()
         if task.cancelled() or self._stopped or dispatcher.address not in self._dispatchers:

@@ -48,7 +48,8 @@ from paramserve.coordinator.telemetry import NO_OBSERVER, CoordinatorObserver
 from paramserve.coordinator.worker_transport import RpcFailure, WorkerTransport
 from paramserve.wire.v1 import cluster_pb2, worker_pb2
 from paramserve.worker.core import ClosureRequest, ResourceSpec
-from paramserve.worker.messages import batch_to_proto, failure_from_proto
+from paramserve.worker.dense_group import DenseRound
+from paramserve.worker.messages import batch_to_proto, dense_round_to_proto, failure_from_proto
 from paramserve.worker.results import ClosureFailure
 
 __all__ = ["Dispatcher", "ResourceSpecs", "WireContext", "WorkerState"]
@@ -149,6 +150,7 @@ class Dispatcher:
         self._cluster_held = ""  # fingerprint of the cluster context the worker is known to hold
         self._incarnation: str | None = None
         self._device = ""  # where the worker computes, as its last reply said
+        self._force: frozenset[str] = frozenset()  # resources the next round's call must carry
         observer.worker_state(address, self._state.value)
 
     @property
@@ -194,6 +196,46 @@ class Dispatcher:
             self._running = []
             if pending:  # cancelled mid-call
                 self._queue.put_back(pending)
+
+    async def run_round(self, batch: Sequence[Closure], dense: DenseRound, longest: int) -> bool:
+        """This worker's call in a hybrid-training round (coordinator.dense_rounds): one call,
+        sent even without closures (the member takes part in the others' steps). Closures that
+        need something resent, or that the group's breaking stopped, go back to the queue for a
+        later round (a lone resend would wait for members that are done). Returns whether the
+        group broke (a member failed mid-round): the next round forms it anew. ``longest``: the
+        most closures any member got (the call lasts as long as the slowest member)."""
+        pending = list(batch)
+        self._running = pending
+        try:
+            request = self._request(pending, self._force)
+            request.dense.CopyFrom(dense_round_to_proto(dense))
+            deadline = self._policy.closure_timeout * max(1, longest)
+            try:
+                response = await self._transport.run_closures(request, deadline)
+            except RpcFailure as failure:
+                self._on_rpc_failure(pending, failure)
+                pending = []
+                await self._after_failure()
+                return True
+            except Exception as exc:
+                for closure in pending:
+                    self._queue.fail(closure, _local_error(closure, self.address, "could not send the closure", exc))
+                pending = []
+                return True
+            self._sizer.observe_call(0.0, sum(r.seconds for r in response.results))
+            pending, self._force = self._on_results(pending, request, response)
+            return response.group_failed
+        finally:
+            self._running = []
+            if pending:  # to resend, not answered, or cancelled mid-call: a later round runs them
+                self._queue.put_back(pending)
+
+    async def read_dense_state(self, request: DenseRound, timeout: float) -> bytes:
+        """The dense variables' state as this worker holds it (empty: it holds none of the
+        request's epoch). Raises RpcFailure."""
+        message = worker_pb2.RunClosuresRequest(dense=dense_round_to_proto(request))
+        response = await self._transport.run_closures(message, timeout)
+        return bytes(response.dense_state)
 
     async def cancel_running(self, timeout: float) -> int:
         """Asks the worker to cancel the closures of the batch it runs (each stops before its
@@ -261,10 +303,15 @@ class Dispatcher:
                 server_waits=closure.server_waits,
                 servers_recover=self._server_failed is not None,
                 restored_since_sent=request.closures[0].cluster_fingerprint != self._cluster_context().fingerprint,
+                attempt=closure.attempt + 1,
             )
             self._log_decision(closure, decision)
             if decision.action is Action.CANCEL:
                 self._queue.put_back(pending[position:])  # cancelled there: the error is still pending
+                return [], frozenset()
+            if decision.action is Action.REQUEUE:
+                closure.attempt += 1
+                self._queue.put_back(pending[position:])
                 return [], frozenset()
             if decision.action is Action.AWAIT_SERVER and self._server_failed is not None:
                 closure.server_waits += 1

@@ -43,6 +43,9 @@ class Action(enum.Enum):
     attempt) and have the server recovered (coordinator.ps_recovery) before it runs again."""
     RAISE = "raise"
     """The closure failed: its RemoteValue is ABORTED with ``error_type``."""
+    REQUEUE = "requeue"
+    """Hybrid training's dense group broke under the closure (a worker left mid-round): put it
+    back (an attempt); the group forms anew before the next round runs it."""
     CANCEL = "cancel"
     """The coordinator had the closure cancelled on its worker (an earlier closure's error is
     being raised): put it back, and the queue cancels it while that error is pending."""
@@ -124,6 +127,9 @@ class ClosureErrorData(Protocol):
     @property
     def cancelled(self) -> bool: ...
 
+    @property
+    def group_failed(self) -> bool: ...
+
 
 def decide_on_rpc_failure(code_name: str, attempt: int, policy: FailurePolicy) -> Decision:
     """What to do when a RunClosure call failed with status ``code_name``.
@@ -158,6 +164,7 @@ def decide_on_closure_error(
     server_waits: int = 0,
     servers_recover: bool = False,
     restored_since_sent: bool = False,
+    attempt: int = 1,
 ) -> Decision:
     """What to do when a worker ran the closure and replied with an error.
 
@@ -165,10 +172,23 @@ def decide_on_closure_error(
     AWAIT_SERVER; ``known_resources`` are the resource ids the coordinator can send;
     ``servers_recover``: failed parameter servers are recovered (else such a failure raises);
     ``restored_since_sent``: variables were restored after the closure was sent (a recovery
-    finished while it ran), so a server failure it met may be the one already repaired.
+    finished while it ran), so a server failure it met may be the one already repaired;
+    ``attempt``: the calls of this closure that failed so far, this one included.
     """
     if error.cancelled:
         return Decision(Action.CANCEL, "the coordinator cancelled it on the worker (an earlier closure failed)")
+    if error.group_failed:
+        if attempt >= policy.max_attempts:
+            return Decision(
+                Action.RAISE,
+                f"the workers' dense group broke under it on attempt {attempt} of {policy.max_attempts}: giving up",
+                WorkerUnavailableError,
+            )
+        return Decision(
+            Action.REQUEUE,
+            f"the workers' dense group broke under it (attempt {attempt} of {policy.max_attempts}): it runs again "
+            "once the group is formed anew",
+        )
     missing = list(error.missing_resources)
     if missing:
         return _decide_on_missing(missing, resends, known_resources, policy)

@@ -30,6 +30,7 @@ class FakeStrategy:
         self.tls = None
         self.max_value_age = 0.0
         self.overlap_pushes = False
+        self.sync_dense = None
         self.attached: list[DispatchControl] = []
 
     def cluster_context(self) -> ClusterContext:

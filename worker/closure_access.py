@@ -215,11 +215,30 @@ class _RowLookup:
         return self.leaf.grad  # type: ignore[return-value]
 
 
+class DenseExchange(Protocol):
+    """Hybrid training's replicated dense variables (worker.dense_group.DenseReplicas)."""
+
+    def holds(self, name: str) -> bool: ...
+
+    def exchange(self, gradients: Mapping[str, torch.Tensor], key: str) -> None:
+        """Averages one step's gradients over the workers and applies the update here."""
+
+
+class _NoDense:
+    def holds(self, name: str) -> bool:
+        return False
+
+    def exchange(self, gradients: Mapping[str, torch.Tensor], key: str) -> None:
+        raise AssertionError("no replicated variables")
+
+
 class ClosureAccess:
     """The VariableAccess of one closure execution: pulls, lookups and keyed pushes.
 
     Push keys are ``f"{closure_id}/{n}"`` for the n-th push of this execution,
-    so a retried closure sends the same keys and the servers apply each once.
+    so a retried closure sends the same keys and the servers apply each once. Under hybrid
+    training (``dense``) the replicated variables are never pulled: a step averages their
+    gradients with the other workers' (key ``f"{closure_id}/dense/{n}"``) before its push.
     """
 
     def __init__(
@@ -229,8 +248,11 @@ class ClosureAccess:
         closure_id: str,
         pipeline: PushPipeline | None = None,
         cancelled: Callable[[], bool] = lambda: False,
+        dense: DenseExchange | None = None,
     ):
         self._variables = variables
+        self._dense: DenseExchange = dense or _NoDense()
+        self._dense_seq = 0
         self._cancelled = cancelled
         """Whether the coordinator cancelled this closure: checked before every push."""
         self._client = client
@@ -251,7 +273,7 @@ class ClosureAccess:
         return parameter
 
     def refresh(self, parameters: Sequence[nn.Parameter]) -> None:
-        named = [p for p in parameters if variable_name(p) is not None]
+        named = [p for p in parameters if variable_name(p) is not None and not self._dense.holds(str(variable_name(p)))]
         stale = self._variables.stale([str(variable_name(p)) for p in named])
         if stale:
             client = self._require_client()
@@ -310,12 +332,15 @@ class ClosureAccess:
         parameters' ``.grad`` is set to None, so no later step writes into them."""
         if self._cancelled():
             raise ClosureCancelled(f"closure {self._closure_id} was cancelled by the coordinator before this push")
+        replicated = [n for n in names if self._dense.holds(n)]
+        names = [n for n in names if not self._dense.holds(n)]
         on_device = self._gradients(names)
         # The values these gradients came from: read before a settle replaces them.
         base = {**self._variables.base_versions(list(on_device)), **self._row_versions}
         self._settle()  # raises EarlierPushFailed when that push failed
         gradients = self._variables.transfers.to_host(on_device)  # after the settle: a GPU's pinned buffers are free
         self._variables.mark_stale(list(names))
+        pending: PendingExchange | None = None
         if gradients:
             client = self._require_client()
             key = f"{self._closure_id}/{self._push_seq}"
@@ -323,7 +348,9 @@ class ClosureAccess:
             read_back = [n for n in dict.fromkeys(names) if n in self._used]
             out = self._variables.pull_destinations(read_back)
             used = list(self._used.values())
-            if self._pipeline is None:
+            if self._pipeline is None and replicated:  # in flight while the dense all-reduce runs
+                pending = client.start_push_and_pull(gradients, read_back, key=key, base_versions=base, out=out)
+            elif self._pipeline is None:
                 self._record(*client.push_and_pull(gradients, read_back, key=key, base_versions=base, out=out), used)
             else:
                 exchange = client.start_push_and_pull(gradients, read_back, key=key, base_versions=base, out=out)
@@ -332,7 +359,26 @@ class ClosureAccess:
                     if parameter is not None:
                         parameter.grad = None
                 self._pipeline.hold(self, exchange, lambda done: self._record(*done.result(), used))
+        if replicated:
+            try:
+                self._exchange_dense(replicated)
+            finally:
+                done = pending.result() if pending is not None else None  # settled whatever the all-reduce did
+            if done is not None:
+                self._record(*done, used)
         self._forget_rows(names)
+
+    def _exchange_dense(self, names: Sequence[str]) -> None:
+        """The replicated variables' part of a step: their gradients averaged over the workers
+        and applied on each (before the tables' push: a step whose all-reduce fails pushes nothing)."""
+        gradients = {}
+        for name in names:
+            parameter = self._variables.parameters.get(name)
+            if parameter is not None and parameter.grad is not None:
+                gradients[name] = parameter.grad
+        key = f"{self._closure_id}/dense/{self._dense_seq}"
+        self._dense_seq += 1
+        self._dense.exchange(gradients, key)
 
     def _record(self, summary: PushSummary, pulled: PullResult, used: list[nn.Parameter]) -> None:
         """A push's outcome: the values it read back fill the parameters, and it is counted."""

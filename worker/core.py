@@ -30,6 +30,7 @@ from paramserve.psserver.devices import CPU, computing_on
 from paramserve.psserver.errors import InvalidRequestError
 from paramserve.psserver.types import ClusterContext
 from paramserve.worker.closure_access import ClientFactory, ClosureAccess, LocalVariables, VariableClient
+from paramserve.worker.dense_group import DenseReplicas, DenseRound
 from paramserve.worker.pipeline import PushPipeline
 from paramserve.worker.resources import (
     ResourceMissingError,
@@ -38,7 +39,7 @@ from paramserve.worker.resources import (
     using_resources,
     using_worker_context,
 )
-from paramserve.worker.results import ClosureCancelled, ClosureFailure, closure_failure, dumps_value
+from paramserve.worker.results import ClosureCancelled, ClosureFailure, GroupFailed, closure_failure, dumps_value
 from paramserve.worker.transfers import transfers_for
 from paramserve.worker.variables import loads_closure, using_access
 
@@ -106,6 +107,17 @@ class ClosureOutcome:
 
 
 @dataclass(frozen=True)
+class RoundOutcome:
+    """A worker's part of a hybrid-training round (``WorkerCore.run_round``)."""
+
+    outcomes: list[ClosureOutcome]
+    dense_state: bytes = b""
+    """The dense state, when the round asked to read it."""
+    group_failed: bool = False
+    """The dense group broke during the round: the coordinator forms it anew."""
+
+
+@dataclass(frozen=True)
 class WorkerInfo:
     incarnation: str
     pid: int
@@ -147,6 +159,7 @@ class WorkerCore:
         self._state_lock = threading.Lock()
         self._resources: dict[str, object] = {}
         self._variables = LocalVariables(transfers_for(device))
+        self._dense = DenseReplicas(self._variables)
         self._clients: OrderedDict[tuple[str, ...], VariableClient] = OrderedDict()
         self._closures_run = 0
         self._cluster = ClusterContext()
@@ -183,22 +196,64 @@ class WorkerCore:
         failed is its closure's error (the closures after it are not run)."""
         for request in requests:
             _validate(request)
+        with self._run_lock:
+            return self._run_batch(requests, None)
+
+    def run_round(self, requests: Sequence[ClosureRequest], dense: DenseRound) -> RoundOutcome:
+        """This worker's part of a hybrid-training round (worker.dense_group): joins the round's
+        group (forming it when new), runs ``requests`` as ``run_closures`` does, their steps'
+        dense gradients averaged with the other members', then takes part in the others' steps
+        until every member is done. Every member of the group gets a call each round, with
+        closures or none. A broken group fails the closures not done with ``group_failed`` (they
+        run again). ``dense.read_state``: answers with the dense state, runs nothing."""
+        for request in requests:
+            _validate(request)
+        with self._run_lock:
+            if dense.read_state:
+                return RoundOutcome([], dense_state=self._dense.state_bytes() if self._dense.version >= 0 else b"")
+            try:
+                self._dense.begin_round(dense)
+            except GroupFailed as exc:
+                log.warning("dense round not started: %s", exc)
+                failed = [self._group_failure(requests[0], exc)] if requests else []
+                return RoundOutcome(failed, group_failed=True)
+            outcomes = self._run_batch(requests, self._dense)
+            try:
+                self._dense.finish_round()
+            except GroupFailed as exc:
+                log.warning("dense round not finished: %s", exc)
+                return RoundOutcome(outcomes, group_failed=True)
+            return RoundOutcome(outcomes)
+
+    def _group_failure(self, request: ClosureRequest, exc: GroupFailed) -> ClosureOutcome:
+        return ClosureOutcome(
+            result=None,
+            error=closure_failure(exc),
+            worker_incarnation=self.incarnation,
+            resources_held=self._held(),
+            pushes_applied=0,
+            pushes_duplicate=0,
+            seconds=0.0,
+            device=str(self._variables.device),
+        )
+
+    def _run_batch(self, requests: Sequence[ClosureRequest], dense: DenseReplicas | None) -> list[ClosureOutcome]:
+        """run_closures' work, under the run lock."""
         pipeline = PushPipeline()
         runs: list[tuple[ClosureRequest, ClosureOutcome, ClosureAccess | None]] = []
-        with self._run_lock:
+        with self._state_lock:
+            self._batch = frozenset(request.closure_id for request in requests)
+        try:
+            for request in requests:
+                outcome, access = self._run(request, pipeline if request.overlap_pushes else None, dense)
+                runs.append((request, outcome, access))
+                if outcome.error is not None or pipeline.failure is not None:
+                    break
+            pipeline.settle_quietly()
+        finally:
+            pipeline.abandon()  # only where something above raised
             with self._state_lock:
-                self._batch = frozenset(request.closure_id for request in requests)
-            try:
-                for request in requests:
-                    outcome, access = self._run(request, pipeline if request.overlap_pushes else None)
-                    runs.append((request, outcome, access))
-                    if outcome.error is not None or pipeline.failure is not None:
-                        break
-                pipeline.settle_quietly()
-            finally:
-                pipeline.abandon()  # only where something above raised
-                with self._state_lock:
-                    self._batch = frozenset()
+                self._batch = frozenset()
         if pipeline.failure is not None:
             runs = _blame_failed_push(runs, pipeline.failure)
         outcomes = [_counted(outcome, access) for _, outcome, access in runs]
@@ -216,7 +271,7 @@ class WorkerCore:
         return self.run_closures([request])[0]
 
     def _run(
-        self, request: ClosureRequest, pipeline: PushPipeline | None
+        self, request: ClosureRequest, pipeline: PushPipeline | None, dense: DenseReplicas | None = None
     ) -> tuple[ClosureOutcome, ClosureAccess | None]:
         """One closure, under the run lock; its last push may still be in ``pipeline``."""
         start = time.perf_counter()
@@ -224,7 +279,9 @@ class WorkerCore:
         if cluster is None:
             return self._needs_cluster(request), None
         cancelled = functools.partial(self._is_cancelled, request.closure_id)
-        access = ClosureAccess(self._variables, self._client_for(cluster), request.closure_id, pipeline, cancelled)
+        access = ClosureAccess(
+            self._variables, self._client_for(cluster), request.closure_id, pipeline, cancelled, dense
+        )
         result, error = self._execute(request, access, cancelled)
         outcome = ClosureOutcome(
             result=result,
@@ -254,6 +311,7 @@ class WorkerCore:
         """Closes the parameter-server clients (and their threads)."""
         with self._run_lock:
             clients, self._clients = list(self._clients.values()), OrderedDict()
+            self._dense.close()
         for client in clients:
             client.close()
 

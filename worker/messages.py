@@ -10,12 +10,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from paramserve.psserver import convert as ps_convert
+from paramserve.psserver.errors import InvalidRequestError
 from paramserve.wire.v1 import cluster_pb2, worker_pb2
-from paramserve.worker.core import ClosureOutcome, ClosureRequest, ResourceSpec, WorkerInfo
+from paramserve.worker.core import ClosureOutcome, ClosureRequest, ResourceSpec, RoundOutcome, WorkerInfo
+from paramserve.worker.dense_group import DenseRound, GroupSpec
 from paramserve.worker.results import ClosureFailure
 
 __all__ = [
     "batch_to_proto",
+    "dense_round_from_proto",
+    "dense_round_to_proto",
+    "round_outcome_to_proto",
     "failure_from_proto",
     "info_from_proto",
     "info_to_proto",
@@ -95,6 +100,7 @@ def outcome_to_proto(outcome: ClosureOutcome) -> worker_pb2.RunClosureResponse:
                 parameter_server=error.parameter_server,
                 needs_cluster=error.needs_cluster,
                 cancelled=error.cancelled,
+                group_failed=error.group_failed,
             )
         )
     else:
@@ -112,11 +118,64 @@ def failure_from_proto(message: worker_pb2.ClosureFailure) -> ClosureFailure:
         message.parameter_server,
         message.needs_cluster,
         message.cancelled,
+        message.group_failed,
     )
 
 
 def batch_from_proto(message: worker_pb2.RunClosuresRequest) -> list[ClosureRequest]:
     return [request_from_proto(closure) for closure in message.closures]
+
+
+def dense_round_to_proto(round_: DenseRound) -> worker_pb2.DenseRound:
+    group = round_.group
+    return worker_pb2.DenseRound(
+        group=worker_pb2.DenseGroup(
+            generation=group.generation,
+            rank=group.rank,
+            world_size=group.world_size,
+            store_address=group.store_address,
+            host=group.host,
+            timeout_seconds=group.timeout,
+        ),
+        variables=list(round_.variables),
+        optimizer=round_.optimizer,
+        state_epoch=round_.state_epoch,
+        initial_state=round_.initial_state,
+        read_state=round_.read_state,
+    )
+
+
+def dense_round_from_proto(message: worker_pb2.DenseRound) -> DenseRound:
+    """Raises InvalidRequestError for a group no member could be (rank outside it, no timeout)."""
+    group = message.group
+    if not 0 <= group.rank < group.world_size or not group.timeout_seconds > 0 or not group.store_address:
+        raise InvalidRequestError(
+            f"a dense round needs 0 <= rank < world_size, a positive timeout and a store address; got rank "
+            f"{group.rank} of {group.world_size}, timeout {group.timeout_seconds}, store {group.store_address!r}"
+        )
+    return DenseRound(
+        group=GroupSpec(
+            generation=int(group.generation),
+            rank=int(group.rank),
+            world_size=int(group.world_size),
+            store_address=group.store_address,
+            host=group.host,
+            timeout=float(group.timeout_seconds),
+        ),
+        variables=tuple(message.variables),
+        optimizer=message.optimizer,
+        state_epoch=int(message.state_epoch),
+        initial_state=message.initial_state,
+        read_state=bool(message.read_state),
+    )
+
+
+def round_outcome_to_proto(outcome: RoundOutcome) -> worker_pb2.RunClosuresResponse:
+    return worker_pb2.RunClosuresResponse(
+        results=[outcome_to_proto(o) for o in outcome.outcomes],
+        dense_state=outcome.dense_state,
+        group_failed=outcome.group_failed,
+    )
 
 
 def batch_outcomes_to_proto(outcomes: Sequence[ClosureOutcome]) -> worker_pb2.RunClosuresResponse:

@@ -41,6 +41,14 @@ class ClosureFailure:
     cancelled: bool = False
     """The coordinator cancelled the closure (CancelClosures) before it finished: it stopped
     before its next push or step and pushes no more."""
+    group_failed: bool = False
+    """Not a failure of the closure: hybrid training's dense group broke under it (GroupFailed);
+    it runs again once the coordinator has formed the group anew."""
+
+
+class GroupFailed(RuntimeError):
+    """Hybrid training's dense all-reduce group broke (a member died or did not answer in time):
+    not the closure's fault; it runs again once the coordinator has formed the group anew."""
 
 
 class ClosureCancelled(Exception):
@@ -105,6 +113,9 @@ def closure_failure(exc: BaseException) -> ClosureFailure:
     cancelled = _in_chain(exc, ClosureCancelled)
     if cancelled is not None:
         return ClosureFailure(type=_qualified_name(cancelled), message=str(cancelled), cancelled=True)
+    broken = _in_chain(exc, GroupFailed)
+    if broken is not None:
+        return ClosureFailure(type=_qualified_name(broken), message=str(broken), group_failed=True)
     missing = _in_chain(exc, ResourceMissingError)
     if missing is not None:
         return ClosureFailure(

@@ -11,7 +11,13 @@ import grpc
 from paramserve.psserver.error_boundary import parse, unary_boundary
 from paramserve.wire.v1 import worker_pb2
 from paramserve.worker.core import WorkerCore
-from paramserve.worker.messages import batch_from_proto, batch_outcomes_to_proto, info_to_proto
+from paramserve.worker.messages import (
+    batch_from_proto,
+    batch_outcomes_to_proto,
+    dense_round_from_proto,
+    info_to_proto,
+    round_outcome_to_proto,
+)
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 
@@ -24,7 +30,11 @@ class WorkerServicer:
 
     @unary_boundary
     def RunClosures(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
-        requests = batch_from_proto(parse(worker_pb2.RunClosuresRequest, raw))
+        message = parse(worker_pb2.RunClosuresRequest, raw)
+        requests = batch_from_proto(message)
+        if message.HasField("dense"):
+            outcome = self._core.run_round(requests, dense_round_from_proto(message.dense))
+            return round_outcome_to_proto(outcome).SerializeToString()
         return batch_outcomes_to_proto(self._core.run_closures(requests)).SerializeToString()
 
     @unary_boundary

@@ -51,6 +51,7 @@ from paramserve.coordinator.strategies.parameter_server_training import (
     _check_training_data,
 )
 from paramserve.coordinator.strategies.step_runners import StepFn, StepRunner
+from paramserve.coordinator.strategies.sync_dense import SyncDense
 from paramserve.coordinator.strategies.training_state import TrainingCheckpoints
 from paramserve.psserver.client import ClientConfig, ParameterServerClient, layouts_from_infos
 from paramserve.psserver.dynamic_types import DynamicShardState
@@ -86,6 +87,7 @@ class Variable:
     dynamic: DynamicEmbedding | None = None  # a dynamic table: rows by id, no layout
     optimizer: OptimizerSpec | None = None
     checkpointed: bool = True  # a metric's state is not: checkpoints hold the model
+    replicated: bool = False  # sync_dense: on the workers, averaged by all-reduce, never on the servers
 
 
 class ParameterServerStrategy(SingleReplicaStrategy):
@@ -135,6 +137,12 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         reuse_variables: variables that exist on the servers already (from an earlier run of
             the same names) are trained on from their current values and optimizer state;
             without it (the default) creating them raises VariableExistsError.
+        sync_dense: hybrid training: the dense parameters are replicated on the workers and
+            averaged every step by an all-reduce among them (synchronous, as MultiWorkerMirrored
+            trains), the embedding tables stay on the servers (asynchronous). See
+            ARCHITECTURE.md, "Hybrid training".
+        dense_group_timeout, rendezvous_host: sync_dense's collective timeout (seconds) and the
+            coordinator's host as workers reach it (default: 127.0.0.1 for loopback workers).
     """
 
     def __init__(
@@ -149,6 +157,9 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         environ: Mapping[str, str] | None = None,
         run_name: str | None = None,
         reuse_variables: bool = False,
+        sync_dense: bool = False,
+        dense_group_timeout: float = 60.0,
+        rendezvous_host: str | None = None,
     ):
         env = os.environ if environ is None else environ
         self.cluster = ClusterSpec.resolve(cluster_resolver, env)
@@ -187,6 +198,8 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         self._hook_handles: list[torch.utils.hooks.RemovableHandle] = []
         self._linked_optimizers: list[torch.optim.Optimizer] = []
         self._closed = False
+        # Hybrid training's replicated dense variables (None: every variable is on the servers).
+        self.sync_dense = SyncDense(self, dense_group_timeout, rendezvous_host) if sync_dense else None
 
     # ------------------------------------------------------------------ scope
 
@@ -213,7 +226,7 @@ class ParameterServerStrategy(SingleReplicaStrategy):
             for optimizer in built:
                 self._adopt_optimizer(optimizer)
             if self._materialized:  # training started: a clash with the servers' variables fails the build now
-                self._existing_on_servers([name for name in self._variables if name not in self._created])
+                self._existing_on_servers([name for name in self._server_variables() if name not in self._created])
         self._claim_models(record.roots())
 
     @contextlib.contextmanager
@@ -267,7 +280,8 @@ class ParameterServerStrategy(SingleReplicaStrategy):
                 continue
             name = f"{prefix}.{qualified}"
             mark_variable(param, name)
-            self._variables[name] = Variable(name, tuple(param.shape), param.dtype, parameter=param)
+            dense = Variable(name, tuple(param.shape), param.dtype, parameter=param)
+            self._variables[name] = dataclasses.replace(dense, replicated=self.sync_dense is not None)
         for qualified, table in root.named_modules():
             if isinstance(table, (ShardedEmbedding, DynamicEmbedding)) and not table.adopted():
                 self.register_table(table, self._table_name(table, f"{prefix}.{qualified}"))
@@ -444,7 +458,7 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         """Where this strategy's variables live (creating those not yet on the servers)."""
         self.materialize()
         layouts = self.client.layouts
-        return {name: layouts[name] for name, v in self.variables.items() if v.dynamic is None}
+        return {name: layouts[name] for name, v in self.variables.items() if v.dynamic is None and not v.replicated}
 
     def plan_layouts(self) -> dict[str, VariableLayout]:
         """Where each variable's shards go with the current partitioner and servers."""
@@ -452,7 +466,7 @@ class ParameterServerStrategy(SingleReplicaStrategy):
             return {
                 name: self.client.plan_layout(name, v.shape, v.dtype, self.variable_partitioner)
                 for name, v in self._variables.items()
-                if v.dynamic is None
+                if v.dynamic is None and not v.replicated
             }
 
     def materialize(
@@ -470,7 +484,7 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         with self._lock:
             if states_by_server is not None and layouts is not None and not self._materialized:
                 self.restore_states(states_by_server, layouts)
-            new = [v for name, v in self._variables.items() if name not in self._created]
+            new = [v for name, v in self._server_variables().items() if name not in self._created]
             if new:
                 self._create_all(new)
             self._materialized = True
@@ -531,6 +545,10 @@ class ParameterServerStrategy(SingleReplicaStrategy):
             len(existing),
         )
 
+    def _server_variables(self) -> dict[str, Variable]:
+        """The variables that live on the parameter servers (not sync_dense's replicated ones)."""
+        return {name: v for name, v in self._variables.items() if not v.replicated}
+
     def _existing_on_servers(self, names: list[str]) -> set[str]:
         """Which of ``names`` the servers hold already; they are reused (their layouts adopted)
         when the strategy allows it, else VariableExistsError says how to keep runs apart."""
@@ -571,7 +589,7 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         if self.reuse_variables:
             return self.materialize()
         with self._lock:
-            new = [name for name in self._variables if name not in self._created]
+            new = [name for name in self._server_variables() if name not in self._created]
             stale = self._held_by_servers(new)
             if stale:
                 self.client.adopt_layouts(stale)
@@ -685,7 +703,8 @@ class ParameterServerStrategy(SingleReplicaStrategy):
                 else self._variable_names(params)
             )
         for name in names:
-            self.client.set_hyperparameters(dict(values), variable=name)
+            if not self._variables[name].replicated:  # replicated: the next round carries them
+                self.client.set_hyperparameters(dict(values), variable=name)
             with self._lock:
                 variable = self._variables[name]
                 if variable.optimizer is not None:

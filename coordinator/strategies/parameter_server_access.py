@@ -60,6 +60,9 @@ class CoordinatorAccess:
     def refresh(self, parameters: Sequence[nn.Parameter]) -> None:
         if not self.strategy.materialized or not parameters:
             return  # before training, the local values are the variables' values
+        sync_dense = self.strategy.sync_dense
+        if sync_dense is not None and any(n and sync_dense.holds(n) for n in map(variable_name, parameters)):
+            sync_dense.refresh()  # the coordinator's parameters are the replicated variables
         # A model built after training started holds its variables' values until they are created.
         names = [n if n and self.strategy.is_created(n) else None for n in map(variable_name, parameters)]
         if not any(names):
@@ -86,6 +89,12 @@ class CoordinatorAccess:
         return found[table].gathered(ids.shape)
 
     def apply_gradients(self, names: Sequence[str]) -> None:
+        sync_dense = self.strategy.sync_dense
+        if sync_dense is not None and any(sync_dense.holds(name) for name in names):
+            raise RuntimeError(
+                "under sync_dense the dense variables are trained on the workers only: call optimizer.step() in a "
+                "closure scheduled with ClusterCoordinator.schedule()"
+            )
         self.strategy.materialize()
         gradients = {}
         for name in names:

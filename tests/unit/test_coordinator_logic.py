@@ -61,6 +61,7 @@ class ErrorData:
     parameter_server: str = ""
     needs_cluster: bool = False
     cancelled: bool = False
+    group_failed: bool = False
 
 
 def _closure(name: str = "step", resources: frozenset[str] = frozenset()) -> Closure:
@@ -764,6 +765,7 @@ class _StubStrategy:
         self.tls = None
         self.max_value_age = 0.0
         self.overlap_pushes = False
+        self.sync_dense = None
         self._context = ClusterContext(("ps0:1",))
 
     def cluster_context(self):

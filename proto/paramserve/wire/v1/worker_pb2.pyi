@@ -46,7 +46,7 @@ class RunClosureRequest(_message.Message):
     def __init__(self, closure_id: _Optional[str] = ..., attempt: _Optional[int] = ..., function_name: _Optional[str] = ..., payload: _Optional[bytes] = ..., resources: _Optional[_Iterable[_Union[ResourceSpec, _Mapping]]] = ..., cluster: _Optional[_Union[_cluster_pb2.ClusterContext, _Mapping]] = ..., steps: _Optional[int] = ..., worker_index: _Optional[int] = ..., num_workers: _Optional[int] = ..., cluster_fingerprint: _Optional[str] = ..., max_value_age: _Optional[float] = ..., overlap_pushes: _Optional[bool] = ..., read_generation: _Optional[int] = ...) -> None: ...
 
 class ClosureFailure(_message.Message):
-    __slots__ = ("type", "message", "traceback", "pickled", "missing_resources", "parameter_server", "needs_cluster", "cancelled")
+    __slots__ = ("type", "message", "traceback", "pickled", "missing_resources", "parameter_server", "needs_cluster", "cancelled", "group_failed")
     TYPE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     TRACEBACK_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,7 @@ class ClosureFailure(_message.Message):
     PARAMETER_SERVER_FIELD_NUMBER: _ClassVar[int]
     NEEDS_CLUSTER_FIELD_NUMBER: _ClassVar[int]
     CANCELLED_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FAILED_FIELD_NUMBER: _ClassVar[int]
     type: str
     message: str
     traceback: str
@@ -63,7 +64,8 @@ class ClosureFailure(_message.Message):
     parameter_server: str
     needs_cluster: bool
     cancelled: bool
-    def __init__(self, type: _Optional[str] = ..., message: _Optional[str] = ..., traceback: _Optional[str] = ..., pickled: _Optional[bytes] = ..., missing_resources: _Optional[_Iterable[str]] = ..., parameter_server: _Optional[str] = ..., needs_cluster: _Optional[bool] = ..., cancelled: _Optional[bool] = ...) -> None: ...
+    group_failed: bool
+    def __init__(self, type: _Optional[str] = ..., message: _Optional[str] = ..., traceback: _Optional[str] = ..., pickled: _Optional[bytes] = ..., missing_resources: _Optional[_Iterable[str]] = ..., parameter_server: _Optional[str] = ..., needs_cluster: _Optional[bool] = ..., cancelled: _Optional[bool] = ..., group_failed: _Optional[bool] = ...) -> None: ...
 
 class RunClosureResponse(_message.Message):
     __slots__ = ("result", "error", "worker_incarnation", "resources_held", "pushes_applied", "pushes_duplicate", "seconds", "device")
@@ -86,16 +88,54 @@ class RunClosureResponse(_message.Message):
     def __init__(self, result: _Optional[bytes] = ..., error: _Optional[_Union[ClosureFailure, _Mapping]] = ..., worker_incarnation: _Optional[str] = ..., resources_held: _Optional[_Iterable[str]] = ..., pushes_applied: _Optional[int] = ..., pushes_duplicate: _Optional[int] = ..., seconds: _Optional[float] = ..., device: _Optional[str] = ...) -> None: ...
 
 class RunClosuresRequest(_message.Message):
-    __slots__ = ("closures",)
+    __slots__ = ("closures", "dense")
     CLOSURES_FIELD_NUMBER: _ClassVar[int]
+    DENSE_FIELD_NUMBER: _ClassVar[int]
     closures: _containers.RepeatedCompositeFieldContainer[RunClosureRequest]
-    def __init__(self, closures: _Optional[_Iterable[_Union[RunClosureRequest, _Mapping]]] = ...) -> None: ...
+    dense: DenseRound
+    def __init__(self, closures: _Optional[_Iterable[_Union[RunClosureRequest, _Mapping]]] = ..., dense: _Optional[_Union[DenseRound, _Mapping]] = ...) -> None: ...
 
 class RunClosuresResponse(_message.Message):
-    __slots__ = ("results",)
+    __slots__ = ("results", "dense_state", "group_failed")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
+    DENSE_STATE_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FAILED_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[RunClosureResponse]
-    def __init__(self, results: _Optional[_Iterable[_Union[RunClosureResponse, _Mapping]]] = ...) -> None: ...
+    dense_state: bytes
+    group_failed: bool
+    def __init__(self, results: _Optional[_Iterable[_Union[RunClosureResponse, _Mapping]]] = ..., dense_state: _Optional[bytes] = ..., group_failed: _Optional[bool] = ...) -> None: ...
+
+class DenseGroup(_message.Message):
+    __slots__ = ("generation", "rank", "world_size", "store_address", "host", "timeout_seconds")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    STORE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    rank: int
+    world_size: int
+    store_address: str
+    host: str
+    timeout_seconds: float
+    def __init__(self, generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., store_address: _Optional[str] = ..., host: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class DenseRound(_message.Message):
+    __slots__ = ("group", "variables", "optimizer", "state_epoch", "initial_state", "read_state")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    VARIABLES_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    STATE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    INITIAL_STATE_FIELD_NUMBER: _ClassVar[int]
+    READ_STATE_FIELD_NUMBER: _ClassVar[int]
+    group: DenseGroup
+    variables: _containers.RepeatedScalarFieldContainer[str]
+    optimizer: bytes
+    state_epoch: int
+    initial_state: bytes
+    read_state: bool
+    def __init__(self, group: _Optional[_Union[DenseGroup, _Mapping]] = ..., variables: _Optional[_Iterable[str]] = ..., optimizer: _Optional[bytes] = ..., state_epoch: _Optional[int] = ..., initial_state: _Optional[bytes] = ..., read_state: _Optional[bool] = ...) -> None: ...
 
 class CancelClosuresRequest(_message.Message):
     __slots__ = ("closure_ids",)

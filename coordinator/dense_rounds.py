@@ -1,0 +1,166 @@
+"""Hybrid training on the coordinator: the rounds in which the workers' dense group steps.
+
+Under ``ParameterServerStrategy(sync_dense=True)`` the dense variables are replicated on the
+workers and averaged every step by an all-reduce among them (worker.dense_group), so the workers
+must step together. The dispatch loop therefore runs *rounds*: it waits until every member of
+the group is free, gives each member a share of the queued closures (possibly none) and sends
+every member its call at once; the next round starts when every call has answered. Members
+need not run the same number of steps (the group's protocol lets a finished member take part
+in the others' steps), so any closure works, and a round with fewer closures than members
+still completes.
+
+The group is formed anew (a new *generation*) when its membership changes (a worker was lost,
+came back or joined) or a round broke it (a member died mid-collective or timed out): the
+closures of a broken round go back to the queue, and the members left form the next
+generation, synchronising their state from the member that applied the most steps. The
+rendezvous store of every generation is one ``torch.distributed.TCPStore`` the coordinator
+hosts, under a prefix per generation.
+
+The pure decisions (``round_shares``, ``plan_generation``) have unit tests; ``DenseRounds``
+holds the state they act on.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import logging
+import socket
+import threading
+from collections.abc import Callable, Sequence
+
+import torch.distributed as dist
+
+from paramserve.coordinator.contracts import DenseSettings
+from paramserve.worker.dense_group import DenseRound, GroupSpec
+
+log = logging.getLogger(__name__)
+
+__all__ = ["DenseRounds", "default_rendezvous_host", "plan_generation", "round_shares"]
+
+
+# ---------------------------------------------------------------- pure decisions
+
+
+def round_shares(queued: int, members: int, per_member: int) -> list[int]:
+    """How many queued closures each of ``members`` gets this round: at most ``per_member``
+    each, as even as possible, the first members taking the remainder."""
+    if members <= 0:
+        return []
+    total = min(queued, members * max(1, per_member))
+    return [total // members + (1 if i < total % members else 0) for i in range(members)]
+
+
+def plan_generation(current: Sequence[str] | None, members: Sequence[str], broken: bool, generation: int) -> int:
+    """The generation the next round runs in: the current one while its members are the same
+    and no round broke it, else the next (the group forms anew)."""
+    if current is not None and list(current) == list(members) and not broken:
+        return generation
+    return generation + 1
+
+
+def default_rendezvous_host(worker_addresses: Sequence[str]) -> str:
+    """Where workers reach the coordinator's store: 127.0.0.1 when every worker is on this
+    machine's loopback (a LocalCluster), else this machine's host name."""
+    hosts = [address.rpartition(":")[0].strip("[]") for address in worker_addresses]
+    if hosts and all(_is_loopback(host) for host in hosts):
+        return "127.0.0.1"
+    return socket.gethostname()
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+# ---------------------------------------------------------------- the rounds' state
+
+
+class DenseRounds:
+    """The coordinator's side of the dense group: its store, its generations, each member's
+    part of a round. Called on the dispatch loop's thread, except ``read_request`` and
+    ``rounds_done`` (any thread)."""
+
+    def __init__(
+        self,
+        settings: Callable[[], DenseSettings],
+        initial_state: Callable[[], bytes],
+        *,
+        rendezvous_host: str,
+        timeout: float,
+    ):
+        self._settings = settings
+        self._initial_state = initial_state
+        self._host = rendezvous_host
+        self.timeout = float(timeout)
+        self._store: dist.TCPStore | None = None
+        self._members: tuple[str, ...] | None = None
+        self._generation = 0
+        self._broken = False
+        self._epoch_formed = -1
+        self._lock = threading.Lock()
+        self._rounds_done = 0
+
+    def store_address(self) -> str:
+        """The store's ``host:port``, hosting it first."""
+        if self._store is None:
+            self._store = dist.TCPStore(
+                self._host, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=self.timeout)
+            )
+            log.info("dense group's rendezvous store on %s:%d", self._host, self._store.port)
+        host = f"[{self._host}]" if ":" in self._host else self._host
+        return f"{host}:{self._store.port}"
+
+    def rounds(self, members: Sequence[str]) -> list[DenseRound]:
+        """Each member's part of the next round (members: worker addresses, in rank order),
+        forming a new generation when needed."""
+        settings = self._settings()
+        broken = self._broken or settings.state_epoch != self._epoch_formed
+        generation = plan_generation(self._members, members, broken, self._generation)
+        initial = b""
+        if generation != self._generation or self._members is None:
+            self._generation, self._members, self._broken = generation, tuple(members), False
+            self._epoch_formed = settings.state_epoch
+            initial = self._initial_state()
+            log.info("dense group %d forms with %d workers: %s", generation, len(members), ", ".join(members))
+        store = self.store_address()
+        return [
+            DenseRound(
+                group=GroupSpec(generation, rank, len(members), store, _host_of(address), self.timeout),
+                variables=settings.variables,
+                optimizer=settings.optimizer,
+                state_epoch=settings.state_epoch,
+                initial_state=initial,
+            )
+            for rank, address in enumerate(members)
+        ]
+
+    def broke(self) -> None:
+        """A round broke the group: the next round forms it anew."""
+        self._broken = True
+
+    def round_finished(self) -> None:
+        with self._lock:
+            self._rounds_done += 1
+
+    def rounds_done(self) -> int:
+        """Rounds finished so far: the dense values changed only if this did."""
+        with self._lock:
+            return self._rounds_done
+
+    def read_request(self) -> DenseRound:
+        """What asks a member for its dense state (it runs nothing and joins no collective)."""
+        settings = self._settings()
+        group = GroupSpec(self._generation, 0, 1, "unused:0", "", self.timeout)
+        return DenseRound(group, settings.variables, settings.optimizer, settings.state_epoch, read_state=True)
+
+    def close(self) -> None:
+        self._store = None
+
+
+def _host_of(address: str) -> str:
+    return address.rpartition(":")[0].strip("[]")

@@ -1,0 +1,150 @@
+"""Hybrid training's dense variables as the coordinator keeps them (``sync_dense=True``).
+
+Under ``ParameterServerStrategy(sync_dense=True)`` the parameters of the modules built in
+scope are *replicated* on the workers instead of living on the parameter servers: the workers
+average their gradients every step by an all-reduce among themselves and apply the same
+optimizer (worker.dense_group), while embedding tables (``ShardedEmbedding``,
+``ShardedEmbeddingCollection``, ``DynamicEmbedding``) stay on the servers, asynchronous.
+
+The coordinator's own parameters hold the values the workers start from. Reading them on the
+coordinator (a forward pass, ``model_weights``, a checkpoint) fetches the workers' current
+state between rounds, at most once per round finished. A restore (a checkpoint) sets them and
+starts a new *epoch*: the workers drop what they hold and start from the restored state.
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import cloudpickle
+import torch
+
+from paramserve.coordinator.contracts import DenseSettings
+
+if TYPE_CHECKING:
+    from paramserve.coordinator.strategies.parameter_server import ParameterServerStrategy
+
+__all__ = ["SyncDense"]
+
+READ_TIMEOUT = 600.0
+"""How long reading the workers' dense state waits for the round running to end."""
+
+
+class SyncDense:
+    """The coordinator's side of the replicated dense variables of one strategy."""
+
+    def __init__(self, strategy: ParameterServerStrategy, timeout: float, rendezvous_host: str | None):
+        if not timeout > 0:
+            raise ValueError(f"dense_group_timeout must be > 0 seconds, got {timeout!r}")
+        self._strategy = strategy
+        self.timeout = float(timeout)
+        self.rendezvous_host = rendezvous_host
+        self._lock = threading.RLock()
+        self._epoch = 0
+        self._restored: dict[str, Any] | None = None
+        """This epoch's restored state (values, optimizer state, version, applied keys): what a
+        worker without state of the epoch starts from."""
+        self._known: dict[str, Any] | None = None
+        """The latest state read from the workers or restored."""
+        self._read_at = 0  # rounds_done when the workers' state was last read
+        self.rounds_done: Callable[[], int] = lambda: 0
+        self.read_state: Callable[[float], bytes] | None = None
+
+    # ------------------------------------------------------------ what the rounds ask
+
+    def holds(self, name: str) -> bool:
+        variable = self._strategy.variables.get(name)
+        return variable is not None and variable.replicated
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(sorted(n for n, v in self._strategy.variables.items() if v.replicated))
+
+    def settings(self) -> DenseSettings:
+        """The replicated variables, their optimizer and the epoch, for the next round."""
+        variables = self._strategy.variables
+        names = self.names()
+        specs = {variables[n].optimizer for n in names}
+        if None in specs:
+            missing = [n for n in names if variables[n].optimizer is None][:3]
+            raise RuntimeError(
+                f"sync_dense: dense variables {missing} have no optimizer: build the torch optimizer inside "
+                "strategy.scope() or declare it with strategy.optimizer(...) before the first schedule()"
+            )
+        if len(specs) > 1:
+            raise RuntimeError(
+                "sync_dense: the dense variables must share one optimizer (the workers apply it to all of them); "
+                f"got {len(specs)}: {sorted(str(s) for s in specs)}"
+            )
+        spec = specs.pop() if specs else None
+        optimizer = cloudpickle.dumps((getattr(torch.optim, spec.name), dict(spec.kwargs))) if spec else b""
+        return DenseSettings(names, optimizer, self._epoch)
+
+    def initial_state(self) -> bytes:
+        """What a worker without state of this epoch starts from: the restored state, or the
+        coordinator's values (as torch.save writes worker.dense_group's state)."""
+        with self._lock:
+            if self._restored is not None:
+                state = self._restored
+            else:
+                values = {name: self._parameter(name).detach().clone() for name in self.names()}
+                state = {"version": 0, "values": values, "optimizer": None, "applied": []}
+            buffer = io.BytesIO()
+            torch.save(state, buffer)
+            return buffer.getvalue()
+
+    # ------------------------------------------------------------ reading and restoring
+
+    def refresh(self) -> None:
+        """Makes the coordinator's parameters hold the workers' current values (before training,
+        the coordinator's values are the variables')."""
+        state = self.current_state()
+        if state is None:
+            return
+        with torch.no_grad():
+            for name, value in state["values"].items():
+                if name in self._strategy.variables:
+                    self._parameter(name).copy_(value)
+
+    def current_state(self) -> dict[str, Any] | None:
+        """The dense state (values, optimizer state, version, applied keys) as the workers hold
+        it now, read at most once per round finished; the restored state while no worker holds
+        one of this epoch; None before any (the coordinator's values are the state)."""
+        with self._lock:
+            done = self.rounds_done()
+            if self.read_state is not None and done != self._read_at:
+                raw = self.read_state(READ_TIMEOUT)
+                self._read_at = done
+                if raw:
+                    self._known = torch.load(io.BytesIO(raw), weights_only=True)
+            return self._known
+
+    def state_for_checkpoint(self, keys: Mapping[str, str]) -> dict[str, Any]:
+        """The state a checkpoint keeps, its variables named by ``keys`` (without the run name)."""
+        state = self.current_state()
+        if state is None:
+            values = {name: self._parameter(name).detach().clone() for name in self.names()}
+            state = {"version": 0, "values": values, "optimizer": None, "applied": []}
+        return {**state, "values": {keys[name]: value for name, value in state["values"].items() if name in keys}}
+
+    def restore(self, state: Mapping[str, Any], names: Mapping[str, str]) -> None:
+        """Makes ``state`` (a checkpoint's, its variables named by checkpoint key) the dense
+        variables' state: the coordinator's values now, the workers' from their next round."""
+        by_key = {key: name for name, key in names.items()}
+        values = {by_key[key]: value for key, value in state["values"].items() if key in by_key}
+        missing = sorted(set(self.names()) - set(values))
+        if missing:
+            raise ValueError(f"the checkpoint holds no state of the dense variables {missing[:3]}")
+        with self._lock, torch.no_grad():
+            for name, value in values.items():
+                self._parameter(name).copy_(value)
+            self._restored = self._known = {**state, "values": values}
+            self._epoch += 1
+            self._read_at = self.rounds_done()
+
+    def _parameter(self, name: str) -> torch.nn.Parameter:
+        parameter = self._strategy.variables[name].parameter
+        assert parameter is not None
+        return parameter

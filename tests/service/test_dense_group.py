@@ -1,0 +1,119 @@
+"""The workers' dense group (worker.dense_group) in real processes speaking gloo over
+127.0.0.1: every member ends a round with the same values whatever number of steps each ran, a
+retried step counts once, a member joining later takes the state of the one ahead, and a
+member that dies breaks the round for the others at once (not at the group's timeout)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import pathlib
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+MEMBER = pathlib.Path(__file__).with_name("dense_member.py")
+INITIAL = {"bias": [1.0, 2.0], "weight": [[0.5, -0.5], [0.0, 1.0]]}
+
+
+@pytest.fixture
+def store() -> Iterator[str]:
+    server = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30)
+    )
+    yield f"127.0.0.1:{server.port}"
+    del server
+
+
+def run_members(store: str, plans: list[list[dict[str, Any]]], lr: float = 1.0) -> list[dict[str, Any] | None]:
+    """Runs one member process per plan (its rounds) at once; each one's report (None: it died)."""
+    processes = [
+        subprocess.Popen(
+            [sys.executable, str(MEMBER), json.dumps({"store": store, "initial": INITIAL, "lr": lr, "rounds": rounds})],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for rounds in plans
+    ]
+    reports = []
+    for process in processes:
+        out, _ = process.communicate(timeout=120)
+        reports.append(json.loads(out.strip().splitlines()[-1]) if process.returncode == 0 else None)
+    return reports
+
+
+def shifted(by: float) -> dict[str, Any]:
+    return {
+        "bias": [v - by for v in INITIAL["bias"]],
+        "weight": [[v - by for v in row] for row in INITIAL["weight"]],
+    }
+
+
+def test_members_stepping_unevenly_end_equal_with_the_average_of_who_stepped(store: str) -> None:
+    # Step 1: both step (gradients 1 and 3: average 2); steps 2 and 3: member 0 alone (4, then 5).
+    reports = run_members(
+        store,
+        [
+            [{"generation": 1, "rank": 0, "world": 2, "steps": [["a/0", 1.0], ["a/1", 4.0], ["a/2", 5.0]]}],
+            [{"generation": 1, "rank": 1, "world": 2, "steps": [["b/0", 3.0]]}],
+        ],
+    )
+    assert all(r is not None and r["outcomes"] == [{"ok": True}] for r in reports)
+    assert reports[0]["values"] == reports[1]["values"] == shifted(2.0 + 4.0 + 5.0)  # type: ignore[index]
+    assert reports[0]["version"] == reports[1]["version"] == 3  # type: ignore[index]
+
+
+def test_a_step_retried_under_an_applied_key_changes_nothing(store: str) -> None:
+    # Member 1 steps again under member 0's key (a closure retried after its step was applied).
+    reports = run_members(
+        store,
+        [
+            [{"generation": 1, "rank": 0, "world": 2, "steps": [["c/dense/0", 1.0]]}],
+            [{"generation": 1, "rank": 1, "world": 2, "steps": [["d/dense/0", 3.0], ["c/dense/0", 100.0]]}],
+        ],
+    )
+    assert reports[0]["values"] == reports[1]["values"] == shifted(2.0)  # type: ignore[index]
+    assert reports[0]["version"] == 1  # type: ignore[index]
+
+
+def test_a_member_joining_a_new_generation_takes_the_state_of_the_one_ahead(store: str) -> None:
+    # Member A trains 2 steps alone (generation 1), then B, a fresh process, joins in generation 2.
+    reports = run_members(
+        store,
+        [
+            [
+                {"generation": 1, "rank": 0, "world": 1, "steps": [["e/0", 1.0], ["e/1", 1.0]]},
+                {"generation": 2, "rank": 0, "world": 2, "steps": [["e/2", 2.0]]},
+            ],
+            [{"generation": 2, "rank": 1, "world": 2, "steps": [["f/0", 4.0]]}],
+        ],
+    )
+    assert reports[0]["outcomes"] == [{"ok": True}, {"ok": True}]  # type: ignore[index]
+    assert reports[0]["values"] == reports[1]["values"] == shifted(1.0 + 1.0 + 3.0)  # type: ignore[index]
+    assert reports[0]["version"] == reports[1]["version"] == 3  # type: ignore[index]
+
+
+def test_a_member_dying_mid_round_breaks_it_for_the_others_at_once(store: str) -> None:
+    reports = run_members(
+        store,
+        [
+            [
+                {"generation": 1, "rank": 0, "world": 2, "steps": [["g/0", 1.0], ["g/1", 1.0], ["g/2", 1.0]]},
+                {"generation": 2, "rank": 0, "world": 1, "steps": [["g/3", 1.0]]},  # formed anew, alone
+            ],
+            [{"generation": 1, "rank": 1, "world": 2, "steps": [["h/0", 1.0], ["h/1", 1.0]], "die_after": 1}],
+        ],
+    )
+    survivor, dead = reports
+    assert dead is None
+    assert survivor is not None
+    broken, reformed = survivor["outcomes"]
+    assert not broken["ok"] and "failed" in broken["error"]
+    assert broken["seconds"] < 10.0  # the dead member's sockets closed: not the 20 s timeout
+    assert reformed == {"ok": True}
+    assert survivor["version"] == 2  # step 1 (both), step g/3 (alone); the broken step was not applied
+    assert survivor["values"] == shifted(2.0)

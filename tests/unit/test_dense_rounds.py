@@ -1,0 +1,114 @@
+"""Hybrid training's pure decisions: who counts in a step, whose state a new group takes, how
+the header travels in the all-reduce, how a round is shared and when the group forms anew."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from paramserve.coordinator.batching import ROUND_FACTOR, BatchSizer
+from paramserve.coordinator.dense_rounds import default_rendezvous_host, plan_generation, round_shares
+from paramserve.coordinator.failures import Action, FailurePolicy, decide_on_closure_error
+from paramserve.worker.dense_group import (
+    HEADER_SLOT,
+    contributors,
+    decode_headers,
+    encode_header,
+    key_hash,
+    state_source,
+    store_endpoint,
+)
+from paramserve.worker.results import ClosureFailure, GroupFailed, closure_failure
+
+
+def test_contributors_are_members_stepping_under_keys_not_applied_before() -> None:
+    assert contributors([True, True, False], [11, 12, 13], applied=set()) == [0, 1]
+    assert contributors([True, True, True], [11, 12, 13], applied={12}) == [0, 2]  # a retried step counts once
+    assert contributors([False, False], [0, 0], applied=set()) == []
+
+
+def test_state_source_is_the_member_with_most_steps_lowest_rank_on_ties() -> None:
+    assert state_source([3, 5, 5, -1]) == 1
+    assert state_source([0, 0]) == 0
+    assert state_source([-1, 7]) == 1
+
+
+def test_headers_survive_the_sum_of_every_members_slot() -> None:
+    rng = random.Random(0)
+    world = 5
+    expected = [(rng.random() < 0.6, key_hash(f"closure-{rng.random()}/dense/{i}")) for i in range(world)]
+    summed = [0.0] * (world * HEADER_SLOT)
+    for rank, (stepping, key) in enumerate(expected):
+        slot = encode_header(stepping, key)
+        for i, value in enumerate(slot):
+            summed[rank * HEADER_SLOT + i] += value
+    stepping, keys = decode_headers(summed, world)
+    assert stepping == [s for s, _ in expected]
+    assert keys == [k if s else 0 for s, k in expected]
+
+
+def test_key_hashes_fit_the_header_and_differ() -> None:
+    keys = {key_hash(f"c{i}/dense/0") for i in range(1000)}
+    assert len(keys) == 1000
+    assert all(0 <= k < 2**63 for k in keys)
+    assert key_hash("a/dense/0") == key_hash("a/dense/0")
+
+
+@pytest.mark.parametrize(
+    ("address", "expected"),
+    [("127.0.0.1:2", ("127.0.0.1", 2)), ("[::1]:5", ("::1", 5)), ("coordinator.ns:80", ("coordinator.ns", 80))],
+)
+def test_store_endpoint_parses_host_and_port(address: str, expected: tuple[str, int]) -> None:
+    assert store_endpoint(address) == expected
+
+
+@pytest.mark.parametrize("address", ["", "host", ":5", "host:port"])
+def test_store_endpoint_refuses_what_is_not_host_port(address: str) -> None:
+    with pytest.raises(ValueError, match="host:port"):
+        store_endpoint(address)
+
+
+def test_round_shares_are_even_and_capped() -> None:
+    assert round_shares(10, 3, 16) == [4, 3, 3]
+    assert round_shares(100, 2, 16) == [16, 16]
+    assert round_shares(1, 3, 16) == [1, 0, 0]  # the others still take part, with no closure
+    assert round_shares(5, 0, 16) == []
+    assert sum(round_shares(37, 4, 8)) == 32
+
+
+def test_a_new_generation_forms_when_members_change_or_the_group_broke() -> None:
+    assert plan_generation(None, ["a", "b"], broken=False, generation=0) == 1
+    assert plan_generation(["a", "b"], ["a", "b"], broken=False, generation=1) == 1
+    assert plan_generation(["a", "b"], ["a"], broken=False, generation=1) == 2
+    assert plan_generation(["a", "b"], ["b", "a"], broken=False, generation=1) == 2  # ranks moved
+    assert plan_generation(["a", "b"], ["a", "b"], broken=True, generation=1) == 2
+
+
+def test_rendezvous_host_is_loopback_only_for_a_local_cluster() -> None:
+    assert default_rendezvous_host(["127.0.0.1:5", "localhost:6", "[::1]:7"]) == "127.0.0.1"
+    assert default_rendezvous_host(["worker-0.svc:5", "127.0.0.1:6"]) != "127.0.0.1"
+
+
+def test_a_round_lasts_longer_than_a_batch() -> None:
+    sizer = BatchSizer(max_batch=64, target_seconds=0.1)
+    assert sizer.round_share(100, 2) == 1  # no duration known yet
+    sizer.observe(0.01)
+    assert sizer.size(1000, 2) == 10
+    assert sizer.round_share(1000, 2) == min(64, ROUND_FACTOR * 10)
+    assert sizer.round_share(7, 2) == 4  # never more than an even share of the queue
+
+
+def test_a_broken_group_requeues_the_closure_until_attempts_run_out() -> None:
+    policy = FailurePolicy(max_attempts=3)
+    failure = closure_failure(GroupFailed("the dense group's allreduce failed"))
+    assert failure.group_failed
+    decision = decide_on_closure_error(failure, resends=0, known_resources=(), policy=policy, attempt=1)
+    assert decision.action is Action.REQUEUE
+    last = decide_on_closure_error(failure, resends=0, known_resources=(), policy=policy, attempt=3)
+    assert last.action is Action.RAISE
+    assert "dense group" in last.reason
+    user_error = decide_on_closure_error(
+        ClosureFailure(type="builtins.ValueError"), resends=0, known_resources=(), policy=policy
+    )
+    assert user_error.action is Action.RAISE

@@ -1,0 +1,408 @@
+"""Hybrid training on the worker: dense variables replicated on every worker and averaged
+every step by an all-reduce among the workers (``ParameterServerStrategy(sync_dense=True)``),
+while embedding tables stay on the parameter servers and are updated asynchronously.
+
+The coordinator runs hybrid training in *rounds*: each round, every member of the group gets
+one RunClosures call, with closures or none. A member's closures call ``optimizer.step()`` as
+usual; each step's dense gradients go through ``DenseReplicas.exchange``; when its closures
+are done the member keeps taking part (``finish_round``) until every member is done. So the
+members need not run the same number of steps: each collective starts with a small all-gather
+of headers (is the member stepping, and under which push key), and a step's average counts
+only the members that contributed. Every member, stepping or not, applies the same average
+with the same optimizer: the replicas stay identical.
+
+Exactly once: a step's key (closure id and push number, as the servers' idempotency keys)
+is remembered by every member once its average was applied. A closure retried after its
+dense step was applied (its worker died before answering) contributes zeros for that step,
+and its table push is a duplicate the servers drop: the retry changes nothing twice.
+
+Forming a group (``begin_round`` with a new generation) builds a gloo process group on the
+coordinator's rendezvous store, under a prefix of its own, and makes the members' states equal:
+a member without state of the current epoch starts from the coordinator's values, and the
+member that applied the most steps sends its state to the others. A collective that fails (a
+member died: its sockets close; or it hung past the group's timeout) raises ``GroupFailed``; the
+coordinator forms the group anew without the member that left, and the closures of the broken
+round run again.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import io
+import logging
+from collections import OrderedDict
+from collections.abc import Container, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "DenseReplicas",
+    "DenseRound",
+    "GroupFailed",
+    "GroupSpec",
+    "contributors",
+    "decode_headers",
+    "encode_header",
+    "key_hash",
+    "state_source",
+]
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from paramserve.worker.closure_access import LocalVariables
+from paramserve.worker.results import GroupFailed
+
+log = logging.getLogger(__name__)
+
+APPLIED_KEYS_KEPT = 65_536
+"""Step keys remembered as applied (a retried closure's step is recognised among them). The
+coordinator retries a closure within a few rounds, far fewer steps than this."""
+
+HEADER_SLOT = 4
+"""A member's header in a step's all-reduce: stepping (0 or 1), its step key in 3 parts of 21
+bits (float32 holds integers below 2**24 exactly, and sums of zeros with one value stay exact)."""
+_KEY_PART_BITS = 21
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """One member's view of a formation of the dense group (proto DenseGroup)."""
+
+    generation: int
+    rank: int
+    world_size: int
+    store_address: str
+    host: str
+    timeout: float
+
+
+@dataclass(frozen=True)
+class DenseRound:
+    """A round of hybrid training as one member receives it (proto DenseRound)."""
+
+    group: GroupSpec
+    variables: tuple[str, ...]
+    optimizer: bytes
+    state_epoch: int
+    initial_state: bytes = b""
+    read_state: bool = False
+
+
+# ---------------------------------------------------------------- pure decisions
+
+
+def key_hash(key: str) -> int:
+    """A step key as the 63-bit integer members exchange (collisions: 1 in 2**63 per pair)."""
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big") >> 1
+
+
+def contributors(stepping: Sequence[bool], keys: Sequence[int], applied: Container[int]) -> list[int]:
+    """The ranks whose gradients count in this step's average: those stepping under a key not
+    applied before (a retried closure's step counts once). The coordinator never runs one
+    closure on two workers in one round, so two members never step under one key."""
+    return [rank for rank, (active, key) in enumerate(zip(stepping, keys)) if active and key not in applied]
+
+
+def encode_header(stepping: bool, key: int) -> list[float]:
+    """A member's header slot (HEADER_SLOT floats)."""
+    if not stepping:
+        return [0.0] * HEADER_SLOT
+    mask = (1 << _KEY_PART_BITS) - 1
+    return [1.0, *(float((key >> (_KEY_PART_BITS * i)) & mask) for i in range(HEADER_SLOT - 1))]
+
+
+def decode_headers(values: Sequence[float], world_size: int) -> tuple[list[bool], list[int]]:
+    """Every member's (stepping, key) from the summed header slots."""
+    stepping: list[bool] = []
+    keys: list[int] = []
+    for rank in range(world_size):
+        slot = values[rank * HEADER_SLOT : (rank + 1) * HEADER_SLOT]
+        stepping.append(slot[0] > 0.5)
+        keys.append(sum(int(round(part)) << (_KEY_PART_BITS * i) for i, part in enumerate(slot[1:])))
+    return stepping, keys
+
+
+def state_source(versions: Sequence[int]) -> int:
+    """The member whose state the others take when a group forms: the one that applied the
+    most steps (the lowest rank among equals). Members in step hold equal versions; one ahead
+    finished a step whose collective failed elsewhere, and its state is the one to keep."""
+    return max(range(len(versions)), key=lambda rank: (versions[rank], -rank))
+
+
+def store_endpoint(address: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port`` too) as (host, port); ValueError naming the address otherwise."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"the dense group's store address must be host:port, got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+# ---------------------------------------------------------------- the replicas
+
+
+class DenseReplicas:
+    """This worker's replicas of the dense variables, their optimizer, and its group membership.
+
+    Worker-wide, like LocalVariables, whose parameters it updates: a closure's module resolves
+    a replicated variable to the same ``nn.Parameter`` every time, and it is never pulled."""
+
+    def __init__(self, variables: LocalVariables):
+        self._variables = variables
+        self._names: tuple[str, ...] = ()
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._optimizer_spec = b""
+        self._wanted_optimizer = b""
+        """The optimizer the current round asks for (cloudpickle of class and kwargs)."""
+        self._epoch = -1
+        self._version = -1
+        """Dense steps applied since this epoch's values were loaded; -1: no state."""
+        self._applied: OrderedDict[int, None] = OrderedDict()
+        self._group: Any = None  # a ProcessGroupGloo
+        self._store: Any = None
+        self._spec: GroupSpec | None = None
+        self._broken = False
+
+    # ------------------------------------------------------------ what closures ask
+
+    def holds(self, name: str) -> bool:
+        return name in self._names
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self._names
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    # ------------------------------------------------------------ rounds
+
+    def begin_round(self, round_: DenseRound) -> None:
+        """Takes part in ``round_``: forms its group if this member holds another formation,
+        and sets the optimizer's hyperparameters to the round's. Raises GroupFailed."""
+        if round_.state_epoch > self._epoch:
+            self._drop_state()
+            self._epoch = round_.state_epoch
+        self._names = tuple(sorted(round_.variables))
+        if round_.initial_state and self._version < 0:
+            self._load_state(torch.load(io.BytesIO(round_.initial_state), weights_only=True))
+        self._use_optimizer(round_.optimizer)
+        if self._spec is None or self._spec.generation != round_.group.generation or self._broken:
+            self._form(round_.group)
+            self._synchronize()
+
+    def exchange(self, gradients: Mapping[str, torch.Tensor], key: str) -> None:
+        """One step's part: contributes ``gradients`` (of the replicated variables this step
+        touched; the others count as zero) under ``key``, then applies the average over the
+        members that contributed. Raises GroupFailed."""
+        self._collective_step(stepping=True, key=key_hash(key), gradients=gradients)
+
+    def finish_round(self) -> None:
+        """Takes part in the other members' steps until every member is done. Raises GroupFailed."""
+        if self._group is None:
+            return
+        while self._collective_step(stepping=False, key=0, gradients={}):
+            pass
+
+    def state_bytes(self) -> bytes:
+        """The values, the optimizer's state and the version, as torch.save writes them."""
+        buffer = io.BytesIO()
+        torch.save(self._state(), buffer)
+        return buffer.getvalue()
+
+    def close(self) -> None:
+        self._leave()
+
+    # ------------------------------------------------------------ the group
+
+    def _form(self, spec: GroupSpec) -> None:
+        self._leave()
+        host, port = store_endpoint(spec.store_address)
+        timeout = datetime.timedelta(seconds=spec.timeout)
+        try:
+            self._store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+            options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+            options._timeout = timeout
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=spec.host)]
+            prefixed = dist.PrefixStore(f"dense/{spec.generation}/", self._store)
+            self._group = dist.ProcessGroupGloo(prefixed, spec.rank, spec.world_size, options)
+        except RuntimeError as exc:
+            self._leave()
+            raise GroupFailed(f"forming dense group {spec.generation} (rank {spec.rank}) failed: {exc}") from exc
+        self._spec, self._broken = spec, False
+        log.info("formed dense group %d: rank %d of %d", spec.generation, spec.rank, spec.world_size)
+
+    def _leave(self) -> None:
+        # Dropping the group joins gloo's threads now, while the interpreter is whole.
+        self._group, self._store, self._spec = None, None, None
+
+    def _synchronize(self) -> None:
+        """Makes every member's state the one of the member that applied the most steps."""
+        versions = self._all_gather(torch.tensor([self._version], dtype=torch.int64)).reshape(-1).tolist()
+        if min(versions) < 0 and max(versions) < 0:
+            raise GroupFailed("no member of the dense group holds the dense values: the coordinator sends them")
+        source = state_source(versions)
+        if all(v == versions[source] for v in versions):
+            return
+        payload = self.state_bytes() if self._rank == source else b""
+        received = self._broadcast_bytes(payload, source)
+        if self._rank != source:
+            self._load_state(torch.load(io.BytesIO(received), weights_only=True))
+
+    def _collective_step(self, *, stepping: bool, key: int, gradients: Mapping[str, torch.Tensor]) -> bool:
+        """One collective step of the round; returns whether any member was stepping.
+
+        One all-reduce carries the step: the float32 gradients (zeros from a member not
+        stepping, or stepping under a key applied before), then a header slot per member
+        (stepping, its key in 21-bit parts), each member writing only its own: the sum holds
+        every member's header. Gradients of other dtypes follow in one all-reduce each."""
+        assert self._spec is not None
+        parameters = self._parameters()
+        fresh = stepping and key not in self._applied
+        main = [(n, p) for n, p in zip(self._names, parameters) if p.dtype == torch.float32]
+        header = torch.zeros(self._spec.world_size * HEADER_SLOT, dtype=torch.float32)
+        header[self._rank * HEADER_SLOT : (self._rank + 1) * HEADER_SLOT] = torch.tensor(encode_header(stepping, key))
+        flat = torch.cat([*self._flat_gradients(main, gradients if fresh else {}), header])
+        self._run("allreduce", [flat])
+        active, keys = decode_headers(flat[flat.numel() - header.numel() :].tolist(), self._spec.world_size)
+        if not any(active):
+            return False
+        counted = contributors(active, keys, self._applied)
+        averaged = [(main, flat)]
+        for dtype in sorted({p.dtype for p in parameters} - {torch.float32}, key=str):
+            group = [(n, p) for n, p in zip(self._names, parameters) if p.dtype == dtype]
+            other = torch.cat(self._flat_gradients(group, gradients if fresh else {}))
+            self._run("allreduce", [other])
+            averaged.append((group, other))
+        if counted:
+            self._apply_average(averaged, len(counted))
+            for rank in counted:
+                self._applied[keys[rank]] = None
+            while len(self._applied) > APPLIED_KEYS_KEPT:
+                self._applied.popitem(last=False)
+        return True
+
+    @staticmethod
+    def _flat_gradients(
+        group: Sequence[tuple[str, nn.Parameter]], gradients: Mapping[str, torch.Tensor]
+    ) -> list[torch.Tensor]:
+        return [
+            (
+                gradients[name].detach().reshape(-1).to("cpu")
+                if name in gradients
+                else torch.zeros(p.numel(), dtype=p.dtype)
+            )
+            for name, p in group
+        ]
+
+    def _apply_average(
+        self, averaged: Sequence[tuple[Sequence[tuple[str, nn.Parameter]], torch.Tensor]], count: int
+    ) -> None:
+        """Sets each parameter's gradient to its sum over the members divided by ``count`` (the
+        members that contributed) and steps the optimizer, as every member does."""
+        for group, flat in averaged:
+            offset = 0
+            for _, p in group:
+                p.grad = flat[offset : offset + p.numel()].view_as(p).to(p.device).div_(count)
+                offset += p.numel()
+        assert self._optimizer is not None
+        self._optimizer.step()
+        self._version += 1
+        for _, p in (item for group, _ in averaged for item in group):
+            p.grad = None
+
+    def _all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        assert self._spec is not None
+        gathered = [torch.empty_like(tensor) for _ in range(self._spec.world_size)]
+        self._run("allgather", [gathered], [tensor])
+        return torch.stack(gathered)
+
+    def _broadcast_bytes(self, payload: bytes, source: int) -> bytes:
+        size = torch.tensor([len(payload)], dtype=torch.int64)
+        options = dist.BroadcastOptions()
+        options.rootRank = source
+        self._run("broadcast", [size], options)
+        if payload:
+            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        else:
+            data = torch.empty(int(size), dtype=torch.uint8)
+        self._run("broadcast", [data], options)
+        return data.numpy().tobytes()
+
+    def _run(self, collective: str, *args: Any) -> None:
+        """``collective`` (a ProcessGroup method) on ``args``, waited for; GroupFailed if it fails."""
+        if self._group is None or self._broken:
+            raise GroupFailed("this worker holds no working dense group: the coordinator forms one")
+        what = collective
+        try:
+            getattr(self._group, collective)(*args).wait()
+        except RuntimeError as exc:
+            self._broken = True
+            generation = self._spec.generation if self._spec is not None else -1
+            raise GroupFailed(f"the dense group's {what} failed (group {generation}): {exc}") from exc
+
+    @property
+    def _rank(self) -> int:
+        assert self._spec is not None
+        return self._spec.rank
+
+    # ------------------------------------------------------------ state
+
+    def _parameters(self) -> list[nn.Parameter]:
+        missing = [name for name in self._names if name not in self._variables.parameters]
+        if missing:
+            raise GroupFailed(f"this worker holds no values of the dense variables {missing}")
+        return [self._variables.parameters[name] for name in self._names]
+
+    def _use_optimizer(self, spec: bytes) -> None:
+        """The round's optimizer: the same class keeps its state and takes the new
+        hyperparameters (a changed learning rate); another class starts afresh."""
+        self._wanted_optimizer = spec
+        self._ensure_optimizer()
+
+    def _ensure_optimizer(self) -> None:
+        spec = self._wanted_optimizer
+        if not spec or (spec == self._optimizer_spec and self._optimizer is not None):
+            return
+        if not all(name in self._variables.parameters for name in self._names):
+            return  # no values yet: built once they arrive (_synchronize)
+        cls, kwargs = cloudpickle.loads(spec)
+        if self._optimizer is not None and type(self._optimizer) is cls:
+            for group in self._optimizer.param_groups:
+                group.update(kwargs)
+        else:
+            self._optimizer = cls(self._parameters(), **kwargs)
+        self._optimizer_spec = spec
+
+    def _drop_state(self) -> None:
+        self._version = -1
+        self._optimizer, self._optimizer_spec = None, b""
+        self._applied.clear()
+
+    def _load_values(self, values: Mapping[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for name, value in values.items():
+                parameter = self._variables.parameter(name, tuple(value.shape), value.dtype)
+                parameter.copy_(value)
+        self._version = 0
+        self._optimizer, self._optimizer_spec = None, b""
+        self._ensure_optimizer()
+
+    def _state(self) -> dict[str, Any]:
+        return {
+            "version": self._version,
+            "values": {name: p.detach().to("cpu") for name, p in zip(self._names, self._parameters())},
+            "optimizer": self._optimizer.state_dict() if self._optimizer is not None else None,
+            "applied": list(self._applied),
+        }
+
+    def _load_state(self, state: Mapping[str, Any]) -> None:
+        self._load_values(state["values"])
+        self._version = int(state["version"])
+        if state["optimizer"] is not None and self._optimizer is not None:
+            self._optimizer.load_state_dict(state["optimizer"])
+        self._applied = OrderedDict((int(key), None) for key in state["applied"])
