@@ -1,6 +1,6 @@
 """A recommendation model trained with parameter servers: what they are for.
 
-    python examples/recommendation.py [--steps 600] [--rows 100000]
+    python examples/recommendation.py [--steps 600] [--rows 100000] [--sync-dense]
 
 A DLRM-shaped click-through model (paramserve.coordinator.recommendation): 26 categorical
 features, each with an embedding table that lives only on the parameter servers, 13 dense
@@ -9,6 +9,9 @@ The data is synthetic and Criteo-like (ids follow a power law; a hidden model de
 clicks), generated on each worker. Training is asynchronous: 2 parameter servers hold the
 tables and the layers and apply Adagrad; 2 workers run the steps the coordinator schedules.
 The script prints the held-out AUC before and after training, and the throughput.
+
+``--sync-dense`` trains hybrid: the MLPs are replicated on the workers and averaged every step by
+an all-reduce among them (synchronous), the tables stay on the servers (asynchronous).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=600, help="training steps (over both workers)")
     parser.add_argument("--rows", type=int, default=100_000, help="the largest table's rows")
+    parser.add_argument("--sync-dense", action="store_true", help="hybrid: the MLPs all-reduced on the workers")
     args = parser.parse_args(argv)
     rows = criteo_rows(args.rows)
 
@@ -50,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         # As TensorFlow's tutorial partitions: shards of at least 256 KiB, at most one per server.
         # The tables are split over both servers; each small layer lives whole on one of them.
         partitioner = MinSizePartitioner(min_shard_bytes=256 << 10, max_shards=2)
-        strategy = ParameterServerStrategy(cluster.spec, variable_partitioner=partitioner)
+        strategy = ParameterServerStrategy(cluster.spec, variable_partitioner=partitioner, sync_dense=args.sync_dense)
         torch.manual_seed(0)
         with strategy.scope():
             # The 26 tables are one ShardedEmbeddingCollection: a step reads all of them in one

@@ -221,12 +221,18 @@ class DenseExchange(Protocol):
     def holds(self, name: str) -> bool: ...
 
     def exchange(self, gradients: Mapping[str, torch.Tensor], key: str) -> None:
-        """Averages one step's gradients over the workers and applies the update here."""
+        """Averages one step's gradients over the workers; the update is applied by ``settle``."""
+
+    def settle(self) -> None:
+        """Applies the update of the step in flight, if any."""
 
 
 class _NoDense:
     def holds(self, name: str) -> bool:
         return False
+
+    def settle(self) -> None:
+        return None
 
     def exchange(self, gradients: Mapping[str, torch.Tensor], key: str) -> None:
         raise AssertionError("no replicated variables")
@@ -369,8 +375,10 @@ class ClosureAccess:
         self._forget_rows(names)
 
     def _exchange_dense(self, names: Sequence[str]) -> None:
-        """The replicated variables' part of a step: their gradients averaged over the workers
-        and applied on each (before the tables' push: a step whose all-reduce fails pushes nothing)."""
+        """The replicated variables' part of a step: their gradients go to the all-reduce that
+        averages them over the workers (applied on each by ``settle``). The tables' push is in
+        flight meanwhile: a step whose all-reduce fails runs again, and the servers drop its
+        push as a duplicate (same key) while its dense part, never applied, counts then."""
         gradients = {}
         for name in names:
             parameter = self._variables.parameters.get(name)
@@ -379,6 +387,9 @@ class ClosureAccess:
         key = f"{self._closure_id}/dense/{self._dense_seq}"
         self._dense_seq += 1
         self._dense.exchange(gradients, key)
+
+    def settle_replicated(self) -> None:
+        self._dense.settle()
 
     def _record(self, summary: PushSummary, pulled: PullResult, used: list[nn.Parameter]) -> None:
         """A push's outcome: the values it read back fill the parameters, and it is counted."""

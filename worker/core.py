@@ -166,6 +166,7 @@ class WorkerCore:
         self._cluster_fingerprint = ""
         self._cancelled: OrderedDict[str, None] = OrderedDict()  # under _state_lock
         self._batch: frozenset[str] = frozenset()  # ids of the batch running (under _state_lock)
+        self._group_broken = False  # the dense group broke in the round that ran last
 
     def cancel(self, closure_ids: Sequence[str]) -> int:
         """Cancels closures: each stops before its next push or step (and one not started yet
@@ -210,7 +211,7 @@ class WorkerCore:
             _validate(request)
         with self._run_lock:
             if dense.read_state:
-                return RoundOutcome([], dense_state=self._dense.state_bytes() if self._dense.version >= 0 else b"")
+                return RoundOutcome([], dense_state=self._dense.state_of_epoch(dense.state_epoch))
             try:
                 self._dense.begin_round(dense)
             except GroupFailed as exc:
@@ -218,12 +219,7 @@ class WorkerCore:
                 failed = [self._group_failure(requests[0], exc)] if requests else []
                 return RoundOutcome(failed, group_failed=True)
             outcomes = self._run_batch(requests, self._dense)
-            try:
-                self._dense.finish_round()
-            except GroupFailed as exc:
-                log.warning("dense round not finished: %s", exc)
-                return RoundOutcome(outcomes, group_failed=True)
-            return RoundOutcome(outcomes)
+            return RoundOutcome(outcomes, group_failed=self._group_broken)
 
     def _group_failure(self, request: ClosureRequest, exc: GroupFailed) -> ClosureOutcome:
         return ClosureOutcome(
@@ -238,22 +234,30 @@ class WorkerCore:
         )
 
     def _run_batch(self, requests: Sequence[ClosureRequest], dense: DenseReplicas | None) -> list[ClosureOutcome]:
-        """run_closures' work, under the run lock."""
+        """run_closures' work, under the run lock; with ``dense``, a round's (ending with
+        DenseReplicas.finish_round, whatever happened before)."""
         pipeline = PushPipeline()
         runs: list[tuple[ClosureRequest, ClosureOutcome, ClosureAccess | None]] = []
+        owner: int | None = None  # the run whose last dense step is still in flight
         with self._state_lock:
             self._batch = frozenset(request.closure_id for request in requests)
         try:
             for request in requests:
                 outcome, access = self._run(request, pipeline if request.overlap_pushes else None, dense)
+                if owner is not None and outcome.error is not None and outcome.error.group_failed:
+                    runs = _fail_in_flight(runs, owner, outcome.error)  # its step may be what failed
+                    break
                 runs.append((request, outcome, access))
                 if outcome.error is not None or pipeline.failure is not None:
                     break
+                owner = len(runs) - 1 if dense is not None and dense.pending else None
             pipeline.settle_quietly()
         finally:
             pipeline.abandon()  # only where something above raised
             with self._state_lock:
                 self._batch = frozenset()
+            if dense is not None:
+                runs = self._finish_round(dense, runs, owner)
         if pipeline.failure is not None:
             runs = _blame_failed_push(runs, pipeline.failure)
         outcomes = [_counted(outcome, access) for _, outcome, access in runs]
@@ -261,6 +265,24 @@ class WorkerCore:
             if access is not None:  # not a request answered with needs_cluster (logged already)
                 self._finished(request, outcome)
         return outcomes
+
+    def _finish_round(
+        self,
+        dense: DenseReplicas,
+        runs: list[tuple[ClosureRequest, ClosureOutcome, ClosureAccess | None]],
+        owner: int | None,
+    ) -> list[tuple[ClosureRequest, ClosureOutcome, ClosureAccess | None]]:
+        """Takes part in the round until every member is done (DenseReplicas.finish_round); when
+        the group breaks there, the closure whose dense step was in flight runs again."""
+        self._group_broken = False
+        try:
+            dense.finish_round()
+        except GroupFailed as exc:
+            log.warning("dense round not finished: %s", exc)
+            self._group_broken = True
+            if owner is not None and owner < len(runs) and runs[owner][1].error is None:
+                return _fail_in_flight(runs, owner, closure_failure(exc))
+        return runs
 
     def run_closure(self, request: ClosureRequest) -> ClosureOutcome:
         """Runs ``request``'s function ``steps`` times and returns the last result or the error.
@@ -403,6 +425,18 @@ class WorkerCore:
     def _held(self) -> tuple[str, ...]:
         with self._state_lock:
             return tuple(sorted(self._resources))
+
+
+def _fail_in_flight(
+    runs: list[tuple[ClosureRequest, ClosureOutcome, ClosureAccess | None]], owner: int, failure: ClosureFailure
+) -> list[tuple[ClosureRequest, ClosureOutcome, ClosureAccess | None]]:
+    """The runs up to ``owner``, whose dense step was in flight when the group broke: it failed
+    with the group (its step may not be applied; run again, it is applied once), and the runs
+    after it go back to the queue with it."""
+    request, outcome, access = runs[owner]
+    message = f"its last dense step was in flight when the group broke: {failure.message}"
+    failed = ClosureFailure(type=failure.type, message=message, group_failed=True)
+    return [*runs[:owner], (request, dataclasses.replace(outcome, result=None, error=failed), access)]
 
 
 def _blame_failed_push(

@@ -144,6 +144,17 @@ def store_endpoint(address: str) -> tuple[str, int]:
 # ---------------------------------------------------------------- the replicas
 
 
+@dataclass
+class _PendingStep:
+    """A step whose all-reduce was sent and is not applied yet."""
+
+    work: Any  # the all-reduce's torch.distributed Work
+    main: Sequence[tuple[str, nn.Parameter]]
+    flat: torch.Tensor  # float32 gradients then every member's header slot
+    header: int  # the header's length at the end of ``flat``
+    others: Sequence[tuple[Sequence[tuple[str, nn.Parameter]], torch.Tensor]]
+
+
 class DenseReplicas:
     """This worker's replicas of the dense variables, their optimizer, and its group membership.
 
@@ -165,6 +176,7 @@ class DenseReplicas:
         self._store: Any = None
         self._spec: GroupSpec | None = None
         self._broken = False
+        self._pending: _PendingStep | None = None
 
     # ------------------------------------------------------------ what closures ask
 
@@ -197,16 +209,36 @@ class DenseReplicas:
 
     def exchange(self, gradients: Mapping[str, torch.Tensor], key: str) -> None:
         """One step's part: contributes ``gradients`` (of the replicated variables this step
-        touched; the others count as zero) under ``key``, then applies the average over the
-        members that contributed. Raises GroupFailed."""
-        self._collective_step(stepping=True, key=key_hash(key), gradients=gradients)
+        touched; the others count as zero) under ``key``. The average over the members that
+        contributed is applied by ``settle``: before the next step's part, when a layer holding
+        replicated variables next runs forward (SettleBeforeForward), or when the round ends;
+        until then the all-reduce runs while the worker goes on (its next lookup). Raises
+        GroupFailed (here, or where the step is settled)."""
+        self.settle()
+        self._pending = self._start_step(stepping=True, key=key_hash(key), gradients=gradients)
+
+    @property
+    def pending(self) -> bool:
+        """Whether a step's average is still to be applied (``settle``)."""
+        return self._pending is not None
+
+    def settle(self) -> None:
+        """Applies the average of the step in flight, if any. Raises GroupFailed."""
+        step, self._pending = self._pending, None
+        if step is not None:
+            self._finish_step(step)
 
     def finish_round(self) -> None:
         """Takes part in the other members' steps until every member is done. Raises GroupFailed."""
         if self._group is None:
             return
+        self.settle()
         while self._collective_step(stepping=False, key=0, gradients={}):
             pass
+
+    def state_of_epoch(self, epoch: int) -> bytes:
+        """``state_bytes`` if this member holds state of ``epoch`` (or a later one), else empty."""
+        return self.state_bytes() if self._version >= 0 and self._epoch >= epoch else b""
 
     def state_bytes(self) -> bytes:
         """The values, the optimizer's state and the version, as torch.save writes them."""
@@ -238,7 +270,7 @@ class DenseReplicas:
 
     def _leave(self) -> None:
         # Dropping the group joins gloo's threads now, while the interpreter is whole.
-        self._group, self._store, self._spec = None, None, None
+        self._group, self._store, self._spec, self._pending = None, None, None, None
 
     def _synchronize(self) -> None:
         """Makes every member's state the one of the member that applied the most steps."""
@@ -254,12 +286,17 @@ class DenseReplicas:
             self._load_state(torch.load(io.BytesIO(received), weights_only=True))
 
     def _collective_step(self, *, stepping: bool, key: int, gradients: Mapping[str, torch.Tensor]) -> bool:
-        """One collective step of the round; returns whether any member was stepping.
+        """One collective step of the round, waited for; returns whether any member was stepping."""
+        return self._finish_step(self._start_step(stepping=stepping, key=key, gradients=gradients))
+
+    def _start_step(self, *, stepping: bool, key: int, gradients: Mapping[str, torch.Tensor]) -> _PendingStep:
+        """Sends this member's part of a step and returns without waiting for the others.
 
         One all-reduce carries the step: the float32 gradients (zeros from a member not
         stepping, or stepping under a key applied before), then a header slot per member
         (stepping, its key in 21-bit parts), each member writing only its own: the sum holds
-        every member's header. Gradients of other dtypes follow in one all-reduce each."""
+        every member's header. Gradients of other dtypes follow in one all-reduce each (sent
+        when the step is finished: every member sends its collectives in the same order)."""
         assert self._spec is not None
         parameters = self._parameters()
         fresh = stepping and key not in self._applied
@@ -267,19 +304,25 @@ class DenseReplicas:
         header = torch.zeros(self._spec.world_size * HEADER_SLOT, dtype=torch.float32)
         header[self._rank * HEADER_SLOT : (self._rank + 1) * HEADER_SLOT] = torch.tensor(encode_header(stepping, key))
         flat = torch.cat([*self._flat_gradients(main, gradients if fresh else {}), header])
-        self._run("allreduce", [flat])
-        active, keys = decode_headers(flat[flat.numel() - header.numel() :].tolist(), self._spec.world_size)
+        others = []
+        for dtype in sorted({p.dtype for p in parameters} - {torch.float32}, key=str):
+            group = [(n, p) for n, p in zip(self._names, parameters) if p.dtype == dtype]
+            others.append((group, torch.cat(self._flat_gradients(group, gradients if fresh else {}))))
+        return _PendingStep(self._send("allreduce", [flat]), main, flat, header.numel(), others)
+
+    def _finish_step(self, step: _PendingStep) -> bool:
+        """Waits for a step's all-reduce and applies its average; returns whether any member
+        was stepping (False: every member is done with the round)."""
+        assert self._spec is not None
+        self._wait(step.work, "allreduce")
+        active, keys = decode_headers(step.flat[step.flat.numel() - step.header :].tolist(), self._spec.world_size)
         if not any(active):
             return False
         counted = contributors(active, keys, self._applied)
-        averaged = [(main, flat)]
-        for dtype in sorted({p.dtype for p in parameters} - {torch.float32}, key=str):
-            group = [(n, p) for n, p in zip(self._names, parameters) if p.dtype == dtype]
-            other = torch.cat(self._flat_gradients(group, gradients if fresh else {}))
+        for _, other in step.others:
             self._run("allreduce", [other])
-            averaged.append((group, other))
         if counted:
-            self._apply_average(averaged, len(counted))
+            self._apply_average([(step.main, step.flat), *step.others], len(counted))
             for rank in counted:
                 self._applied[keys[rank]] = None
             while len(self._applied) > APPLIED_KEYS_KEPT:
@@ -335,15 +378,28 @@ class DenseReplicas:
 
     def _run(self, collective: str, *args: Any) -> None:
         """``collective`` (a ProcessGroup method) on ``args``, waited for; GroupFailed if it fails."""
+        self._wait(self._send(collective, *args), collective)
+
+    def _send(self, collective: str, *args: Any) -> Any:
+        """Starts ``collective`` on ``args``; its work object. GroupFailed if it cannot start."""
         if self._group is None or self._broken:
             raise GroupFailed("this worker holds no working dense group: the coordinator forms one")
-        what = collective
         try:
-            getattr(self._group, collective)(*args).wait()
+            return getattr(self._group, collective)(*args)
         except RuntimeError as exc:
-            self._broken = True
-            generation = self._spec.generation if self._spec is not None else -1
-            raise GroupFailed(f"the dense group's {what} failed (group {generation}): {exc}") from exc
+            raise self._failed(collective, exc) from exc
+
+    def _wait(self, work: Any, collective: str) -> None:
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            raise self._failed(collective, exc) from exc
+
+    def _failed(self, collective: str, exc: RuntimeError) -> GroupFailed:
+        self._broken = True
+        self._pending = None
+        generation = self._spec.generation if self._spec is not None else -1
+        return GroupFailed(f"the dense group's {collective} failed (group {generation}): {exc}")
 
     @property
     def _rank(self) -> int:

@@ -62,6 +62,10 @@ class VariableAccess(Protocol):
     def zero_grad(self, names: Sequence[str], set_to_none: bool) -> None:
         """Forgets gradients of these variables (dense and row gradients)."""
 
+    def settle_replicated(self) -> None:
+        """Hybrid training (sync_dense): makes the replicated dense variables hold the update
+        of the step in flight (a worker applies it lazily, when a layer holding them runs)."""
+
 
 class NoAccess:
     """Outside any worker closure and any strategy: distributed variables are plain tensors."""
@@ -90,6 +94,9 @@ class NoAccess:
         raise RuntimeError("ServerOptimizer.step() needs a ParameterServerStrategy; none is active")
 
     def zero_grad(self, names: Sequence[str], set_to_none: bool) -> None:
+        return None
+
+    def settle_replicated(self) -> None:
         return None
 
 
@@ -176,6 +183,16 @@ class RefreshBeforeForward:
 
     def __reduce__(self) -> tuple[type[RefreshBeforeForward], tuple[()]]:
         return RefreshBeforeForward, ()  # on a worker the closure's access applies
+
+
+class SettleBeforeForward:
+    """Forward pre-hook of each layer holding replicated dense variables (hybrid training): the
+    update of the step in flight is applied before the layer runs. Applied there, not before the
+    whole model runs, the all-reduce of a step goes on while the next step reads its embedding
+    rows from the servers."""
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        current_access().settle_replicated()
 
 
 class ShardedEmbedding(nn.Module):

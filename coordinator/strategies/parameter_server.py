@@ -198,7 +198,6 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         self._hook_handles: list[torch.utils.hooks.RemovableHandle] = []
         self._linked_optimizers: list[torch.optim.Optimizer] = []
         self._closed = False
-        # Hybrid training's replicated dense variables (None: every variable is on the servers).
         self.sync_dense = SyncDense(self, dense_group_timeout, rendezvous_host) if sync_dense else None
 
     # ------------------------------------------------------------------ scope
@@ -226,7 +225,9 @@ class ParameterServerStrategy(SingleReplicaStrategy):
             for optimizer in built:
                 self._adopt_optimizer(optimizer)
             if self._materialized:  # training started: a clash with the servers' variables fails the build now
-                self._existing_on_servers([name for name in self._server_variables() if name not in self._created])
+                self._existing_on_servers(
+                    [n for n, v in self._variables.items() if n not in self._created and not v.replicated]
+                )
         self._claim_models(record.roots())
 
     @contextlib.contextmanager
@@ -280,12 +281,14 @@ class ParameterServerStrategy(SingleReplicaStrategy):
                 continue
             name = f"{prefix}.{qualified}"
             mark_variable(param, name)
-            dense = Variable(name, tuple(param.shape), param.dtype, parameter=param)
-            self._variables[name] = dataclasses.replace(dense, replicated=self.sync_dense is not None)
+            replicated = self.sync_dense is not None  # hybrid training: the layer lives on the workers
+            self._variables[name] = Variable(name, tuple(param.shape), param.dtype, param, replicated=replicated)
         for qualified, table in root.named_modules():
             if isinstance(table, (ShardedEmbedding, DynamicEmbedding)) and not table.adopted():
                 self.register_table(table, self._table_name(table, f"{prefix}.{qualified}"))
         self._hook_handles.append(root.register_forward_pre_hook(RefreshBeforeForward(self._access)))
+        if self.sync_dense is not None:
+            self._hook_handles += self.sync_dense.settle_hooks(root)
 
     def _table_name(self, table: ShardedEmbedding | DynamicEmbedding, default: str) -> str:
         """The variable a table becomes: the name its user gave (under the run name), else
@@ -484,7 +487,7 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         with self._lock:
             if states_by_server is not None and layouts is not None and not self._materialized:
                 self.restore_states(states_by_server, layouts)
-            new = [v for name, v in self._server_variables().items() if name not in self._created]
+            new = [v for n, v in self._variables.items() if n not in self._created and not v.replicated]
             if new:
                 self._create_all(new)
             self._materialized = True
@@ -545,10 +548,6 @@ class ParameterServerStrategy(SingleReplicaStrategy):
             len(existing),
         )
 
-    def _server_variables(self) -> dict[str, Variable]:
-        """The variables that live on the parameter servers (not sync_dense's replicated ones)."""
-        return {name: v for name, v in self._variables.items() if not v.replicated}
-
     def _existing_on_servers(self, names: list[str]) -> set[str]:
         """Which of ``names`` the servers hold already; they are reused (their layouts adopted)
         when the strategy allows it, else VariableExistsError says how to keep runs apart."""
@@ -589,7 +588,7 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         if self.reuse_variables:
             return self.materialize()
         with self._lock:
-            new = [name for name in self._server_variables() if name not in self._created]
+            new = [n for n, v in self._variables.items() if n not in self._created and not v.replicated]
             stale = self._held_by_servers(new)
             if stale:
                 self.client.adopt_layouts(stale)

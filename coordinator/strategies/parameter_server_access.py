@@ -104,6 +104,9 @@ class CoordinatorAccess:
         if gradients:
             self.strategy.client.push(gradients)
 
+    def settle_replicated(self) -> None:
+        return None  # the coordinator reads the workers' settled state (refresh)
+
     def zero_grad(self, names: Sequence[str], set_to_none: bool) -> None:
         for name in names:
             param = self.strategy.variables[name].parameter

@@ -21,8 +21,10 @@ from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from paramserve.coordinator.contracts import DenseSettings
+from paramserve.worker.variables import SettleBeforeForward, variable_name
 
 if TYPE_CHECKING:
     from paramserve.coordinator.strategies.parameter_server import ParameterServerStrategy
@@ -44,11 +46,9 @@ class SyncDense:
         self.rendezvous_host = rendezvous_host
         self._lock = threading.RLock()
         self._epoch = 0
-        self._restored: dict[str, Any] | None = None
-        """This epoch's restored state (values, optimizer state, version, applied keys): what a
-        worker without state of the epoch starts from."""
         self._known: dict[str, Any] | None = None
-        """The latest state read from the workers or restored."""
+        """The latest state (values, optimizer state, version, applied keys) read from the
+        workers or restored: what a worker without state of the epoch starts from."""
         self._read_at = 0  # rounds_done when the workers' state was last read
         self.rounds_done: Callable[[], int] = lambda: 0
         self.read_state: Callable[[float], bytes] | None = None
@@ -58,6 +58,14 @@ class SyncDense:
     def holds(self, name: str) -> bool:
         variable = self._strategy.variables.get(name)
         return variable is not None and variable.replicated
+
+    def settle_hooks(self, root: torch.nn.Module) -> list[RemovableHandle]:
+        """A SettleBeforeForward hook on each layer of ``root`` holding its own replicated
+        variables: a worker applies a step's average when such a layer next runs."""
+        layers = [
+            m for m in root.modules() if any(self.holds(str(variable_name(p))) for p in m.parameters(recurse=False))
+        ]
+        return [layer.register_forward_pre_hook(SettleBeforeForward()) for layer in layers]
 
     def names(self) -> tuple[str, ...]:
         return tuple(sorted(n for n, v in self._strategy.variables.items() if v.replicated))
@@ -83,17 +91,19 @@ class SyncDense:
         return DenseSettings(names, optimizer, self._epoch)
 
     def initial_state(self) -> bytes:
-        """What a worker without state of this epoch starts from: the restored state, or the
-        coordinator's values (as torch.save writes worker.dense_group's state)."""
-        with self._lock:
-            if self._restored is not None:
-                state = self._restored
-            else:
-                values = {name: self._parameter(name).detach().clone() for name in self.names()}
-                state = {"version": 0, "values": values, "optimizer": None, "applied": []}
-            buffer = io.BytesIO()
-            torch.save(state, buffer)
-            return buffer.getvalue()
+        """What a worker without state of this epoch starts from (as torch.save writes
+        worker.dense_group's state): the latest state known (restored, or read from the workers),
+        else the coordinator's values. A group whose members all hold state ignores it (they
+        take the one of the member ahead); a group of new workers only (every worker lost at
+        once) goes on from it. Called on the dispatch thread between rounds, without ``_lock``:
+        a reader holding it waits for that thread (``read_state`` pauses dispatch)."""
+        state = self._known
+        if state is None:
+            values = {name: self._parameter(name).detach().clone() for name in self.names()}
+            state = {"version": 0, "values": values, "optimizer": None, "applied": []}
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        return buffer.getvalue()
 
     # ------------------------------------------------------------ reading and restoring
 
@@ -140,7 +150,7 @@ class SyncDense:
         with self._lock, torch.no_grad():
             for name, value in values.items():
                 self._parameter(name).copy_(value)
-            self._restored = self._known = {**state, "values": values}
+            self._known = {**state, "values": values}
             self._epoch += 1
             self._read_at = self.rounds_done()
 

@@ -42,6 +42,7 @@ def main(plan: dict) -> None:
             replicas.begin_round(dense)
             for done, (key, gradient) in enumerate(round_["steps"]):
                 if round_.get("die_after") == done:
+                    replicas.settle()  # its steps so far are applied everywhere
                     os._exit(3)
                 replicas.exchange({name: torch.full_like(value, gradient) for name, value in initial.items()}, key)
             replicas.finish_round()

@@ -1,0 +1,147 @@
+"""Hybrid training (``sync_dense=True``) on the recommendation workload, beside pure
+parameter-server training and fully synchronous training.
+
+    python benchmarks/hybrid.py [--json] [--rounds 3] [--cap 100000] [--samples 153600]
+
+The model and data are benchmarks/dlrm.py's (DLRM-shaped, 26 tables capped at --cap rows,
+Zipf ids, batch 256 per worker, Adagrad lr 0.05; 2 ps + 2 workers on 127.0.0.1, one torch
+thread per process).
+
+- hybrid_samples: samples per second of hybrid training (the layers replicated on the workers
+  and all-reduced every step, the tables on the servers) beside pure parameter-server training
+  (everything on the servers), same run, the two taking turns; medians of --rounds.
+- hybrid_logloss: held-out log-loss (binary cross-entropy over 16 batches no worker trains
+  on) after --samples training samples (each worker's stream of fresh batches, as an epoch
+  over click logs sees them), beside a fully synchronous run on the same samples:
+  one process stepping on both workers' batches at once (the mean loss over 2 x 256: what
+  MultiWorkerMirroredStrategy with 2 workers computes), ``nn.Embedding(sparse=True)`` +
+  Adagrad. Ratio 1.0: the same loss; the bar is within 0.5 % (ratio <= 1.005).
+- ps_logloss: the same for pure parameter-server training (asynchronous everywhere).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from _common import Result, one_torch_thread, print_report, worker_environment
+from dlrm import BATCH, LR, paramserve_run
+
+from paramserve.coordinator import (
+    ClusterCoordinator,
+    LocalCluster,
+    MinSizePartitioner,
+    ParameterServerStrategy,
+    ShardedEmbeddingCollection,
+)
+from paramserve.coordinator.recommendation import DLRM, ClickData, WorkerClicks, criteo_rows, train_clicks
+
+WORKERS = 2
+HELD_OUT_BATCHES = 16
+
+
+def held_out_logloss(model: torch.nn.Module, rows: list[int]) -> float:
+    batches = ClickData(rows, BATCH).batches(stream=10_000, count=HELD_OUT_BATCHES)
+    with torch.no_grad():
+        losses = [F.binary_cross_entropy_with_logits(model(b.dense, b.features()), b.clicked) for b in batches]
+    return float(torch.stack(losses).mean())
+
+
+def synchronous_logloss(cap: int, samples: int) -> float:
+    """Fully synchronous data parallelism, computed in one process: each step takes one batch
+    of each worker's stream and steps on their mean loss (every parameter, tables included)."""
+    rows = criteo_rows(cap)
+    torch.manual_seed(0)
+    model = DLRM(rows)
+    optimizer = torch.optim.Adagrad(model.parameters(), lr=LR)
+    steps = samples // (BATCH * WORKERS)
+    streams = [ClickData(rows, BATCH).cycle(worker, steps) for worker in range(WORKERS)]
+    for _ in range(steps):
+        batches = [next(stream) for stream in streams]
+        optimizer.zero_grad()
+        loss = sum(F.binary_cross_entropy_with_logits(model(b.dense, b.features()), b.clicked) for b in batches) / len(
+            batches
+        )
+        loss.backward()  # type: ignore[union-attr]
+        optimizer.step()
+    return held_out_logloss(model, rows)
+
+
+def distributed_logloss(cap: int, samples: int, sync_dense: bool) -> float:
+    """Pure parameter-server (``sync_dense=False``) or hybrid training from the same initial
+    values on the workers' streams, then the held-out log-loss read on the coordinator."""
+    rows = criteo_rows(cap)
+    with LocalCluster(
+        num_ps=2,
+        num_workers=WORKERS,
+        env=worker_environment(),
+        extra_ps_args=["--torch-threads", "1"],
+        extra_worker_args=["--torch-threads", "1"],
+    ) as cluster:
+        strategy = ParameterServerStrategy(
+            cluster.spec,
+            variable_partitioner=MinSizePartitioner(min_shard_bytes=256 << 10, max_shards=2),
+            sync_dense=sync_dense,
+        )
+        try:
+            torch.manual_seed(0)
+            with strategy.scope():
+                model = DLRM(rows, embeddings=ShardedEmbeddingCollection)
+            optimizer = strategy.optimizer(torch.optim.Adagrad, lr=LR)
+            with ClusterCoordinator(strategy) as coordinator:
+                fresh = WorkerClicks(rows, BATCH, samples // (BATCH * WORKERS))  # each batch seen about once
+                batches = iter(coordinator.create_per_worker_dataset(fresh))
+                for _ in range(samples // BATCH):
+                    coordinator.schedule(train_clicks, args=(batches, model, optimizer))
+                coordinator.join()
+                return held_out_logloss(model, rows)
+        finally:
+            strategy.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--cap", type=int, default=100_000, help="the largest table's rows")
+    parser.add_argument("--steps", type=int, default=1200, help="steps per speed run (summed over workers)")
+    parser.add_argument("--warmup", type=int, default=60)
+    parser.add_argument("--samples", type=int, default=600 * BATCH, help="training samples before the log-loss")
+    args = parser.parse_args(argv)
+    one_torch_thread()
+
+    hybrid, pure = [], []
+    for round_ in range(args.rounds):
+        pure.append(paramserve_run(args.cap, args.steps, args.warmup).samples_per_s)
+        hybrid.append(paramserve_run(args.cap, args.steps, args.warmup, sync_dense=True).samples_per_s)
+        print(f"  [hybrid round {round_ + 1}/{args.rounds}] hybrid {hybrid[-1]:,.0f} samples/s, "
+              f"parameter servers {pure[-1]:,.0f} samples/s", flush=True)  # fmt: skip
+
+    synchronous = synchronous_logloss(args.cap, args.samples)
+    hybrid_loss = distributed_logloss(args.cap, args.samples, sync_dense=True)
+    ps_loss = distributed_logloss(args.cap, args.samples, sync_dense=False)
+    print(f"  log-loss after {args.samples:,} samples: synchronous {synchronous:.5f}, hybrid {hybrid_loss:.5f}, "
+          f"parameter servers {ps_loss:.5f}", flush=True)  # fmt: skip
+
+    baseline = f"fully synchronous (2 x {BATCH} per step, one process), after {args.samples:,} samples"
+    results = [
+        Result(
+            "hybrid_samples",
+            statistics.median(hybrid),
+            "samples/s",
+            statistics.median(pure),
+            f"pure parameter-server training, median of {args.rounds}",
+        ),
+        Result("hybrid_logloss", hybrid_loss, "logloss", synchronous, baseline),
+        Result("ps_logloss", ps_loss, "logloss", synchronous, baseline),
+    ]
+    print_report("hybrid training (sync_dense) on the DLRM-shaped workload", results, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
