@@ -84,8 +84,8 @@ class BatchSizer:
 
     def round_share(self, queued: int, members: int) -> int:
         """Closures per member of a hybrid-training round: as ``size`` with ROUND_FACTOR times
-        the target duration, and at most an even share of the queue."""
+        the target duration and ``max_batch``, and at most an even share of the queue."""
         if self._seconds is None or queued <= 1:
             return 1
         lasting = max(1, int(ROUND_FACTOR * self.target_seconds / max(self._seconds, 1e-6)))
-        return min(self.max_batch, max(1, -(-queued // max(1, members))), lasting)
+        return min(self.max_batch * ROUND_FACTOR, max(1, -(-queued // max(1, members))), lasting)

@@ -210,6 +210,7 @@ class Dispatcher:
             request = self._request(pending, self._force)
             request.dense.CopyFrom(dense_round_to_proto(dense))
             deadline = self._policy.closure_timeout * max(1, longest)
+            sent = time.perf_counter()
             try:
                 response = await self._transport.run_closures(request, deadline)
             except RpcFailure as failure:
@@ -222,7 +223,7 @@ class Dispatcher:
                     self._queue.fail(closure, _local_error(closure, self.address, "could not send the closure", exc))
                 pending = []
                 return True
-            self._sizer.observe_call(0.0, sum(r.seconds for r in response.results))
+            self._sizer.observe_call(time.perf_counter() - sent, sum(r.seconds for r in response.results))
             pending, self._force = self._on_results(pending, request, response)
             return response.group_failed
         finally:

@@ -171,3 +171,24 @@ def test_a_checkpoint_holds_the_dense_state_and_restores_it_exactly_onto_the_wor
     for replica in on_workers:
         for name, value in replica.items():
             assert torch.equal(value, saved[name]), name
+
+
+def test_a_restarted_worker_and_a_new_one_join_with_the_groups_state(start_cluster):
+    cluster = start_cluster(num_ps=2, num_workers=2)
+    strategy, model, optimizer = build(cluster, dense_group_timeout=20.0)
+    with ClusterCoordinator(strategy) as coordinator:
+        batches = iter(coordinator.create_per_worker_dataset(WorkerClicks(TABLE_ROWS, count=100)))
+        first = [coordinator.schedule(train_clicks, args=(batches, model, optimizer)) for _ in range(120)]
+        first[30].fetch(timeout=120)
+        cluster.kill_worker(1)
+        cluster.restart_worker(1)  # the same address, a new process holding no dense state
+        coordinator.join(timeout=240)
+        coordinator.add_worker(cluster.add_worker())  # a third worker, also without state
+        second = [coordinator.schedule(train_clicks, args=(batches, model, optimizer)) for _ in range(60)]
+        coordinator.join(timeout=240)
+        held = replicas(coordinator, model, 3)
+    strategy.close()
+
+    assert len([float(v.fetch()) for v in first + second]) == 180
+    assert_same(held[0], held[1])
+    assert_same(held[0], held[2])

@@ -91,12 +91,15 @@ def test_rendezvous_host_is_loopback_only_for_a_local_cluster() -> None:
 
 
 def test_a_round_lasts_longer_than_a_batch() -> None:
-    sizer = BatchSizer(max_batch=64, target_seconds=0.1)
+    sizer = BatchSizer(max_batch=16, target_seconds=0.1)
     assert sizer.round_share(100, 2) == 1  # no duration known yet
     sizer.observe(0.01)
     assert sizer.size(1000, 2) == 10
-    assert sizer.round_share(1000, 2) == min(64, ROUND_FACTOR * 10)
+    assert sizer.round_share(1000, 2) == ROUND_FACTOR * 10
     assert sizer.round_share(7, 2) == 4  # never more than an even share of the queue
+    short = BatchSizer(max_batch=16, target_seconds=0.1)
+    short.observe(0.0001)
+    assert short.round_share(10_000, 2) == 16 * ROUND_FACTOR  # short closures: ROUND_FACTOR batches
 
 
 def test_a_broken_group_requeues_the_closure_until_attempts_run_out() -> None:
