@@ -161,13 +161,19 @@ def _stop_dispatch(
     return cancelled
 
 
-def _dense_rounds(strategy: CoordinatedStrategy) -> DenseRounds | None:
+def _dense_rounds(strategy: CoordinatedStrategy, telemetry: CoordinatorTelemetry) -> DenseRounds | None:
     """Hybrid training's rounds, when the strategy replicates its dense variables (sync_dense)."""
     sync_dense = strategy.sync_dense
     if sync_dense is None:
         return None
     host = sync_dense.rendezvous_host or default_rendezvous_host(strategy.cluster.workers)
-    return DenseRounds(sync_dense.settings, sync_dense.initial_state, rendezvous_host=host, timeout=sync_dense.timeout)
+    return DenseRounds(
+        sync_dense.settings,
+        sync_dense.initial_state,
+        rendezvous_host=host,
+        timeout=sync_dense.timeout,
+        observer=telemetry,
+    )
 
 
 class ClusterCoordinator:
@@ -221,7 +227,7 @@ class ClusterCoordinator:
         """Recovers failed parameter servers (None: recovery is off, or the strategy has none)."""
         if self.config.recovery.enabled and recoverable is not None:
             self.recovery = ParameterServerRecovery(recoverable, queue=self._queue, policy=self.config.recovery)
-        self._dense = _dense_rounds(strategy)
+        self._dense = _dense_rounds(strategy, self.telemetry)
         self._pool = DispatchLoop(
             queue=self._queue,
             specs=self._specs,

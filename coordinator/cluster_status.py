@@ -328,6 +328,16 @@ class RunLog:
             else:
                 self._add(now, "ps-recovered", server, f"{result} in {seconds:.2f}s: training resumed")
 
+    def dense_group_formed(self, generation: int, members: Sequence[str]) -> None:
+        with self._lock:
+            self._add(self._clock(), "dense-group", f"group {generation}", f"formed with {len(members)} workers")
+
+    def dense_group_broke(self) -> None:
+        with self._lock:
+            self._add(
+                self._clock(), "dense-group-broke", "dense group", "a worker left mid-round: its closures run again"
+            )
+
     def checkpoint(self, step: int, path: str, written_at: float, size: int | None, whole: bool | None) -> None:
         """A checkpoint was written or restored (``size`` in bytes and ``whole``: None when its
         directory is not on this machine)."""

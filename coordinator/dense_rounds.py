@@ -28,6 +28,7 @@ import logging
 import socket
 import threading
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch.distributed as dist
 
@@ -36,7 +37,23 @@ from paramserve.worker.dense_group import DenseRound, GroupSpec
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DenseRounds", "default_rendezvous_host", "plan_generation", "round_shares"]
+__all__ = ["DenseObserver", "DenseRounds", "default_rendezvous_host", "plan_generation", "round_shares"]
+
+
+class DenseObserver(Protocol):
+    """Told about the dense group (the coordinator's telemetry: metrics and the status page)."""
+
+    def dense_group_formed(self, generation: int, members: Sequence[str]) -> None: ...
+
+    def dense_round_finished(self, broke: bool) -> None: ...
+
+
+class _NoDenseObserver:
+    def dense_group_formed(self, generation: int, members: Sequence[str]) -> None:
+        return None
+
+    def dense_round_finished(self, broke: bool) -> None:
+        return None
 
 
 # ---------------------------------------------------------------- pure decisions
@@ -92,7 +109,9 @@ class DenseRounds:
         *,
         rendezvous_host: str,
         timeout: float,
+        observer: DenseObserver | None = None,
     ):
+        self._observer: DenseObserver = observer or _NoDenseObserver()
         self._settings = settings
         self._initial_state = initial_state
         self._host = rendezvous_host
@@ -127,6 +146,7 @@ class DenseRounds:
             self._epoch_formed = settings.state_epoch
             initial = self._initial_state()
             log.info("dense group %d forms with %d workers: %s", generation, len(members), ", ".join(members))
+            self._observer.dense_group_formed(generation, members)
         store = self.store_address()
         return [
             DenseRound(
@@ -146,6 +166,7 @@ class DenseRounds:
     def round_finished(self) -> None:
         with self._lock:
             self._rounds_done += 1
+        self._observer.dense_round_finished(self._broken)
 
     def rounds_done(self) -> int:
         """Rounds finished so far: the dense values changed only if this did."""

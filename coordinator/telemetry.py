@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -152,6 +152,24 @@ class CoordinatorTelemetry:
             buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
             registry=self.registry,
         )
+        self.dense_generation = Gauge(
+            f"{PREFIX}dense_group_generation",
+            "Hybrid training (sync_dense): formations of the workers' dense all-reduce group so far.",
+            registry=self.registry,
+        )
+        self.dense_members = Gauge(
+            f"{PREFIX}dense_group_members", "Hybrid training: workers in the dense group now.", registry=self.registry
+        )
+        self.dense_rounds = Counter(
+            f"{PREFIX}dense_rounds",
+            "Hybrid training: rounds finished (every worker's call answered).",
+            registry=self.registry,
+        )
+        self.dense_breaks = Counter(
+            f"{PREFIX}dense_group_breaks",
+            "Hybrid training: rounds in which the dense group broke (a worker lost or timed out).",
+            registry=self.registry,
+        )
         for outcome in ("succeeded", "failed", "cancelled"):  # every series from the start: rate() needs it
             self.finished.labels(outcome)
         for change in ("joined", "left"):
@@ -213,6 +231,21 @@ class CoordinatorTelemetry:
         self.ps_recoveries.labels(server, result).inc()
         self.ps_recovery_seconds.observe(seconds)
         self.run.parameter_server_recovered(server, result, seconds)
+
+    # ---------------------------------------------------------------- hybrid training's dense group
+
+    def dense_group_formed(self, generation: int, members: Sequence[str]) -> None:
+        """The dense group formed anew (generation ``generation``) with ``members``."""
+        self.dense_generation.set(generation)
+        self.dense_members.set(len(members))
+        self.run.dense_group_formed(generation, members)
+
+    def dense_round_finished(self, broke: bool) -> None:
+        """A round ended; ``broke``: the group broke in it (its closures run again)."""
+        self.dense_rounds.inc()
+        if broke:
+            self.dense_breaks.inc()
+            self.run.dense_group_broke()
 
     # ---------------------------------------------------------------- the endpoint
 

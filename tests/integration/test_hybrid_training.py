@@ -120,10 +120,18 @@ def test_a_worker_stopped_mid_training_leaves_the_group_formed_anew_and_loses_no
         coordinator.join(timeout=240)
         values = [float(v.fetch()) for v in losses]  # every closure succeeded
         first, second = replicas(coordinator, model, 2)
+        metric = coordinator.telemetry.registry.get_sample_value
+        seen = (
+            metric("paramserve_coordinator_dense_group_generation"),
+            metric("paramserve_coordinator_dense_group_members"),
+        )
+        events = [event.kind for event in coordinator.telemetry.run.view().events]
     strategy.close()
 
     assert len(values) == 300
     assert_same(first, second)
+    assert seen[0] >= 2 and seen[1] == 2  # formed anew, with the two workers left
+    assert events.count("dense-group") >= 2 and "dense-group-broke" in events
 
 
 def test_a_checkpoint_holds_the_dense_state_and_restores_it_exactly_onto_the_workers(start_cluster, tmp_path):
