@@ -17,6 +17,7 @@ import ctypes
 import ctypes.util
 import os
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -33,18 +34,24 @@ __all__ = [
 
 TRIM_EVERY_SECONDS = 10.0
 TRIM_AFTER_BYTES = 64 << 20
-"""Freed since the last trim, this much wakes the trimmer at once."""
+"""Freed since the last trim, this much has the trimmer trim once the work pauses."""
+QUIET_SECONDS = 0.5
+"""How long no release must come before that trim: steps that follow each other reuse the memory
+the previous one freed, and trimming between them made every step fault its buffers in again
+(a third of a server's CPU on the MLP 784-4096-2048-10; BENCHMARKS.md, note 7)."""
 
 _released_lock = threading.Lock()
 _released_bytes = 0
+_last_release = float("-inf")
 _released_enough = threading.Event()
 
 
 def released(nbytes: int) -> None:
     """Tells the trimmers of this process that about ``nbytes`` were allocated and freed (cheap:
     a counter; the trim runs on the trimmer's thread, never the caller's)."""
-    global _released_bytes
+    global _released_bytes, _last_release
     with _released_lock:
+        _last_release = time.monotonic()
         _released_bytes += nbytes
         if _released_bytes >= TRIM_AFTER_BYTES:
             _released_bytes = 0
@@ -97,7 +104,8 @@ def malloc_trim() -> bool:
 
 
 class MemoryTrimmer:
-    """Calls ``malloc_trim`` every ``every`` seconds until ``stop()``."""
+    """Calls ``malloc_trim`` every ``every`` seconds until ``stop()``, and once TRIM_AFTER_BYTES
+    were released, as soon as releases pause for QUIET_SECONDS."""
 
     def __init__(self, every: float = TRIM_EVERY_SECONDS):
         self._every = every
@@ -118,9 +126,23 @@ class MemoryTrimmer:
     def _run(self) -> None:
         # stop() sets _stop before it wakes the thread, and the wake-up is cleared before _stop
         # is read: a stop is never swallowed by a trim that a release woke the thread for.
+        last_trim = time.monotonic()
         while not self._stop.is_set():
-            _released_enough.wait(self._every)
+            woken = _released_enough.wait(self._every)
             _released_enough.clear()
             if self._stop.is_set():
                 return
+            if woken:
+                self._wait_for_quiet(last_trim + self._every)
             malloc_trim()
+            last_trim = time.monotonic()
+
+    def _wait_for_quiet(self, deadline: float) -> None:
+        """Waits until no release came for QUIET_SECONDS, the period's ``deadline`` or a stop."""
+        while not self._stop.is_set():
+            now = time.monotonic()
+            with _released_lock:
+                quiet = now - _last_release
+            if quiet >= QUIET_SECONDS or now >= deadline:
+                return
+            self._stop.wait(min(QUIET_SECONDS - quiet, deadline - now))
