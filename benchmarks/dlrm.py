@@ -22,12 +22,14 @@ from a Zipf law, 13 dense features, bottom MLP 13-64-16, the 27 vectors concaten
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from _common import Result, one_torch_thread, print_report, process_cpu_seconds, worker_environment
@@ -71,17 +73,13 @@ def local_run(cap: int, steps: int, warmup: int) -> Run:
     return Run(steps * BATCH / seconds, startup, 1000 * (time.process_time() - cpu) / steps)
 
 
-def paramserve_run(
-    cap: int,
-    steps: int,
-    warmup: int,
-    servers: int = 2,
-    workers: int = 2,
-    steps_per_closure: int = 1,
-    sync_dense: bool = False,
-) -> Run:
-    """``sync_dense``: hybrid training (the layers replicated on the workers, averaged by
-    all-reduce every step; the tables on the servers)."""
+@contextlib.contextmanager
+def dlrm_cluster(
+    cap: int, servers: int = 2, workers: int = 2, sync_dense: bool = False
+) -> Iterator[tuple[LocalCluster, ParameterServerStrategy, DLRM, Any]]:
+    """``servers`` ps + ``workers`` workers on 127.0.0.1 (one torch thread each), the strategy
+    (TF's tutorial partitioner; ``sync_dense``: hybrid training, the layers replicated on the
+    workers and all-reduced every step), the DLRM built in its scope and its Adagrad."""
     with LocalCluster(
         num_ps=servers,
         num_workers=workers,
@@ -95,30 +93,43 @@ def paramserve_run(
             sync_dense=sync_dense,
         )
         try:
-            start = time.perf_counter()
             torch.manual_seed(0)
             with strategy.scope():
                 model = DLRM(criteo_rows(cap), embeddings=ShardedEmbeddingCollection)
-            optimizer = strategy.optimizer(torch.optim.Adagrad, lr=LR)
-            with ClusterCoordinator(strategy) as coordinator:
-                batches = iter(
-                    coordinator.create_per_worker_dataset(WorkerClicks(criteo_rows(cap), BATCH, BATCHES_PER_WORKER))
-                )
-                for _ in range(max(1, warmup // steps_per_closure)):
-                    coordinator.schedule(train_clicks, args=(batches, model, optimizer), steps=steps_per_closure)
-                coordinator.join()
-                startup = time.perf_counter() - start
-                pids = [os.getpid(), *(p.pid for p in cluster.processes)]
-                cpu = sum(process_cpu_seconds(pid) for pid in pids)
-                start = time.perf_counter()
-                steps = steps // steps_per_closure * steps_per_closure
-                for _ in range(steps // steps_per_closure):
-                    coordinator.schedule(train_clicks, args=(batches, model, optimizer), steps=steps_per_closure)
-                coordinator.join()
-                seconds = time.perf_counter() - start
-                cpu = sum(process_cpu_seconds(pid) for pid in pids) - cpu
+            yield cluster, strategy, model, strategy.optimizer(torch.optim.Adagrad, lr=LR)
         finally:
             strategy.close()
+
+
+def paramserve_run(
+    cap: int,
+    steps: int,
+    warmup: int,
+    servers: int = 2,
+    workers: int = 2,
+    steps_per_closure: int = 1,
+    sync_dense: bool = False,
+) -> Run:
+    """``sync_dense``: hybrid training (see ``dlrm_cluster``)."""
+    with dlrm_cluster(cap, servers, workers, sync_dense) as (cluster, strategy, model, optimizer):
+        start = time.perf_counter()
+        with ClusterCoordinator(strategy) as coordinator:
+            batches = iter(
+                coordinator.create_per_worker_dataset(WorkerClicks(criteo_rows(cap), BATCH, BATCHES_PER_WORKER))
+            )
+            for _ in range(max(1, warmup // steps_per_closure)):
+                coordinator.schedule(train_clicks, args=(batches, model, optimizer), steps=steps_per_closure)
+            coordinator.join()
+            startup = time.perf_counter() - start
+            pids = [os.getpid(), *(p.pid for p in cluster.processes)]
+            cpu = sum(process_cpu_seconds(pid) for pid in pids)
+            start = time.perf_counter()
+            steps = steps // steps_per_closure * steps_per_closure
+            for _ in range(steps // steps_per_closure):
+                coordinator.schedule(train_clicks, args=(batches, model, optimizer), steps=steps_per_closure)
+            coordinator.join()
+            seconds = time.perf_counter() - start
+            cpu = sum(process_cpu_seconds(pid) for pid in pids) - cpu
     return Run(steps * BATCH / seconds, startup, 1000 * cpu / steps)
 
 

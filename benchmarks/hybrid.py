@@ -28,15 +28,11 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
-from _common import Result, one_torch_thread, print_report, worker_environment
-from dlrm import BATCH, LR, paramserve_run
+from _common import Result, one_torch_thread, print_report
+from dlrm import BATCH, LR, dlrm_cluster, paramserve_run
 
 from paramserve.coordinator import (
     ClusterCoordinator,
-    LocalCluster,
-    MinSizePartitioner,
-    ParameterServerStrategy,
-    ShardedEmbeddingCollection,
 )
 from paramserve.coordinator.recommendation import DLRM, ClickData, WorkerClicks, criteo_rows, train_clicks
 
@@ -75,32 +71,14 @@ def distributed_logloss(cap: int, samples: int, sync_dense: bool) -> float:
     """Pure parameter-server (``sync_dense=False``) or hybrid training from the same initial
     values on the workers' streams, then the held-out log-loss read on the coordinator."""
     rows = criteo_rows(cap)
-    with LocalCluster(
-        num_ps=2,
-        num_workers=WORKERS,
-        env=worker_environment(),
-        extra_ps_args=["--torch-threads", "1"],
-        extra_worker_args=["--torch-threads", "1"],
-    ) as cluster:
-        strategy = ParameterServerStrategy(
-            cluster.spec,
-            variable_partitioner=MinSizePartitioner(min_shard_bytes=256 << 10, max_shards=2),
-            sync_dense=sync_dense,
-        )
-        try:
-            torch.manual_seed(0)
-            with strategy.scope():
-                model = DLRM(rows, embeddings=ShardedEmbeddingCollection)
-            optimizer = strategy.optimizer(torch.optim.Adagrad, lr=LR)
-            with ClusterCoordinator(strategy) as coordinator:
-                fresh = WorkerClicks(rows, BATCH, samples // (BATCH * WORKERS))  # each batch seen about once
-                batches = iter(coordinator.create_per_worker_dataset(fresh))
-                for _ in range(samples // BATCH):
-                    coordinator.schedule(train_clicks, args=(batches, model, optimizer))
-                coordinator.join()
-                return held_out_logloss(model, rows)
-        finally:
-            strategy.close()
+    with dlrm_cluster(cap, workers=WORKERS, sync_dense=sync_dense) as (_, strategy, model, optimizer):
+        with ClusterCoordinator(strategy) as coordinator:
+            fresh = WorkerClicks(rows, BATCH, samples // (BATCH * WORKERS))  # each batch seen about once
+            batches = iter(coordinator.create_per_worker_dataset(fresh))
+            for _ in range(samples // BATCH):
+                coordinator.schedule(train_clicks, args=(batches, model, optimizer))
+            coordinator.join()
+            return held_out_logloss(model, rows)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
