@@ -243,8 +243,9 @@ class ClosureAccess:
 
     Push keys are ``f"{closure_id}/{n}"`` for the n-th push of this execution,
     so a retried closure sends the same keys and the servers apply each once. Under hybrid
-    training (``dense``) the replicated variables are never pulled: a step averages their
-    gradients with the other workers' (key ``f"{closure_id}/dense/{n}"``) before its push.
+    training (``dense``) the replicated variables are never pulled: a step sends their
+    gradients to the all-reduce among the workers (key ``f"{closure_id}/dense/{n}"``) while its
+    push of the tables' rows is on its way (worker.dense_group).
     """
 
     def __init__(

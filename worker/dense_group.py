@@ -6,10 +6,13 @@ The coordinator runs hybrid training in *rounds*: each round, every member of th
 one RunClosures call, with closures or none. A member's closures call ``optimizer.step()`` as
 usual; each step's dense gradients go through ``DenseReplicas.exchange``; when its closures
 are done the member keeps taking part (``finish_round``) until every member is done. So the
-members need not run the same number of steps: each collective starts with a small all-gather
-of headers (is the member stepping, and under which push key), and a step's average counts
-only the members that contributed. Every member, stepping or not, applies the same average
-with the same optimizer: the replicas stay identical.
+members need not run the same number of steps: the one all-reduce of each step carries, after
+the gradients, a header slot per member (is it stepping, and under which key), and a step's
+average counts only the members that contributed. Every member, stepping or not, applies the
+same average with the same optimizer: the replicas stay identical. A step's all-reduce is left
+in flight and its average applied (``settle``) when a layer holding replicated variables next
+runs, at the next step or at the round's end: the wait overlaps the table push and the next
+step's row lookups.
 
 Exactly once: a step's key (closure id and push number, as the servers' idempotency keys)
 is remembered by every member once its average was applied. A closure retried after its
@@ -18,8 +21,8 @@ and its table push is a duplicate the servers drop: the retry changes nothing tw
 
 Forming a group (``begin_round`` with a new generation) builds a gloo process group on the
 coordinator's rendezvous store, under a prefix of its own, and makes the members' states equal:
-a member without state of the current epoch starts from the coordinator's values, and the
-member that applied the most steps sends its state to the others. A collective that fails (a
+a member without state of the current epoch starts from the latest state the coordinator
+knows, and the member that applied the most steps sends its state to the others. A collective that fails (a
 member died: its sockets close; or it hung past the group's timeout) raises ``GroupFailed``; the
 coordinator forms the group anew without the member that left, and the closures of the broken
 round run again.
