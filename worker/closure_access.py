@@ -380,14 +380,10 @@ class ClosureAccess:
         averages them over the workers (applied on each by ``settle``). The tables' push is in
         flight meanwhile: a step whose all-reduce fails runs again, and the servers drop its
         push as a duplicate (same key) while its dense part, never applied, counts then."""
-        gradients = {}
-        for name in names:
-            parameter = self._variables.parameters.get(name)
-            if parameter is not None and parameter.grad is not None:
-                gradients[name] = parameter.grad
         key = f"{self._closure_id}/dense/{self._dense_seq}"
         self._dense_seq += 1
-        self._dense.exchange(gradients, key)
+        dense = {name: g for name, g in self._gradients(names).items() if isinstance(g, torch.Tensor)}
+        self._dense.exchange(dense, key)  # (replicated variables have no row lookups)
 
     def settle_replicated(self) -> None:
         self._dense.settle()

@@ -278,7 +278,7 @@ class DenseReplicas:
     def _synchronize(self) -> None:
         """Makes every member's state the one of the member that applied the most steps."""
         versions = self._all_gather(torch.tensor([self._version], dtype=torch.int64)).reshape(-1).tolist()
-        if min(versions) < 0 and max(versions) < 0:
+        if max(versions) < 0:
             raise GroupFailed("no member of the dense group holds the dense values: the coordinator sends them")
         source = state_source(versions)
         if all(v == versions[source] for v in versions):

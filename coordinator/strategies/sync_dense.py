@@ -97,10 +97,7 @@ class SyncDense:
         take the one of the member ahead); a group of new workers only (every worker lost at
         once) goes on from it. Called on the dispatch thread between rounds, without ``_lock``:
         a reader holding it waits for that thread (``read_state`` pauses dispatch)."""
-        state = self._known
-        if state is None:
-            values = {name: self._parameter(name).detach().clone() for name in self.names()}
-            state = {"version": 0, "values": values, "optimizer": None, "applied": []}
+        state = self._known or self._coordinators_state()
         buffer = io.BytesIO()
         torch.save(state, buffer)
         return buffer.getvalue()
@@ -133,26 +130,26 @@ class SyncDense:
 
     def state_for_checkpoint(self, keys: Mapping[str, str]) -> dict[str, Any]:
         """The state a checkpoint keeps, its variables named by ``keys`` (without the run name)."""
-        state = self.current_state()
-        if state is None:
-            values = {name: self._parameter(name).detach().clone() for name in self.names()}
-            state = {"version": 0, "values": values, "optimizer": None, "applied": []}
+        state = self.current_state() or self._coordinators_state()
         return {**state, "values": {keys[name]: value for name, value in state["values"].items() if name in keys}}
 
     def restore(self, state: Mapping[str, Any], names: Mapping[str, str]) -> None:
         """Makes ``state`` (a checkpoint's, its variables named by checkpoint key) the dense
-        variables' state: the coordinator's values now, the workers' from their next round."""
+        variables' state: the coordinator's values now, the workers' from their next round.
+        CheckpointManager checked, before the restore changed anything, that it holds them all."""
         by_key = {key: name for name, key in names.items()}
         values = {by_key[key]: value for key, value in state["values"].items() if key in by_key}
-        missing = sorted(set(self.names()) - set(values))
-        if missing:
-            raise ValueError(f"the checkpoint holds no state of the dense variables {missing[:3]}")
         with self._lock, torch.no_grad():
             for name, value in values.items():
                 self._parameter(name).copy_(value)
             self._known = {**state, "values": values}
             self._epoch += 1
             self._read_at = self.rounds_done()
+
+    def _coordinators_state(self) -> dict[str, Any]:
+        """The coordinator's values as a state no step was applied to (before training)."""
+        values = {name: self._parameter(name).detach().clone() for name in self.names()}
+        return {"version": 0, "values": values, "optimizer": None, "applied": []}
 
     def _parameter(self, name: str) -> torch.nn.Parameter:
         parameter = self._strategy.variables[name].parameter
