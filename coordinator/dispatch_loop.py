@@ -35,6 +35,7 @@ from paramserve.coordinator.batching import BATCH_SECONDS, BatchSizer
 from paramserve.coordinator.closures import Closure, ClosureQueue
 from paramserve.coordinator.dense_rounds import DenseRounds, round_shares
 from paramserve.coordinator.dispatcher import Dispatcher, ResourceSpecs, WireContext, WorkerState
+from paramserve.coordinator.errors import ClosureError
 from paramserve.coordinator.failures import FailurePolicy
 from paramserve.coordinator.telemetry import NO_OBSERVER, CoordinatorObserver
 from paramserve.coordinator.worker_transport import RpcFailure, WorkerTransport
@@ -333,10 +334,8 @@ class DispatchLoop:
             return
         try:
             rounds = self._dense.rounds([d.address for d in members])
-        except Exception:
-            log.exception("the dense group's round could not be prepared; its closures wait")
-            for batch in batches:
-                self._queue.put_back(batch)
+        except Exception as exc:  # the user's setup (e.g. dense variables without an optimizer)
+            self._fail_round(batches, exc)
             return
         longest = max(len(batch) for batch in batches)
         self._round = set()
@@ -345,6 +344,20 @@ class DispatchLoop:
             self._round.add(
                 self._start(dispatcher, self._in_round(dispatcher, batch, dense, longest), carries_closures=True)
             )
+
+    def _fail_round(self, batches: list[list[Closure]], exc: Exception) -> None:
+        """A round that cannot be prepared fails its closures with the reason: putting them
+        back would try again forever and leave join() waiting without end."""
+        closures = [closure for batch in batches for closure in batch]
+        log.error("the dense group's round could not be prepared: %s", exc)
+        error = ClosureError(
+            remote_type=f"{type(exc).__module__}.{type(exc).__qualname__}",
+            message=f"the dense group's round could not be prepared: {exc}",
+            function_name=closures[0].function_name,
+            closure_id=closures[0].closure_id,
+            remote_exception=exc,
+        )
+        self._queue.fail(closures[0], error, not_run=closures[1:])
 
     async def _in_round(self, dispatcher: Dispatcher, batch: list[Closure], dense: DenseRound, longest: int) -> None:
         if await dispatcher.run_round(batch, dense, longest) and self._dense is not None:

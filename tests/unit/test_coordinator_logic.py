@@ -718,6 +718,40 @@ def test_one_thread_dispatches_to_a_hundred_workers_in_bounded_batches():
     assert not loop.thread.is_alive()
 
 
+def test_a_dense_round_that_cannot_be_prepared_fails_its_closures_with_the_reason():
+    """Hybrid training whose dense variables have no optimizer: join() must raise the reason,
+    not wait for a round that will never form."""
+    from paramserve.coordinator.dense_rounds import DenseRounds
+
+    def settings():
+        raise RuntimeError("sync_dense: dense variables ['w'] have no optimizer: build the torch optimizer ...")
+
+    queue = ClosureQueue(10)
+    transport = FakeTransport([])
+    dense = DenseRounds(settings, lambda: b"", rendezvous_host="127.0.0.1", timeout=5)
+    loop = DispatchLoop(
+        queue=queue,
+        specs=ResourceSpecs(),
+        policy=POLICY,
+        transport_factory=lambda address: transport,
+        cluster_context=lambda: CONTEXT,
+        dense=dense,
+    )
+    try:
+        loop.add_worker("w:0")
+        closures = _queued(queue, _closure("a"), _closure("b"), _closure("c"))
+        assert queue.wait_idle(10), "the round's closures stayed queued"
+        for closure in closures:
+            with pytest.raises((ClosureError, ClosureCancelledError)) as raised:
+                closure.remote_value.fetch(10)
+            assert "have no optimizer" in str(raised.value)
+        assert "have no optimizer" in str(queue.take_error())
+        assert transport.requests == [], "nothing was sent to a worker"
+    finally:
+        assert loop.stop(10)
+        dense.close()
+
+
 def test_a_joining_worker_is_probed_often_and_a_failed_one_with_backoff():
     from paramserve.coordinator.failures import probe_delay
 
