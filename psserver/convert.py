@@ -13,6 +13,7 @@ import torch
 from paramserve.psserver.errors import InvalidRequestError
 from paramserve.psserver.initializers import initial_value
 from paramserve.psserver.optimizer import OptimizerSpec
+from paramserve.psserver.replication import ReplicaConfig, ReplicaRole
 from paramserve.psserver.streams import (
     meta_nbytes,
     meta_of,
@@ -236,6 +237,7 @@ def cluster_to_proto(context: ClusterContext) -> cluster_pb2.ClusterContext:
         parameter_servers=list(context.parameter_servers),
         variables=[layout_to_proto(layout) for layout in context.layouts.values()],
         generation=context.generation,
+        failover_seconds=context.failover_seconds,
     )
 
 
@@ -250,4 +252,31 @@ def cluster_from_proto(message: cluster_pb2.ClusterContext) -> ClusterContext:
         layouts[layout.name] = layout
     if message.generation < 0:
         raise InvalidRequestError(f"the cluster context's generation must be >= 0, got {message.generation}")
-    return ClusterContext(servers, layouts, int(message.generation))
+    if not 0 <= message.failover_seconds <= 3600:  # NaN fails too
+        raise InvalidRequestError(
+            f"the cluster context's failover_seconds must be within [0, 3600], got {message.failover_seconds}"
+        )
+    return ClusterContext(servers, layouts, int(message.generation), float(message.failover_seconds))
+
+
+_ROLES = {
+    ReplicaRole.STANDALONE: ps_pb2.STANDALONE,
+    ReplicaRole.PRIMARY: ps_pb2.PRIMARY,
+    ReplicaRole.BACKUP: ps_pb2.BACKUP,
+}
+MAX_ADDRESS_CHARS = 1024
+
+
+def replica_config_to_proto(config: ReplicaConfig) -> ps_pb2.ReplicaConfig:
+    return ps_pb2.ReplicaConfig(epoch=config.epoch, role=_ROLES[config.role], backups=list(config.backups))
+
+
+def replica_config_from_proto(message: ps_pb2.ReplicaConfig) -> ReplicaConfig:
+    """Raises InvalidRequestError for an unknown role or a malformed backup address."""
+    roles = {wire: role for role, wire in _ROLES.items()}
+    if message.role not in roles:
+        raise InvalidRequestError(f"replica role {message.role} is unknown: set STANDALONE, PRIMARY or BACKUP")
+    for address in message.backups:
+        if not address or len(address) > MAX_ADDRESS_CHARS or not address.isprintable() or " " in address:
+            raise InvalidRequestError(f"backup address {address[:80]!r} is not a host:port")
+    return ReplicaConfig(int(message.epoch), roles[message.role], tuple(message.backups))

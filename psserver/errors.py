@@ -127,6 +127,18 @@ class ServerUnavailableError(ParamServeError):
     code = StatusCode.UNAVAILABLE
 
 
+class NotPrimaryError(ServerUnavailableError):
+    """A replicated server that serves no client now: a backup, a primary that was replaced, or
+    a primary whose forward to a backup failed and that waits for the coordinator's decision.
+    UNAVAILABLE, as a server going away: the client's closure is re-routed by the coordinator."""
+
+
+class ReplicaEpochError(ParamServeError):
+    """A replication decision or forwarded write of the wrong epoch: refused, nothing changed."""
+
+    code = StatusCode.FAILED_PRECONDITION
+
+
 class DeadlineExceededError(ParamServeError):
     code = StatusCode.DEADLINE_EXCEEDED
 
@@ -153,6 +165,8 @@ ERROR_TYPES: dict[str, type[ParamServeError]] = {
         AuthenticationError,
         PermissionDeniedError,
         ServerUnavailableError,
+        NotPrimaryError,
+        ReplicaEpochError,
         DeadlineExceededError,
         InternalError,
     )

@@ -13,6 +13,7 @@ from urllib.parse import quote, unquote
 __all__ = [
     "IDEMPOTENCY_METADATA_KEY",
     "MAX_ERROR_METADATA_CHARS",
+    "REPLICA_EPOCH_METADATA_KEY",
     "SERVICE_NAME",
     "metadata_text",
     "metadata_value",
@@ -20,6 +21,8 @@ __all__ = [
 
 SERVICE_NAME = "paramserve.wire.v1.ParameterServer"
 IDEMPOTENCY_METADATA_KEY = "paramserve-idempotency-key"
+REPLICA_EPOCH_METADATA_KEY = "paramserve-replica-epoch"
+"""On a write a primary forwards to its backup: the primary's epoch (psserver/replication.py)."""
 
 MAX_ERROR_METADATA_CHARS = 3072
 """Longest escaped value of the ``paramserve-error-variable`` trailer (a name of the longest

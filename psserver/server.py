@@ -20,7 +20,9 @@ from paramserve.psserver.errors import ConfigurationError, ParamServeError
 from paramserve.psserver.metadata import SERVICE_NAME
 from paramserve.psserver.optimizer import warm_up
 from paramserve.psserver.programs import StepPrograms
-from paramserve.psserver.security import TlsConfig
+from paramserve.psserver.replica_forwarder import ForwarderSettings, GrpcForwarder
+from paramserve.psserver.replication import Replica
+from paramserve.psserver.security import ClientTls, TlsConfig
 from paramserve.psserver.servicer import ParameterServerServicer, ServicerLimits, generic_handler
 from paramserve.psserver.serving import DEFAULT_MAX_CONNECTIONS, GrpcService, RunningService, ensure_descriptors
 from paramserve.psserver.steps import DEFAULT_MAX_PULL_BYTES, DEFAULT_MAX_PUSH_BYTES, StepEngine
@@ -58,6 +60,9 @@ class ServerConfig:
     store: StoreConfig = field(default_factory=StoreConfig)
     torch_threads: int | None = None
     """torch.set_num_threads for this process; None leaves it (servers started in a test)."""
+    replica_tls: ClientTls | None = None
+    """How this server reaches its backups when it is a replicated primary and the servers serve
+    TLS (``--replica-tls-ca``, with ``--replica-tls-cert``/``--replica-tls-key`` for mutual TLS)."""
     data_port: int | None = 0
     """The step data plane's TCP port (psserver/dataplane.py; ``--data-port``): 0 picks a free
     one, which clients learn with GetDataPlane; None serves steps over gRPC only."""
@@ -187,7 +192,17 @@ def build_server(config: ServerConfig, registry: CollectorRegistry | None = None
         authenticated=bool(config.token),
     )
     steps = StepEngine(store, limits.step_limits())
-    servicer = ParameterServerServicer(store, steps, config.chunk_bytes, limits)
+    settings = ForwarderSettings(config.token, config.replica_tls, max_message_bytes=config.max_message_bytes)
+    cannot_forward = (
+        "this server serves TLS but has no CA bundle to verify its backups with: start it with --replica-tls-ca "
+        "(and --replica-tls-cert/--replica-tls-key where the servers require client certificates)"
+        if config.tls is not None and config.replica_tls is None
+        else None
+    )
+    replica = Replica(lambda address: GrpcForwarder(address, settings), cannot_forward)
+    store.replication = replica
+    steps.admit_client = replica.admit_client
+    servicer = ParameterServerServicer(store, steps, config.chunk_bytes, limits, replica)
     registry.register(ShardVersions(store))
     registry.register(DynamicTableMetrics(store))
     service = GrpcService.for_config(

@@ -22,7 +22,8 @@ from paramserve.psserver.dynamic_types import DynamicStats, DynamicTableConfig
 from paramserve.psserver.error_boundary import parse, stream_boundary, unary_boundary
 from paramserve.psserver.errors import InvalidRequestError, MessageTooLargeError, VariableNotFoundError
 from paramserve.psserver.memory import resident_bytes
-from paramserve.psserver.metadata import IDEMPOTENCY_METADATA_KEY, SERVICE_NAME
+from paramserve.psserver.metadata import IDEMPOTENCY_METADATA_KEY, REPLICA_EPOCH_METADATA_KEY, SERVICE_NAME
+from paramserve.psserver.replication import Replica
 from paramserve.psserver.security import checkpoint_root, confined_path
 from paramserve.psserver.steps import DEFAULT_MAX_PULL_BYTES, DEFAULT_MAX_PUSH_BYTES, StepEngine, StepLimits, reads_of
 from paramserve.psserver.store import ShardStore
@@ -72,8 +73,11 @@ class ParameterServerServicer:
     """Serves one ShardStore, its steps through ``steps`` (the engine the data plane shares).
     ``chunk_bytes`` bounds each outgoing chunk's data; ``limits`` what one request may ask."""
 
-    def __init__(self, store: ShardStore, steps: StepEngine, chunk_bytes: int, limits: ServicerLimits):
+    def __init__(
+        self, store: ShardStore, steps: StepEngine, chunk_bytes: int, limits: ServicerLimits, replica: Replica
+    ):
         self._store = store
+        self._replica = replica
         self._steps = steps
         self._chunk_bytes = chunk_bytes
         self._limits = limits
@@ -86,10 +90,12 @@ class ParameterServerServicer:
 
     @unary_boundary
     def CreateShards(self, chunks: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
+        self._admit(context)
         return _shards_response(self._store.create_shards(self._received_shards(chunks), owned=True))
 
     @unary_boundary
     def ReplaceShards(self, chunks: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
+        self._admit(context)
         return _shards_response(self._store.replace_shards(self._received_shards(chunks), owned=True))
 
     def _received_shards(self, chunks: Iterator[bytes]) -> list[ShardState]:
@@ -123,6 +129,7 @@ class ParameterServerServicer:
 
     @stream_boundary
     def Pull(self, raw: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+        self._admit(context)
         request = parse(ps_pb2.PullRequest, raw)
         chunk_bytes = self._chunk_size(request.chunk_bytes)
         reads = reads_of(request.items)
@@ -163,12 +170,14 @@ class ParameterServerServicer:
 
     @unary_boundary
     def Push(self, chunks: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
+        self._admit(context)
         key = dict(context.invocation_metadata()).get(IDEMPOTENCY_METADATA_KEY, "")
         results = self._steps.push(read_parts(chunks, self._steps.allocate_push), str(key))
         return ps_pb2.PushResponse(results=results).SerializeToString()
 
     @unary_boundary
     def Step(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
+        self._admit(context)
         return self._steps.run_request(raw)
 
     @unary_boundary
@@ -178,6 +187,7 @@ class ParameterServerServicer:
 
     @unary_boundary
     def SetHyperparameters(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
+        self._admit(context)
         request = parse(ps_pb2.SetHyperparametersRequest, raw)
         values = _hyperparameters(request.values_json)
         updated = self._store.set_hyperparameters(request.variable or None, values)
@@ -185,6 +195,7 @@ class ParameterServerServicer:
 
     @unary_boundary
     def DeleteVariable(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
+        self._admit(context)
         request = parse(ps_pb2.DeleteVariableRequest, raw)
         deleted = self._store.delete_variable(request.variable)
         if not deleted:
@@ -195,6 +206,7 @@ class ParameterServerServicer:
 
     @unary_boundary
     def CreateDynamicTable(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
+        self._admit(context)
         request = parse(ps_pb2.CreateDynamicTableRequest, raw)
         ref = convert.ref_from_proto(request.ref)
         config = dynamic_wire.config_from_proto(request.config)
@@ -213,6 +225,7 @@ class ParameterServerServicer:
 
     @unary_boundary
     def ReplaceDynamicTables(self, chunks: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
+        self._admit(context)
         states = [
             dynamic_wire.shard_from_part(header.dynamic, payload)
             for header, payload in read_parts(chunks, self._allocate_dynamic)
@@ -257,6 +270,7 @@ class ParameterServerServicer:
 
     @unary_boundary
     def Save(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
+        self._admit(context)
         request = parse(ps_pb2.SaveRequest, raw)
         if not request.directory:
             raise InvalidRequestError("Save needs a directory")
@@ -273,6 +287,7 @@ class ParameterServerServicer:
 
     @unary_boundary
     def Restore(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
+        self._admit(context)
         request = parse(ps_pb2.RestoreRequest, raw)
         path = checkpoint.resolve(confined_path(self._root, request.path, authenticated=self._limits.authenticated))
         checkpoint.sweep_leftovers(path.parent)  # what interrupted saves left beside it
@@ -282,6 +297,27 @@ class ParameterServerServicer:
         ]
         infos = self._store.replace_shards(states)
         return ps_pb2.RestoreResponse(shards=[convert.info_to_proto(i) for i in infos]).SerializeToString()
+
+    # -- replication (psserver/replication.py)
+
+    @unary_boundary
+    def ConfigureReplica(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
+        request = parse(ps_pb2.ConfigureReplicaRequest, raw)
+        if not request.query:
+            self._replica.configure(convert.replica_config_from_proto(request.config))
+        config, refusing = self._replica.state()
+        return ps_pb2.ConfigureReplicaResponse(
+            config=convert.replica_config_to_proto(config), incarnation=self._store.incarnation, refusing=refusing
+        ).SerializeToString()
+
+    def _admit(self, context: grpc.ServicerContext) -> None:
+        """A client's call is served by a primary (or a server not replicated); a write its
+        primary forwarded, by a backup of the primary's epoch."""
+        epoch = _replica_epoch(context)
+        if epoch is None:
+            self._replica.admit_client()
+        else:
+            self._replica.admit_forwarded(epoch)
 
     def _chunk_size(self, requested: int) -> int:
         if requested < 0:
@@ -309,6 +345,17 @@ def _hyperparameters(text: str) -> dict[str, float | int | bool | list[float | i
                 f"hyperparameter {name!r} must be a number, a boolean or a short list of numbers, got {_preview(value)}"
             )
     return values
+
+
+def _replica_epoch(context: grpc.ServicerContext) -> int | None:
+    """The epoch a forwarded write carries (None: a client's call)."""
+    for key, value in context.invocation_metadata():
+        if key == REPLICA_EPOCH_METADATA_KEY:
+            text = value if isinstance(value, str) else value.decode("ascii", "replace")
+            if not text.isdigit() or len(text) > 18:
+                raise InvalidRequestError(f"{REPLICA_EPOCH_METADATA_KEY} must be a non-negative integer")
+            return int(text)
+    return None
 
 
 def _is_number(value: object) -> bool:
@@ -357,5 +404,6 @@ def generic_handler(servicer: ParameterServerServicer) -> grpc.GenericRpcHandler
         "ReplaceDynamicTables": grpc.stream_unary_rpc_method_handler(servicer.ReplaceDynamicTables),
         "ListDynamicTables": grpc.unary_unary_rpc_method_handler(servicer.ListDynamicTables),
         "MarkDynamicTablesSaved": grpc.unary_unary_rpc_method_handler(servicer.MarkDynamicTablesSaved),
+        "ConfigureReplica": grpc.unary_unary_rpc_method_handler(servicer.ConfigureReplica),
     }
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)

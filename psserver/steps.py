@@ -70,6 +70,9 @@ class StepEngine:
     def __init__(self, store: ShardStore, limits: StepLimits | None = None):
         self._store = store
         self._limits = limits or StepLimits()
+        self.admit_client: Callable[[], None] = lambda: None
+        """Raises when this server serves no client now (a replica: psserver/replication.py).
+        The data plane's steps are always a client's; the servicer admits its own calls."""
 
     # -- the ways a step arrives
 
@@ -93,6 +96,7 @@ class StepEngine:
         """A data-plane step: the StepPlan's bytes and the pushed bytes (a uint8 tensor the pushes
         read in place) -> the StepOutcome's bytes and the pulled bytes, copied under the shards'
         locks into ``reply_buffer(n)``. ``programs``: the connection's (``new_connection``)."""
+        self.admit_client()
         try:
             plan = ps_pb2.StepPlan.FromString(bytes(plan_bytes))
         except DecodeError as err:

@@ -146,6 +146,43 @@ def _staleness(version: int, base_version: int) -> int:
     return max(0, version - base_version) if base_version >= 0 else 0
 
 
+class ReplicationSink(Protocol):
+    """Where the store reports each write it made, for a primary to forward to its backups
+    (psserver/replication.py: ``Replica``). ``pushed`` and ``hyperparameters_set`` are called
+    still holding the written shards' locks, so backups see each shard's writes in order; each
+    raises (a ParamServeError) when the write cannot be acknowledged."""
+
+    def pushed(self, pushes: Sequence[ShardPush], key: str) -> None: ...
+
+    def shards_written(self, states: Callable[[], Sequence[ShardState]], replace: bool) -> None:
+        """``states()`` copies the written shards: called only by a primary that forwards them."""
+
+    def hyperparameters_set(self, variable: str | None, values: Mapping[str, Any]) -> None: ...
+
+    def variable_deleted(self, variable: str) -> None: ...
+
+    def refuse_dynamic(self, variable: str) -> None: ...
+
+
+class _Unreplicated:
+    """The sink of a server that is not replicated: nothing to forward."""
+
+    def pushed(self, pushes: Sequence[ShardPush], key: str) -> None:
+        pass
+
+    def shards_written(self, states: Callable[[], Sequence[ShardState]], replace: bool) -> None:
+        pass
+
+    def hyperparameters_set(self, variable: str | None, values: Mapping[str, Any]) -> None:
+        pass
+
+    def variable_deleted(self, variable: str) -> None:
+        pass
+
+    def refuse_dynamic(self, variable: str) -> None:
+        pass
+
+
 class ShardStore:
     """All shards of one parameter server. Thread-safe."""
 
@@ -164,6 +201,8 @@ class ShardStore:
         """Bumped by every create, replace or delete of shards: a PreparedStep of another
         catalog version may hold shards that are gone (prepare it again). Not the cluster
         context's ``generation``, which counts restores across the cluster."""
+        self.replication: ReplicationSink = _Unreplicated()
+        """Told of every write (psserver/replication.py): a primary's backups apply it too."""
         self.incarnation = uuid.uuid4().hex
         """Names this store: a server process that restarts holds a new, empty one, and the
         coordinator tells a restart (state lost) from a pause by this changing."""
@@ -192,6 +231,9 @@ class ShardStore:
                 if existing is None:
                     self._shards[shard.ref] = shard
                     self.catalog_version += 1
+        self.replication.shards_written(
+            lambda: [(existing or shard).export() for shard, existing in zip(built, kept)], False
+        )
         return [(existing or shard).info() for shard, existing in zip(built, kept)]
 
     def replace_shards(self, states: Sequence[ShardState], *, owned: bool = False) -> list[ShardInfo]:
@@ -217,6 +259,7 @@ class ShardStore:
                 self._shards[shard.ref] = shard
             self.catalog_version += 1
         self._grouped.clear()  # groups hold the replaced shards' tensors
+        self.replication.shards_written(lambda: [shard.export() for shard in built], True)
         return [shard.info() for shard in built]
 
     def _keep_or_conflict(self, shard: Shard) -> Shard | None:
@@ -257,6 +300,7 @@ class ShardStore:
     def create_dynamic(self, ref: ShardRef, num_shards: int, config: DynamicTableConfig) -> None:
         """Creates this server's shard of a dynamic table (a retry of an identical create keeps
         it); VariableExistsError when a variable of that name, or other settings, exists."""
+        self.replication.refuse_dynamic(ref.variable)
         with self._shards_lock:
             if any(existing.variable == ref.variable for existing in self._shards):
                 raise VariableExistsError(
@@ -275,6 +319,8 @@ class ShardStore:
                 del self._shards[ref]
             self.catalog_version += 1
         self._grouped.clear()  # groups hold the deleted shards' tensors
+        if refs:
+            self.replication.variable_deleted(variable)
         return len(refs)
 
     def list_shards(self) -> list[ShardInfo]:
@@ -569,6 +615,7 @@ class ShardStore:
                 shard.version += 1
                 shard.window.record(key)
                 outcomes[shard.ref] = PushOutcome(shard.ref, True, shard.version, staleness)
+            self.replication.pushed([push for _, push, _ in fresh], key)  # under the locks: in order
         return [outcomes[shard.ref] for shard, _ in plan]
 
     def _step_all(self, fresh: Sequence[tuple[Shard, ShardPush]]) -> None:
@@ -653,6 +700,8 @@ class ShardStore:
                     shard.optimizer.with_hyperparameters(values)  # type: ignore[union-attr]
             for shard in targets:
                 shard.optimizer.set_hyperparameters(values)  # type: ignore[union-attr]
+            if targets:
+                self.replication.hyperparameters_set(variable, values)
         for table, config in tables:  # validated above, so this cannot fail halfway
             table.reconfigure(config)
         return len(targets) + len(tables)

@@ -138,6 +138,10 @@ class ClusterContext:
     # Counts the coordinator's rewrites of the variables' values (restores): a worker drops
     # values it holds from an older generation instead of reusing them.
     generation: int = 0
+    failover_seconds: float = 0.0
+    """> 0 when the servers are replicated: a worker gives up on an unreachable server after
+    this long, so that its closure is re-routed to the backup that took over (0: the worker's
+    own retry deadline)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "parameter_servers", tuple(self.parameter_servers))
@@ -145,14 +149,16 @@ class ClusterContext:
 
     @property
     def fingerprint(self) -> str:
-        digest = hashlib.sha256(repr((self.parameter_servers, self.generation)).encode())
+        digest = hashlib.sha256(repr((self.parameter_servers, self.generation, self.failover_seconds)).encode())
         for name in sorted(self.layouts):
             layout = self.layouts[name]
             digest.update(repr((name, layout.shape, str(layout.dtype), layout.shards)).encode())
         return digest.hexdigest()[:32]
 
-    def __reduce__(self) -> tuple[type[ClusterContext], tuple[tuple[str, ...], dict[str, VariableLayout], int]]:
-        return ClusterContext, (self.parameter_servers, dict(self.layouts), self.generation)
+    def __reduce__(
+        self,
+    ) -> tuple[type[ClusterContext], tuple[tuple[str, ...], dict[str, VariableLayout], int, float]]:
+        return ClusterContext, (self.parameter_servers, dict(self.layouts), self.generation, self.failover_seconds)
 
 
 @dataclass(frozen=True)

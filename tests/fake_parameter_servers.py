@@ -96,7 +96,7 @@ class FakeParameterServers:
     def cluster(self) -> ClusterContext:
         return ClusterContext((ADDRESS,), self.layouts)
 
-    def factory(self, addresses: tuple[str, ...]) -> FakeParameterServers:
+    def factory(self, addresses: tuple[str, ...], failover_seconds: float = 0.0) -> FakeParameterServers:
         """The worker core's client factory."""
         self.opened_for.append(addresses)
         return self

@@ -82,8 +82,9 @@ class VariableClient(Protocol):
     def close(self) -> None: ...
 
 
-ClientFactory = Callable[[tuple[str, ...]], VariableClient]
-"""Makes the client of the parameter servers at these addresses."""
+ClientFactory = Callable[[tuple[str, ...], float], VariableClient]
+"""Makes the client of the parameter servers at these addresses; a failover time > 0 (the
+cluster context's ``failover_seconds``) bounds how long it retries an unreachable server."""
 
 
 # ---------------------------------------------------------------- local parameters

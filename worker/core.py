@@ -160,7 +160,7 @@ class WorkerCore:
         self._resources: dict[str, object] = {}
         self._variables = LocalVariables(transfers_for(device))
         self._dense = DenseReplicas(self._variables)
-        self._clients: OrderedDict[tuple[str, ...], VariableClient] = OrderedDict()
+        self._clients: OrderedDict[tuple[tuple[str, ...], float], VariableClient] = OrderedDict()
         self._closures_run = 0
         self._cluster = ClusterContext()
         self._cluster_fingerprint = ""
@@ -411,14 +411,15 @@ class WorkerCore:
         addresses = tuple(cluster.parameter_servers)
         if not addresses:
             return None
-        client = self._clients.get(addresses)
+        key = (addresses, cluster.failover_seconds)
+        client = self._clients.get(key)
         if client is None:
-            client = self._client_factory(addresses)
-            self._clients[addresses] = client
+            client = self._client_factory(addresses, cluster.failover_seconds)
+            self._clients[key] = client
             while len(self._clients) > _MAX_PS_CLIENTS:
                 _, oldest = self._clients.popitem(last=False)
                 oldest.close()
-        self._clients.move_to_end(addresses)
+        self._clients.move_to_end(key)
         client.adopt_layouts(cluster.layouts)
         return client
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 from dataclasses import dataclass
 
@@ -140,7 +141,14 @@ def parameter_server_clients(config: WorkerConfig) -> ClientFactory:
         retry_deadline=config.ps_retry_deadline,
         max_message_bytes=config.max_message_bytes,
     )
-    return lambda addresses: ParameterServerClient(addresses, client_config)
+
+    def connect(addresses: tuple[str, ...], failover_seconds: float) -> ParameterServerClient:
+        if failover_seconds > 0:  # a backup takes over: give up on an unreachable server soon
+            deadline = min(client_config.retry_deadline, failover_seconds)
+            return ParameterServerClient(addresses, dataclasses.replace(client_config, retry_deadline=deadline))
+        return ParameterServerClient(addresses, client_config)
+
+    return connect
 
 
 def build_worker(config: WorkerConfig, registry: CollectorRegistry | None = None) -> Worker:

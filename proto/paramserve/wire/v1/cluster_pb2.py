@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n paramserve/wire/v1/cluster.proto\x12\x12paramserve.wire.v1\"T\n\x0eShardPlacement\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0e\n\x06server\x18\x02 \x01(\x05\x12\x11\n\trow_start\x18\x03 \x01(\x03\x12\x10\n\x08num_rows\x18\x04 \x01(\x03\"p\n\x0eVariableLayout\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x32\n\x06shards\x18\x04 \x03(\x0b\x32\".paramserve.wire.v1.ShardPlacement\"v\n\x0e\x43lusterContext\x12\x19\n\x11parameter_servers\x18\x01 \x03(\t\x12\x35\n\tvariables\x18\x02 \x03(\x0b\x32\".paramserve.wire.v1.VariableLayout\x12\x12\n\ngeneration\x18\x03 \x01(\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n paramserve/wire/v1/cluster.proto\x12\x12paramserve.wire.v1\"T\n\x0eShardPlacement\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0e\n\x06server\x18\x02 \x01(\x05\x12\x11\n\trow_start\x18\x03 \x01(\x03\x12\x10\n\x08num_rows\x18\x04 \x01(\x03\"p\n\x0eVariableLayout\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x32\n\x06shards\x18\x04 \x03(\x0b\x32\".paramserve.wire.v1.ShardPlacement\"\x90\x01\n\x0e\x43lusterContext\x12\x19\n\x11parameter_servers\x18\x01 \x03(\t\x12\x35\n\tvariables\x18\x02 \x03(\x0b\x32\".paramserve.wire.v1.VariableLayout\x12\x12\n\ngeneration\x18\x03 \x01(\x03\x12\x18\n\x10\x66\x61ilover_seconds\x18\x04 \x01(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,6 +35,6 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SHARDPLACEMENT']._serialized_end=140
   _globals['_VARIABLELAYOUT']._serialized_start=142
   _globals['_VARIABLELAYOUT']._serialized_end=254
-  _globals['_CLUSTERCONTEXT']._serialized_start=256
-  _globals['_CLUSTERCONTEXT']._serialized_end=374
+  _globals['_CLUSTERCONTEXT']._serialized_start=257
+  _globals['_CLUSTERCONTEXT']._serialized_end=401
 # @@protoc_insertion_point(module_scope)

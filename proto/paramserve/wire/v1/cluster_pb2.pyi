@@ -31,11 +31,13 @@ class VariableLayout(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., shards: _Optional[_Iterable[_Union[ShardPlacement, _Mapping]]] = ...) -> None: ...
 
 class ClusterContext(_message.Message):
-    __slots__ = ("parameter_servers", "variables", "generation")
+    __slots__ = ("parameter_servers", "variables", "generation", "failover_seconds")
     PARAMETER_SERVERS_FIELD_NUMBER: _ClassVar[int]
     VARIABLES_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    FAILOVER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     parameter_servers: _containers.RepeatedScalarFieldContainer[str]
     variables: _containers.RepeatedCompositeFieldContainer[VariableLayout]
     generation: int
-    def __init__(self, parameter_servers: _Optional[_Iterable[str]] = ..., variables: _Optional[_Iterable[_Union[VariableLayout, _Mapping]]] = ..., generation: _Optional[int] = ...) -> None: ...
+    failover_seconds: float
+    def __init__(self, parameter_servers: _Optional[_Iterable[str]] = ..., variables: _Optional[_Iterable[_Union[VariableLayout, _Mapping]]] = ..., generation: _Optional[int] = ..., failover_seconds: _Optional[float] = ...) -> None: ...

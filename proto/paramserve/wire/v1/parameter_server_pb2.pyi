@@ -1,11 +1,23 @@
 from paramserve.wire.v1 import tensor_pb2 as _tensor_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class ReplicaRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REPLICA_ROLE_UNSPECIFIED: _ClassVar[ReplicaRole]
+    STANDALONE: _ClassVar[ReplicaRole]
+    PRIMARY: _ClassVar[ReplicaRole]
+    BACKUP: _ClassVar[ReplicaRole]
+REPLICA_ROLE_UNSPECIFIED: ReplicaRole
+STANDALONE: ReplicaRole
+PRIMARY: ReplicaRole
+BACKUP: ReplicaRole
 
 class CreateShardsResponse(_message.Message):
     __slots__ = ("shards",)
@@ -306,3 +318,31 @@ class MarkDynamicTablesSavedRequest(_message.Message):
     MARKS_FIELD_NUMBER: _ClassVar[int]
     marks: _containers.RepeatedCompositeFieldContainer[DynamicSaveMark]
     def __init__(self, marks: _Optional[_Iterable[_Union[DynamicSaveMark, _Mapping]]] = ...) -> None: ...
+
+class ReplicaConfig(_message.Message):
+    __slots__ = ("epoch", "role", "backups")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    BACKUPS_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    role: ReplicaRole
+    backups: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, epoch: _Optional[int] = ..., role: _Optional[_Union[ReplicaRole, str]] = ..., backups: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ConfigureReplicaRequest(_message.Message):
+    __slots__ = ("config", "query")
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    QUERY_FIELD_NUMBER: _ClassVar[int]
+    config: ReplicaConfig
+    query: bool
+    def __init__(self, config: _Optional[_Union[ReplicaConfig, _Mapping]] = ..., query: _Optional[bool] = ...) -> None: ...
+
+class ConfigureReplicaResponse(_message.Message):
+    __slots__ = ("config", "incarnation", "refusing")
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    REFUSING_FIELD_NUMBER: _ClassVar[int]
+    config: ReplicaConfig
+    incarnation: str
+    refusing: str
+    def __init__(self, config: _Optional[_Union[ReplicaConfig, _Mapping]] = ..., incarnation: _Optional[str] = ..., refusing: _Optional[str] = ...) -> None: ...

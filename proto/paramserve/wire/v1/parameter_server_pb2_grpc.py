@@ -120,6 +120,11 @@ class ParameterServerStub:
                 request_serializer=paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.MarkDynamicTablesSavedRequest.SerializeToString,
                 response_deserializer=paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.DynamicTablesResponse.FromString,
                 _registered_method=True)
+        self.ConfigureReplica = channel.unary_unary(
+                '/paramserve.wire.v1.ParameterServer/ConfigureReplica',
+                request_serializer=paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.ConfigureReplicaRequest.SerializeToString,
+                response_deserializer=paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.ConfigureReplicaResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -253,6 +258,15 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ConfigureReplica(self, request, context):
+        """Replication (replicas > 1): the coordinator sets each server's role in its shard group
+        and the group's epoch; query=true only reads them. A lower epoch than the server's is
+        refused (FAILED_PRECONDITION), so a coordinator's older decision never undoes a newer one.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -340,6 +354,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.MarkDynamicTablesSaved,
                     request_deserializer=paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.MarkDynamicTablesSavedRequest.FromString,
                     response_serializer=paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.DynamicTablesResponse.SerializeToString,
+            ),
+            'ConfigureReplica': grpc.unary_unary_rpc_method_handler(
+                    servicer.ConfigureReplica,
+                    request_deserializer=paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.ConfigureReplicaRequest.FromString,
+                    response_serializer=paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.ConfigureReplicaResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -801,6 +820,33 @@ class ParameterServer:
             '/paramserve.wire.v1.ParameterServer/MarkDynamicTablesSaved',
             paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.MarkDynamicTablesSavedRequest.SerializeToString,
             paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.DynamicTablesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ConfigureReplica(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/paramserve.wire.v1.ParameterServer/ConfigureReplica',
+            paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.ConfigureReplicaRequest.SerializeToString,
+            paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.ConfigureReplicaResponse.FromString,
             options,
             channel_credentials,
             insecure,
