@@ -318,6 +318,16 @@ class RunLog:
             self._servers.setdefault(server, ServerLog()).recovering = True
             self._add(now, "ps-recovering", server, "lost or restarted: training paused while it is recovered")
 
+    def replica_rejoined(self, group: int, member: str, copied_bytes: int, seconds: float) -> None:
+        now = self._clock()
+        with self._lock:
+            self._add(
+                now,
+                "ps-rejoined",
+                member,
+                f"rejoined shard group {group} as a backup: {copied_bytes} bytes copied in {seconds:.2f}s",
+            )
+
     def parameter_server_recovered(self, server: str, result: str, seconds: float) -> None:
         now = self._clock()
         with self._lock:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from paramserve.coordinator.cluster import ClusterSpec
+from paramserve.coordinator.replica_groups import ParameterServers
 from paramserve.psserver.client import ParameterServerClient
 from paramserve.psserver.dynamic_types import DynamicShardState
 from paramserve.psserver.optimizer import OptimizerSpec
@@ -127,7 +128,14 @@ class RecoverableVariables(Protocol):
 
     @property
     def client(self) -> ParameterServerClient:
-        """The client of the parameter servers the variables live on."""
+        """The client of the parameter servers the variables live on (the primaries, replicated)."""
+
+    @property
+    def servers(self) -> ParameterServers:
+        """The servers and, when they are replicated, their groups (coordinator/replica_groups.py)."""
+
+    def servers_moved(self) -> None:
+        """A backup took over: the client and the cluster context name the new primaries."""
 
     @property
     def checkpoints(self) -> CheckpointLog:

@@ -62,7 +62,7 @@ from paramserve.coordinator.recovery_policy import (
 )
 from paramserve.psserver import checkpoint, dynamic_checkpoint
 from paramserve.psserver.dynamic_types import DynamicShardState, rehash
-from paramserve.psserver.errors import CheckpointError
+from paramserve.psserver.errors import CheckpointError, ParamServeError
 from paramserve.psserver.types import ShardInfo, ShardPlacement, ShardRef, ShardState, VariableLayout
 
 __all__ = ["ParameterServerRecovery", "RecoveryObserver", "RecoveryOutcome", "THREAD_NAME"]
@@ -77,8 +77,15 @@ class RecoveryObserver(Protocol):
         """Recovery of ``server`` starts: training pauses until it is over."""
 
     def parameter_server_recovered(self, server: str, result: str, seconds: float) -> None:
-        """One recovery ended: ``result`` is "restored", "intact" or "failed"; ``seconds`` from
-        the replacement answering to dispatch resuming (0 when it never answered)."""
+        """One recovery ended: ``result`` is "restored", "intact", "failed-over" (a backup took
+        over: ``seconds`` from the failure reported to dispatch resuming) or "failed";
+        ``seconds`` from the replacement answering to dispatch resuming (0 when it never answered)."""
+
+    def replica_rejoined(self, group: int, member: str, copied_bytes: int, seconds: float) -> None:
+        """``member`` rejoined ``group`` as a backup: ``copied_bytes`` piped from the primary."""
+
+    def replicas_in_sync(self, group: int, count: int) -> None:
+        """``group`` has ``count`` replicas holding its state now (its primary included)."""
 
 
 @dataclass(frozen=True)
@@ -111,6 +118,7 @@ class ParameterServerRecovery:
         self._addresses = tuple(variables.client.addresses)
         self._watches = [ServerWatch() for _ in self._addresses]
         self._suspects: set[int] = set()
+        self._rejoins: set[int] = set()  # replicated groups with a member to copy into
         self._recovering = False
         self._cond = threading.Condition()
         self._wake = threading.Event()
@@ -129,8 +137,12 @@ class ParameterServerRecovery:
     def report(self, server: str) -> None:
         """A closure (or a checkpoint's export) failed because of parameter server ``server``
         (its address; another string: every server is suspect). Never blocks."""
+        groups = self._variables.servers.groups
+        group = groups.group_of(server) if groups is not None else None
         with self._cond:
-            if server in self._addresses:
+            if group is not None:
+                self._suspects.add(group)
+            elif server in self._addresses:
                 self._suspects.add(self._addresses.index(server))
             else:  # e.g. "unknown": the worker could not tell which
                 self._suspects.update(range(len(self._addresses)))
@@ -170,6 +182,10 @@ class ParameterServerRecovery:
                     if self._stopped.is_set():
                         return
                     self._recover(server)
+                for group in self._take_rejoins():
+                    if self._stopped.is_set():
+                        return
+                    self._rejoin(group)
             except Exception:
                 log.exception("parameter-server recovery failed unexpectedly")
             finally:
@@ -184,9 +200,22 @@ class ParameterServerRecovery:
             self._suspects.clear()
             return suspects
 
+    def _take_rejoins(self) -> list[int]:
+        with self._cond:
+            rejoins = sorted(self._rejoins)
+            self._rejoins.clear()
+            return rejoins
+
     def _probe_all(self) -> None:
         """Suspects the servers whose probe says they restarted or are lost."""
         if not self._variables.materialized:
+            return
+        groups = self._variables.servers.groups
+        if groups is not None:
+            failing, rejoining = groups.needs_check()
+            with self._cond:
+                self._suspects.update(failing)
+                self._rejoins.update(rejoining)
             return
         for server in range(len(self._addresses)):
             probe = self._probe(server)
@@ -205,6 +234,9 @@ class ParameterServerRecovery:
         return Probe(ProbeResult.BUSY if found.reachable else ProbeResult.UNREACHABLE)
 
     def _recover(self, server: int) -> None:
+        if self._variables.servers.groups is not None:
+            self._fail_over(server)
+            return
         address = self._addresses[server]
         log.warning("recovering parameter server %s: training paused", address)
         if self.observer is not None:
@@ -220,6 +252,72 @@ class ParameterServerRecovery:
             outcome = self._give_up(server, exc)
         if self.observer is not None:
             self.observer.parameter_server_recovered(address, outcome.result, outcome.seconds)
+
+    # ---------------------------------------------------------------- replicated groups
+
+    def _fail_over(self, group: int) -> None:
+        """Acts on a replicated group's failure (coordinator/replica_groups.py): a backup takes
+        over, or a lost backup is dropped, and closures go on at once; when no replica holds the
+        group's state, the member that answers first is restored from a checkpoint."""
+        groups = self._variables.servers.groups
+        assert groups is not None
+        start = self._clock()
+        old = self._addresses[group]
+        try:
+            with self._variables.state_change():
+                plan = groups.check(group)
+                if plan.state is None:
+                    groups.take_over(group, time.monotonic() + self._policy.replacement_timeout)
+                    self._moved()
+                    self._recover_checkpointed(group)
+                    return
+                if plan.changed:
+                    self._moved()
+        except (ParamServeError, TimeoutError) as exc:
+            log.warning("parameter-server group %d: failover not done yet (%s); trying again", group, exc)
+            with self._cond:
+                self._suspects.add(group)  # the next round of the thread tries again
+            return
+        self.loop.release_server_hold()
+        if plan.changed and self.observer is not None:
+            result = "failed-over" if self._addresses[group] != old else "replica-lost"
+            self.observer.parameter_server_recovered(old, result, self._clock() - start)
+            self.observer.replicas_in_sync(group, 1 + len(plan.state.in_sync))
+        if plan.changed:
+            self.recoveries.append(RecoveryOutcome(old, "failed-over", self._clock() - start))
+
+    def _recover_checkpointed(self, group: int) -> None:
+        address = self._addresses[group]
+        if self.observer is not None:
+            self.observer.parameter_server_recovering(address)
+        try:
+            outcome = self._recover_paused(group)
+        except Unrecoverable as exc:
+            outcome = self._give_up(group, exc)
+        if self.observer is not None:
+            self.observer.parameter_server_recovered(address, outcome.result, outcome.seconds)
+
+    def _rejoin(self, group: int) -> None:
+        """Copies the primary's shards into the members of ``group`` that came back, with
+        dispatch paused (no push lands between the copy and the primary forwarding to them)."""
+        groups = self._variables.servers.groups
+        assert groups is not None
+        try:
+            with self._variables.state_change(), self.loop.paused(self._policy.replacement_timeout):
+                done = groups.rejoin(group, self._policy.replacement_timeout)
+        except (ParamServeError, TimeoutError) as exc:
+            log.warning("parameter-server group %d: a rejoin failed (%s); trying again", group, exc)
+            return
+        if self.observer is not None:
+            for rejoined in done:
+                self.observer.replica_rejoined(group, rejoined.member, rejoined.bytes, rejoined.seconds)
+            if done:
+                self.observer.replicas_in_sync(group, 1 + len(groups.states()[group].in_sync))
+
+    def _moved(self) -> None:
+        """The group's primary changed: the strategy's client and context follow."""
+        self._variables.servers_moved()
+        self._addresses = tuple(self._variables.client.addresses)
 
     def _give_up(self, server: int, exc: Unrecoverable) -> RecoveryOutcome:
         address = self._addresses[server]

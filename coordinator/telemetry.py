@@ -22,8 +22,13 @@ worker_up{worker}                              1 up, 0 down or stopped; gone whe
 worker_membership_changes_total{change}        workers joined / left (discovery, add/remove)
 checkpoint_age_seconds, checkpoint_step        the newest checkpoint written or restored (absent
                                                before the first)
-ps_recoveries_total{server, result}            parameter servers restored after a restart
-ps_recovery_seconds                            how long each recovery took (histogram)
+ps_recoveries_total{server, result}            parameter servers restored after a restart, or
+                                               replaced by a backup (result "failed-over")
+ps_recovery_seconds                            how long each recovery or failover took (histogram)
+ps_replicas_in_sync{group}                     replicas holding a shard group's state (replicas > 1)
+ps_replica_rejoins_total                       servers copied into and made backups again
+ps_replica_resync_bytes_total                  bytes piped from primaries into rejoining backups
+ps_replica_resync_seconds                      how long each rejoin took (histogram)
 =============================================  ======================================================
 """
 
@@ -152,6 +157,26 @@ class CoordinatorTelemetry:
             buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
             registry=self.registry,
         )
+        self.replicas_in_sync_gauge = Gauge(
+            f"{PREFIX}ps_replicas_in_sync",
+            "Replicated parameter servers: replicas holding each shard group's state, its primary included.",
+            ["group"],
+            registry=self.registry,
+        )
+        self.replica_rejoins = Counter(
+            f"{PREFIX}ps_replica_rejoins", "Servers copied into and made backups again.", registry=self.registry
+        )
+        self.replica_resync_bytes = Counter(
+            f"{PREFIX}ps_replica_resync_bytes",
+            "Bytes piped from primaries into rejoining backups.",
+            registry=self.registry,
+        )
+        self.replica_resync_seconds = Histogram(
+            f"{PREFIX}ps_replica_resync_seconds",
+            "Seconds each rejoin took (dispatch paused for the copy).",
+            buckets=(0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 300),
+            registry=self.registry,
+        )
         self.dense_generation = Gauge(
             f"{PREFIX}dense_group_generation",
             "Hybrid training (sync_dense): formations of the workers' dense all-reduce group so far.",
@@ -231,6 +256,17 @@ class CoordinatorTelemetry:
         self.ps_recoveries.labels(server, result).inc()
         self.ps_recovery_seconds.observe(seconds)
         self.run.parameter_server_recovered(server, result, seconds)
+
+    def replica_rejoined(self, group: int, member: str, copied_bytes: int, seconds: float) -> None:
+        """``member`` rejoined shard group ``group`` as a backup after ``copied_bytes`` were copied."""
+        self.replica_rejoins.inc()
+        self.replica_resync_bytes.inc(copied_bytes)
+        self.replica_resync_seconds.observe(seconds)
+        self.run.replica_rejoined(group, member, copied_bytes, seconds)
+
+    def replicas_in_sync(self, group: int, count: int) -> None:
+        """Shard group ``group`` has ``count`` replicas holding its state."""
+        self.replicas_in_sync_gauge.labels(str(group)).set(count)
 
     # ---------------------------------------------------------------- hybrid training's dense group
 

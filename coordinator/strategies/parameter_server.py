@@ -34,6 +34,7 @@ from paramserve.coordinator.checkpoint_manager import CheckpointManager
 from paramserve.coordinator.cluster import ClusterSpec
 from paramserve.coordinator.cluster_resolver import ClusterResolver
 from paramserve.coordinator.contracts import CheckpointLog, DispatchControl, RecoverableVariables
+from paramserve.coordinator.replica_groups import ParameterServers, replica_count
 from paramserve.coordinator.strategies import _capture
 from paramserve.coordinator.strategies.base import DefaultStrategy, SingleReplicaStrategy, Strategy
 from paramserve.coordinator.strategies.input import InputOptions, check_per_worker
@@ -42,6 +43,9 @@ from paramserve.coordinator.strategies.parameter_server_access import (
     _ClosureStrategy,
     _server_optimizer,
     _ServerOptimizerLink,
+    check_run_name,
+    held_by_servers,
+    variables_exist_error,
 )
 from paramserve.coordinator.strategies.parameter_server_training import (
     METRIC_OPTIMIZER,
@@ -53,9 +57,8 @@ from paramserve.coordinator.strategies.parameter_server_training import (
 from paramserve.coordinator.strategies.step_runners import StepFn, StepRunner
 from paramserve.coordinator.strategies.sync_dense import SyncDense
 from paramserve.coordinator.strategies.training_state import TrainingCheckpoints
-from paramserve.psserver.client import ClientConfig, ParameterServerClient, layouts_from_infos
+from paramserve.psserver.client import ClientConfig, ParameterServerClient
 from paramserve.psserver.dynamic_types import DynamicShardState
-from paramserve.psserver.errors import VariableExistsError
 from paramserve.psserver.optimizer import OptimizerSpec
 from paramserve.psserver.partition import Partitioner
 from paramserve.psserver.security import TOKEN_ENV, check_token
@@ -143,6 +146,9 @@ class ParameterServerStrategy(SingleReplicaStrategy):
             ARCHITECTURE.md, "Hybrid training".
         dense_group_timeout, rendezvous_host: sync_dense's collective timeout (seconds) and the
             coordinator's host as workers reach it (default: 127.0.0.1 for loopback workers).
+        ps_replicas: each shard on this many servers (default ``PARAMSERVE_PS_REPLICAS``, else 1):
+            a primary and backups that apply every push before it is acknowledged, one of which
+            takes over when the primary fails (ARCHITECTURE.md, "Replicated parameter servers").
     """
 
     def __init__(
@@ -160,6 +166,7 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         sync_dense: bool = False,
         dense_group_timeout: float = 60.0,
         rendezvous_host: str | None = None,
+        ps_replicas: int | None = None,
     ):
         env = os.environ if environ is None else environ
         self.cluster = ClusterSpec.resolve(cluster_resolver, env)
@@ -172,7 +179,7 @@ class ParameterServerStrategy(SingleReplicaStrategy):
             raise ValueError(f"max_value_age must be >= 0 seconds, got {max_value_age!r}")
         self.max_value_age = float(max_value_age)
         self.overlap_pushes = bool(overlap_pushes)
-        self.run_name = _check_run_name(run_name)
+        self.run_name = check_run_name(run_name)
         self.reuse_variables = bool(reuse_variables)
         self._namespace = f"{self.run_name}/" if self.run_name else ""
         config = client_config or ClientConfig()
@@ -180,7 +187,7 @@ class ParameterServerStrategy(SingleReplicaStrategy):
             config = ClientConfig(**{**config.__dict__, "token": self.token})
         self.tls = config.client_tls()
         """How the coordinator reaches workers too: the parameter servers' TLS settings (ClientConfig)."""
-        self.client = ParameterServerClient(self.cluster.parameter_servers, config)
+        self.servers = ParameterServers(self.cluster.parameter_servers, replica_count(ps_replicas, env), config)
         self._lock = threading.RLock()
         self._variables: dict[str, Variable] = {}
         self._roots: list[tuple[str, nn.Module]] = []
@@ -485,6 +492,8 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         the strategy was not built with ``reuse_variables=True``.
         """
         with self._lock:
+            if not self._materialized and self.servers.establish():
+                self.servers_moved()
             if states_by_server is not None and layouts is not None and not self._materialized:
                 self.restore_states(states_by_server, layouts)
             new = [v for n, v in self._variables.items() if n not in self._created and not v.replicated]
@@ -507,6 +516,18 @@ class ParameterServerStrategy(SingleReplicaStrategy):
                 variable = self._variables.get(state.ref.variable)
                 if variable is not None:  # the servers apply the restored settings from now on
                     variable.optimizer = state.optimizer
+            self._generation += 1
+            self._context = None
+
+    @property
+    def client(self) -> ParameterServerClient:
+        """The client of the servers that serve: each group's primary when replicated."""
+        return self.servers.client
+
+    def servers_moved(self) -> None:
+        """A backup took over (``servers.move``): workers get the new primaries with the context."""
+        with self._lock:
+            self.servers.move()
             self._generation += 1
             self._context = None
 
@@ -553,30 +574,13 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         when the strategy allows it, else VariableExistsError says how to keep runs apart."""
         layouts = self._held_by_servers(names)
         if layouts and not self.reuse_variables:
-            raise VariableExistsError(
-                f"{len(layouts)} variables of this model exist on the parameter servers already, e.g. "
-                f"{sorted(layouts)[:3]} (from an earlier run?): pass ParameterServerStrategy(run_name=...) a new "
-                "name to keep this run's variables apart, reuse_variables=True to train on from their values, or (a "
-                "restarted program) call CheckpointManager(strategy, directory).restore_or_initialize() before the "
-                "first schedule(): it restores the latest checkpoint, or starts the variables afresh without one",
-                variable=sorted(layouts)[0],
-            )
+            raise variables_exist_error(layouts)
         self.client.adopt_layouts(layouts)
         return set(layouts)
 
     def _held_by_servers(self, names: Sequence[str]) -> dict[str, VariableLayout]:
-        """The layouts of those of ``names`` the servers hold. Raises VariableExistsError for one
-        held with another shape or dtype than the model's: another model's, never to be touched."""
-        layouts = {n: layout for n, layout in layouts_from_infos(self.client.list_shards()).items() if n in names}
-        for name, layout in layouts.items():
-            variable = self._variables[name]
-            if (layout.shape, layout.dtype) != (variable.shape, variable.dtype):
-                raise VariableExistsError(
-                    f"the servers hold it as {layout.shape} {layout.dtype}, the model builds {variable.shape} "
-                    f"{variable.dtype}: it belongs to another model; use a new run_name for this one",
-                    variable=name,
-                )
-        return layouts
+        """The layouts of those of ``names`` the servers hold (VariableExistsError for another model's)."""
+        return held_by_servers(self.client, {name: (v.shape, v.dtype) for name, v in self._variables.items()}, names)
 
     def initialize(self) -> None:
         """Creates the variables from their initial values, replacing those that an earlier run
@@ -684,9 +688,10 @@ class ParameterServerStrategy(SingleReplicaStrategy):
             if self._context is None:
                 layouts = self.client.layouts
                 self._context = ClusterContext(
-                    self.cluster.parameter_servers,
+                    self.client.addresses,
                     {name: layouts[name] for name in self._created if name in layouts},
                     self._generation,
+                    self.servers.failover_seconds,
                 )
             return self._context
 
@@ -776,7 +781,7 @@ class ParameterServerStrategy(SingleReplicaStrategy):
             _capture.unlink(optimizer)
         self._release_models()
         self._access.close()
-        self.client.close()
+        self.servers.close()
 
     @property
     def closed(self) -> bool:
@@ -785,14 +790,6 @@ class ParameterServerStrategy(SingleReplicaStrategy):
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this ParameterServerStrategy was closed: create a new one")
-
-
-def _check_run_name(run_name: str | None) -> str | None:
-    if run_name is None:
-        return None
-    if not isinstance(run_name, str) or not run_name.strip() or run_name != run_name.strip() or "/" in run_name:
-        raise ValueError(f"run_name must be a non-empty name without '/' or surrounding spaces, got {run_name!r}")
-    return run_name
 
 
 _LOCAL_ONLY_OPTIONS = frozenset({"foreach", "fused", "capturable", "differentiable"})

@@ -20,6 +20,9 @@ from torch import nn
 
 from paramserve.coordinator.strategies import _capture
 from paramserve.coordinator.strategies.base import SingleReplicaStrategy
+from paramserve.psserver.client import ParameterServerClient, layouts_from_infos
+from paramserve.psserver.errors import VariableExistsError
+from paramserve.psserver.types import VariableLayout
 from paramserve.worker.variables import ServerOptimizer, variable_name
 
 if TYPE_CHECKING:
@@ -150,3 +153,40 @@ def _server_optimizer(optimizer: Any) -> ServerOptimizer:
         f"{type(optimizer).__name__} does not update this strategy's variables: use the optimizer "
         "strategy.optimizer(...) returns, or a torch optimizer built inside strategy.scope()"
     )
+
+
+def held_by_servers(
+    client: ParameterServerClient, shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]], names: Sequence[str]
+) -> dict[str, VariableLayout]:
+    """The layouts of those of ``names`` the servers hold. Raises VariableExistsError for one held
+    with another shape or dtype than ``shapes`` gives: another model's, never to be touched."""
+    layouts = {n: layout for n, layout in layouts_from_infos(client.list_shards()).items() if n in names}
+    for name, layout in layouts.items():
+        shape, dtype = shapes[name]
+        if (layout.shape, layout.dtype) != (shape, dtype):
+            raise VariableExistsError(
+                f"the servers hold it as {layout.shape} {layout.dtype}, the model builds {shape} "
+                f"{dtype}: it belongs to another model; use a new run_name for this one",
+                variable=name,
+            )
+    return layouts
+
+
+def variables_exist_error(layouts: Mapping[str, VariableLayout]) -> VariableExistsError:
+    """What a run that would create variables the servers hold already is told."""
+    return VariableExistsError(
+        f"{len(layouts)} variables of this model exist on the parameter servers already, e.g. "
+        f"{sorted(layouts)[:3]} (from an earlier run?): pass ParameterServerStrategy(run_name=...) a new "
+        "name to keep this run's variables apart, reuse_variables=True to train on from their values, or (a "
+        "restarted program) call CheckpointManager(strategy, directory).restore_or_initialize() before the "
+        "first schedule(): it restores the latest checkpoint, or starts the variables afresh without one",
+        variable=sorted(layouts)[0],
+    )
+
+
+def check_run_name(run_name: str | None) -> str | None:
+    if run_name is None:
+        return None
+    if not isinstance(run_name, str) or not run_name.strip() or run_name != run_name.strip() or "/" in run_name:
+        raise ValueError(f"run_name must be a non-empty name without '/' or surrounding spaces, got {run_name!r}")
+    return run_name

@@ -1,0 +1,125 @@
+"""The coordinator's calls to the members of replicated shard groups (psserver/replication.py):
+ask each server its role, give it one, and copy a primary's shards onto a server that rejoins.
+
+The copy is a pipe: the primary's ``ExportShards`` chunks go unchanged into the new backup's
+``ReplaceShards`` (both speak the same shard parts), tagged with the new backup's epoch, so the
+coordinator never holds more than a chunk of the model whatever its size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from paramserve.psserver import convert
+from paramserve.psserver.calls import CallOptions, Stub, typed_error
+from paramserve.psserver.channels import channel_options, open_channel
+from paramserve.psserver.metadata import REPLICA_EPOCH_METADATA_KEY
+from paramserve.psserver.probes import Prober
+from paramserve.psserver.replication import ReplicaConfig
+from paramserve.psserver.security import ClientTls
+from paramserve.psserver.streams import DEFAULT_CHUNK_BYTES
+from paramserve.wire.v1 import parameter_server_pb2 as ps_pb2
+
+__all__ = ["MemberState", "ReplicaCalls"]
+
+
+@dataclass(frozen=True)
+class MemberState:
+    """What one server of a group answered (``answered`` False: it did not; ``busy`` then says
+    whether its port still accepts connections, a server too busy to answer in time)."""
+
+    answered: bool
+    incarnation: str = ""
+    config: ReplicaConfig = ReplicaConfig()
+    refusing: str = ""
+    busy: bool = False
+
+
+@dataclass(frozen=True)
+class _EpochOptions(CallOptions):
+    epoch: int = 0
+
+    def metadata(self, *extra: tuple[str, str]) -> list[tuple[str, str]]:
+        return super().metadata(*extra, (REPLICA_EPOCH_METADATA_KEY, str(self.epoch)))
+
+
+class ReplicaCalls:
+    """Calls to every server of the cluster, by address. Thread-safe; close() when done."""
+
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        *,
+        token: str | None,
+        tls: ClientTls | None,
+        timeout: float = 10.0,
+        max_message_bytes: int = 64 << 20,
+    ):
+        self._addresses = tuple(addresses)
+        self._token = token
+        self._timeout = timeout
+        self._channels = {
+            address: open_channel(address, tls, channel_options(max_message_bytes)) for address in self._addresses
+        }
+        self._stubs = {address: Stub(channel) for address, channel in self._channels.items()}
+        self._prober = Prober(
+            self._addresses, lambda address: open_channel(address, tls, channel_options(max_message_bytes)), token
+        )
+
+    def _options(self, timeout: float | None = None) -> CallOptions:
+        seconds = self._timeout if timeout is None else timeout
+        return CallOptions(self._token, seconds, seconds)
+
+    def state(self, address: str, timeout: float) -> MemberState:
+        """The server's role, epoch, incarnation and whether it serves clients; when it does not
+        answer within ``timeout``, whether it is busy or gone (psserver/probes.py)."""
+        request = ps_pb2.ConfigureReplicaRequest(query=True)
+        try:
+            reply = self._stubs[address].unary(
+                "ConfigureReplica", request, ps_pb2.ConfigureReplicaResponse, self._options(timeout)
+            )
+        except grpc.RpcError:
+            found = self._prober.probe(self._addresses.index(address), timeout)
+            return MemberState(answered=False, busy=found.reachable and found.incarnation is None)
+        return _member(reply)
+
+    def configure(self, address: str, config: ReplicaConfig) -> MemberState:
+        """Gives the server ``config``; raises the typed error of a refusal or a failed call."""
+        request = ps_pb2.ConfigureReplicaRequest(config=convert.replica_config_to_proto(config))
+        try:
+            reply = self._stubs[address].unary(
+                "ConfigureReplica", request, ps_pb2.ConfigureReplicaResponse, self._options()
+            )
+        except grpc.RpcError as err:
+            raise typed_error(err, address, None) from None
+        return _member(reply)
+
+    def copy(self, source: str, target: str, epoch: int, timeout: float) -> int:
+        """Makes ``target`` (a backup at ``epoch``) hold exactly ``source``'s shards: values,
+        slots, versions and idempotency windows. Returns the bytes piped."""
+        piped = [0]
+        export = ps_pb2.ExportShardsRequest(chunk_bytes=DEFAULT_CHUNK_BYTES)
+
+        def chunks() -> Iterator[bytes]:
+            for chunk in self._stubs[source].unary_stream("ExportShards", export, self._options(timeout)):
+                piped[0] += len(chunk)
+                yield chunk
+
+        options = _EpochOptions(self._token, timeout, timeout, epoch)
+        try:
+            self._stubs[target].create_shards(chunks, options, replace=True)
+        except grpc.RpcError as err:
+            raise typed_error(err, target, None) from None
+        return piped[0]
+
+    def close(self) -> None:
+        for channel in self._channels.values():
+            channel.close()
+
+
+def _member(reply: ps_pb2.ConfigureReplicaResponse) -> MemberState:
+    config = convert.replica_config_from_proto(reply.config)
+    return MemberState(True, reply.incarnation, config, reply.refusing)
