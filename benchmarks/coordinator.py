@@ -30,6 +30,11 @@
   is in flight, beside the same cluster awaiting each push (the default); the two take turns,
   medians of --rounds. train_steps_overlapped_1w: the same with 1 ps + 1 worker, where a
   2-core machine is bound by each step's round trip rather than by its CPU.
+- train_steps_replicated, train_steps_large_replicated: the small model (1 shard group) and the
+  large one (2 groups, FixedShardsPartitioner(2)) with ps_replicas=2 (each group a primary and
+  a backup that applies every push before it is acknowledged: 2 and 4 server processes),
+  beside the same cluster with ps_replicas=1 (1 and 2 servers); 2 workers, 1 step per
+  closure; the two take turns, medians of --rounds.
 - gpu_worker_steps (only where CUDA is available): the small model's steps/s with workers
   on the GPU (--device cuda:0), beside CPU workers in the same run.
 """
@@ -83,6 +88,7 @@ METRICS = (
     "train_steps_vs_rpc",
     "train_steps_large_vs_rpc",
     "train_steps_overlapped",
+    "train_steps_replicated",
     "gpu_worker_steps",
 )
 
@@ -246,19 +252,23 @@ def paramserve_steps(
     overlap_pushes: bool = False,
     servers: int = 2,
     workers: int = 2,
+    replicas: int = 1,
 ) -> TrainRun:
     """2 ps + 2 workers on 127.0.0.1 (by default), one thread per process, 1 step per closure,
-    variables in one shard per server."""
+    variables in one shard per server (per group of ``replicas`` servers when replicated)."""
     worker_args = ["--torch-threads", "1"] + (["--device", device] if device else [])
     with LocalCluster(
-        num_ps=servers,
+        num_ps=servers * replicas,
         num_workers=workers,
         env=worker_environment(),
         extra_ps_args=["--torch-threads", "1"],
         extra_worker_args=worker_args,
     ) as cluster:
         strategy = ParameterServerStrategy(
-            cluster.spec, variable_partitioner=FixedShardsPartitioner(servers), overlap_pushes=overlap_pushes
+            cluster.spec,
+            variable_partitioner=FixedShardsPartitioner(servers),
+            overlap_pushes=overlap_pushes,
+            ps_replicas=replicas,
         )
         try:
             torch.manual_seed(0)
@@ -270,7 +280,11 @@ def paramserve_steps(
                 for _ in range(warmup):
                     coordinator.schedule(train_step, args=(batch, model, optimizer))
                 coordinator.join()
-                names = ["coordinator", *(f"ps{i}" for i in range(servers)), *(f"worker{i}" for i in range(workers))]
+                names = [
+                    "coordinator",
+                    *(f"ps{i}" for i in range(servers * replicas)),
+                    *(f"worker{i}" for i in range(workers)),
+                ]
                 pids = dict(zip(names, [os.getpid(), *(p.pid for p in cluster.processes)]))
                 before = {name: process_cpu_seconds(pid) for name, pid in pids.items()}
                 start = time.perf_counter()
@@ -345,6 +359,28 @@ def overlapped_versus_awaited(name: str, servers: int, workers: int, steps: int,
         "steps/s",
         baseline,
         f"each push awaited, {servers} ps + {workers} worker{'s' if workers > 1 else ''}, median of {rounds}",
+    )
+
+
+def replicated_versus_single(name: str, sizes: tuple[int, ...], servers: int, steps: int, rounds: int) -> Result:
+    """Steps/s with ps_replicas=2 beside ps_replicas=1, same model and workers; turns, medians."""
+    sides: dict[int, list[TrainRun]] = {1: [], 2: []}
+    for round_ in range(rounds):
+        for replicas in (1, 2):
+            sides[replicas].append(paramserve_steps(sizes, steps, 5, servers=servers, replicas=replicas))
+        print(
+            f"  [{name} round {round_ + 1}/{rounds}] replicas=2 {sides[2][-1].steps_per_s:.1f} steps/s "
+            f"({sides[2][-1].cpu_ms_per_step:.1f} CPU-ms/step), replicas=1 {sides[1][-1].steps_per_s:.1f} steps/s "
+            f"({sides[1][-1].cpu_ms_per_step:.1f} CPU-ms/step)",
+            flush=True,
+        )
+    value, baseline = (statistics.median(r.steps_per_s for r in sides[n]) for n in (2, 1))
+    return Result(
+        name,
+        value,
+        "steps/s",
+        baseline,
+        f"ps_replicas=1 ({servers} ps) + 2 workers, same run, median of {rounds}; replicated: {2 * servers} ps",
     )
 
 
@@ -425,6 +461,11 @@ def main(argv: list[str] | None = None) -> int:
     if "train_steps_overlapped" in wanted:
         results.append(overlapped_versus_awaited("train_steps_overlapped", 2, 2, args.steps, 30, args.rounds))
         results.append(overlapped_versus_awaited("train_steps_overlapped_1w", 1, 1, args.steps, 30, args.rounds))
+    if "train_steps_replicated" in wanted:
+        results.append(replicated_versus_single("train_steps_replicated", SMALL, 1, args.steps, args.rounds))
+        results.append(
+            replicated_versus_single("train_steps_large_replicated", LARGE, 2, args.large_steps, args.rounds)
+        )
     if "gpu_worker_steps" in wanted and torch.cuda.is_available():
         cpu = paramserve_steps(SMALL, args.steps, 30)
         gpu = paramserve_steps(SMALL, args.steps, 30, device="cuda:0")

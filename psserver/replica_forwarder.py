@@ -1,18 +1,23 @@
 """How a primary sends its writes to a backup: the backup's own RPCs, tagged with the epoch.
 
-A forwarded write is the RPC a client would make for it (a push as a ``Step`` without reads,
-or a ``Push`` stream when it is large; shards as ``CreateShards`` / ``ReplaceShards``;
-``SetHyperparameters``; ``DeleteVariable``) with the ``paramserve-replica-epoch`` metadata, so
-the backup applies it through the same checks and the same engine as any write
-(``servicer.py`` admits it with ``Replica.admit_forwarded``), and nothing new parses tensors.
+A forwarded write is what a client would send for it, tagged with the primary's epoch: a push
+is a step without reads on the backup's data plane (``StepPlan.replica_epoch``; a ``Step`` RPC
+when the backup has no data plane, a ``Push`` stream when it is larger than a frame), as cheap
+as a worker's step; shards go as ``CreateShards`` / ``ReplaceShards``, and
+``SetHyperparameters`` and ``DeleteVariable`` as themselves, with the
+``paramserve-replica-epoch`` metadata. So the backup applies it through the same checks and the
+same engine as any write (admitted by ``Replica.admit_forwarded``), and nothing new parses
+tensors.
 One attempt each: a write the backup did not confirm holds the primary for the coordinator's
 decision (psserver/replication.py), so a retry here would only delay that decision.
 """
 
 from __future__ import annotations
 
+import collections
 import json
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +27,9 @@ import torch
 from paramserve.psserver import convert
 from paramserve.psserver.calls import CallOptions, Stub, typed_error
 from paramserve.psserver.channels import channel_options, open_channel
-from paramserve.psserver.errors import VariableNotFoundError
+from paramserve.psserver.dataplane import MAX_PROGRAM_PLAN_BYTES, TransportError
+from paramserve.psserver.dataplane_client import DataPlaneConnection, DataPlaneLinks, ProgramNumbers
+from paramserve.psserver.errors import ServerUnavailableError, VariableNotFoundError
 from paramserve.psserver.metadata import REPLICA_EPOCH_METADATA_KEY
 from paramserve.psserver.security import ClientTls
 from paramserve.psserver.store import ShardPush
@@ -67,25 +74,73 @@ class GrpcForwarder:
     """Forwards one primary's writes to the backup at ``address`` (psserver.replication.Forwarder)."""
 
     def __init__(self, address: str, settings: ForwarderSettings):
+        self.address = address
         self._address = address
         self._settings = settings
         self._channel = open_channel(address, settings.tls, channel_options(settings.max_message_bytes))
         self._stub = Stub(self._channel)
+        plain = CallOptions(settings.token, settings.timeout, settings.timeout)
+        self._links = DataPlaneLinks(
+            [address],
+            lambda _: self._stub.data_plane_info(plain),
+            token=settings.token,
+            tls=settings.tls,
+            timeout=settings.timeout,
+        )
+        self._send_lock = threading.Lock()
+        self._pipeline: _Pipeline | None = None
 
     def _options(self, epoch: int) -> _EpochOptions:
         return _EpochOptions(self._settings.token, self._settings.timeout, self._settings.timeout, epoch)
 
-    def push(self, pushes: Sequence[ShardPush], key: str, epoch: int) -> None:
-        parts = [_push_part(push) for push in pushes]
-        size = sum(len(piece) for _, pieces in parts for piece in pieces)
-        options = self._options(epoch)
-        if size <= UNARY_FORWARD_BYTES:
-            plan = ps_pb2.StepPlan(push=[part for part, _ in parts], idempotency_key=key)
-            request = encode_step_request(plan, [piece for _, pieces in parts for piece in pieces])
-            self._call(lambda: self._stub.step(request, options))
-            return
+    def push(self, pushes: Sequence[ShardPush], key: str, epoch: int) -> Callable[[], None]:
+        """Sends the push (under the primary's shard locks, so in their order) and returns what
+        waits for the backup to have applied it (called once the locks are released: the next
+        push of those shards is sent meanwhile, behind it on the same connection)."""
+        forward = _Forward(pushes, key, epoch)
+        waiter = self._on_data_plane(forward)
+        if waiter is not None:
+            return waiter
+        parts, payload = forward.parts(), forward.payload()
+        plan = forward.plan()
+        if forward.size() <= UNARY_FORWARD_BYTES:
+            request = encode_step_request(plan, payload)
+            self._call(lambda: self._stub.step(request, self._options(epoch)))
+            return _done
         headed = [(tensor_pb2.PartHeader(push=part), pieces) for part, pieces in parts]
+        options = self._options(epoch)
         self._call(lambda: self._stub.push(lambda: encode_parts(iter(headed), DEFAULT_CHUNK_BYTES), key, options))
+        return _done
+
+    def _on_data_plane(self, forward: _Forward) -> Callable[[], None] | None:
+        """Sends the step on the pipeline to the backup's data plane; None when it has none or
+        the step is larger than its frames (the caller takes gRPC)."""
+        try:
+            limit = self._links.step_limit(0)
+            if limit is None or forward.size() > limit:
+                return None
+            with self._send_lock:
+                if self._pipeline is None or self._pipeline.broken is not None:
+                    connection = self._links.acquire(0)
+                    if connection is None:
+                        return None
+                    self._pipeline = _Pipeline(connection)
+                pipeline = self._pipeline
+                ticket = pipeline.send(forward.frame_plan(pipeline.connection.programs), forward.payload())
+        except grpc.RpcError as err:  # asking for the data plane's port
+            raise typed_error(err, self._address, None) from None
+        except TransportError as err:
+            self._links.forget(0)
+            raise ServerUnavailableError(f"backup's data plane: {err}", server=self._address) from None
+
+        def wait() -> None:
+            try:
+                pipeline.wait(ticket)
+            except TransportError as err:
+                self._links.forget(0)
+                raise ServerUnavailableError(f"backup's data plane: {err}", server=self._address) from None
+
+        return wait
 
     def shards(self, states: Sequence[ShardState], replace: bool, epoch: int) -> None:
         parts = [convert.shard_part(state) for state in states]
@@ -110,6 +165,10 @@ class GrpcForwarder:
             pass  # the backup holds none of it either
 
     def close(self) -> None:
+        with self._send_lock:
+            if self._pipeline is not None:
+                self._pipeline.connection.close()
+        self._links.close()
         self._channel.close()
 
     def _call(self, call: Any) -> None:
@@ -117,6 +176,144 @@ class GrpcForwarder:
             call()
         except grpc.RpcError as err:
             raise typed_error(err, self._address, None) from None
+
+
+class _Ticket:
+    __slots__ = ("done", "error")
+
+    def __init__(self) -> None:
+        self.done = False
+        self.error: BaseException | None = None
+
+
+class _Pipeline:
+    """One data-plane connection to a backup carrying forwarded pushes back to back: sent in the
+    order the primary applied them (the backup's connection applies its steps one after another,
+    in that order), their replies read in the same order by whichever waiter needs one next."""
+
+    def __init__(self, connection: DataPlaneConnection):
+        self.connection = connection
+        self.broken: BaseException | None = None
+        self._read_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._pending: collections.deque[_Ticket] = collections.deque()
+
+    def send(self, plan: bytes, payload: Sequence[memoryview]) -> _Ticket:
+        """(Called under the forwarder's send lock.)"""
+        if self.broken is not None:
+            raise TransportError(f"the connection broke: {self.broken}")
+        ticket = _Ticket()
+        with self._lock:
+            self._pending.append(ticket)
+        try:
+            self.connection.send_step(plan, payload)
+        except BaseException as exc:
+            self._break(exc)
+            raise
+        return ticket
+
+    def wait(self, ticket: _Ticket) -> None:
+        """Until ``ticket``'s reply is read; raises its error (a refusal, or TransportError)."""
+        while not ticket.done:
+            with self._read_lock:
+                if ticket.done:
+                    break
+                with self._lock:
+                    head = self._pending[0]
+                try:
+                    self.connection.receive_reply(_no_payload)
+                except TransportError as exc:
+                    self._break(exc)
+                    break
+                except BaseException as exc:  # the backup's refusal: the primary stops; no reuse
+                    head.error = exc
+                    self.connection.close()
+                    self.broken = exc
+                with self._lock:
+                    self._pending.popleft()
+                head.done = True
+        if ticket.error is not None:
+            raise ticket.error
+
+    def _break(self, exc: BaseException) -> None:
+        """Every push still waiting fails with ``exc``: its reply will never be read."""
+        with self._lock:
+            self.broken = exc
+            pending, self._pending = list(self._pending), collections.deque()
+        for ticket in pending:
+            ticket.error, ticket.done = (exc if isinstance(exc, TransportError) else TransportError(str(exc))), True
+        self.connection.close()
+
+
+class _Forward:
+    """One push to forward: its parts, payload and plan, each built only if asked for (a dense
+    model's steady push is a step program run by number: no parts, no plan)."""
+
+    def __init__(self, pushes: Sequence[ShardPush], key: str, epoch: int):
+        self._pushes = pushes
+        self._key = key
+        self._epoch = epoch
+        self._payload: list[memoryview] | None = None
+        self._parts: list[tuple[tensor_pb2.PushPart, list[memoryview]]] | None = None
+
+    def parts(self) -> list[tuple[tensor_pb2.PushPart, list[memoryview]]]:
+        if self._parts is None:
+            self._parts = [_push_part(push) for push in self._pushes]
+        return self._parts
+
+    def payload(self) -> list[memoryview]:
+        if self._payload is None:
+            if all(push.rows is None for push in self._pushes):
+                self._payload = [tensor_payload(push.values.contiguous()) for push in self._pushes]
+            else:
+                self._payload = [piece for _, pieces in self.parts() for piece in pieces]
+        return self._payload
+
+    def size(self) -> int:
+        return sum(len(piece) for piece in self.payload())
+
+    def plan(self) -> ps_pb2.StepPlan:
+        return ps_pb2.StepPlan(
+            push=[part for part, _ in self.parts()], idempotency_key=self._key, replica_epoch=self._epoch
+        )
+
+    def frame_plan(self, programs: ProgramNumbers) -> bytes:
+        """The plan as its connection's step program when the push is of whole dense shards (as
+        a dense model's every push is): defined the first time, then run by number with its key,
+        base versions and epoch, so the backup skips the checks that cannot change between steps.
+        The program counts as defined at once: the backup runs this connection's steps in order,
+        and any failure closes the connection, and its programs with it."""
+        if any(push.rows is not None for push in self._pushes):
+            return self.plan().SerializeToString()
+        signature = tuple((push.ref, push.values.dtype, tuple(push.values.shape)) for push in self._pushes)
+        if programs.knows(signature):
+            number, defined = programs.number(signature)
+            if defined:
+                bases = [push.base_version for push in self._pushes]
+                return ps_pb2.StepPlan(
+                    run_program=number,
+                    idempotency_key=self._key,
+                    base_versions=bases if any(base >= 0 for base in bases) else (),
+                    replica_epoch=self._epoch,
+                ).SerializeToString()
+        plan = self.plan()
+        if plan.ByteSize() > MAX_PROGRAM_PLAN_BYTES:
+            return plan.SerializeToString()
+        number, _ = programs.number(signature)
+        plan.define_program = number
+        programs.defined(signature, number)
+        return plan.SerializeToString()
+
+
+def _done() -> None:
+    """A forward that was applied before ``push`` returned."""
+
+
+def _no_payload(outcome: memoryview, payload_bytes: int) -> list[memoryview]:
+    """A forwarded push reads nothing back."""
+    if payload_bytes:
+        raise TransportError(f"the backup answered a forwarded push with {payload_bytes} bytes of reads")
+    return []
 
 
 def _push_part(push: ShardPush) -> tuple[tensor_pb2.PushPart, list[memoryview]]:

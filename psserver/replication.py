@@ -30,6 +30,7 @@ imports no grpc.
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -79,10 +80,6 @@ def configure_problem(current: ReplicaConfig, new: ReplicaConfig) -> str | None:
     """Why ``new`` cannot replace ``current`` (None: it can). Epochs only go up: an older
     decision arriving late (a retried call, a coordinator that did not see the newer one) must
     not undo a newer one; one epoch names one decision."""
-    if new.epoch < current.epoch:
-        return f"epoch {new.epoch} is older than this server's epoch {current.epoch}: a newer decision stands"
-    if new.epoch == current.epoch and new != current and current.epoch > 0:
-        return f"epoch {new.epoch} was configured already as {_describe(current)}: each decision takes a new epoch"
     if new.role is not ReplicaRole.PRIMARY and new.backups:
         return f"a {new.role.value} forwards to nobody; only a primary has backups"
     if new.role is ReplicaRole.STANDALONE and new.epoch != 0:
@@ -91,6 +88,10 @@ def configure_problem(current: ReplicaConfig, new: ReplicaConfig) -> str | None:
         return "a replicated server's epoch starts at 1"
     if len(set(new.backups)) != len(new.backups):
         return f"backups repeat an address: {list(new.backups)}"
+    if new.epoch < current.epoch:
+        return f"epoch {new.epoch} is older than this server's epoch {current.epoch}: a newer decision stands"
+    if new.epoch == current.epoch and new != current and current.epoch > 0:
+        return f"epoch {new.epoch} was configured already as {_describe(current)}: each decision takes a new epoch"
     return None
 
 
@@ -114,6 +115,10 @@ def forward_refusal(config: ReplicaConfig, epoch: int) -> str | None:
     return None
 
 
+def _nothing() -> None:
+    """The wait of a write that nothing was forwarded for."""
+
+
 def _describe(config: ReplicaConfig) -> str:
     backups = f" of {', '.join(config.backups)}" if config.backups else ""
     return f"{config.role.value}{backups} at epoch {config.epoch}"
@@ -126,7 +131,12 @@ class Forwarder(Protocol):
     """Sends writes to one backup, tagged with the primary's epoch; raises ReplicaEpochError when
     the backup refuses the epoch, another ParamServeError when the write did not arrive."""
 
-    def push(self, pushes: Sequence[ShardPush], key: str, epoch: int) -> None: ...
+    @property
+    def address(self) -> str: ...
+
+    def push(self, pushes: Sequence[ShardPush], key: str, epoch: int) -> Callable[[], None]:
+        """Sends the push (in order with the pushes sent before) and returns what waits until
+        the backup applied it, raising as the forward does."""
 
     def shards(self, states: Sequence[ShardState], replace: bool, epoch: int) -> None: ...
 
@@ -203,10 +213,26 @@ class Replica:
 
     # ---------------------------------------------------------------- the store's sink
 
-    def pushed(self, pushes: Sequence[ShardPush], key: str) -> None:
-        """The store applied ``pushes`` under ``key`` and still holds their shards' locks."""
-        if pushes:
-            self._forward("a push", lambda forwarder, epoch: forwarder.push(pushes, key, epoch))
+    def pushed(self, pushes: Sequence[ShardPush], key: str) -> Callable[[], None]:
+        """The store applied ``pushes`` under ``key`` and still holds their shards' locks: they
+        are sent now, in that order; the store calls what this returns once it released the
+        locks, which waits until every backup applied them (or raises: not acknowledged)."""
+        if not pushes:
+            return _nothing
+        waiters: list[tuple[str, Callable[[], None]]] = []
+
+        def send(forwarder: Forwarder, epoch: int) -> None:
+            waiters.append((forwarder.address, forwarder.push(pushes, key, epoch)))
+
+        config = self._forward("a push", send)
+        if config is None:
+            return _nothing
+
+        def wait() -> None:
+            for address, waiter in waiters:
+                self._settle(config, "a push", address, waiter)
+
+        return wait
 
     def shards_written(self, states: Callable[[], Sequence[ShardState]], replace: bool) -> None:
         what = "a replace of shards" if replace else "a create of shards"
@@ -237,25 +263,33 @@ class Replica:
                 variable=variable,
             )
 
-    def _forward(self, what: str, send: Callable[[Forwarder, int], None]) -> None:
+    def _forward(self, what: str, send: Callable[[Forwarder, int], None]) -> ReplicaConfig | None:
+        """Sends a write to every backup; the configuration it went out under (None: this server
+        forwards nothing)."""
         with self._lock:
             config = self._config
             if config.role is not ReplicaRole.PRIMARY:
-                return
+                return None
             forwarders = [(address, self._forwarders[address]) for address in config.backups]
         for address, forwarder in forwarders:
-            try:
-                send(forwarder, config.epoch)
-            except ReplicaEpochError as exc:
-                self._stop(config, f"this primary was replaced (deposed at epoch {config.epoch}): {exc.message}")
-                raise NotPrimaryError(f"{what} was not acknowledged: this server was replaced as primary") from exc
-            except ParamServeError as exc:
-                self._stop(
-                    config,
-                    f"forwarding {what} to backup {address} failed ({type(exc).__name__}: {exc.message}); "
-                    "waiting for the coordinator to reconfigure the group",
-                )
-                raise NotPrimaryError(f"{what} was not acknowledged: backup {address} did not apply it") from exc
+            self._settle(config, what, address, functools.partial(send, forwarder, config.epoch))
+        return config
+
+    def _settle(self, config: ReplicaConfig, what: str, address: str, action: Callable[[], None]) -> None:
+        """Runs ``action`` (a send to, or a wait for, backup ``address``); its failure stops this
+        server serving clients until the coordinator's next epoch, and raises NotPrimaryError."""
+        try:
+            action()
+        except ReplicaEpochError as exc:
+            self._stop(config, f"this primary was replaced (deposed at epoch {config.epoch}): {exc.message}")
+            raise NotPrimaryError(f"{what} was not acknowledged: this server was replaced as primary") from exc
+        except ParamServeError as exc:
+            self._stop(
+                config,
+                f"forwarding {what} to backup {address} failed ({type(exc).__name__}: {exc.message}); "
+                "waiting for the coordinator to reconfigure the group",
+            )
+            raise NotPrimaryError(f"{what} was not acknowledged: backup {address} did not apply it") from exc
 
     def _stop(self, config: ReplicaConfig, reason: str) -> None:
         """Stops serving clients until the coordinator's next epoch (unless one came meanwhile)."""

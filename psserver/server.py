@@ -202,6 +202,7 @@ def build_server(config: ServerConfig, registry: CollectorRegistry | None = None
     replica = Replica(lambda address: GrpcForwarder(address, settings), cannot_forward)
     store.replication = replica
     steps.admit_client = replica.admit_client
+    steps.admit_forwarded = replica.admit_forwarded
     servicer = ParameterServerServicer(store, steps, config.chunk_bytes, limits, replica)
     registry.register(ShardVersions(store))
     registry.register(DynamicTableMetrics(store))

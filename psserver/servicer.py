@@ -177,8 +177,7 @@ class ParameterServerServicer:
 
     @unary_boundary
     def Step(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
-        self._admit(context)
-        return self._steps.run_request(raw)
+        return self._steps.run_request(raw)  # admitted by its plan's replica_epoch
 
     @unary_boundary
     def GetDataPlane(self, raw: bytes, context: grpc.ServicerContext) -> bytes:

@@ -71,8 +71,9 @@ class StepEngine:
         self._store = store
         self._limits = limits or StepLimits()
         self.admit_client: Callable[[], None] = lambda: None
-        """Raises when this server serves no client now (a replica: psserver/replication.py).
-        The data plane's steps are always a client's; the servicer admits its own calls."""
+        """Raises when this server serves no client now (a replica: psserver/replication.py)."""
+        self.admit_forwarded: Callable[[int], None] = _not_replicated
+        """Raises unless this server is a backup at the epoch a forwarded step carries."""
 
     # -- the ways a step arrives
 
@@ -83,6 +84,7 @@ class StepEngine:
     def run_request(self, raw: bytes | memoryview) -> bytes:
         """A Step RPC: a packed StepRequest's bytes -> the packed StepReply's."""
         plan, payload = decode_step_request(raw)
+        self._admit(plan)
         pushes = self._packed_pushes(plan.push, payload) if plan.push else []
         return self._step(plan, pushes, len(payload), encode_step_reply)
 
@@ -96,11 +98,11 @@ class StepEngine:
         """A data-plane step: the StepPlan's bytes and the pushed bytes (a uint8 tensor the pushes
         read in place) -> the StepOutcome's bytes and the pulled bytes, copied under the shards'
         locks into ``reply_buffer(n)``. ``programs``: the connection's (``new_connection``)."""
-        self.admit_client()
         try:
             plan = ps_pb2.StepPlan.FromString(bytes(plan_bytes))
         except DecodeError as err:
             raise InvalidRequestError(f"malformed StepPlan ({len(plan_bytes)} bytes): {err}") from None
+        self._admit(plan)
         if plan.define_program or plan.run_program:
             return self._program_step(plan, payload, reply_buffer, programs)
         pushes = self._pushes_in(plan.push, payload) if plan.push else []
@@ -115,6 +117,12 @@ class StepEngine:
             return outcome.SerializeToString(), writable_byte_view(buffer)
 
         return self._step(plan, pushes, payload.numel(), reply)
+
+    def _admit(self, plan: ps_pb2.StepPlan) -> None:
+        if plan.replica_epoch:
+            self.admit_forwarded(int(plan.replica_epoch))
+        else:
+            self.admit_client()
 
     def push(self, parts: Iterable[tuple[tensor_pb2.PartHeader, torch.Tensor]], key: str) -> list[ps_pb2.PushResult]:
         """A Push stream's parts (each received into ``allocate_push``'s buffer), applied as one push."""
@@ -353,6 +361,10 @@ class StepEngine:
             offset = push.num_indices * 8
         values = tensor_from_bytes(payload, push.values, offset)
         return ShardPush(ref=ref, values=values, rows=rows, base_version=int(push.base_version))
+
+
+def _not_replicated(epoch: int) -> None:
+    raise InvalidRequestError(f"a step forwarded at replica epoch {epoch} reached a server that is not replicated")
 
 
 def reads_of(items: Sequence[ps_pb2.PullItem]) -> list[Read]:

@@ -152,7 +152,9 @@ class ReplicationSink(Protocol):
     still holding the written shards' locks, so backups see each shard's writes in order; each
     raises (a ParamServeError) when the write cannot be acknowledged."""
 
-    def pushed(self, pushes: Sequence[ShardPush], key: str) -> None: ...
+    def pushed(self, pushes: Sequence[ShardPush], key: str) -> Callable[[], None]:
+        """Sends ``pushes`` on (under their shards' locks); what it returns waits, after the
+        locks are released, until they were applied everywhere, and raises if they were not."""
 
     def shards_written(self, states: Callable[[], Sequence[ShardState]], replace: bool) -> None:
         """``states()`` copies the written shards: called only by a primary that forwards them."""
@@ -164,11 +166,15 @@ class ReplicationSink(Protocol):
     def refuse_dynamic(self, variable: str) -> None: ...
 
 
+def _applied() -> None:
+    """Nothing to wait for: no backup."""
+
+
 class _Unreplicated:
     """The sink of a server that is not replicated: nothing to forward."""
 
-    def pushed(self, pushes: Sequence[ShardPush], key: str) -> None:
-        pass
+    def pushed(self, pushes: Sequence[ShardPush], key: str) -> Callable[[], None]:
+        return _applied
 
     def shards_written(self, states: Callable[[], Sequence[ShardState]], replace: bool) -> None:
         pass
@@ -615,7 +621,8 @@ class ShardStore:
                 shard.version += 1
                 shard.window.record(key)
                 outcomes[shard.ref] = PushOutcome(shard.ref, True, shard.version, staleness)
-            self.replication.pushed([push for _, push, _ in fresh], key)  # under the locks: in order
+            replicated = self.replication.pushed([push for _, push, _ in fresh], key)  # under the locks: in order
+        replicated()  # acknowledged only once every backup applied it
         return [outcomes[shard.ref] for shard, _ in plan]
 
     def _step_all(self, fresh: Sequence[tuple[Shard, ShardPush]]) -> None:

@@ -70,20 +70,22 @@ class StepRequest(_message.Message):
     def __init__(self, plan: _Optional[_Union[StepPlan, _Mapping]] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("idempotency_key", "push", "pull", "define_program", "run_program", "base_versions")
+    __slots__ = ("idempotency_key", "push", "pull", "define_program", "run_program", "base_versions", "replica_epoch")
     IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
     PUSH_FIELD_NUMBER: _ClassVar[int]
     PULL_FIELD_NUMBER: _ClassVar[int]
     DEFINE_PROGRAM_FIELD_NUMBER: _ClassVar[int]
     RUN_PROGRAM_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_EPOCH_FIELD_NUMBER: _ClassVar[int]
     idempotency_key: str
     push: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.PushPart]
     pull: _containers.RepeatedCompositeFieldContainer[PullItem]
     define_program: int
     run_program: int
     base_versions: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, idempotency_key: _Optional[str] = ..., push: _Optional[_Iterable[_Union[_tensor_pb2.PushPart, _Mapping]]] = ..., pull: _Optional[_Iterable[_Union[PullItem, _Mapping]]] = ..., define_program: _Optional[int] = ..., run_program: _Optional[int] = ..., base_versions: _Optional[_Iterable[int]] = ...) -> None: ...
+    replica_epoch: int
+    def __init__(self, idempotency_key: _Optional[str] = ..., push: _Optional[_Iterable[_Union[_tensor_pb2.PushPart, _Mapping]]] = ..., pull: _Optional[_Iterable[_Union[PullItem, _Mapping]]] = ..., define_program: _Optional[int] = ..., run_program: _Optional[int] = ..., base_versions: _Optional[_Iterable[int]] = ..., replica_epoch: _Optional[int] = ...) -> None: ...
 
 class StepReply(_message.Message):
     __slots__ = ("outcome", "payload")
