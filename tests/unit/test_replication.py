@@ -169,7 +169,10 @@ def test_groups_put_the_first_servers_first_and_need_a_multiple() -> None:
         group_servers(["a", "b", "c"], 2)
 
 
-def answered(incarnation: str, config: ReplicaConfig = ReplicaConfig(), refusing: str = "") -> MemberState:
+FRESH = ReplicaConfig()
+
+
+def answered(incarnation: str, config: ReplicaConfig = FRESH, refusing: str = "") -> MemberState:
     return MemberState(True, incarnation, config, refusing)
 
 
