@@ -23,7 +23,16 @@ the replacement serves):
 - new_address_resume_seconds: server 0 replaced at a new address under the same name (network
   namespaces; needs root), from the replacement serving to the first checkpoint after it,
   beside ps_recovery_seconds (the same at the same address).
-Medians over --rounds.
+- failover_seconds (ps_replicas=2: 2 groups of a primary and a backup on 4 servers, the same
+  model, workers and checkpoint interval): from SIGKILLing group 1's primary mid-interval to the
+  first of the closures scheduled right after the kill finished (its backup took over; the
+  time includes noticing the failure), beside kill_to_resume_sigkill_seconds
+  (checkpoint recovery, above); failover_max_seconds, the slowest round's; failover_sigterm_seconds
+  the same for a graceful stop; steps_lost_replicated: the acknowledged steps missing from any
+  shard afterwards (0: every shard's version is the closures run), beside steps_lost_at_interval_N
+  of the first interval; rejoin_seconds: from the killed server restarted (serving) to its group
+  whole again (the coordinator copied the primary into it), beside failover_seconds.
+Medians over --rounds. ``--replicated-only`` measures the replicated figures alone.
 """
 
 from __future__ import annotations
@@ -119,6 +128,52 @@ def one_round(interval: int, directory: Path, how: str = "sigkill") -> dict[str,
     }
 
 
+def failover_round(interval: int, directory: Path, how: str = "sigkill") -> dict[str, float]:
+    """One round with ps_replicas=2: group 1's primary stopped mid-interval (see the module)."""
+    with LocalCluster(4, 2, env=worker_environment(), extra_worker_args=("--ps-retry-deadline", "10")) as cluster:
+        strategy = ParameterServerStrategy(
+            cluster.spec, variable_partitioner=FixedShardsPartitioner(2), reuse_variables=True, ps_replicas=2
+        )
+        torch.manual_seed(0)
+        with strategy.scope():
+            model = MLP(32)
+        optimizer = strategy.optimizer(torch.optim.SGD, lr=0.05, momentum=0.9)
+        manager = CheckpointManager(strategy, directory / "replicated")
+        with ClusterCoordinator(strategy) as coordinator:
+            batches = iter(coordinator.create_per_worker_dataset(worker_batches))
+            for _ in range(interval):
+                coordinator.schedule(train_step, args=(batches, model, optimizer))
+            coordinator.join()
+            manager.save(step=interval)
+            for _ in range(interval // 2):
+                coordinator.schedule(train_step, args=(batches, model, optimizer))
+            coordinator.join()
+            primary = strategy.client.addresses[1]
+            index = cluster.parameter_servers.index(primary)
+            killed = time.monotonic()
+            if how == "sigterm":
+                cluster.terminate_ps(index)
+            else:
+                cluster.kill_ps(index)
+            # Scheduled after the kill, so none of them can have finished on the old primary.
+            after = [coordinator.schedule(train_step, args=(batches, model, optimizer)) for _ in range(interval // 2)]
+            resumed = wait_first_done(after, killed + 120)
+            coordinator.join()
+            cluster.restart_ps(index)
+            serving = time.monotonic()
+            groups = strategy.servers.groups
+            assert groups is not None
+            while not all(len(state.in_sync) == 1 for state in groups.states()):
+                if time.monotonic() > serving + 120:
+                    raise TimeoutError("the restarted server did not rejoin")
+                time.sleep(POLL)
+            rejoined = time.monotonic()
+            versions = [s.version for states in strategy.client.export().values() for s in states]
+        strategy.close()
+    acknowledged = interval + 2 * (interval // 2)
+    return {"failover": resumed - killed, "lost": float(acknowledged - min(versions)), "rejoin": rejoined - serving}
+
+
 def new_address_round(directory: Path) -> dict[str, float] | None:
     """Parameter server 0 replaced at a new address under its name, across network namespaces
     (tests/multihost's hosts; needs root and `ip netns`): seconds from the replacement serving to
@@ -210,11 +265,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--intervals", type=int, nargs="+", default=[50, 200])
+    parser.add_argument("--replicated-only", action="store_true", help="only the ps_replicas=2 figures")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
     results: list[Result] = []
     rounds: dict[int, list[dict[str, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
+        replicated = [failover_round(args.intervals[0], Path(tmp) / f"r-{r}") for r in range(args.rounds)]
+        replicated_sigterm = [
+            failover_round(args.intervals[0], Path(tmp) / f"rt-{r}", "sigterm") for r in range(args.rounds)
+        ]
+        print(f"replicated: {replicated}; sigterm: {replicated_sigterm}", file=sys.stderr)
+        if args.replicated_only:
+            print_report("recovery", replicated_results(replicated, replicated_sigterm, None, None), args.json)
+            return 0
         for interval in args.intervals:
             rounds[interval] = [one_round(interval, Path(tmp) / f"{interval}-{r}") for r in range(args.rounds)]
             print(f"interval {interval}: {rounds[interval]}", file=sys.stderr)
@@ -271,6 +335,13 @@ def main(argv: list[str] | None = None) -> int:
             "ps_recovery_seconds",
         )
     )
+    first = rounds[args.intervals[0]]
+    results += replicated_results(
+        replicated,
+        replicated_sigterm,
+        statistics.median(r["kill_to_resume"] for r in everything),
+        (args.intervals[0], statistics.median(r["lost"] for r in first)),
+    )
     for interval, runs in rounds.items():
         results.append(
             Result(
@@ -283,6 +354,41 @@ def main(argv: list[str] | None = None) -> int:
         )
     print_report("recovery", results, args.json)
     return 0
+
+
+def replicated_results(
+    rounds: list[dict[str, float]],
+    sigterm: list[dict[str, float]],
+    checkpoint_resume: float | None,
+    checkpoint_lost: tuple[int, float] | None,
+) -> list[Result]:
+    failover = statistics.median(r["failover"] for r in rounds)
+    nan = float("nan")
+    return [
+        Result(
+            "failover_seconds",
+            failover,
+            "s",
+            nan if checkpoint_resume is None else checkpoint_resume,
+            "kill_to_resume_sigkill_seconds (checkpoint recovery, replicas=1)",
+        ),
+        Result("failover_max_seconds", max(r["failover"] for r in rounds), "s", 2.0, "the bar"),
+        Result(
+            "failover_sigterm_seconds",
+            statistics.median(r["failover"] for r in sigterm),
+            "s",
+            failover,
+            "failover_seconds (SIGKILL)",
+        ),
+        Result(
+            "steps_lost_replicated",
+            max(r["lost"] for r in [*rounds, *sigterm]),
+            "steps",
+            nan if checkpoint_lost is None else checkpoint_lost[1],
+            f"steps_lost_at_interval_{checkpoint_lost[0] if checkpoint_lost else 'N'} (checkpoint recovery)",
+        ),
+        Result("rejoin_seconds", statistics.median(r["rejoin"] for r in rounds), "s", failover, "failover_seconds"),
+    ]
 
 
 if __name__ == "__main__":

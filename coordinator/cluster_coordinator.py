@@ -130,7 +130,9 @@ def _status_page(
         in_flight=lambda: queue.num_in_flight,
         checkpoint=_latest_checkpoint_of(recoverable),
         parameter_servers=tuple(strategy.cluster.parameter_servers),
-        probe_servers=ServerProber(client) if client is not None else None,
+        probe_servers=(
+            ServerProber(client, addresses=strategy.cluster.parameter_servers) if client is not None else None
+        ),
     )
     return StatusPage(sources, key=status_key(strategy.token) if strategy.token else None)
 

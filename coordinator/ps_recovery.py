@@ -278,13 +278,14 @@ class ParameterServerRecovery:
             with self._cond:
                 self._suspects.add(group)  # the next round of the thread tries again
             return
+        if plan.changed:
+            result = "failed-over" if self._addresses[group] != old else "replica-lost"
+            outcome = RecoveryOutcome(old, result, self._clock() - start)
+            self.recoveries.append(outcome)  # before training resumes: whoever sees it go on sees this
         self.loop.release_server_hold()
         if plan.changed and self.observer is not None:
-            result = "failed-over" if self._addresses[group] != old else "replica-lost"
-            self.observer.parameter_server_recovered(old, result, self._clock() - start)
+            self.observer.parameter_server_recovered(old, outcome.result, outcome.seconds)
             self.observer.replicas_in_sync(group, 1 + len(plan.state.in_sync))
-        if plan.changed:
-            self.recoveries.append(RecoveryOutcome(old, "failed-over", self._clock() - start))
 
     def _recover_checkpointed(self, group: int) -> None:
         address = self._addresses[group]

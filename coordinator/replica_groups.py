@@ -39,6 +39,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from paramserve.psserver.client import ClientConfig, ParameterServerClient
+from paramserve.psserver.errors import ServerUnavailableError
 from paramserve.psserver.replica_calls import MemberState, ReplicaCalls
 from paramserve.psserver.replication import ReplicaConfig, ReplicaRole
 
@@ -212,18 +213,26 @@ class ReplicaGroups:
     def members(self) -> tuple[str, ...]:
         return tuple(member for members in self._members for member in members)
 
-    def establish(self) -> None:
+    def establish(self, wait: float) -> None:
         """Configures every group (once): fresh servers get their roles at epoch 1; a restarted
-        coordinator keeps the primaries that serve, and rejoins the others later."""
+        coordinator keeps the primaries that serve, and rejoins the others later. Waits up to
+        ``wait`` seconds for every server to answer (they may still be starting)."""
         with self._lock:
             if self._states is not None:
                 return
+            deadline = time.monotonic() + wait
             states = []
             for members in self._members:
                 probes = self._probe(members)
-                silent = [m for m in members if not probes[m].answered]
-                if silent:
-                    raise ConnectionError(f"parameter servers {silent} did not answer: start them first")
+                while not all(probe.answered for probe in probes.values()):
+                    if time.monotonic() >= deadline:
+                        silent = [m for m in members if not probes[m].answered]
+                        raise ServerUnavailableError(
+                            f"parameter servers {silent} did not answer within {wait:g}s: start them first "
+                            "(a replicated cluster configures every server before training)"
+                        )
+                    time.sleep(0.2)
+                    probes = self._probe(members)
                 state = initial_group(members, probes)
                 self._apply(state)
                 states.append(state)
@@ -353,9 +362,10 @@ class ReplicaGroups:
 
 class ParameterServers:
     """The parameter servers as a strategy reaches them: a client of the servers that serve
-    clients (each group's primary when replicated) and the groups, if any. ``move`` builds the
-    client anew when a backup took over; the old one is closed at the next move or ``close``
-    (a call in flight on it ends first)."""
+    clients (each group's primary when replicated) and the groups, if any. A replicated
+    cluster's groups are configured at the first use of ``client`` (a restarted coordinator
+    finds which members serve then); ``move`` builds the client anew when a backup took over,
+    and the old one is closed at the next move or ``close`` (a call in flight on it ends first)."""
 
     def __init__(self, servers: Sequence[str], replicas: int, config: ClientConfig):
         self.groups = (
@@ -371,35 +381,45 @@ class ParameterServers:
                 ),
             )
         )
-        self.client = ParameterServerClient(self.groups.primaries() if self.groups else servers, config)
+        self._client = ParameterServerClient(self.groups.primaries() if self.groups else servers, config)
+        self._established = self.groups is None
+        self._lock = threading.Lock()
         self._retired: ParameterServerClient | None = None
+
+    @property
+    def client(self) -> ParameterServerClient:
+        """The client of the primaries (configuring the groups first, once)."""
+        if not self._established:
+            with self._lock:
+                if not self._established and self.groups is not None:
+                    self.groups.establish(self._client.config.retry_deadline)
+                    self._move()
+                    self._established = True
+        return self._client
 
     @property
     def failover_seconds(self) -> float:
         """What the cluster context tells workers (0: not replicated)."""
         return FAILOVER_SECONDS if self.groups is not None else 0.0
 
-    def establish(self) -> bool:
-        """Configures the groups (once); True when the primaries differ from the client's."""
-        if self.groups is None:
-            return False
-        self.groups.establish()
-        return self.move()
-
     def move(self) -> bool:
         """A client of the primaries now, if they changed (True then)."""
-        if self.groups is None or self.groups.primaries() == self.client.addresses:
+        with self._lock:
+            return self._move()
+
+    def _move(self) -> bool:
+        if self.groups is None or self.groups.primaries() == self._client.addresses:
             return False
-        old = self.client
-        self.client = ParameterServerClient(self.groups.primaries(), old.config)
-        self.client.adopt_layouts(old.layouts)
+        old = self._client
+        self._client = ParameterServerClient(self.groups.primaries(), old.config)
+        self._client.adopt_layouts(old.layouts)
         if self._retired is not None:
             self._retired.close()
         self._retired = old
         return True
 
     def close(self) -> None:
-        self.client.close()
+        self._client.close()
         if self._retired is not None:
             self._retired.close()
         if self.groups is not None:

@@ -39,7 +39,7 @@ import socket
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -138,12 +138,16 @@ class ServerProber:
     over connections of its own (``psserver.probes.Prober``): a probe renewing its connection to
     a slow server never cancels one of the recovery monitor's."""
 
-    def __init__(self, client: ParameterServerClient, timeout: float = PROBE_SECONDS):
+    def __init__(
+        self, client: ParameterServerClient, timeout: float = PROBE_SECONDS, addresses: Sequence[str] | None = None
+    ):
+        """``addresses``: every server to show (default the client's; a replicated cluster's
+        backups too, which its client does not call)."""
         config = client.config
-        self._addresses = client.addresses
+        self._addresses = tuple(addresses) if addresses is not None else client.addresses
         self._timeout = timeout
         self._prober = Prober(
-            client.addresses,
+            self._addresses,
             lambda address: open_channel(address, config.client_tls(), channel_options(config.max_message_bytes)),
             config.token,
         )

@@ -492,8 +492,6 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         the strategy was not built with ``reuse_variables=True``.
         """
         with self._lock:
-            if not self._materialized and self.servers.establish():
-                self.servers_moved()
             if states_by_server is not None and layouts is not None and not self._materialized:
                 self.restore_states(states_by_server, layouts)
             new = [v for n, v in self._variables.items() if n not in self._created and not v.replicated]

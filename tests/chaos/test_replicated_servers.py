@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import sys
+import threading
 import time
 
 import cloudpickle
@@ -150,3 +151,85 @@ def test_primaries_stopped_every_ten_seconds_lose_nothing_and_train_as_well_as_a
     assert clean_steps == steps
     assert accuracy_clean > 0.9
     assert abs(accuracy_chaos - accuracy_clean) <= 0.01, (accuracy_chaos, accuracy_clean)
+
+
+class KillDuringExport:
+    """When armed, the next export of the servers (a checkpoint's save) first SIGKILLs group 1's
+    primary and has it started again meanwhile: a failure in the middle of a save, every time.
+    Patched on the client class: a failover gives the strategy a new client."""
+
+    def __init__(self, cluster, strategy):  # type: ignore[no-untyped-def]
+        self.cluster, self.strategy = cluster, strategy
+        self.armed = False
+        self.killed: list[str] = []
+        self.restarters: list[threading.Thread] = []
+
+    def __call__(self, export):  # type: ignore[no-untyped-def]
+        def killing_export(client, *args, **kwargs):  # type: ignore[no-untyped-def]
+            if self.armed:
+                self.armed = False
+                primary = self.strategy.client.addresses[1]
+                index = self.cluster.parameter_servers.index(primary)
+                self.cluster.kill_ps(index)
+                restarter = threading.Thread(target=self.cluster.restart_ps, args=(index,), daemon=True)
+                restarter.start()
+                self.restarters.append(restarter)
+                self.killed.append(primary)
+            return export(client, *args, **kwargs)
+
+        return killing_export
+
+
+@pytest.mark.timeout(300)
+def test_a_primary_killed_during_a_save_and_a_restarted_coordinator_lose_nothing(
+    start_cluster, tmp_path, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    from paramserve.coordinator.checkpoint_manager import CheckpointManager
+    from paramserve.psserver import checkpoint
+    from paramserve.psserver.client import ParameterServerClient
+
+    cluster = start_cluster(4, 2)
+    strategy, model, optimizer = build(cluster)
+    saboteur = KillDuringExport(cluster, strategy)
+    monkeypatch.setattr(ParameterServerClient, "export", saboteur(ParameterServerClient.export))
+    manager = CheckpointManager(strategy, tmp_path)
+    with ClusterCoordinator(strategy) as coordinator:
+        batches = iter(coordinator.create_per_worker_dataset(worker_batches))
+        for chunk in range(3):
+            for _ in range(CHUNK):
+                coordinator.schedule(train_step, args=(batches, model, optimizer))
+            coordinator.join(timeout=120)
+            saboteur.armed = chunk == 1
+            manager.save(step=(chunk + 1) * CHUNK)
+        recoveries = [r.result for r in coordinator.recovery.recoveries] if coordinator.recovery else []
+    strategy.close()
+    for restarter in saboteur.restarters:
+        restarter.join(60)
+    assert len(saboteur.killed) == 1 and recoveries.count("failed-over") == 1, recoveries
+    saves = sorted(tmp_path.glob("ckpt-*"))
+    assert len(saves) == 3 and all(checkpoint.is_whole(path) for path in saves), saves
+    saved = {
+        (name, s.shard): s.version for name, entry in checkpoint.variables(saves[-1]).items() for s in entry.shards
+    }
+    assert set(saved.values()) == {3 * CHUNK}, "the save the failure met holds every acknowledged push"
+
+    # A new program (a restarted coordinator): it finds the groups as the last one left them,
+    # restores the latest checkpoint onto the replicated servers and trains on.
+    strategy, model, optimizer = build(cluster)
+    assert CheckpointManager(strategy, tmp_path).restore_or_initialize() == 3 * CHUNK
+    with ClusterCoordinator(strategy) as coordinator:
+        batches = iter(coordinator.create_per_worker_dataset(worker_batches))
+        for _ in range(CHUNK):
+            coordinator.schedule(train_step, args=(batches, model, optimizer))
+        coordinator.join(timeout=120)
+        wait_until(lambda: whole(strategy), "every group whole", 60)
+        states = strategy.servers.groups.states()
+    strategy.close()
+    for state in states:
+        primary = export_of(state.primary)
+        [backup] = [export_of(member) for member in state.in_sync]
+        assert primary.keys() == backup.keys() and primary
+        for ref, shard in primary.items():
+            assert shard.version == 4 * CHUNK == len(set(shard.applied_keys)), ref
+            assert torch.equal(shard.value, backup[ref].value) and shard.version == backup[ref].version, ref
+            assert all(torch.equal(shard.slots[k], backup[ref].slots[k]) for k in shard.slots), ref

@@ -139,3 +139,37 @@ def test_the_coordinators_status_page_is_published_on_this_machines_loopback_onl
     assert args.token_file, "beyond the container's loopback the page asks for the key derived from the token"
     [port] = service["ports"]  # as the Compose model normalizes it
     assert (port["host_ip"], str(port["published"]), port["target"]) == ("127.0.0.1", "8080", 8080)
+
+
+def test_the_replicated_override_adds_two_servers_grouped_by_the_coordinator() -> None:
+    """deploy/compose/replicated.yml: four servers with one command, the coordinator told the
+    four and the replica count, which its strategy reads (PARAMSERVE_PS_REPLICAS)."""
+    done = subprocess.run(
+        [
+            compose_binary(),
+            "-f",
+            str(COMPOSE),
+            "-f",
+            str(COMPOSE.parent / "replicated.yml"),
+            "config",
+            "--format",
+            "json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=COMPOSE.parent,
+    )
+    assert done.returncode == 0, done.stderr
+    services = json.loads(done.stdout)["services"]
+    servers = [services[f"ps{i}"] for i in range(4)]
+    assert all(server["command"] == servers[0]["command"] for server in servers)
+    assert all(server["restart"] == "unless-stopped" and server["healthcheck"] for server in servers)
+    environment = services["coordinator"]["environment"]
+    assert environment["PARAMSERVE_PS"] == ",".join(f"ps{i}:5000" for i in range(4))
+    assert environment["PARAMSERVE_PS_REPLICAS"] == "2"
+    assert set(services["coordinator"]["depends_on"]) >= {f"ps{i}" for i in range(4)}
+    from paramserve.coordinator.replica_groups import group_servers, replica_count
+
+    groups = group_servers(environment["PARAMSERVE_PS"].split(","), replica_count(None, environment))
+    assert groups == (("ps0:5000", "ps2:5000"), ("ps1:5000", "ps3:5000"))

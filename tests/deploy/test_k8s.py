@@ -136,3 +136,31 @@ def test_the_coordinators_status_page_is_a_named_port_of_its_service() -> None:
     assert {"name": "status", "containerPort": 8080} in container["ports"]
     service_ports = by_kind("Service", "coordinator")["spec"]["ports"]
     assert {"name": "status", "port": 8080, "targetPort": "status"} in service_ports
+
+
+def test_the_replicated_overlay_runs_four_servers_in_groups_of_two() -> None:
+    """deploy/k8s/replicated: the base with four servers and the coordinator told them and the
+    replica count; the patched manifests stay valid."""
+    import copy
+
+    from paramserve.coordinator.replica_groups import group_servers, replica_count
+
+    overlay = yaml.safe_load((K8S / "replicated" / "kustomization.yaml").read_text())
+    assert overlay["resources"] == ["../"]
+    [servers_patch, job_patch] = overlay["patches"]
+    [operation] = yaml.safe_load(servers_patch["patch"])
+    assert servers_patch["target"] == {"kind": "StatefulSet", "name": "ps"}
+    assert operation == {"op": "replace", "path": "/spec/replicas", "value": 4}
+    ps = copy.deepcopy(by_kind("StatefulSet", "ps"))
+    ps["spec"]["replicas"] = operation["value"]
+    job = copy.deepcopy(by_kind("Job", "coordinator"))
+    [container] = yaml.safe_load(job_patch["patch"])["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
+    env.update({e["name"]: e for e in container["env"]})  # a strategic merge of env, by name
+    job["spec"]["template"]["spec"]["containers"][0]["env"] = list(env.values())
+    for doc in (ps, job):
+        kubernetes_validate.validate(doc, VERSION, strict=True)
+    values = {name: e["value"] for name, e in env.items() if "value" in e}
+    assert values["PARAMSERVE_PS"] == ",".join(f"ps-{i}.ps:5000" for i in range(ps["spec"]["replicas"]))
+    groups = group_servers(values["PARAMSERVE_PS"].split(","), replica_count(None, values))
+    assert len(groups) == 2 and all(len(group) == 2 for group in groups)

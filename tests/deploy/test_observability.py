@@ -193,6 +193,12 @@ def test_the_dashboard_shows_what_the_issue_asks_for(dashboard: dict[str, Any]) 
         "paramserve_ps_dynamic_bytes",
         "paramserve_ps_dynamic_admissions_total",
         "paramserve_ps_dynamic_evictions_total",
+        # issue 23: replicated servers' failovers, replicas in sync, rejoins and their bytes and time
+        'result=~"failed-over|replica-lost"',
+        "paramserve_coordinator_ps_replicas_in_sync",
+        "paramserve_coordinator_ps_replica_rejoins_total",
+        "paramserve_coordinator_ps_replica_resync_bytes_total",
+        "paramserve_coordinator_ps_replica_resync_seconds_bucket",
     ):
         assert needed in exprs, needed
     assert "histogram_quantile(0.5," in exprs and "histogram_quantile(0.99," in exprs
