@@ -4,8 +4,8 @@
 
 Trains the demo's MLP on one shard group (PS_A primary, PS_B its backup) and one worker, and
 talks to the test through files in CONTROL_DIR: it writes ``phase1.json`` once training runs,
-trains on (the test cuts PS_A off from this host meanwhile) and writes ``phase2.json`` once a
-backup took over and the closures after it finished; then waits for ``healed`` and writes
+trains on (the test cuts PS_A off from this host meanwhile) until its backup took over, then
+AFTER closures more, and writes ``phase2.json``; then waits for ``healed`` and writes
 ``final.json`` once PS_A rejoined: each member's shards, and whether they are equal.
 """
 
@@ -27,7 +27,7 @@ from paramserve.psserver.channels import channel_options, open_channel
 from paramserve.psserver.partition import FixedShardsPartitioner
 from paramserve.psserver.security import read_token_file
 
-BEFORE, AFTER = 200, 400
+BEFORE, CHUNK, AFTER = 200, 50, 200
 
 
 def wait_for(condition, what: str, seconds: float) -> None:  # type: ignore[no-untyped-def]
@@ -69,11 +69,19 @@ def main(control: pathlib.Path, ps_a: str, ps_b: str, worker: str, token_file: s
             coordinator.schedule(train_step, args=(batches, model, optimizer))
         coordinator.join(timeout=120)
         (control / "phase1.json").write_text(json.dumps({"primary": strategy.client.addresses[0]}))
+        steps, deadline = BEFORE, time.monotonic() + 120
+        while strategy.client.addresses[0] == ps_a:  # training goes on until the probes lose PS_A
+            if time.monotonic() > deadline:
+                raise TimeoutError("the coordinator never lost the primary it was cut off from")
+            values = [coordinator.schedule(train_step, args=(batches, model, optimizer)) for _ in range(CHUNK)]
+            coordinator.join(timeout=240)  # every closure completes, across the failover
+            steps += CHUNK
         values = [coordinator.schedule(train_step, args=(batches, model, optimizer)) for _ in range(AFTER)]
-        coordinator.join(timeout=240)  # every closure completes, across the failover
+        coordinator.join(timeout=240)
+        steps += AFTER
         assert all(torch.isfinite(v.fetch()) for v in values)
         recoveries = [(r.server, r.result) for r in coordinator.recovery.recoveries] if coordinator.recovery else []
-        phase2 = {"primary": strategy.client.addresses[0], "recoveries": recoveries, "steps": BEFORE + AFTER}
+        phase2 = {"primary": strategy.client.addresses[0], "recoveries": recoveries, "steps": steps}
         (control / "phase2.json").write_text(json.dumps(phase2))
         wait_for((control / "healed").exists, "the test heals the partition", 240)
         groups = strategy.servers.groups
@@ -81,7 +89,7 @@ def main(control: pathlib.Path, ps_a: str, ps_b: str, worker: str, token_file: s
         wait_for(lambda: len(groups.states()[0].in_sync) == 1, "the cut-off server rejoins", 120)
         members = {address: shards(address, token) for address in (ps_a, ps_b)}
     strategy.close()
-    (control / "final.json").write_text(json.dumps({"members": members, "steps": BEFORE + AFTER}))
+    (control / "final.json").write_text(json.dumps({"members": members, "steps": steps}))
     return 0
 
 
