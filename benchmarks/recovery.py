@@ -99,7 +99,9 @@ def one_round(interval: int, directory: Path, how: str = "sigkill") -> dict[str,
             cluster.restart_ps(1)
             healthy = time.monotonic()
             pending = [v for v in values if not v.done()]
-            resumed = wait_first_done(pending, healthy + 120)
+            # None pending: the coordinator recovered the server and ran them all before
+            # restart_ps returned (a graceful stop's drain can take that long): resumed by then.
+            resumed = wait_first_done(pending, healthy + 120) if pending else healthy
             coordinator.join()
             internal = coordinator.recovery.recoveries[-1].seconds if coordinator.recovery else float("nan")
             shards = {s.ref: s.version for states in strategy.client.export().values() for s in states}
