@@ -299,12 +299,12 @@ class ParameterServerRecovery:
             self.observer.parameter_server_recovered(address, outcome.result, outcome.seconds)
 
     def _rejoin(self, group: int) -> None:
-        """Copies the primary's shards into the members of ``group`` that came back, with
-        dispatch paused (no push lands between the copy and the primary forwarding to them)."""
+        """Has the primary copy its shards into the members of ``group`` that came back, while
+        training goes on (coordinator/replica_groups.py: ``ReplicaGroups.rejoin``)."""
         groups = self._variables.servers.groups
         assert groups is not None
         try:
-            with self._variables.state_change(), self.loop.paused(self._policy.replacement_timeout):
+            with self._variables.state_change():  # no restore replaces the shards being copied
                 done = groups.rejoin(group, self._policy.replacement_timeout)
         except (ParamServeError, TimeoutError) as exc:
             log.warning("parameter-server group %d: a rejoin failed (%s); trying again", group, exc)

@@ -20,9 +20,10 @@ The coordinator is the one owner of every decision, each under a new epoch of th
   primary that stopped serving after a failed forward may hold a write a backup lacks, so every
   backup of such a primary is out of sync.
 - **Rejoin** (``rejoin``): a member out of sync that answers again (same or new address under
-  the same name) becomes a backup at a new epoch and gets the primary's shards piped into it,
-  while dispatch is paused so that no push lands between the copy and the primary forwarding to
-  it; then the primary forwards to it, at that epoch. The group is whole again.
+  the same name) is emptied and becomes a *joining* backup of the group's epoch; the primary
+  copies its shards into it one at a time, each under its lock, and from then on forwards that
+  shard's writes to it too, so training goes on meanwhile (only the shard being copied waits).
+  When the last is copied the member is in sync: the group is whole again.
 - **Every replica lost**: no member holds the state; the first member that answers becomes the
   primary, empty, and the checkpoint recovery of coordinator/ps_recovery.py restores it.
 
@@ -39,7 +40,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from paramserve.psserver.client import ClientConfig, ParameterServerClient
-from paramserve.psserver.errors import ServerUnavailableError
+from paramserve.psserver.errors import ParamServeError, ServerUnavailableError
 from paramserve.psserver.replica_calls import MemberState, ReplicaCalls
 from paramserve.psserver.replication import ReplicaConfig, ReplicaRole
 
@@ -173,10 +174,13 @@ def initial_group(members: Sequence[str], probes: Mapping[str, MemberState]) -> 
     if not primaries:
         return GroupState(tuple(members), members[0], tuple(members[1:]), epoch, incarnations)
     primary_epoch, primary = max(primaries)
+    serving = answering[primary].config
     backups = tuple(
         b
-        for b in answering[primary].config.backups
-        if b in answering and answering[b].config == ReplicaConfig(primary_epoch, ReplicaRole.BACKUP)
+        for b in serving.backups
+        if b in answering
+        and b not in serving.joining  # a copy the last coordinator left unfinished: it rejoins afresh
+        and answering[b].config == ReplicaConfig(primary_epoch, ReplicaRole.BACKUP)
     )
     return GroupState(tuple(members), primary, backups, epoch, incarnations)
 
@@ -310,28 +314,31 @@ class ReplicaGroups:
         return primary
 
     def rejoin(self, group: int, copy_timeout: float) -> list[Rejoined]:
-        """Copies the primary's shards into every member out of sync that answers, making each a
-        backup (call with dispatch paused: see the module)."""
+        """Makes every member of ``group`` that is out of sync and answers a backup again, while
+        training goes on (see the module): it is told its role at the group's epoch and emptied,
+        the primary adds it as a joining backup (same epoch: nobody's role changes) and copies
+        its shards into it one at a time, forwarding each shard's writes to it from then on."""
         done = []
         with self._lock:
             state = self._state(group)
             probes = self._probe(state.members)
             for member in rejoin_candidates(state, probes):
                 start = time.monotonic()
-                epoch = max(state.epoch, probes[member].config.epoch) + 1
-                self._calls.configure(member, ReplicaConfig(epoch, ReplicaRole.BACKUP))
-                copied = self._calls.copy(state.primary, member, epoch, copy_timeout)
+                self._calls.configure(member, ReplicaConfig(state.epoch, ReplicaRole.BACKUP))
+                self._calls.wipe(member, state.epoch)
+                backups = (*state.in_sync, member)
+                joining = ReplicaConfig(state.epoch, ReplicaRole.PRIMARY, backups, (member,))
+                self._calls.configure(state.primary, joining)
+                shards, copied = self._calls.copy_into(state.primary, member, copy_timeout)
                 incarnations = {**state.incarnations, member: probes[member].incarnation}
-                state = replace(state, in_sync=(*state.in_sync, member), epoch=epoch, incarnations=incarnations)
-                self._calls.configure(state.primary, ReplicaConfig(epoch, ReplicaRole.PRIMARY, state.in_sync))
-                for backup in state.in_sync[:-1]:
-                    self._calls.configure(backup, ReplicaConfig(epoch, ReplicaRole.BACKUP))
+                state = replace(state, in_sync=backups, incarnations=incarnations)
                 self._set(group, state)
                 done.append(Rejoined(group, member, copied, time.monotonic() - start))
                 log.warning(
-                    "parameter-server group %d: %s rejoined as a backup (%d bytes copied in %.2fs)",
+                    "parameter-server group %d: %s rejoined as a backup (%d shards, %d bytes copied in %.2fs)",
                     group,
                     member,
+                    shards,
                     copied,
                     done[-1].seconds,
                 )
@@ -355,8 +362,16 @@ class ReplicaGroups:
 
     def _apply(self, state: GroupState) -> None:
         """Tells every member of ``state`` its part (backups before the primary, which forwards
-        to them at once); a member that does not answer is dropped by the next check."""
-        for member, config in state.configs().items():
+        to them at once). The members out of sync that answer are made backups of the new epoch
+        too (forwarded nothing): a replaced primary's last forward to one of them is refused."""
+        configs = state.configs()
+        for member in state.members:
+            if member not in configs:
+                try:
+                    self._calls.configure(member, ReplicaConfig(state.epoch, ReplicaRole.BACKUP))
+                except ParamServeError as exc:  # gone: nothing to fence
+                    log.info("parameter-server group member %s not told epoch %d: %s", member, state.epoch, exc)
+        for member, config in configs.items():
             self._calls.configure(member, config)
 
 

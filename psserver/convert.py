@@ -268,7 +268,9 @@ MAX_ADDRESS_CHARS = 1024
 
 
 def replica_config_to_proto(config: ReplicaConfig) -> ps_pb2.ReplicaConfig:
-    return ps_pb2.ReplicaConfig(epoch=config.epoch, role=_ROLES[config.role], backups=list(config.backups))
+    return ps_pb2.ReplicaConfig(
+        epoch=config.epoch, role=_ROLES[config.role], backups=list(config.backups), joining=list(config.joining)
+    )
 
 
 def replica_config_from_proto(message: ps_pb2.ReplicaConfig) -> ReplicaConfig:
@@ -276,7 +278,7 @@ def replica_config_from_proto(message: ps_pb2.ReplicaConfig) -> ReplicaConfig:
     roles = {wire: role for role, wire in _ROLES.items()}
     if message.role not in roles:
         raise InvalidRequestError(f"replica role {message.role} is unknown: set STANDALONE, PRIMARY or BACKUP")
-    for address in message.backups:
+    for address in [*message.backups, *message.joining]:
         if not address or len(address) > MAX_ADDRESS_CHARS or not address.isprintable() or " " in address:
             raise InvalidRequestError(f"backup address {address[:80]!r} is not a host:port")
-    return ReplicaConfig(int(message.epoch), roles[message.role], tuple(message.backups))
+    return ReplicaConfig(int(message.epoch), roles[message.role], tuple(message.backups), tuple(message.joining))

@@ -1,14 +1,12 @@
 """The coordinator's calls to the members of replicated shard groups (psserver/replication.py):
-ask each server its role, give it one, and copy a primary's shards onto a server that rejoins.
-
-The copy is a pipe: the primary's ``ExportShards`` chunks go unchanged into the new backup's
-``ReplaceShards`` (both speak the same shard parts), tagged with the new backup's epoch, so the
-coordinator never holds more than a chunk of the model whatever its size.
+ask each server its role, give it one, empty a server that rejoins, and have a primary copy its
+shards into it (the primary sends them itself, shard by shard, while it serves: the coordinator
+holds none of the model).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -20,7 +18,6 @@ from paramserve.psserver.metadata import REPLICA_EPOCH_METADATA_KEY
 from paramserve.psserver.probes import Prober
 from paramserve.psserver.replication import ReplicaConfig
 from paramserve.psserver.security import ClientTls
-from paramserve.psserver.streams import DEFAULT_CHUNK_BYTES
 from paramserve.wire.v1 import parameter_server_pb2 as ps_pb2
 
 __all__ = ["MemberState", "ReplicaCalls"]
@@ -97,23 +94,29 @@ class ReplicaCalls:
             raise typed_error(err, address, None) from None
         return _member(reply)
 
-    def copy(self, source: str, target: str, epoch: int, timeout: float) -> int:
-        """Makes ``target`` (a backup at ``epoch``) hold exactly ``source``'s shards: values,
-        slots, versions and idempotency windows. Returns the bytes piped."""
-        piped = [0]
-        export = ps_pb2.ExportShardsRequest(chunk_bytes=DEFAULT_CHUNK_BYTES)
-
-        def chunks() -> Iterator[bytes]:
-            for chunk in self._stubs[source].unary_stream("ExportShards", export, self._options(timeout)):
-                piped[0] += len(chunk)
-                yield chunk
-
-        options = _EpochOptions(self._token, timeout, timeout, epoch)
+    def wipe(self, member: str, epoch: int) -> None:
+        """Deletes every variable ``member`` (a backup at ``epoch``) holds: what a server that
+        rejoins kept from before is not its primary's."""
+        stub = self._stubs[member]
         try:
-            self._stubs[target].create_shards(chunks, options, replace=True)
+            listed = stub.unary("ListShards", ps_pb2.ListShardsRequest(), ps_pb2.ListShardsResponse, self._options())
+            options = _EpochOptions(self._token, self._timeout, self._timeout, epoch)
+            for variable in sorted({info.ref.variable for info in listed.shards}):
+                request = ps_pb2.DeleteVariableRequest(variable=variable)
+                stub.unary("DeleteVariable", request, ps_pb2.DeleteVariableResponse, options)
         except grpc.RpcError as err:
-            raise typed_error(err, target, None) from None
-        return piped[0]
+            raise typed_error(err, member, None) from None
+
+    def copy_into(self, primary: str, target: str, timeout: float) -> tuple[int, int]:
+        """Has ``primary`` copy its shards into ``target``, its joining backup, while it serves
+        (psserver/replication.py: ``Replica.copy_to``). Returns the shards and bytes copied."""
+        try:
+            reply = self._stubs[primary].unary(
+                "CopyShards", ps_pb2.CopyShardsRequest(target=target), ps_pb2.CopyShardsResponse, self._options(timeout)
+            )
+        except grpc.RpcError as err:
+            raise typed_error(err, primary, None) from None
+        return int(reply.shards), int(reply.bytes)
 
     def close(self) -> None:
         for channel in self._channels.values():

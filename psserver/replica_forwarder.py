@@ -154,7 +154,12 @@ class GrpcForwarder:
     def hyperparameters(self, variable: str | None, values: Mapping[str, Any], epoch: int) -> None:
         request = ps_pb2.SetHyperparametersRequest(variable=variable or "", values_json=json.dumps(dict(values)))
         options = self._options(epoch)
-        self._call(lambda: self._stub.unary("SetHyperparameters", request, ps_pb2.SetHyperparametersResponse, options))
+        try:
+            self._call(
+                lambda: self._stub.unary("SetHyperparameters", request, ps_pb2.SetHyperparametersResponse, options)
+            )
+        except VariableNotFoundError:
+            pass  # a joining backup that holds none of its shards yet: they arrive with the new values
 
     def delete(self, variable: str, epoch: int) -> None:
         request = ps_pb2.DeleteVariableRequest(variable=variable)

@@ -34,14 +34,15 @@ import functools
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from paramserve.psserver.errors import InvalidRequestError, NotPrimaryError, ParamServeError, ReplicaEpochError
 
 if TYPE_CHECKING:
+    from paramserve.psserver.shards import Shard
     from paramserve.psserver.store import ShardPush
-    from paramserve.psserver.types import ShardState
+    from paramserve.psserver.types import ShardRef, ShardState
 
 __all__ = [
     "Forwarder",
@@ -71,6 +72,9 @@ class ReplicaConfig:
     epoch: int = 0
     role: ReplicaRole = ReplicaRole.STANDALONE
     backups: tuple[str, ...] = ()
+    joining: tuple[str, ...] = ()
+    """Those of ``backups`` being copied into (``Replica.copy_to``): they get only the writes to
+    shards copied so far, and count as in sync only once the copy is done."""
 
 
 # ---------------------------------------------------------------- pure decisions
@@ -88,9 +92,12 @@ def configure_problem(current: ReplicaConfig, new: ReplicaConfig) -> str | None:
         return "a replicated server's epoch starts at 1"
     if len(set(new.backups)) != len(new.backups):
         return f"backups repeat an address: {list(new.backups)}"
+    if not set(new.joining) <= set(new.backups):
+        return f"joining backups {sorted(set(new.joining) - set(new.backups))} are not among the backups"
     if new.epoch < current.epoch:
         return f"epoch {new.epoch} is older than this server's epoch {current.epoch}: a newer decision stands"
-    if new.epoch == current.epoch and new != current and current.epoch > 0:
+    same_roles = new.role is current.role is ReplicaRole.PRIMARY  # its backups change, nobody's role
+    if new.epoch == current.epoch and new != current and current.epoch > 0 and not same_roles:
         return f"epoch {new.epoch} was configured already as {_describe(current)}: each decision takes a new epoch"
     return None
 
@@ -113,6 +120,11 @@ def forward_refusal(config: ReplicaConfig, epoch: int) -> str | None:
     if epoch != config.epoch:
         return f"this backup is at epoch {config.epoch}: a write forwarded at epoch {epoch} comes from another decision"
     return None
+
+
+def _state_bytes(state: ShardState) -> int:
+    tensors = [state.value, *state.slots.values()]
+    return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
 
 
 def _nothing() -> None:
@@ -158,6 +170,8 @@ class Replica:
         self._config = ReplicaConfig()
         self._stopped = ""
         self._forwarders: dict[str, Forwarder] = {}
+        self._copied: dict[str, set[ShardRef]] = {}
+        """Per joining backup, the shards copied into it so far (only their writes go to it)."""
 
     def configure(self, config: ReplicaConfig) -> ReplicaConfig:
         """Takes the coordinator's decision (ReplicaEpochError when ``configure_problem`` refuses
@@ -168,6 +182,7 @@ class Replica:
                 raise ReplicaEpochError(problem)
             if config.backups and self._cannot_forward:
                 raise InvalidRequestError(self._cannot_forward)
+            self._copied = {address: set() for address in config.joining}  # a copy starts afresh
             if config == self._config:
                 return config  # a retried call
             opened = {address: self._forwarders.pop(address, None) for address in config.backups}
@@ -222,7 +237,9 @@ class Replica:
         waiters: list[tuple[str, Callable[[], None]]] = []
 
         def send(forwarder: Forwarder, epoch: int) -> None:
-            waiters.append((forwarder.address, forwarder.push(pushes, key, epoch)))
+            mine = self._copied_of(forwarder.address, pushes)
+            if mine:
+                waiters.append((forwarder.address, forwarder.push(mine, key, epoch)))
 
         config = self._forward("a push", send)
         if config is None:
@@ -242,6 +259,10 @@ class Replica:
             if not copies:  # copied once, and only by a primary
                 copies.append(states())
             forwarder.shards(copies[0], replace, epoch)
+            with self._lock:  # a joining backup holds them now: their writes go to it
+                copied = self._copied.get(forwarder.address)
+                if copied is not None:
+                    copied.update(state.ref for state in copies[0])
 
         self._forward(what, send)
 
@@ -252,6 +273,65 @@ class Replica:
 
     def variable_deleted(self, variable: str) -> None:
         self._forward("a delete", lambda forwarder, epoch: forwarder.delete(variable, epoch))
+        with self._lock:
+            for copied in self._copied.values():
+                copied.difference_update({ref for ref in copied if ref.variable == variable})
+
+    # ---------------------------------------------------------------- a backup joining
+
+    def copy_to(self, target: str, shards: Sequence[Shard], held: Callable[[ShardRef], bool]) -> tuple[int, int]:
+        """Copies ``shards`` into joining backup ``target``, one at a time under its lock (its
+        writes wait meanwhile; the others' go on), each then forwarded to ``target`` too; the
+        backup is in sync once the last one is (``joining`` loses it). ``held``: whether the
+        store still holds a shard (one deleted meanwhile is not copied). Returns the shards and
+        bytes copied. A failure drops ``target`` from this primary's backups (a joining backup
+        counts in no decision, so this primary goes on serving) and raises."""
+        with self._lock:
+            config = self._config
+            forwarder = self._forwarders.get(target)
+            if config.role is not ReplicaRole.PRIMARY or target not in config.joining or forwarder is None:
+                raise InvalidRequestError(f"{target} is not a joining backup of this server ({_describe(config)})")
+        count = size = 0
+        try:
+            for shard in shards:
+                with shard.lock:
+                    if not held(shard.ref):
+                        continue
+                    state = shard.state()
+                    forwarder.shards([state], False, config.epoch)
+                    with self._lock:
+                        self._copied.setdefault(target, set()).add(shard.ref)
+                count += 1
+                size += _state_bytes(state)
+        except ParamServeError:
+            self._leave(config, target)
+            raise
+        with self._lock:
+            if self._config == config:
+                self._config = replace(config, joining=tuple(a for a in config.joining if a != target))
+                self._copied.pop(target, None)
+        log.warning("replica: %s joined: %d shards, %d bytes copied", target, count, size)
+        return count, size
+
+    def _leave(self, config: ReplicaConfig, target: str) -> None:
+        """Drops joining backup ``target`` (its copy or a forward to it failed)."""
+        with self._lock:
+            if self._config == config:
+                self._config = replace(
+                    config,
+                    backups=tuple(a for a in config.backups if a != target),
+                    joining=tuple(a for a in config.joining if a != target),
+                )
+                self._copied.pop(target, None)
+        log.error("replica: joining backup %s dropped", target)
+
+    def _copied_of(self, address: str, pushes: Sequence[ShardPush]) -> Sequence[ShardPush]:
+        """The pushes that go to backup ``address``: all, unless it is joining."""
+        with self._lock:
+            copied = self._copied.get(address)
+            if copied is None:
+                return pushes
+            return [push for push in pushes if push.ref in copied]
 
     def refuse_dynamic(self, variable: str) -> None:
         """Dynamic embedding tables are not replicated: their lookups change them (admission
@@ -276,14 +356,20 @@ class Replica:
         return config
 
     def _settle(self, config: ReplicaConfig, what: str, address: str, action: Callable[[], None]) -> None:
-        """Runs ``action`` (a send to, or a wait for, backup ``address``); its failure stops this
-        server serving clients until the coordinator's next epoch, and raises NotPrimaryError."""
+        """Runs ``action`` (a send to, or a wait for, backup ``address``). A refusal of this
+        primary's epoch deposes it; another failure stops it serving clients until the
+        coordinator's next decision (raising NotPrimaryError), unless the backup was only
+        joining: that one is dropped and this primary goes on."""
         try:
             action()
         except ReplicaEpochError as exc:
             self._stop(config, f"this primary was replaced (deposed at epoch {config.epoch}): {exc.message}")
             raise NotPrimaryError(f"{what} was not acknowledged: this server was replaced as primary") from exc
         except ParamServeError as exc:
+            if address in config.joining:
+                log.error("replica: forwarding %s to joining backup %s failed: %s", what, address, exc)
+                self._leave(config, address)
+                return
             self._stop(
                 config,
                 f"forwarding {what} to backup {address} failed ({type(exc).__name__}: {exc.message}); "

@@ -309,6 +309,12 @@ class ParameterServerServicer:
             config=convert.replica_config_to_proto(config), incarnation=self._store.incarnation, refusing=refusing
         ).SerializeToString()
 
+    @unary_boundary
+    def CopyShards(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
+        request = parse(ps_pb2.CopyShardsRequest, raw)
+        count, size = self._replica.copy_to(request.target, self._store.shards(), self._store.holds)
+        return ps_pb2.CopyShardsResponse(shards=count, bytes=size).SerializeToString()
+
     def _admit(self, context: grpc.ServicerContext) -> None:
         """A client's call is served by a primary (or a server not replicated); a write its
         primary forwarded, by a backup of the primary's epoch."""
@@ -404,5 +410,6 @@ def generic_handler(servicer: ParameterServerServicer) -> grpc.GenericRpcHandler
         "ListDynamicTables": grpc.unary_unary_rpc_method_handler(servicer.ListDynamicTables),
         "MarkDynamicTablesSaved": grpc.unary_unary_rpc_method_handler(servicer.MarkDynamicTablesSaved),
         "ConfigureReplica": grpc.unary_unary_rpc_method_handler(servicer.ConfigureReplica),
+        "CopyShards": grpc.unary_unary_rpc_method_handler(servicer.CopyShards),
     }
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)

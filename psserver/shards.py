@@ -158,16 +158,20 @@ class Shard:
 
     def export(self) -> ShardState:
         with self.lock:
-            return ShardState(
-                self.ref,
-                self.variable_shape,
-                self.row_start,
-                self.value.clone(),
-                self.spec,
-                self.optimizer.slots() if self.optimizer else {},
-                self.version,
-                self.window.keys(),
-            )
+            return self.state()
+
+    def state(self) -> ShardState:
+        """``export`` for a caller that holds the lock already."""
+        return ShardState(
+            self.ref,
+            self.variable_shape,
+            self.row_start,
+            self.value.clone(),
+            self.spec,
+            self.optimizer.slots() if self.optimizer else {},
+            self.version,
+            self.window.keys(),
+        )
 
 
 def check_state(state: ShardState) -> None:

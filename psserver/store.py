@@ -329,6 +329,14 @@ class ShardStore:
             self.replication.variable_deleted(variable)
         return len(refs)
 
+    def shards(self) -> list[Shard]:
+        """Every shard, sorted by ref (what a primary copies into a joining backup)."""
+        return self._select(None)
+
+    def holds(self, ref: ShardRef) -> bool:
+        with self._shards_lock:
+            return ref in self._shards
+
     def list_shards(self) -> list[ShardInfo]:
         return [shard.info() for shard in self._select(None)]
 

@@ -5,6 +5,9 @@ rejoining server is copied into, and bad replication requests are refused, chang
 
 from __future__ import annotations
 
+import threading
+import time
+
 import grpc
 import pytest
 import torch
@@ -12,7 +15,7 @@ import torch
 from paramserve.psserver.calls import CallOptions, Stub
 from paramserve.psserver.channels import channel_options, open_channel
 from paramserve.psserver.dynamic_types import DynamicTableConfig
-from paramserve.psserver.errors import InvalidRequestError, NotPrimaryError, ReplicaEpochError
+from paramserve.psserver.errors import InvalidRequestError, NotPrimaryError, ParamServeError, ReplicaEpochError
 from paramserve.psserver.metadata import REPLICA_EPOCH_METADATA_KEY, SERVICE_NAME
 from paramserve.psserver.optimizer import OptimizerSpec
 from paramserve.psserver.replica_calls import ReplicaCalls
@@ -142,19 +145,72 @@ def test_a_primary_whose_backup_is_gone_waits_for_the_coordinator(start_ps, make
     calls.close()
 
 
-def test_a_rejoining_server_is_copied_into_exactly(pair, start_ps, make_client) -> None:  # type: ignore[no-untyped-def]
-    primary, _, calls = pair
+def test_a_rejoining_server_is_copied_into_while_pushes_go_on(pair, start_ps, make_client) -> None:  # type: ignore[no-untyped-def]
+    """The primary copies its shards into a joining backup one at a time while a client keeps
+    pushing; every push is acknowledged, and afterwards the three replicas are bit for bit equal."""
+    primary, backup, calls = pair
     client = make_client([address(primary)])
-    client.create_variable("w", torch.randn(100, 3), optimizer=OptimizerSpec("Adam", {"lr": 0.1}))
-    for step in range(5):
-        client.push({"w": torch.randn(100, 3)}, key=f"k{step}")
-    fresh = start_ps()
-    joining = ReplicaCalls([address(primary), address(fresh)], token=None, tls=None)
-    joining.configure(address(fresh), ReplicaConfig(3, BACKUP))
-    copied = joining.copy(address(primary), address(fresh), 3, timeout=30)
-    assert copied > 100 * 3 * 4 * 3  # value and Adam's two slots, at least
-    assert_identical(exported(address(primary)), exported(address(fresh)))
+    torch.manual_seed(0)
+    for index in range(6):  # several shards, so the copy interleaves with the pushes
+        client.create_variable(f"w{index}", torch.randn(200, 8), optimizer=OptimizerSpec("Adam", {"lr": 0.1}))
+    stale = start_ps()  # it holds something of its own, as a replaced primary would
+    make_client([address(stale)]).create_variable("w0", torch.zeros(200, 8), optimizer=OptimizerSpec("SGD", {"lr": 1}))
+    joining = ReplicaCalls([address(primary), address(backup), address(stale)], token=None, tls=None)
+    stop, pushed = threading.Event(), []
+
+    def push_on() -> None:
+        while not stop.is_set():
+            step = len(pushed)
+            client.push({f"w{i}": torch.randn(200, 8) for i in range(6)}, key=f"k{step}")
+            pushed.append(step)
+
+    pusher = threading.Thread(target=push_on)
+    pusher.start()
+    try:
+        wait_until(lambda: len(pushed) >= 3, "pushes running")
+        joining.configure(address(stale), ReplicaConfig(1, BACKUP))
+        joining.wipe(address(stale), 1)
+        both = (address(backup), address(stale))
+        joining.configure(address(primary), ReplicaConfig(1, PRIMARY, both, (address(stale),)))
+        shards, copied = joining.copy_into(address(primary), address(stale), timeout=30)
+        during = len(pushed)
+        wait_until(lambda: len(pushed) >= during + 3, "pushes forwarded to the new backup too")
+    finally:
+        stop.set()
+        pusher.join(30)
+    assert shards == 6 and copied >= 6 * 200 * 8 * 4 * 3  # values and Adam's two slots
+    assert joining.state(address(primary), 5).config == ReplicaConfig(1, PRIMARY, both)  # in sync now
+    reference = exported(address(primary))
+    assert {shard.version for shard in reference.values()} == {len(pushed)}
+    assert_identical(reference, exported(address(backup)))
+    assert_identical(reference, exported(address(stale)))
     joining.close()
+
+
+def test_a_joining_backup_that_fails_is_dropped_and_the_primary_serves_on(pair, start_ps, make_client) -> None:  # type: ignore[no-untyped-def]
+    primary, backup, calls = pair
+    client = make_client([address(primary)])
+    client.create_variable("w", torch.zeros(4), optimizer=OptimizerSpec("SGD", {"lr": 1.0}))
+    joiner = start_ps()
+    joining = ReplicaCalls([address(primary), address(joiner)], token=None, tls=None)
+    joining.configure(address(joiner), ReplicaConfig(1, BACKUP))
+    both = (address(backup), address(joiner))
+    joining.configure(address(primary), ReplicaConfig(1, PRIMARY, both, (address(joiner),)))
+    joiner.stop(grace=0)
+    with pytest.raises(ParamServeError):
+        joining.copy_into(address(primary), address(joiner), timeout=10)
+    state = joining.state(address(primary), 5)
+    assert state.config == ReplicaConfig(1, PRIMARY, (address(backup),)) and not state.refusing
+    assert client.push({"w": torch.ones(4)}, key="after").outcomes[0].applied
+    assert_identical(exported(address(primary)), exported(address(backup)))
+    joining.close()
+
+
+def wait_until(condition, what: str, seconds: float = 30) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {seconds:g}s"
+        time.sleep(0.01)
 
 
 def test_bad_replication_requests_are_refused_and_change_nothing(pair) -> None:  # type: ignore[no-untyped-def]

@@ -15,7 +15,7 @@ from paramserve.coordinator.replica_groups import (
     rejoin_candidates,
     replica_count,
 )
-from paramserve.psserver.errors import NotPrimaryError, ReplicaEpochError, ServerUnavailableError
+from paramserve.psserver.errors import InvalidRequestError, NotPrimaryError, ReplicaEpochError, ServerUnavailableError
 from paramserve.psserver.replica_calls import MemberState
 from paramserve.psserver.replication import (
     Replica,
@@ -53,6 +53,15 @@ def test_epochs_only_go_up_and_one_epoch_names_one_decision() -> None:
 )
 def test_malformed_configurations_are_refused_with_the_reason(config: ReplicaConfig, fragment: str) -> None:
     assert fragment in (configure_problem(ReplicaConfig(1, BACKUP), config) or "")
+
+
+def test_a_primary_s_backups_change_within_its_epoch_and_roles_do_not() -> None:
+    current = ReplicaConfig(3, PRIMARY, ("b:1",))
+    joining = ReplicaConfig(3, PRIMARY, ("b:1", "c:1"), ("c:1",))
+    assert configure_problem(current, joining) is None  # a backup joins: nobody's role changes
+    assert configure_problem(joining, ReplicaConfig(3, PRIMARY)) is None  # the coordinator drops both
+    assert "new epoch" in (configure_problem(ReplicaConfig(3, BACKUP), ReplicaConfig(3, PRIMARY)) or "")
+    assert "not among the backups" in (configure_problem(current, ReplicaConfig(4, PRIMARY, (), ("c:1",))) or "")
 
 
 def test_only_a_primary_or_a_standalone_server_serves_clients() -> None:
@@ -138,6 +147,47 @@ def test_a_primary_whose_backup_does_not_answer_holds_until_the_next_epoch() -> 
     replica.configure(ReplicaConfig(2, PRIMARY))  # alone
     replica.admit_client()
     assert replica.pushed(PUSH, "k2")() is None
+
+
+class FakeShard:
+    def __init__(self, ref: ShardRef):
+        import threading
+
+        self.ref, self.lock = ref, threading.Lock()
+
+    def state(self):  # type: ignore[no-untyped-def]
+        from paramserve.psserver.types import ShardState
+
+        return ShardState(self.ref, (2,), 0, torch.zeros(2))
+
+
+def test_a_joining_backup_gets_the_writes_of_the_shards_copied_into_it_only() -> None:
+    opened: dict[str, FakeForwarder] = {}
+    replica = Replica(lambda address: opened.setdefault(address, FakeForwarder(address)))
+    replica.configure(ReplicaConfig(1, PRIMARY, ("b:1", "j:1"), ("j:1",)))
+    w0, w1 = ShardPush(ShardRef("w", 0), torch.zeros(2)), ShardPush(ShardRef("w", 1), torch.zeros(2))
+    replica.pushed([w0, w1], "k1")()
+    assert opened["b:1"].pushes == [("k1", 1)] and opened["j:1"].pushes == [], "nothing copied yet"
+    shards = [FakeShard(ShardRef("w", 0)), FakeShard(ShardRef("w", 1)), FakeShard(ShardRef("gone", 0))]
+    count, size = replica.copy_to("j:1", shards, held=lambda ref: ref.variable != "gone")
+    assert (count, size) == (2, 16)
+    assert replica.state()[0] == ReplicaConfig(1, PRIMARY, ("b:1", "j:1")), "in sync: no longer joining"
+    replica.pushed([w0, w1], "k2")()
+    assert opened["j:1"].pushes == [("k2", 1)]
+
+
+def test_a_joining_backup_that_fails_is_dropped_without_stopping_the_primary() -> None:
+    failing = FakeForwarder("j:1", ServerUnavailableError("unreachable"))
+    opened = {"b:1": FakeForwarder("b:1"), "j:1": failing}
+    replica = Replica(lambda address: opened[address])
+    replica.configure(ReplicaConfig(1, PRIMARY, ("b:1", "j:1"), ("j:1",)))
+    with pytest.raises(ServerUnavailableError):
+        replica.copy_to("j:1", [FakeShard(ShardRef("w", 0))], held=lambda ref: True)
+    config, refusing = replica.state()
+    assert config == ReplicaConfig(1, PRIMARY, ("b:1",)) and refusing == ""
+    replica.admit_client()
+    with pytest.raises(InvalidRequestError, match="not a joining backup"):
+        replica.copy_to("b:1", [], held=lambda ref: True)
 
 
 def test_a_late_older_decision_changes_nothing() -> None:
@@ -236,6 +286,14 @@ def test_a_fresh_group_starts_with_its_first_member_primary() -> None:
     probes = {"a": answered("ia"), "c": answered("ic")}
     state = initial_group(("a", "c"), probes)
     assert (state.primary, state.in_sync, state.epoch) == ("a", ("c",), 1)
+
+
+def test_a_backup_still_joining_when_the_coordinator_restarted_rejoins_afresh() -> None:
+    probes = {
+        "a": answered("ia", ReplicaConfig(4, PRIMARY, ("c",), ("c",))),
+        "c": answered("ic", ReplicaConfig(4, BACKUP)),
+    }
+    assert initial_group(("a", "c"), probes).in_sync == ()
 
 
 def test_a_restarted_coordinator_keeps_the_serving_primary_and_its_backups() -> None:

@@ -322,14 +322,16 @@ class MarkDynamicTablesSavedRequest(_message.Message):
     def __init__(self, marks: _Optional[_Iterable[_Union[DynamicSaveMark, _Mapping]]] = ...) -> None: ...
 
 class ReplicaConfig(_message.Message):
-    __slots__ = ("epoch", "role", "backups")
+    __slots__ = ("epoch", "role", "backups", "joining")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     BACKUPS_FIELD_NUMBER: _ClassVar[int]
+    JOINING_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     role: ReplicaRole
     backups: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, epoch: _Optional[int] = ..., role: _Optional[_Union[ReplicaRole, str]] = ..., backups: _Optional[_Iterable[str]] = ...) -> None: ...
+    joining: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, epoch: _Optional[int] = ..., role: _Optional[_Union[ReplicaRole, str]] = ..., backups: _Optional[_Iterable[str]] = ..., joining: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ConfigureReplicaRequest(_message.Message):
     __slots__ = ("config", "query")
@@ -348,3 +350,17 @@ class ConfigureReplicaResponse(_message.Message):
     incarnation: str
     refusing: str
     def __init__(self, config: _Optional[_Union[ReplicaConfig, _Mapping]] = ..., incarnation: _Optional[str] = ..., refusing: _Optional[str] = ...) -> None: ...
+
+class CopyShardsRequest(_message.Message):
+    __slots__ = ("target",)
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    target: str
+    def __init__(self, target: _Optional[str] = ...) -> None: ...
+
+class CopyShardsResponse(_message.Message):
+    __slots__ = ("shards", "bytes")
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    shards: int
+    bytes: int
+    def __init__(self, shards: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...

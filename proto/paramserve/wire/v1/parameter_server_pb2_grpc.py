@@ -125,6 +125,11 @@ class ParameterServerStub:
                 request_serializer=paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.ConfigureReplicaRequest.SerializeToString,
                 response_deserializer=paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.ConfigureReplicaResponse.FromString,
                 _registered_method=True)
+        self.CopyShards = channel.unary_unary(
+                '/paramserve.wire.v1.ParameterServer/CopyShards',
+                request_serializer=paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.CopyShardsRequest.SerializeToString,
+                response_deserializer=paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.CopyShardsResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -267,6 +272,14 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CopyShards(self, request, context):
+        """A primary copies its shards into a joining backup (ReplicaConfig.joining), one shard at a
+        time under that shard's lock, while it serves: then the backup is in sync.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -359,6 +372,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.ConfigureReplica,
                     request_deserializer=paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.ConfigureReplicaRequest.FromString,
                     response_serializer=paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.ConfigureReplicaResponse.SerializeToString,
+            ),
+            'CopyShards': grpc.unary_unary_rpc_method_handler(
+                    servicer.CopyShards,
+                    request_deserializer=paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.CopyShardsRequest.FromString,
+                    response_serializer=paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.CopyShardsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -847,6 +865,33 @@ class ParameterServer:
             '/paramserve.wire.v1.ParameterServer/ConfigureReplica',
             paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.ConfigureReplicaRequest.SerializeToString,
             paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.ConfigureReplicaResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CopyShards(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/paramserve.wire.v1.ParameterServer/CopyShards',
+            paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.CopyShardsRequest.SerializeToString,
+            paramserve_dot_wire_dot_v1_dot_parameter__server__pb2.CopyShardsResponse.FromString,
             options,
             channel_credentials,
             insecure,
