@@ -173,7 +173,7 @@ class CoordinatorTelemetry:
         )
         self.replica_resync_seconds = Histogram(
             f"{PREFIX}ps_replica_resync_seconds",
-            "Seconds each rejoin took (dispatch paused for the copy).",
+            "Seconds each rejoin took (the primary copying its shards while it serves).",
             buckets=(0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 300),
             registry=self.registry,
         )
