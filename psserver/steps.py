@@ -215,7 +215,9 @@ class StepEngine:
         pushed = []
         if program.pushes:
             values, flat = programs.pushed_values(program, payload)
-            pushed = self._store.push_prepared(program.prepared, values, bases, plan.idempotency_key, flat=flat)
+            pushed = self._store.push_prepared(
+                program.prepared, values, bases, plan.idempotency_key, flat=flat, checked=plan.replica_epoch > 0
+            )
 
         def locked(pulled: list[Pulled]) -> tuple[bytes, memoryview]:
             buffer = reply_buffer(program.pull_bytes)

@@ -525,17 +525,20 @@ class ShardStore:
         key: str,
         *,
         flat: Tensor | None = None,
+        checked: bool = False,
     ) -> list[PushOutcome]:
         """``push`` of ``values`` (one per ``step.pushes``, of the checked dtype and shape) with
         their base versions (negative: unknown). ``flat``: the same values back to back as one
-        tensor of their dtype, when they are, so that one scan checks them all for NaN and Inf."""
+        tensor of their dtype, when they are, so that one scan checks them all for NaN and Inf.
+        ``checked``: a write a replicated primary forwarded, whose values it scanned already (the
+        same bytes pass or fail the same way: the scan is skipped)."""
         try:
             self._check_key(key)
             plan = [
                 (shard, ShardPush(shard.ref, value, None, base))
                 for shard, value, base in zip(step.pushes, values, base_versions)
             ]
-            if not self._config.allow_nonfinite and not (flat is not None and all_finite(flat)):
+            if not (self._config.allow_nonfinite or checked) and not (flat is not None and all_finite(flat)):
                 for shard, push in plan:  # the exact scan, to name the culprit
                     with about(shard.ref.variable):
                         check_finite(shard, push.values)
