@@ -22,7 +22,7 @@ from paramserve.psserver.command_line import (
     serve_until_signal,
 )
 from paramserve.psserver.memory import limit_arenas
-from paramserve.psserver.security import writable_directory
+from paramserve.psserver.security import ClientTls, writable_directory
 from paramserve.psserver.server import ServerConfig, build_server
 from paramserve.psserver.steps import DEFAULT_MAX_PULL_BYTES, DEFAULT_MAX_PUSH_BYTES
 from paramserve.psserver.store import StoreConfig
@@ -86,6 +86,13 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         help="reject pushes computed more than this many versions ago (default: no bound)",
     )
     data.add_argument(
+        "--replica-tls-ca",
+        type=pathlib.Path,
+        help="PEM CA bundle verifying this server's backups when it is a replicated primary and the servers "
+        "serve TLS; it presents its own --tls-cert and --tls-key to them (default: none, and such a "
+        "primary refuses backups)",
+    )
+    data.add_argument(
         "--checkpoint-root",
         type=pathlib.Path,
         help="Save and Restore act only under this directory (relative paths are taken from it). "
@@ -102,6 +109,11 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         parser.error("--chunk-bytes must be at least 1 MiB below --max-message-bytes")
     host, port = resolve_address(args, parser, "ps", os.environ)
     token = resolve_token(args, os.environ)
+    if args.replica_tls_ca is not None and args.tls_cert is None:
+        parser.error("--replica-tls-ca needs --tls-cert and --tls-key: the servers it verifies serve TLS")
+    replica_tls = (
+        ClientTls(args.replica_tls_ca, args.tls_cert, args.tls_key) if args.replica_tls_ca is not None else None
+    )
     return ServerConfig(
         host=host,
         port=port,
@@ -116,6 +128,7 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         token=token,
         torch_threads=resolve_torch_threads(args, parser),
         tls=resolve_tls(args, parser),
+        replica_tls=replica_tls,
         insecure=args.insecure,
         max_connections=args.max_connections,
         data_port=None if args.no_data_plane else args.data_port,

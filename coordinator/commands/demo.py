@@ -125,6 +125,7 @@ def run(args: argparse.Namespace) -> DemoSummary:
             client_config=ClientConfig(
                 tls_root_certificates=args.tls_ca, tls_cert_chain=args.tls_cert, tls_private_key=args.tls_key
             ),
+            ps_replicas=args.ps_replicas,
         )
         torch.manual_seed(args.seed)
         with strategy.scope():
@@ -222,7 +223,7 @@ def _tls_args(args: argparse.Namespace, role: str) -> list[str]:
     if args.tls_ca is None:
         return []
     served = ["--tls-cert", str(args.tls_cert), "--tls-key", str(args.tls_key), "--tls-client-ca", str(args.tls_ca)]
-    return served + (["--ps-tls-ca", str(args.tls_ca)] if role == "worker" else [])
+    return served + (["--ps-tls-ca" if role == "worker" else "--replica-tls-ca", str(args.tls_ca)])
 
 
 def _dataset_fn(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -242,6 +243,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--hidden", type=int, default=128, help="hidden units (default: %(default)s)")
     parser.add_argument("--ps", type=int, default=2, help="parameter servers to start (default: %(default)s)")
     parser.add_argument("--workers", type=int, default=2, help="workers to start (default: %(default)s)")
+    parser.add_argument(
+        "--ps-replicas",
+        type=int,
+        help="servers per shard group: a primary and backups that apply every push before it is "
+        "acknowledged (default: PARAMSERVE_PS_REPLICAS, else 1; --ps must be a multiple)",
+    )
     parser.add_argument(
         "--checkpoint-dir", help="where checkpoints go; an existing one is resumed (default: a new temp dir)"
     )
@@ -317,6 +324,9 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     ):
         if value < 1:
             parser.error(f"{name} must be at least 1")
+    uneven = args.ps_replicas is not None and not args.cluster_from_env and args.ps % max(args.ps_replicas, 1)
+    if args.ps_replicas is not None and (args.ps_replicas < 1 or uneven):
+        parser.error(f"--ps-replicas must be at least 1 and divide --ps ({args.ps}), got {args.ps_replicas}")
     if len({args.tls_ca is None, args.tls_cert is None, args.tls_key is None}) > 1:
         parser.error("mutual TLS needs --tls-ca, --tls-cert and --tls-key together")
     if args.tls_ca is not None and args.cluster_from_env:

@@ -27,7 +27,9 @@ def test_the_demo_trains_over_mutual_tls(tmp_path):
             "--steps",
             "200",
             "--ps",
-            "1",
+            "2",
+            "--ps-replicas",  # a primary and its backup: the replication link speaks mutual TLS too
+            "2",
             "--workers",
             "1",
             "--checkpoint-every",
@@ -48,7 +50,7 @@ def test_the_demo_trains_over_mutual_tls(tmp_path):
     )
     assert demo.returncode == 0, demo.stderr[-3000:]
     summary = json.loads(demo.stdout.strip().splitlines()[-1])
-    assert summary["steps"] == 200 and summary["test_accuracy"] > 0.5
+    assert summary["steps"] == 200 and summary["test_accuracy"] > 0.5 and summary["parameter_servers"] == 2
     assert (tmp_path / "ckpt" / "LATEST").exists()
 
 

@@ -1,4 +1,4 @@
-"""The coordinator's program of tests/multihost/test_partition.py, run on its own host.
+"""The coordinator's program of tests/multihost/test_replica_partition.py, run on its own host.
 
     python partition_driver.py CONTROL_DIR PS_A PS_B WORKER TOKEN_FILE
 

@@ -7,6 +7,7 @@ import argparse
 import json
 
 import pytest
+from certificates import make_certificates, needs_openssl
 
 from paramserve.coordinator.commands import cli
 from paramserve.psserver import __main__ as ps_main
@@ -61,3 +62,16 @@ def test_every_demo_flag_has_help():
     undocumented = [a.dest for a in subparsers.choices["demo"]._actions if not a.help]
     assert undocumented == []
     assert "seed of the train/test split" in " ".join(subcommand_help("demo").split())
+
+
+@needs_openssl
+def test_replica_tls_presents_the_servers_own_certificate_and_needs_tls(tmp_path, capsys):
+    certs = make_certificates(tmp_path / "certs")
+    parser = ps_main.build_parser()
+    argv = ["--tls-cert", str(certs.cert), "--tls-key", str(certs.key), "--replica-tls-ca", str(certs.ca)]
+    config = ps_main.config_from_args(parser.parse_args(argv), parser)
+    assert config.replica_tls is not None
+    assert (config.replica_tls.root_certificates, config.replica_tls.cert_chain) == (certs.ca, certs.cert)
+    with pytest.raises(SystemExit):
+        ps_main.config_from_args(parser.parse_args(["--replica-tls-ca", str(certs.ca)]), parser)
+    assert "--replica-tls-ca needs --tls-cert" in capsys.readouterr().err
