@@ -8,8 +8,12 @@ as a worker's step; shards go as ``CreateShards`` / ``ReplaceShards``, and
 ``paramserve-replica-epoch`` metadata. So the backup applies it through the same checks and the
 same engine as any write (admitted by ``Replica.admit_forwarded``), and nothing new parses
 tensors.
-One attempt each: a write the backup did not confirm holds the primary for the coordinator's
-decision (psserver/replication.py), so a retry here would only delay that decision.
+Pushes on the data plane are pipelined (``_Pipeline``: sent under the shard locks, their replies
+awaited after them); a write sent over gRPC first waits until every push sent before it was
+answered (``drain``), so that the backup applies each shard's writes in the primary's order (a
+learning rate changed between two pushes applies to the second on both). One attempt each: a
+write the backup did not confirm holds the primary for the coordinator's decision
+(psserver/replication.py), so a retry here would only delay that decision.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from paramserve.psserver.calls import CallOptions, Stub, typed_error
 from paramserve.psserver.channels import channel_options, open_channel
 from paramserve.psserver.dataplane import MAX_PROGRAM_PLAN_BYTES, TransportError
 from paramserve.psserver.dataplane_client import DataPlaneConnection, DataPlaneLinks, ProgramNumbers
-from paramserve.psserver.errors import ServerUnavailableError, VariableNotFoundError
+from paramserve.psserver.errors import ParamServeError, ServerUnavailableError, VariableNotFoundError
 from paramserve.psserver.metadata import REPLICA_EPOCH_METADATA_KEY
 from paramserve.psserver.security import ClientTls
 from paramserve.psserver.store import ShardPush
@@ -101,6 +105,7 @@ class GrpcForwarder:
         waiter = self._on_data_plane(forward)
         if waiter is not None:
             return waiter
+        self._drain()
         parts, payload = forward.parts(), forward.payload()
         plan = forward.plan()
         if forward.size() <= UNARY_FORWARD_BYTES:
@@ -142,7 +147,15 @@ class GrpcForwarder:
 
         return wait
 
+    def _drain(self) -> None:
+        """Every push on the pipeline answered: a write sent over gRPC must not overtake them."""
+        with self._send_lock:
+            pipeline = self._pipeline
+        if pipeline is not None:
+            pipeline.drain()
+
     def shards(self, states: Sequence[ShardState], replace: bool, epoch: int) -> None:
+        self._drain()
         parts = [convert.shard_part(state) for state in states]
         options = self._options(epoch)
         self._call(
@@ -152,6 +165,7 @@ class GrpcForwarder:
         )
 
     def hyperparameters(self, variable: str | None, values: Mapping[str, Any], epoch: int) -> None:
+        self._drain()
         request = ps_pb2.SetHyperparametersRequest(variable=variable or "", values_json=json.dumps(dict(values)))
         options = self._options(epoch)
         try:
@@ -162,6 +176,7 @@ class GrpcForwarder:
             pass  # a joining backup that holds none of its shards yet: they arrive with the new values
 
     def delete(self, variable: str, epoch: int) -> None:
+        self._drain()
         request = ps_pb2.DeleteVariableRequest(variable=variable)
         options = self._options(epoch)
         try:
@@ -239,6 +254,18 @@ class _Pipeline:
                 head.done = True
         if ticket.error is not None:
             raise ticket.error
+
+    def drain(self) -> None:
+        """Until every push sent so far was answered: what a write sent another way (a gRPC
+        call) waits for first, so that the backup applies the writes of a shard in order. Their
+        outcomes are their own waiters' to report."""
+        with self._lock:
+            last = self._pending[-1] if self._pending else None
+        if last is not None:
+            try:
+                self.wait(last)
+            except (ParamServeError, TransportError):
+                pass
 
     def _break(self, exc: BaseException) -> None:
         """Every push still waiting fails with ``exc``: its reply will never be read."""

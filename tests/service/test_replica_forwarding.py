@@ -82,6 +82,34 @@ def test_a_backup_applies_every_write_of_its_primary_bit_for_bit(pair, make_clie
     assert next(s for r, s in state.items() if r.variable == "w").optimizer.kwargs["lr"] == 0.5
 
 
+def test_writes_sent_another_way_wait_for_the_pushes_before_them(pair, make_client) -> None:  # type: ignore[no-untyped-def]
+    """Learning-rate changes (a gRPC call) between pushes that stream from two clients on the
+    pipeline: the backup applies each in the primary's order, so it ends bit for bit equal."""
+    primary, backup, _ = pair
+    clients = [make_client([address(primary)]) for _ in range(2)]
+    clients[0].create_variable("w", torch.zeros(1000), optimizer=OptimizerSpec("SGD", {"lr": 1.0, "momentum": 0.5}))
+    clients[1].discover()
+    stop = threading.Event()
+
+    def push_on(client, name: str) -> None:  # type: ignore[no-untyped-def]
+        step = 0
+        while not stop.is_set():
+            client.push({"w": torch.full((1000,), float(step % 7))}, key=f"{name}-{step}")
+            step += 1
+
+    pushers = [threading.Thread(target=push_on, args=(client, f"c{i}")) for i, client in enumerate(clients)]
+    for pusher in pushers:
+        pusher.start()
+    try:
+        for change in range(40):
+            clients[0].set_hyperparameters({"lr": 0.5 / (1 + change)}, variable="w")
+    finally:
+        stop.set()
+        for pusher in pushers:
+            pusher.join(30)
+    assert_identical(exported(address(primary)), exported(address(backup)))
+
+
 def test_a_push_larger_than_a_message_reaches_a_backup_without_a_data_plane(start_ps, make_client) -> None:  # type: ignore[no-untyped-def]
     primary, backup = start_ps(), start_ps(data_port=None)
     calls = ReplicaCalls([address(primary), address(backup)], token=None, tls=None)
