@@ -28,9 +28,10 @@ from paramserve.psserver.partition import FixedShardsPartitioner
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import test modules
 
 CHUNK = 150
+SAVE_CHUNK = 60
 CHAOS_SECONDS, KILL_EVERY, MIN_KILLS = 60.0, 10.0, 5
 LR, MID_LR, FINE_TUNE_LR = 0.05, 0.03, 0.005
-FINE_TUNE_CHUNKS = 3
+FINE_TUNE_CHUNKS = 2
 
 
 def build(cluster, replicas: int = 2):  # type: ignore[no-untyped-def]
@@ -204,11 +205,11 @@ def test_a_primary_killed_during_a_save_and_a_restarted_coordinator_lose_nothing
     with ClusterCoordinator(strategy) as coordinator:
         batches = iter(coordinator.create_per_worker_dataset(worker_batches))
         for chunk in range(3):
-            for _ in range(CHUNK):
+            for _ in range(SAVE_CHUNK):
                 coordinator.schedule(train_step, args=(batches, model, optimizer))
             coordinator.join(timeout=120)
             saboteur.armed = chunk == 1
-            manager.save(step=(chunk + 1) * CHUNK)
+            manager.save(step=(chunk + 1) * SAVE_CHUNK)
         recoveries = [r.result for r in coordinator.recovery.recoveries] if coordinator.recovery else []
     strategy.close()
     for restarter in saboteur.restarters:
@@ -219,15 +220,15 @@ def test_a_primary_killed_during_a_save_and_a_restarted_coordinator_lose_nothing
     saved = {
         (name, s.shard): s.version for name, entry in checkpoint.variables(saves[-1]).items() for s in entry.shards
     }
-    assert set(saved.values()) == {3 * CHUNK}, "the save the failure met holds every acknowledged push"
+    assert set(saved.values()) == {3 * SAVE_CHUNK}, "the save the failure met holds every acknowledged push"
 
     # A new program (a restarted coordinator): it finds the groups as the last one left them,
     # restores the latest checkpoint onto the replicated servers and trains on.
     strategy, model, optimizer = build(cluster)
-    assert CheckpointManager(strategy, tmp_path).restore_or_initialize() == 3 * CHUNK
+    assert CheckpointManager(strategy, tmp_path).restore_or_initialize() == 3 * SAVE_CHUNK
     with ClusterCoordinator(strategy) as coordinator:
         batches = iter(coordinator.create_per_worker_dataset(worker_batches))
-        for _ in range(CHUNK):
+        for _ in range(SAVE_CHUNK):
             coordinator.schedule(train_step, args=(batches, model, optimizer))
         coordinator.join(timeout=120)
         wait_until(lambda: whole(strategy), "every group whole", 60)
@@ -238,6 +239,6 @@ def test_a_primary_killed_during_a_save_and_a_restarted_coordinator_lose_nothing
         [backup] = [export_of(member) for member in state.in_sync]
         assert primary.keys() == backup.keys() and primary
         for ref, shard in primary.items():
-            assert shard.version == 4 * CHUNK == len(set(shard.applied_keys)), ref
+            assert shard.version == 4 * SAVE_CHUNK == len(set(shard.applied_keys)), ref
             assert torch.equal(shard.value, backup[ref].value) and shard.version == backup[ref].version, ref
             assert all(torch.equal(shard.slots[k], backup[ref].slots[k]) for k in shard.slots), ref

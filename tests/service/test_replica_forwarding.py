@@ -14,6 +14,7 @@ import torch
 
 from paramserve.psserver.calls import CallOptions, Stub
 from paramserve.psserver.channels import channel_options, open_channel
+from paramserve.psserver.client import ClientConfig, ParameterServerClient
 from paramserve.psserver.dynamic_types import DynamicTableConfig
 from paramserve.psserver.errors import InvalidRequestError, NotPrimaryError, ParamServeError, ReplicaEpochError
 from paramserve.psserver.metadata import REPLICA_EPOCH_METADATA_KEY, SERVICE_NAME
@@ -61,6 +62,22 @@ def pair(start_ps):  # type: ignore[no-untyped-def]
     calls.close()
 
 
+@pytest.fixture
+def one_client():  # type: ignore[no-untyped-def]
+    """Clients on the default route (the data plane) only: for what does not depend on how a
+    client reaches the primary (the forwards to the backup always take their own way)."""
+    clients: list[ParameterServerClient] = []
+
+    def make(addresses: list[str], **overrides: object) -> ParameterServerClient:
+        options = {"call_timeout": 10.0, "retry_deadline": 10.0, **overrides}
+        clients.append(ParameterServerClient(addresses, ClientConfig(**options)))  # type: ignore[arg-type]
+        return clients[-1]
+
+    yield make
+    for client in clients:
+        client.close()
+
+
 def test_a_backup_applies_every_write_of_its_primary_bit_for_bit(pair, make_client) -> None:  # type: ignore[no-untyped-def]
     primary, backup, _ = pair
     client = make_client([address(primary)])
@@ -82,11 +99,11 @@ def test_a_backup_applies_every_write_of_its_primary_bit_for_bit(pair, make_clie
     assert next(s for r, s in state.items() if r.variable == "w").optimizer.kwargs["lr"] == 0.5
 
 
-def test_writes_sent_another_way_wait_for_the_pushes_before_them(pair, make_client) -> None:  # type: ignore[no-untyped-def]
+def test_writes_sent_another_way_wait_for_the_pushes_before_them(pair, one_client) -> None:  # type: ignore[no-untyped-def]
     """Learning-rate changes (a gRPC call) between pushes that stream from two clients on the
     pipeline: the backup applies each in the primary's order, so it ends bit for bit equal."""
     primary, backup, _ = pair
-    clients = [make_client([address(primary)]) for _ in range(2)]
+    clients = [one_client([address(primary)]) for _ in range(2)]
     clients[0].create_variable("w", torch.zeros(1000), optimizer=OptimizerSpec("SGD", {"lr": 1.0, "momentum": 0.5}))
     clients[1].discover()
     stop = threading.Event()
@@ -110,12 +127,12 @@ def test_writes_sent_another_way_wait_for_the_pushes_before_them(pair, make_clie
     assert_identical(exported(address(primary)), exported(address(backup)))
 
 
-def test_a_push_larger_than_a_message_reaches_a_backup_without_a_data_plane(start_ps, make_client) -> None:  # type: ignore[no-untyped-def]
+def test_a_push_larger_than_a_message_reaches_a_backup_without_a_data_plane(start_ps, one_client) -> None:  # type: ignore[no-untyped-def]
     primary, backup = start_ps(), start_ps(data_port=None)
     calls = ReplicaCalls([address(primary), address(backup)], token=None, tls=None)
     calls.configure(address(backup), ReplicaConfig(1, BACKUP))
     calls.configure(address(primary), ReplicaConfig(1, PRIMARY, (address(backup),)))
-    client = make_client([address(primary)])
+    client = one_client([address(primary)])
     client.create_variable("big", torch.zeros(5_000_000), optimizer=OptimizerSpec("SGD", {"lr": 1.0}))
     client.push({"big": torch.ones(5_000_000)}, key="big-1")  # 20 MB: a Push stream to the backup
     client.push({"big": torch.ones(10)[:1].expand(5_000_000).contiguous()}, key="big-2")
@@ -156,12 +173,12 @@ def test_a_replaced_primary_is_fenced_off_and_acknowledges_nothing(pair, make_cl
     assert survivor.push({"w": torch.ones(4)}, key="after").outcomes[0].applied  # its retry, on the new primary
 
 
-def test_a_primary_whose_backup_is_gone_waits_for_the_coordinator(start_ps, make_client) -> None:  # type: ignore[no-untyped-def]
+def test_a_primary_whose_backup_is_gone_waits_for_the_coordinator(start_ps, one_client) -> None:  # type: ignore[no-untyped-def]
     primary, backup = start_ps(), start_ps()
     calls = ReplicaCalls([address(primary), address(backup)], token=None, tls=None)
     calls.configure(address(backup), ReplicaConfig(1, BACKUP))
     calls.configure(address(primary), ReplicaConfig(1, PRIMARY, (address(backup),)))
-    client = make_client([address(primary)], retry_deadline=0.2)
+    client = one_client([address(primary)], retry_deadline=0.2)
     client.create_variable("w", torch.zeros(4), optimizer=OptimizerSpec("SGD", {"lr": 1.0}))
     backup.stop(grace=0)
     with pytest.raises(NotPrimaryError, match="backup .* (did not apply|failed)"):
@@ -173,16 +190,16 @@ def test_a_primary_whose_backup_is_gone_waits_for_the_coordinator(start_ps, make
     calls.close()
 
 
-def test_a_rejoining_server_is_copied_into_while_pushes_go_on(pair, start_ps, make_client) -> None:  # type: ignore[no-untyped-def]
+def test_a_rejoining_server_is_copied_into_while_pushes_go_on(pair, start_ps, one_client) -> None:  # type: ignore[no-untyped-def]
     """The primary copies its shards into a joining backup one at a time while a client keeps
     pushing; every push is acknowledged, and afterwards the three replicas are bit for bit equal."""
     primary, backup, calls = pair
-    client = make_client([address(primary)])
+    client = one_client([address(primary)])
     torch.manual_seed(0)
     for index in range(6):  # several shards, so the copy interleaves with the pushes
         client.create_variable(f"w{index}", torch.randn(200, 8), optimizer=OptimizerSpec("Adam", {"lr": 0.1}))
     stale = start_ps()  # it holds something of its own, as a replaced primary would
-    make_client([address(stale)]).create_variable("w0", torch.zeros(200, 8), optimizer=OptimizerSpec("SGD", {"lr": 1}))
+    one_client([address(stale)]).create_variable("w0", torch.zeros(200, 8), optimizer=OptimizerSpec("SGD", {"lr": 1}))
     joining = ReplicaCalls([address(primary), address(backup), address(stale)], token=None, tls=None)
     stop, pushed = threading.Event(), []
 
@@ -215,9 +232,9 @@ def test_a_rejoining_server_is_copied_into_while_pushes_go_on(pair, start_ps, ma
     joining.close()
 
 
-def test_a_joining_backup_that_fails_is_dropped_and_the_primary_serves_on(pair, start_ps, make_client) -> None:  # type: ignore[no-untyped-def]
+def test_a_joining_backup_that_fails_is_dropped_and_the_primary_serves_on(pair, start_ps, one_client) -> None:  # type: ignore[no-untyped-def]
     primary, backup, calls = pair
-    client = make_client([address(primary)])
+    client = one_client([address(primary)])
     client.create_variable("w", torch.zeros(4), optimizer=OptimizerSpec("SGD", {"lr": 1.0}))
     joiner = start_ps()
     joining = ReplicaCalls([address(primary), address(joiner)], token=None, tls=None)
@@ -268,8 +285,8 @@ def test_bad_replication_requests_are_refused_and_change_nothing(pair) -> None: 
     assert calls.state(address(backup), 5) == before
 
 
-def test_dynamic_tables_are_refused_on_replicated_servers(pair, make_client) -> None:  # type: ignore[no-untyped-def]
+def test_dynamic_tables_are_refused_on_replicated_servers(pair, one_client) -> None:  # type: ignore[no-untyped-def]
     primary, _, _ = pair
-    client = make_client([address(primary)])
+    client = one_client([address(primary)])
     with pytest.raises(InvalidRequestError, match="not replicated"):
         client.dynamic.create("users", DynamicTableConfig(dim=4))
