@@ -5,7 +5,8 @@ restarted server rejoins as a backup by a copy from the primary, and the learnin
 between two failures. Every closure completes, every shard's version is exactly the pushes
 acknowledged (none lost, none applied twice), the replicas end bit for bit equal, the last
 learning rate is on every server, and the model ends within 1% of the accuracy of a clean run of
-the same schedule (on servers without replicas, as training without failures would run)."""
+the same schedule (on servers without replicas, as training without failures would run; it
+trains at the same time, chunk by chunk behind the chaos run)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ LR, MID_LR, FINE_TUNE_LR = 0.05, 0.03, 0.005
 FINE_TUNE_CHUNKS = 2
 
 
-def build(cluster, replicas: int = 2):  # type: ignore[no-untyped-def]
+def build(cluster, replicas: int):  # type: ignore[no-untyped-def]
     strategy = ParameterServerStrategy(
         cluster.spec, variable_partitioner=FixedShardsPartitioner(2), ps_replicas=replicas
     )
@@ -77,30 +78,52 @@ def stop_a_primary(cluster, strategy, rng: random.Random, graceful: bool) -> str
     return primary
 
 
-def train(  # type: ignore[no-untyped-def]
-    cluster, *, chunks: int | None, replicas: int = 2, mid_lr_at: int | None = None, seed: int = 0
-):
-    """Trains in chunks of CHUNK closures. chunks=None: the chaos run, stopping primaries every
-    KILL_EVERY seconds for CHAOS_SECONDS (at least MIN_KILLS times); else a clean run of that
-    many chunks (``replicas=1``: the reference, on servers without replicas). The learning rate
-    drops to MID_LR between the second and third failure (in a clean run at chunk ``mid_lr_at``,
-    where the chaos run changed it) and to FINE_TUNE_LR for the last FINE_TUNE_CHUNKS."""
-    strategy, model, optimizer = build(cluster, replicas)
+class Schedule:
+    """The chaos run's chunks as it trains them (each one's learning rate), for the clean run to
+    follow chunk by chunk at the same time, on servers of its own."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._rates: list[float] = []
+        self._finished = False
+
+    def chunk(self, lr: float) -> None:
+        with self._cond:
+            self._rates.append(lr)
+            self._cond.notify_all()
+
+    def finish(self) -> None:
+        with self._cond:
+            self._finished = True
+            self._cond.notify_all()
+
+    def follow(self, index: int, seconds: float) -> float | None:
+        """Chunk ``index``'s learning rate once the chaos run started it; None after its last."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: len(self._rates) > index or self._finished, seconds):
+                raise TimeoutError(f"the chaos run did not start chunk {index} within {seconds:g}s")
+            return self._rates[index] if len(self._rates) > index else None
+
+
+def train_with_chaos(cluster, schedule: Schedule, seed: int = 0):  # type: ignore[no-untyped-def]
+    """Trains in chunks of CHUNK closures, stopping primaries every KILL_EVERY seconds for
+    CHAOS_SECONDS (at least MIN_KILLS times). The learning rate drops to MID_LR between the
+    second and third failure and to FINE_TUNE_LR for the last FINE_TUNE_CHUNKS; ``schedule``
+    hears of every chunk."""
+    strategy, model, optimizer = build(cluster, 2)
     rng = random.Random(seed)
     stopped: list[str] = []
+    lr = LR
     with ClusterCoordinator(strategy) as coordinator:
         batches = iter(coordinator.create_per_worker_dataset(worker_batches))
-        start, done, mid_lr_chunk = time.monotonic(), 0, None
-        while True:
-            chaos_over = time.monotonic() - start >= CHAOS_SECONDS and len(stopped) >= MIN_KILLS
-            if (chunks is None and chaos_over) or (chunks is not None and done >= chunks - FINE_TUNE_CHUNKS):
-                break
-            if (chunks is None and len(stopped) == 2 and mid_lr_chunk is None) or (chunks and done == mid_lr_at):
-                strategy.set_learning_rate(optimizer, MID_LR)  # a setting changed between two failures
-                mid_lr_chunk = done
+        start, done = time.monotonic(), 0
+        while not (time.monotonic() - start >= CHAOS_SECONDS and len(stopped) >= MIN_KILLS):
+            if len(stopped) == 2 and lr == LR:
+                lr = MID_LR
+                strategy.set_learning_rate(optimizer, lr)  # a setting changed between two failures
+            schedule.chunk(lr)
             values = [coordinator.schedule(train_step, args=(batches, model, optimizer)) for _ in range(CHUNK)]
-            due = start + KILL_EVERY * (len(stopped) + 0.3)
-            if chunks is None and time.monotonic() >= due:
+            if time.monotonic() >= start + KILL_EVERY * (len(stopped) + 0.3):
                 wait_until(lambda: whole(strategy), "the groups whole again before the next failure", 60)
                 values[CHUNK // 5].fetch(timeout=60)  # closures run and queue
                 stopped.append(stop_a_primary(cluster, strategy, rng, graceful=len(stopped) % 3 == 1))
@@ -109,17 +132,40 @@ def train(  # type: ignore[no-untyped-def]
             done += 1
         strategy.set_learning_rate(optimizer, FINE_TUNE_LR)
         for _ in range(FINE_TUNE_CHUNKS):
-            values = [coordinator.schedule(train_step, args=(batches, model, optimizer)) for _ in range(CHUNK)]
+            schedule.chunk(FINE_TUNE_LR)
+            for _ in range(CHUNK):
+                coordinator.schedule(train_step, args=(batches, model, optimizer))
             coordinator.join(timeout=120)
             done += 1
+        schedule.finish()
         wait_until(lambda: whole(strategy), "every group whole at the end", 60)
         recoveries = list(coordinator.recovery.recoveries) if coordinator.recovery else []
-        states = strategy.servers.groups.states() if strategy.servers.groups else []
+        states = strategy.servers.groups.states()
         events = [(e.kind, e.subject) for e in coordinator.telemetry.run.view().events]
     exports = {address: export_of(address) for address in cluster.parameter_servers}
     result = accuracy(model)
     strategy.close()
-    return result, done * CHUNK, done, stopped, recoveries, states, exports, events, mid_lr_chunk
+    return result, done * CHUNK, stopped, recoveries, states, exports, events
+
+
+def train_following(cluster, schedule: Schedule) -> tuple[float, int]:  # type: ignore[no-untyped-def]
+    """The clean run: the chaos run's chunks and learning rates, on servers without replicas
+    (as training without failures runs). Returns its accuracy and steps."""
+    strategy, model, optimizer = build(cluster, 1)
+    lr, done = LR, 0
+    with ClusterCoordinator(strategy) as coordinator:
+        batches = iter(coordinator.create_per_worker_dataset(worker_batches))
+        while (rate := schedule.follow(done, 300)) is not None:
+            if rate != lr:
+                lr = rate
+                strategy.set_learning_rate(optimizer, lr)
+            for _ in range(CHUNK):
+                coordinator.schedule(train_step, args=(batches, model, optimizer))
+            coordinator.join(timeout=120)
+            done += 1
+    result = accuracy(model)
+    strategy.close()
+    return result, done * CHUNK
 
 
 def export_of(address: str) -> dict:  # type: ignore[type-arg]
@@ -129,8 +175,24 @@ def export_of(address: str) -> dict:  # type: ignore[type-arg]
 
 @pytest.mark.timeout(600)
 def test_primaries_stopped_every_ten_seconds_lose_nothing_and_train_as_well_as_a_clean_run(start_cluster) -> None:
-    chaos = train(start_cluster(4, 2), chunks=None)
-    accuracy_chaos, steps, chunks, stopped, recoveries, states, exports, events, mid_lr_at = chaos
+    """The clean run trains beside the chaos run, chunk by chunk behind it (a thread of its own)."""
+    schedule, clean = Schedule(), {}
+    clean_cluster = start_cluster(2, 2)
+
+    def follow() -> None:
+        try:
+            clean["result"] = train_following(clean_cluster, schedule)
+        except BaseException as exc:  # raised in the test below
+            clean["error"] = exc
+
+    follower = threading.Thread(target=follow, name="clean-run")
+    follower.start()
+    try:
+        chaos = train_with_chaos(start_cluster(4, 2), schedule)
+    finally:
+        schedule.finish()
+        follower.join(300)
+    accuracy_chaos, steps, stopped, recoveries, states, exports, events = chaos
 
     assert len(stopped) >= MIN_KILLS
     failovers = [r for r in recoveries if r.result == "failed-over"]
@@ -155,10 +217,11 @@ def test_primaries_stopped_every_ten_seconds_lose_nothing_and_train_as_well_as_a
                 assert (copy[ref].version, list(copy[ref].applied_keys)) == (shard.version, list(shard.applied_keys))
                 assert copy[ref].optimizer == shard.optimizer
 
-    assert mid_lr_at is not None
-    accuracy_clean, clean_steps, *_ = train(start_cluster(2, 2), chunks=chunks, replicas=1, mid_lr_at=mid_lr_at)
+    assert "error" not in clean, clean.get("error")
+    accuracy_clean, clean_steps = clean["result"]
     assert clean_steps == steps
     assert accuracy_clean > 0.9
+    print(f"\nchaos: {len(stopped)} stopped, {steps} steps, accuracy {accuracy_chaos:.4f}; clean {accuracy_clean:.4f}")
     assert abs(accuracy_chaos - accuracy_clean) <= 0.01, (accuracy_chaos, accuracy_clean)
 
 
@@ -198,7 +261,7 @@ def test_a_primary_killed_during_a_save_and_a_restarted_coordinator_lose_nothing
     from paramserve.psserver.client import ParameterServerClient
 
     cluster = start_cluster(4, 2)
-    strategy, model, optimizer = build(cluster)
+    strategy, model, optimizer = build(cluster, 2)
     saboteur = KillDuringExport(cluster, strategy)
     monkeypatch.setattr(ParameterServerClient, "export", saboteur(ParameterServerClient.export))
     manager = CheckpointManager(strategy, tmp_path)
@@ -224,7 +287,7 @@ def test_a_primary_killed_during_a_save_and_a_restarted_coordinator_lose_nothing
 
     # A new program (a restarted coordinator): it finds the groups as the last one left them,
     # restores the latest checkpoint onto the replicated servers and trains on.
-    strategy, model, optimizer = build(cluster)
+    strategy, model, optimizer = build(cluster, 2)
     assert CheckpointManager(strategy, tmp_path).restore_or_initialize() == 3 * SAVE_CHUNK
     with ClusterCoordinator(strategy) as coordinator:
         batches = iter(coordinator.create_per_worker_dataset(worker_batches))
