@@ -119,6 +119,7 @@ class ParameterServerRecovery:
         self._watches = [ServerWatch() for _ in self._addresses]
         self._suspects: set[int] = set()
         self._rejoins: set[int] = set()  # replicated groups with a member to copy into
+        self._rejoining: set[int] = set()  # groups whose copy runs now (a thread each)
         self._recovering = False
         self._cond = threading.Condition()
         self._wake = threading.Event()
@@ -299,16 +300,26 @@ class ParameterServerRecovery:
             self.observer.parameter_server_recovered(address, outcome.result, outcome.seconds)
 
     def _rejoin(self, group: int) -> None:
-        """Has the primary copy its shards into the members of ``group`` that came back, while
-        training goes on (coordinator/replica_groups.py: ``ReplicaGroups.rejoin``)."""
+        """Starts a thread that has the primary copy its shards into the members of ``group``
+        that came back, while training goes on (coordinator/replica_groups.py:
+        ``ReplicaGroups.rejoin``): a large copy must not hold up this thread's failovers."""
+        with self._cond:
+            if group in self._rejoining:
+                return
+            self._rejoining.add(group)
+        threading.Thread(target=self._copy_into, args=(group,), name=f"{THREAD_NAME}-rejoin", daemon=True).start()
+
+    def _copy_into(self, group: int) -> None:
         groups = self._variables.servers.groups
         assert groups is not None
         try:
-            with self._variables.state_change():  # no restore replaces the shards being copied
-                done = groups.rejoin(group, self._policy.replacement_timeout)
+            done = groups.rejoin(group, self._policy.replacement_timeout)
         except (ParamServeError, TimeoutError) as exc:
             log.warning("parameter-server group %d: a rejoin failed (%s); trying again", group, exc)
             return
+        finally:
+            with self._cond:
+                self._rejoining.discard(group)
         if self.observer is not None:
             for rejoined in done:
                 self.observer.replica_rejoined(group, rejoined.member, rejoined.bytes, rejoined.seconds)

@@ -317,31 +317,42 @@ class ReplicaGroups:
         """Makes every member of ``group`` that is out of sync and answers a backup again, while
         training goes on (see the module): it is told its role at the group's epoch and emptied,
         the primary adds it as a joining backup (same epoch: nobody's role changes) and copies
-        its shards into it one at a time, forwarding each shard's writes to it from then on."""
-        done = []
+        its shards into it one at a time, forwarding each shard's writes to it from then on.
+        The copy runs without this object's lock, so a failover of any group is decided
+        meanwhile; a member whose group changed during its copy is not counted (it rejoins later)."""
         with self._lock:
             state = self._state(group)
-            probes = self._probe(state.members)
-            for member in rejoin_candidates(state, probes):
+            candidates = rejoin_candidates(state, self._probe(state.members))
+        done = []
+        for member in candidates:
+            with self._lock:
+                state = self._state(group)
+                probe = self._calls.state(member, self._probe_timeout)
+                if member == state.primary or member in state.in_sync or not probe.answered:
+                    continue
                 start = time.monotonic()
                 self._calls.configure(member, ReplicaConfig(state.epoch, ReplicaRole.BACKUP))
                 self._calls.wipe(member, state.epoch)
                 backups = (*state.in_sync, member)
                 joining = ReplicaConfig(state.epoch, ReplicaRole.PRIMARY, backups, (member,))
                 self._calls.configure(state.primary, joining)
-                shards, copied = self._calls.copy_into(state.primary, member, copy_timeout)
-                incarnations = {**state.incarnations, member: probes[member].incarnation}
-                state = replace(state, in_sync=backups, incarnations=incarnations)
-                self._set(group, state)
-                done.append(Rejoined(group, member, copied, time.monotonic() - start))
-                log.warning(
-                    "parameter-server group %d: %s rejoined as a backup (%d shards, %d bytes copied in %.2fs)",
-                    group,
-                    member,
-                    shards,
-                    copied,
-                    done[-1].seconds,
-                )
+            shards, copied = self._calls.copy_into(state.primary, member, copy_timeout)
+            with self._lock:
+                now = self._state(group)
+                if (now.primary, now.epoch, now.in_sync) != (state.primary, state.epoch, state.in_sync):
+                    log.warning("parameter-server group %d changed while %s was copied into", group, member)
+                    continue
+                incarnations = {**now.incarnations, member: probe.incarnation}
+                self._set(group, replace(now, in_sync=backups, incarnations=incarnations))
+            done.append(Rejoined(group, member, copied, time.monotonic() - start))
+            log.warning(
+                "parameter-server group %d: %s rejoined as a backup (%d shards, %d bytes copied in %.2fs)",
+                group,
+                member,
+                shards,
+                copied,
+                done[-1].seconds,
+            )
         return done
 
     def close(self) -> None:

@@ -279,13 +279,16 @@ class Replica:
 
     # ---------------------------------------------------------------- a backup joining
 
-    def copy_to(self, target: str, shards: Sequence[Shard], held: Callable[[ShardRef], bool]) -> tuple[int, int]:
+    def copy_to(
+        self, target: str, shards: Sequence[Shard], current: Callable[[ShardRef], Shard | None]
+    ) -> tuple[int, int]:
         """Copies ``shards`` into joining backup ``target``, one at a time under its lock (its
         writes wait meanwhile; the others' go on), each then forwarded to ``target`` too; the
-        backup is in sync once the last one is (``joining`` loses it). ``held``: whether the
-        store still holds a shard (one deleted meanwhile is not copied). Returns the shards and
-        bytes copied. A failure drops ``target`` from this primary's backups (a joining backup
-        counts in no decision, so this primary goes on serving) and raises."""
+        backup is in sync once the last one is (``joining`` loses it). ``current``: the shard the
+        store holds now under a ref: one deleted or replaced meanwhile (a restore, forwarded to
+        ``target`` whole) is not copied. Returns the shards and bytes copied. A failure drops
+        ``target`` from this primary's backups (a joining backup counts in no decision, so this
+        primary goes on serving) and raises; so does a new decision of the coordinator's."""
         with self._lock:
             config = self._config
             forwarder = self._forwarders.get(target)
@@ -295,14 +298,22 @@ class Replica:
         try:
             for shard in shards:
                 with shard.lock:
-                    if not held(shard.ref):
+                    if current(shard.ref) is not shard:
                         continue
                     state = shard.state()
                     forwarder.shards([state], False, config.epoch)
                     with self._lock:
+                        if self._config != config:
+                            raise InvalidRequestError(
+                                f"the coordinator reconfigured this server while it copied into {target}: "
+                                f"{_describe(self._config)}"
+                            )
                         self._copied.setdefault(target, set()).add(shard.ref)
                 count += 1
                 size += _state_bytes(state)
+        except ReplicaEpochError as exc:  # the backup was told a newer epoch: this primary was replaced
+            self._stop(config, f"this primary was replaced (deposed at epoch {config.epoch}): {exc.message}")
+            raise
         except ParamServeError:
             self._leave(config, target)
             raise

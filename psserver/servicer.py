@@ -312,7 +312,7 @@ class ParameterServerServicer:
     @unary_boundary
     def CopyShards(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
         request = parse(ps_pb2.CopyShardsRequest, raw)
-        count, size = self._replica.copy_to(request.target, self._store.shards(), self._store.holds)
+        count, size = self._replica.copy_to(request.target, self._store.shards(), self._store.current)
         return ps_pb2.CopyShardsResponse(shards=count, bytes=size).SerializeToString()
 
     def _admit(self, context: grpc.ServicerContext) -> None:

@@ -333,9 +333,10 @@ class ShardStore:
         """Every shard, sorted by ref (what a primary copies into a joining backup)."""
         return self._select(None)
 
-    def holds(self, ref: ShardRef) -> bool:
+    def current(self, ref: ShardRef) -> Shard | None:
+        """The shard held under ``ref`` now (None: none)."""
         with self._shards_lock:
-            return ref in self._shards
+            return self._shards.get(ref)
 
     def list_shards(self) -> list[ShardInfo]:
         return [shard.info() for shard in self._select(None)]

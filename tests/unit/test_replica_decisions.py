@@ -169,8 +169,10 @@ def test_a_joining_backup_gets_the_writes_of_the_shards_copied_into_it_only() ->
     replica.pushed([w0, w1], "k1")()
     assert opened["b:1"].pushes == [("k1", 1)] and opened["j:1"].pushes == [], "nothing copied yet"
     shards = [FakeShard(ShardRef("w", 0)), FakeShard(ShardRef("w", 1)), FakeShard(ShardRef("gone", 0))]
-    count, size = replica.copy_to("j:1", shards, held=lambda ref: ref.variable != "gone")
-    assert (count, size) == (2, 16)
+    replaced = FakeShard(ShardRef("w", 1))  # restored meanwhile: its replace reached the backup whole
+    held = {shards[0].ref: shards[0], shards[1].ref: replaced}
+    count, size = replica.copy_to("j:1", shards, current=held.get)
+    assert (count, size) == (1, 8), "neither the deleted shard nor the replaced one is copied"
     assert replica.state()[0] == ReplicaConfig(1, PRIMARY, ("b:1", "j:1")), "in sync: no longer joining"
     replica.pushed([w0, w1], "k2")()
     assert opened["j:1"].pushes == [("k2", 1)]
@@ -182,12 +184,13 @@ def test_a_joining_backup_that_fails_is_dropped_without_stopping_the_primary() -
     replica = Replica(lambda address: opened[address])
     replica.configure(ReplicaConfig(1, PRIMARY, ("b:1", "j:1"), ("j:1",)))
     with pytest.raises(ServerUnavailableError):
-        replica.copy_to("j:1", [FakeShard(ShardRef("w", 0))], held=lambda ref: True)
+        shard = FakeShard(ShardRef("w", 0))
+        replica.copy_to("j:1", [shard], current=lambda ref: shard)
     config, refusing = replica.state()
     assert config == ReplicaConfig(1, PRIMARY, ("b:1",)) and refusing == ""
     replica.admit_client()
     with pytest.raises(InvalidRequestError, match="not a joining backup"):
-        replica.copy_to("b:1", [], held=lambda ref: True)
+        replica.copy_to("b:1", [], current=lambda ref: None)
 
 
 def test_a_late_older_decision_changes_nothing() -> None:
