@@ -28,7 +28,7 @@ from paramserve.psserver.partition import FixedShardsPartitioner
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import test modules
 
-CHUNK = 150
+CHUNK = 100
 SAVE_CHUNK = 60
 CHAOS_SECONDS, KILL_EVERY, MIN_KILLS = 60.0, 10.0, 5
 LR, MID_LR, FINE_TUNE_LR = 0.05, 0.03, 0.005

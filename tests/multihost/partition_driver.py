@@ -27,7 +27,7 @@ from paramserve.psserver.channels import channel_options, open_channel
 from paramserve.psserver.partition import FixedShardsPartitioner
 from paramserve.psserver.security import read_token_file
 
-BEFORE, CHUNK, AFTER = 100, 50, 100
+BEFORE, CHUNK, AFTER = 60, 30, 60
 
 
 def wait_for(condition, what: str, seconds: float) -> None:  # type: ignore[no-untyped-def]
