@@ -60,9 +60,9 @@ _common.one_torch_thread()
 POLL = 0.002
 
 
-def build(cluster: LocalCluster, seed: int = 0):  # type: ignore[no-untyped-def]
+def build(cluster: LocalCluster, seed: int = 0, replicas: int = 1):  # type: ignore[no-untyped-def]
     strategy = ParameterServerStrategy(
-        cluster.spec, variable_partitioner=FixedShardsPartitioner(2), reuse_variables=True
+        cluster.spec, variable_partitioner=FixedShardsPartitioner(2), reuse_variables=True, ps_replicas=replicas
     )
     torch.manual_seed(seed)
     with strategy.scope():
@@ -133,13 +133,7 @@ def one_round(interval: int, directory: Path, how: str = "sigkill") -> dict[str,
 def failover_round(interval: int, directory: Path, how: str = "sigkill") -> dict[str, float]:
     """One round with ps_replicas=2: group 1's primary stopped mid-interval (see the module)."""
     with LocalCluster(4, 2, env=worker_environment(), extra_worker_args=("--ps-retry-deadline", "10")) as cluster:
-        strategy = ParameterServerStrategy(
-            cluster.spec, variable_partitioner=FixedShardsPartitioner(2), reuse_variables=True, ps_replicas=2
-        )
-        torch.manual_seed(0)
-        with strategy.scope():
-            model = MLP(32)
-        optimizer = strategy.optimizer(torch.optim.SGD, lr=0.05, momentum=0.9)
+        strategy, model, optimizer = build(cluster, replicas=2)
         manager = CheckpointManager(strategy, directory / "replicated")
         with ClusterCoordinator(strategy) as coordinator:
             batches = iter(coordinator.create_per_worker_dataset(worker_batches))

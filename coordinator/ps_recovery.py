@@ -119,7 +119,7 @@ class ParameterServerRecovery:
         self._watches = [ServerWatch() for _ in self._addresses]
         self._suspects: set[int] = set()
         self._rejoins: set[int] = set()  # replicated groups with a member to copy into
-        self._rejoining: set[int] = set()  # groups whose copy runs now (a thread each)
+        self._rejoining: dict[int, threading.Thread] = {}  # groups whose copy runs now, and its thread
         self._recovering = False
         self._cond = threading.Condition()
         self._wake = threading.Event()
@@ -156,10 +156,16 @@ class ParameterServerRecovery:
             return self._cond.wait_for(lambda: not self._suspects and not self._recovering, timeout)
 
     def stop(self, timeout: float | None = None) -> None:
+        """Stops the recovery thread and waits (up to ``timeout`` each) for it and for the copies
+        into rejoining replicas it started: none outlives the coordinator's shutdown."""
         self._stopped.set()
         self._wake.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+        with self._cond:
+            copies = list(self._rejoining.values())
+        for copy in copies:
+            copy.join(timeout)
         with self._cond:
             self._suspects.clear()
             self._cond.notify_all()
@@ -304,10 +310,11 @@ class ParameterServerRecovery:
         that came back, while training goes on (coordinator/replica_groups.py:
         ``ReplicaGroups.rejoin``): a large copy must not hold up this thread's failovers."""
         with self._cond:
-            if group in self._rejoining:
+            if group in self._rejoining or self._stopped.is_set():
                 return
-            self._rejoining.add(group)
-        threading.Thread(target=self._copy_into, args=(group,), name=f"{THREAD_NAME}-rejoin", daemon=True).start()
+            copy = threading.Thread(target=self._copy_into, args=(group,), name=f"{THREAD_NAME}-rejoin", daemon=True)
+            self._rejoining[group] = copy
+            copy.start()  # under the lock: stop() never joins a thread not started
 
     def _copy_into(self, group: int) -> None:
         groups = self._variables.servers.groups
@@ -319,7 +326,7 @@ class ParameterServerRecovery:
             return
         finally:
             with self._cond:
-                self._rejoining.discard(group)
+                self._rejoining.pop(group, None)
         if self.observer is not None:
             for rejoined in done:
                 self.observer.replica_rejoined(group, rejoined.member, rejoined.bytes, rejoined.seconds)

@@ -33,13 +33,26 @@ from paramserve.psserver.errors import (
     ServerUnavailableError,
     VariableNotFoundError,
 )
-from paramserve.psserver.metadata import IDEMPOTENCY_METADATA_KEY, SERVICE_NAME, metadata_text
+from paramserve.psserver.metadata import (
+    IDEMPOTENCY_METADATA_KEY,
+    REPLICA_EPOCH_METADATA_KEY,
+    SERVICE_NAME,
+    metadata_text,
+)
 from paramserve.psserver.security import bearer_metadata
 from paramserve.psserver.streams import byte_buffer, read_parts
 from paramserve.psserver.types import ShardState
 from paramserve.wire.v1 import parameter_server_pb2 as ps_pb2
 
-__all__ = ["RETRYABLE_CODES", "SERVER_GOING_AWAY", "CallOptions", "ServerCalls", "Stub", "typed_error"]
+__all__ = [
+    "RETRYABLE_CODES",
+    "SERVER_GOING_AWAY",
+    "CallOptions",
+    "EpochCallOptions",
+    "ServerCalls",
+    "Stub",
+    "typed_error",
+]
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -80,6 +93,17 @@ class CallOptions:
         if self.token:
             metadata.append(bearer_metadata(self.token))
         return metadata
+
+
+@dataclass(frozen=True)
+class EpochCallOptions(CallOptions):
+    """CallOptions of a replication call: the coordinator's or a primary's write to a replica,
+    tagged with the group's epoch (a server refuses an older one: psserver/replication.py)."""
+
+    epoch: int = 0
+
+    def metadata(self, *extra: tuple[str, str]) -> list[tuple[str, str]]:
+        return super().metadata(*extra, (REPLICA_EPOCH_METADATA_KEY, str(self.epoch)))
 
 
 class Stub:

@@ -12,9 +12,8 @@ from dataclasses import dataclass
 import grpc
 
 from paramserve.psserver import convert
-from paramserve.psserver.calls import CallOptions, Stub, typed_error
+from paramserve.psserver.calls import CallOptions, EpochCallOptions, Stub, typed_error
 from paramserve.psserver.channels import channel_options, open_channel
-from paramserve.psserver.metadata import REPLICA_EPOCH_METADATA_KEY
 from paramserve.psserver.probes import Prober
 from paramserve.psserver.replication import ReplicaConfig
 from paramserve.psserver.security import ClientTls
@@ -33,14 +32,6 @@ class MemberState:
     config: ReplicaConfig = ReplicaConfig()
     refusing: str = ""
     busy: bool = False
-
-
-@dataclass(frozen=True)
-class _EpochOptions(CallOptions):
-    epoch: int = 0
-
-    def metadata(self, *extra: tuple[str, str]) -> list[tuple[str, str]]:
-        return super().metadata(*extra, (REPLICA_EPOCH_METADATA_KEY, str(self.epoch)))
 
 
 class ReplicaCalls:
@@ -100,7 +91,7 @@ class ReplicaCalls:
         stub = self._stubs[member]
         try:
             listed = stub.unary("ListShards", ps_pb2.ListShardsRequest(), ps_pb2.ListShardsResponse, self._options())
-            options = _EpochOptions(self._token, self._timeout, self._timeout, epoch)
+            options = EpochCallOptions(self._token, self._timeout, self._timeout, epoch)
             for variable in sorted({info.ref.variable for info in listed.shards}):
                 request = ps_pb2.DeleteVariableRequest(variable=variable)
                 stub.unary("DeleteVariable", request, ps_pb2.DeleteVariableResponse, options)

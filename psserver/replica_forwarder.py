@@ -29,12 +29,11 @@ import grpc
 import torch
 
 from paramserve.psserver import convert
-from paramserve.psserver.calls import CallOptions, Stub, typed_error
+from paramserve.psserver.calls import CallOptions, EpochCallOptions, Stub, typed_error
 from paramserve.psserver.channels import channel_options, open_channel
 from paramserve.psserver.dataplane import MAX_PROGRAM_PLAN_BYTES, TransportError
 from paramserve.psserver.dataplane_client import DataPlaneConnection, DataPlaneLinks, ProgramNumbers
 from paramserve.psserver.errors import ParamServeError, ServerUnavailableError, VariableNotFoundError
-from paramserve.psserver.metadata import REPLICA_EPOCH_METADATA_KEY
 from paramserve.psserver.security import ClientTls
 from paramserve.psserver.store import ShardPush
 from paramserve.psserver.streams import (
@@ -66,20 +65,11 @@ class ForwarderSettings:
     max_message_bytes: int = 64 << 20
 
 
-@dataclass(frozen=True)
-class _EpochOptions(CallOptions):
-    epoch: int = 0
-
-    def metadata(self, *extra: tuple[str, str]) -> list[tuple[str, str]]:
-        return super().metadata(*extra, (REPLICA_EPOCH_METADATA_KEY, str(self.epoch)))
-
-
 class GrpcForwarder:
     """Forwards one primary's writes to the backup at ``address`` (psserver.replication.Forwarder)."""
 
     def __init__(self, address: str, settings: ForwarderSettings):
         self.address = address
-        self._address = address
         self._settings = settings
         self._channel = open_channel(address, settings.tls, channel_options(settings.max_message_bytes))
         self._stub = Stub(self._channel)
@@ -94,8 +84,8 @@ class GrpcForwarder:
         self._send_lock = threading.Lock()
         self._pipeline: _Pipeline | None = None
 
-    def _options(self, epoch: int) -> _EpochOptions:
-        return _EpochOptions(self._settings.token, self._settings.timeout, self._settings.timeout, epoch)
+    def _options(self, epoch: int) -> EpochCallOptions:
+        return EpochCallOptions(self._settings.token, self._settings.timeout, self._settings.timeout, epoch)
 
     def push(self, pushes: Sequence[ShardPush], key: str, epoch: int) -> Callable[[], None]:
         """Sends the push (under the primary's shard locks, so in their order) and returns what
@@ -133,17 +123,17 @@ class GrpcForwarder:
                 pipeline = self._pipeline
                 ticket = pipeline.send(forward.frame_plan(pipeline.connection.programs), forward.payload())
         except grpc.RpcError as err:  # asking for the data plane's port
-            raise typed_error(err, self._address, None) from None
+            raise typed_error(err, self.address, None) from None
         except TransportError as err:
             self._links.forget(0)
-            raise ServerUnavailableError(f"backup's data plane: {err}", server=self._address) from None
+            raise ServerUnavailableError(f"backup's data plane: {err}", server=self.address) from None
 
         def wait() -> None:
             try:
                 pipeline.wait(ticket)
             except TransportError as err:
                 self._links.forget(0)
-                raise ServerUnavailableError(f"backup's data plane: {err}", server=self._address) from None
+                raise ServerUnavailableError(f"backup's data plane: {err}", server=self.address) from None
 
         return wait
 
@@ -195,7 +185,7 @@ class GrpcForwarder:
         try:
             call()
         except grpc.RpcError as err:
-            raise typed_error(err, self._address, None) from None
+            raise typed_error(err, self.address, None) from None
 
 
 class _Ticket:
@@ -287,6 +277,7 @@ class _Forward:
         self._epoch = epoch
         self._payload: list[memoryview] | None = None
         self._parts: list[tuple[tensor_pb2.PushPart, list[memoryview]]] | None = None
+        self._size: int | None = None
 
     def parts(self) -> list[tuple[tensor_pb2.PushPart, list[memoryview]]]:
         if self._parts is None:
@@ -302,7 +293,10 @@ class _Forward:
         return self._payload
 
     def size(self) -> int:
-        return sum(len(piece) for piece in self.payload())
+        """The payload's bytes (asked when choosing the transport, and again on gRPC)."""
+        if self._size is None:
+            self._size = sum(len(piece) for piece in self.payload())
+        return self._size
 
     def plan(self) -> ps_pb2.StepPlan:
         return ps_pb2.StepPlan(
