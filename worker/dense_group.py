@@ -20,7 +20,10 @@ dense step was applied (its worker died before answering) contributes zeros for 
 and its table push is a duplicate the servers drop: the retry changes nothing twice.
 
 Forming a group (``begin_round`` with a new generation) builds a gloo process group on the
-coordinator's rendezvous store, under a prefix of its own, and makes the members' states equal:
+coordinator's rendezvous store, under a prefix of its own; when every member computes on a GPU
+of its own (``step_backend``: told apart by the GPUs' UUIDs, which two processes sharing one GPU
+both report) the steps' all-reduce runs on an NCCL group beside it, on the GPUs, and gloo keeps
+the rest (the state exchange, CPU bytes). Then it makes the members' states equal:
 a member without state of the current epoch starts from the latest state the coordinator
 knows, and the member that applied the most steps sends its state to the others. A collective that fails (a
 member died: its sockets close; or it hung past the group's timeout) raises ``GroupFailed``; the
@@ -34,6 +37,7 @@ import datetime
 import hashlib
 import io
 import logging
+import os
 from collections import OrderedDict
 from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass
@@ -49,6 +53,7 @@ __all__ = [
     "encode_header",
     "key_hash",
     "state_source",
+    "step_backend",
 ]
 
 import cloudpickle
@@ -136,6 +141,30 @@ def state_source(versions: Sequence[int]) -> int:
     return max(range(len(versions)), key=lambda rank: (versions[rank], -rank))
 
 
+DEVICE_SLOT = 3
+"""A member's entry in the exchange of devices when a group forms: NCCL usable here (0 or 1),
+then its GPU's 128-bit UUID as two int64 halves (zeros on a CPU)."""
+
+
+def encode_device(uuid: bytes | None, nccl_available: bool) -> list[int]:
+    """This member's DEVICE_SLOT entry: ``uuid`` (16 bytes naming the GPU it computes on), None
+    on a CPU."""
+    if uuid is None or not nccl_available:
+        return [0, 0, 0]
+    return [1, int.from_bytes(uuid[:8], "big", signed=True), int.from_bytes(uuid[8:16], "big", signed=True)]
+
+
+def step_backend(devices: Sequence[Sequence[int]]) -> str:
+    """The backend of the steps' all-reduce, from every member's DEVICE_SLOT entry: "nccl" when
+    every member computes on a GPU with NCCL and no two share one (NCCL drives one GPU per
+    process: two ranks on one device fail), else "gloo" (the gradients go through host memory).
+    Every member decides from the same gathered entries, so all agree."""
+    gpus = [tuple(entry[1:]) for entry in devices if entry[0] == 1]
+    if devices and len(gpus) == len(devices) and len(set(gpus)) == len(gpus):
+        return "nccl"
+    return "gloo"
+
+
 def store_endpoint(address: str) -> tuple[str, int]:
     """``host:port`` (``[v6]:port`` too) as (host, port); ValueError naming the address otherwise."""
     host, sep, port = address.rpartition(":")
@@ -145,6 +174,31 @@ def store_endpoint(address: str) -> tuple[str, int]:
 
 
 # ---------------------------------------------------------------- the replicas
+
+
+def _flat_gradients(
+    group: Sequence[tuple[str, nn.Parameter]], gradients: Mapping[str, torch.Tensor], device: torch.device
+) -> list[torch.Tensor]:
+    """Each parameter's gradient, flat on ``device`` (zeros for one this step did not touch)."""
+    return [
+        (
+            gradients[name].detach().reshape(-1).to(device)
+            if name in gradients
+            else torch.zeros(p.numel(), dtype=p.dtype, device=device)
+        )
+        for name, p in group
+    ]
+
+
+def _nccl_group(store: Any, spec: GroupSpec) -> Any:
+    """The steps' NCCL group. Blocking waits and error handling that cleans up without ending the
+    process: a collective whose peer died raises after the group's timeout, as gloo's does, and
+    the coordinator forms the group anew (torch's default would end this worker)."""
+    os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = datetime.timedelta(seconds=spec.timeout)
+    return dist.ProcessGroupNCCL(store, spec.rank, spec.world_size, options)
 
 
 @dataclass
@@ -176,6 +230,8 @@ class DenseReplicas:
         """Dense steps applied since this epoch's values were loaded; -1: no state."""
         self._applied: OrderedDict[int, None] = OrderedDict()
         self._group: Any = None  # a ProcessGroupGloo
+        self._step_group: Any = None  # the steps' all-reduce: the gloo group or an NCCL one
+        self._step_device = torch.device("cpu")
         self._store: Any = None
         self._spec: GroupSpec | None = None
         self._broken = False
@@ -265,15 +321,40 @@ class DenseReplicas:
             options._devices = [dist.ProcessGroupGloo.create_device(hostname=spec.host)]
             prefixed = dist.PrefixStore(f"dense/{spec.generation}/", self._store)
             self._group = dist.ProcessGroupGloo(prefixed, spec.rank, spec.world_size, options)
-        except RuntimeError as exc:
+            self._spec, self._broken = spec, False
+            self._step_group, self._step_device = self._group, torch.device("cpu")
+            backend = step_backend(self._all_gather(torch.tensor(self._device_entry())).tolist())
+            if backend == "nccl":
+                self._step_group = _nccl_group(dist.PrefixStore(f"dense/{spec.generation}/nccl/", self._store), spec)
+                self._step_device = self._variables.device
+        except (RuntimeError, GroupFailed) as exc:
             self._leave()
             raise GroupFailed(f"forming dense group {spec.generation} (rank {spec.rank}) failed: {exc}") from exc
-        self._spec, self._broken = spec, False
-        log.info("formed dense group %d: rank %d of %d", spec.generation, spec.rank, spec.world_size)
+        log.info(
+            "formed dense group %d: rank %d of %d, steps all-reduced with %s",
+            spec.generation,
+            spec.rank,
+            spec.world_size,
+            backend,
+        )
+
+    def _device_entry(self) -> list[int]:
+        device = self._variables.device
+        if device.type != "cuda":
+            return encode_device(None, False)
+        # The UUID's text (its type's fields vary across torch versions), hashed to 16 bytes.
+        uuid = hashlib.blake2b(str(torch.cuda.get_device_properties(device).uuid).encode(), digest_size=16).digest()
+        return encode_device(uuid, dist.is_nccl_available())
 
     def _leave(self) -> None:
         # Dropping the group joins gloo's threads now, while the interpreter is whole.
+        if self._step_group is not None and self._step_group is not self._group:
+            try:
+                self._step_group.abort()  # a group whose peer died must not block the next one
+            except (RuntimeError, AttributeError):
+                pass
         self._group, self._store, self._spec, self._pending = None, None, None, None
+        self._step_group, self._step_device = None, torch.device("cpu")
 
     def _synchronize(self) -> None:
         """Makes every member's state the one of the member that applied the most steps."""
@@ -304,14 +385,15 @@ class DenseReplicas:
         parameters = self._parameters()
         fresh = stepping and key not in self._applied
         main = [(n, p) for n, p in zip(self._names, parameters) if p.dtype == torch.float32]
+        device = self._step_device
         header = torch.zeros(self._spec.world_size * HEADER_SLOT, dtype=torch.float32)
         header[self._rank * HEADER_SLOT : (self._rank + 1) * HEADER_SLOT] = torch.tensor(encode_header(stepping, key))
-        flat = torch.cat([*self._flat_gradients(main, gradients if fresh else {}), header])
+        flat = torch.cat([*_flat_gradients(main, gradients if fresh else {}, device), header.to(device)])
         others = []
         for dtype in sorted({p.dtype for p in parameters} - {torch.float32}, key=str):
             group = [(n, p) for n, p in zip(self._names, parameters) if p.dtype == dtype]
-            others.append((group, torch.cat(self._flat_gradients(group, gradients if fresh else {}))))
-        return _PendingStep(self._send("allreduce", [flat]), main, flat, header.numel(), others)
+            others.append((group, torch.cat(_flat_gradients(group, gradients if fresh else {}, device))))
+        return _PendingStep(self._send("allreduce", [flat], group=self._step_group), main, flat, header.numel(), others)
 
     def _finish_step(self, step: _PendingStep) -> bool:
         """Waits for a step's all-reduce and applies its average; returns whether any member
@@ -323,7 +405,7 @@ class DenseReplicas:
             return False
         counted = contributors(active, keys, self._applied)
         for _, other in step.others:
-            self._run("allreduce", [other])
+            self._wait(self._send("allreduce", [other], group=self._step_group), "allreduce")
         if counted:
             self._apply_average([(step.main, step.flat), *step.others], len(counted))
             for rank in counted:
@@ -331,19 +413,6 @@ class DenseReplicas:
             while len(self._applied) > APPLIED_KEYS_KEPT:
                 self._applied.popitem(last=False)
         return True
-
-    @staticmethod
-    def _flat_gradients(
-        group: Sequence[tuple[str, nn.Parameter]], gradients: Mapping[str, torch.Tensor]
-    ) -> list[torch.Tensor]:
-        return [
-            (
-                gradients[name].detach().reshape(-1).to("cpu")
-                if name in gradients
-                else torch.zeros(p.numel(), dtype=p.dtype)
-            )
-            for name, p in group
-        ]
 
     def _apply_average(
         self, averaged: Sequence[tuple[Sequence[tuple[str, nn.Parameter]], torch.Tensor]], count: int
@@ -383,12 +452,13 @@ class DenseReplicas:
         """``collective`` (a ProcessGroup method) on ``args``, waited for; GroupFailed if it fails."""
         self._wait(self._send(collective, *args), collective)
 
-    def _send(self, collective: str, *args: Any) -> Any:
-        """Starts ``collective`` on ``args``; its work object. GroupFailed if it cannot start."""
+    def _send(self, collective: str, *args: Any, group: Any = None) -> Any:
+        """Starts ``collective`` on ``args`` (on ``group``, by default the gloo group); its work
+        object. GroupFailed if it cannot start."""
         if self._group is None or self._broken:
             raise GroupFailed("this worker holds no working dense group: the coordinator forms one")
         try:
-            return getattr(self._group, collective)(*args)
+            return getattr(group if group is not None else self._group, collective)(*args)
         except RuntimeError as exc:
             raise self._failed(collective, exc) from exc
 

@@ -105,6 +105,8 @@ def test_hybrid_training_learns_with_every_replica_equal_and_takes_a_new_learnin
     assert not strategy.client.layouts.keys() & set(strategy.sync_dense.names()), "no dense layer on the servers"
     assert_same(frozen, first)
     assert not torch.equal(moved["top.0.weight"], frozen["top.0.weight"])
+    for worker in (p for p in cluster.processes if p.role == "worker"):  # CPU workers: no NCCL
+        assert "steps all-reduced with gloo" in worker.log_path.read_text(errors="replace")
 
 
 def test_a_worker_stopped_mid_training_leaves_the_group_formed_anew_and_loses_nothing(start_cluster):

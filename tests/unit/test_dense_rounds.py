@@ -14,9 +14,11 @@ from paramserve.worker.dense_group import (
     HEADER_SLOT,
     contributors,
     decode_headers,
+    encode_device,
     encode_header,
     key_hash,
     state_source,
+    step_backend,
     store_endpoint,
 )
 from paramserve.worker.results import ClosureFailure, GroupFailed, closure_failure
@@ -32,6 +34,26 @@ def test_state_source_is_the_member_with_most_steps_lowest_rank_on_ties() -> Non
     assert state_source([3, 5, 5, -1]) == 1
     assert state_source([0, 0]) == 0
     assert state_source([-1, 7]) == 1
+
+
+def test_steps_go_over_nccl_only_when_every_member_has_a_gpu_of_its_own() -> None:
+    gpu_a, gpu_b = bytes(range(16)), bytes(range(1, 17))
+    assert step_backend([encode_device(gpu_a, True), encode_device(gpu_b, True)]) == "nccl"
+    assert step_backend([encode_device(gpu_a, True)]) == "nccl"  # a group of one GPU worker
+    # Two workers on one GPU: NCCL refuses two ranks on one device; gloo through host memory.
+    assert step_backend([encode_device(gpu_a, True), encode_device(gpu_a, True)]) == "gloo"
+    assert step_backend([encode_device(gpu_a, True), encode_device(None, True)]) == "gloo"  # one on a CPU
+    assert step_backend([encode_device(gpu_a, True), encode_device(gpu_b, False)]) == "gloo"  # a torch without NCCL
+    assert step_backend([encode_device(None, False)] * 2) == "gloo"
+    assert step_backend([]) == "gloo"
+
+
+def test_a_gpu_uuid_survives_its_encoding_into_int64s() -> None:
+    uuid = bytes([0xFF] * 8 + [0x80] + [0] * 7)  # halves at the edges of int64
+    entry = encode_device(uuid, True)
+    assert entry[0] == 1 and all(-(2**63) <= v < 2**63 for v in entry)
+    assert entry != encode_device(bytes(16), True)
+    assert encode_device(uuid, False) == encode_device(None, True) == [0, 0, 0]
 
 
 def test_headers_survive_the_sum_of_every_members_slot() -> None:
