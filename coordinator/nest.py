@@ -9,6 +9,7 @@ a namedtuple stays that namedtuple); anything else is a leaf.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -53,12 +54,21 @@ def flatten(structure: Any) -> list[Any]:
 
 
 def to_device(structure: Any, device: torch.device) -> Any:
-    """Every tensor leaf moved to ``device`` (a leaf already there is itself).
+    """Every tensor leaf moved to ``device`` (a leaf already there is itself), also the tensors
+    in the fields of a dataclass leaf (a batch class, e.g. recommendation.ClickBatch), which
+    comes back as a new instance of its class.
 
     Copies to a GPU are asynchronous (from pinned memory; ordered before any later use on the
     device's current stream); copies to the host wait for their data, which the host would
     otherwise read before it arrives."""
     non_blocking = torch.device(device).type == "cuda"
-    return map_structure(
-        lambda x: x.to(device, non_blocking=non_blocking) if isinstance(x, torch.Tensor) else x, structure
-    )
+
+    def move(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor):
+            return leaf.to(device, non_blocking=non_blocking)
+        if dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            fields = {f.name: to_device(getattr(leaf, f.name), device) for f in dataclasses.fields(leaf) if f.init}
+            return dataclasses.replace(leaf, **fields)
+        return leaf
+
+    return map_structure(move, structure)

@@ -190,6 +190,19 @@ def _flat_gradients(
     ]
 
 
+def _on_host(state: Any) -> Any:
+    """An optimizer's state dict with its tensors in host memory: a GPU worker's state is read
+    by a coordinator that may have no GPU (torch.load of CUDA tensors fails there) and loaded
+    by members that move it to their own parameters' device."""
+    if isinstance(state, torch.Tensor):
+        return state.to("cpu")
+    if isinstance(state, dict):
+        return {key: _on_host(value) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_on_host(value) for value in state)
+    return state
+
+
 def _nccl_group(store: Any, spec: GroupSpec) -> Any:
     """The steps' NCCL group. Blocking waits and error handling that cleans up without ending the
     process: a collective whose peer died raises after the group's timeout, as gloo's does, and
@@ -525,7 +538,7 @@ class DenseReplicas:
         return {
             "version": self._version,
             "values": {name: p.detach().to("cpu") for name, p in zip(self._names, self._parameters())},
-            "optimizer": self._optimizer.state_dict() if self._optimizer is not None else None,
+            "optimizer": _on_host(self._optimizer.state_dict()) if self._optimizer is not None else None,
             "applied": list(self._applied),
         }
 

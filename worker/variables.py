@@ -313,7 +313,8 @@ class ShardedEmbeddingCollection(nn.Module):
         features = tuple(ids)
         flat = [ids[feature].reshape(-1) for feature in features]
         counts = [piece.numel() for piece in flat]
-        rows = self.table(self._global_rows(features, torch.cat(flat).to(torch.int64), counts))
+        # On the host: the servers are sent host ids anyway, and the checks need no device sync.
+        rows = self.table(self._global_rows(features, torch.cat(flat).to("cpu", torch.int64), counts))
         pieces = rows.split(counts)
         return {f: piece.reshape(*ids[f].shape, -1) for f, piece in zip(features, pieces)}
 

@@ -569,6 +569,20 @@ def test_dataset_creator_runs_as_a_per_worker_dataset_function():
     assert list(make_iterator(context)) == [10, 11] and seen == [context]
 
 
+def test_a_dataclass_batch_reaches_the_worker_device_field_by_field():
+    # A GPU worker moves each batch of a per-worker dataset (nest.to_device); "meta" stands in
+    # for the GPU here. ClickBatch is a frozen dataclass, as batch classes often are.
+    from paramserve.coordinator import nest
+    from paramserve.coordinator.recommendation import ClickData
+
+    batch = ClickData([10, 20], batch_size=4).batches(stream=0, count=1)[0]
+    moved = nest.to_device({"batch": batch, "step": 3}, torch.device("meta"))
+    assert type(moved["batch"]) is type(batch) and moved["step"] == 3
+    assert {moved["batch"].dense.device.type, moved["batch"].ids.device.type} == {"meta"}
+    assert moved["batch"].clicked.device.type == "meta" and batch.dense.device.type == "cpu"
+    assert moved["batch"].features()["c1"].shape == (4,)
+
+
 # --------------------------------------------------------------------------- per-worker values, worker index
 
 
