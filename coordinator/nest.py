@@ -67,8 +67,27 @@ def to_device(structure: Any, device: torch.device) -> Any:
         if isinstance(leaf, torch.Tensor):
             return leaf.to(device, non_blocking=non_blocking)
         if dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
-            fields = {f.name: to_device(getattr(leaf, f.name), device) for f in dataclasses.fields(leaf) if f.init}
-            return dataclasses.replace(leaf, **fields)
+            return _dataclass_to_device(leaf, device)
         return leaf
 
     return map_structure(move, structure)
+
+
+def _dataclass_to_device(instance: Any, device: torch.device) -> Any:
+    """``instance`` with its fields moved (``to_device``); itself when nothing moved. Fields not
+    taken by ``__init__`` are carried over as they are (``dataclasses.replace`` would reset them)."""
+    fields = dataclasses.fields(instance)
+    changes = {}
+    for f in fields:
+        if f.init:
+            value = getattr(instance, f.name)
+            moved = to_device(value, device)
+            if moved is not value:
+                changes[f.name] = moved
+    if not changes:
+        return instance
+    moved_instance = dataclasses.replace(instance, **changes)
+    for f in fields:
+        if not f.init and hasattr(instance, f.name):
+            object.__setattr__(moved_instance, f.name, getattr(instance, f.name))
+    return moved_instance

@@ -581,6 +581,23 @@ def test_a_dataclass_batch_reaches_the_worker_device_field_by_field():
     assert {moved["batch"].dense.device.type, moved["batch"].ids.device.type} == {"meta"}
     assert moved["batch"].clicked.device.type == "meta" and batch.dense.device.type == "cpu"
     assert moved["batch"].features()["c1"].shape == (4,)
+    assert nest.to_device(batch, torch.device("cpu")) is batch  # nothing to move: the batch itself
+
+
+def test_a_dataclass_field_outside_init_keeps_its_value_when_the_batch_moves():
+    import dataclasses
+
+    from paramserve.coordinator import nest
+
+    @dataclasses.dataclass
+    class Batch:
+        x: torch.Tensor
+        seen: int = dataclasses.field(init=False, default=0)
+
+    batch = Batch(torch.ones(2))
+    batch.seen = 7
+    moved = nest.to_device(batch, torch.device("meta"))
+    assert moved.x.device.type == "meta" and moved.seen == 7
 
 
 # --------------------------------------------------------------------------- per-worker values, worker index
