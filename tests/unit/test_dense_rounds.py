@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from paramserve.coordinator.batching import ROUND_FACTOR, BatchSizer
 from paramserve.coordinator.dense_rounds import default_rendezvous_host, plan_generation, round_shares
@@ -17,9 +18,11 @@ from paramserve.worker.dense_group import (
     encode_device,
     encode_header,
     key_hash,
+    pairwise_exchange,
     state_source,
     step_backend,
     store_endpoint,
+    sum_in_rank_order,
 )
 from paramserve.worker.results import ClosureFailure, GroupFailed, closure_failure
 
@@ -46,6 +49,24 @@ def test_steps_go_over_nccl_only_when_every_member_has_a_gpu_of_its_own() -> Non
     assert step_backend([encode_device(gpu_a, True), encode_device(gpu_b, False)]) == "gloo"  # a torch without NCCL
     assert step_backend([encode_device(None, False)] * 2) == "gloo"
     assert step_backend([]) == "gloo"
+
+
+def test_gradients_go_pairwise_on_gloo_for_small_groups_and_through_the_all_reduce_otherwise() -> None:
+    small, large = 120_000, 64 << 20
+    assert pairwise_exchange(2, small, "gloo") and pairwise_exchange(2, large, "gloo")  # a ring sends as much
+    assert pairwise_exchange(1, small, "gloo")
+    assert pairwise_exchange(4, small, "gloo") and not pairwise_exchange(4, large, "gloo")
+    assert not pairwise_exchange(5, small, "gloo")  # each member would send 4 copies
+    assert not pairwise_exchange(2, small, "nccl")  # NCCL's all-reduce runs on the GPUs
+
+
+def test_every_member_sums_the_same_bits_in_rank_order() -> None:
+    torch.manual_seed(0)
+    parts = [torch.randn(1000) * 10**k for k in range(4)]  # magnitudes where the order shows
+    total = sum_in_rank_order(parts)
+    assert torch.equal(total, ((parts[0] + parts[1]) + parts[2]) + parts[3])
+    assert torch.equal(sum_in_rank_order(list(parts)), total)  # another member: the same bits
+    assert parts[0].abs().max() < 10  # the inputs are left as they were
 
 
 def test_a_gpu_uuid_survives_its_encoding_into_int64s() -> None:
