@@ -55,8 +55,8 @@ __all__ = [
     "key_hash",
     "pairwise_exchange",
     "state_source",
-    "sum_in_rank_order",
     "step_backend",
+    "sum_in_rank_order",
 ]
 
 import cloudpickle
@@ -146,21 +146,17 @@ def state_source(versions: Sequence[int]) -> int:
     return max(range(len(versions)), key=lambda rank: (versions[rank], -rank))
 
 
-DEVICE_SLOT = 3
-"""A member's entry in the exchange of devices when a group forms: NCCL usable here (0 or 1),
-then its GPU's 128-bit UUID as two int64 halves (zeros on a CPU)."""
-
-
 def encode_device(uuid: bytes | None, nccl_available: bool) -> list[int]:
-    """This member's DEVICE_SLOT entry: ``uuid`` (16 bytes naming the GPU it computes on), None
-    on a CPU."""
+    """This member's entry in the exchange of devices when a group forms: NCCL usable here (0 or
+    1), then ``uuid`` (16 bytes naming the GPU it computes on; None on a CPU) as two int64
+    halves (zeros on a CPU or without NCCL)."""
     if uuid is None or not nccl_available:
         return [0, 0, 0]
     return [1, int.from_bytes(uuid[:8], "big", signed=True), int.from_bytes(uuid[8:16], "big", signed=True)]
 
 
 def step_backend(devices: Sequence[Sequence[int]]) -> str:
-    """The backend of the steps' all-reduce, from every member's DEVICE_SLOT entry: "nccl" when
+    """The backend of the steps' exchange, from every member's ``encode_device`` entry: "nccl" when
     every member computes on a GPU with NCCL and no two share one (NCCL drives one GPU per
     process: two ranks on one device fail), else "gloo" (the gradients go through host memory).
     Every member decides from the same gathered entries, so all agree."""
@@ -279,7 +275,7 @@ class DenseReplicas:
         """Dense steps applied since this epoch's values were loaded; -1: no state."""
         self._applied: OrderedDict[int, None] = OrderedDict()
         self._group: Any = None  # a ProcessGroupGloo
-        self._step_group: Any = None  # the steps' all-reduce: the gloo group or an NCCL one
+        self._step_group: Any = None  # the steps' exchange: the gloo group or an NCCL one
         self._step_device = torch.device("cpu")
         self._store: Any = None
         self._spec: GroupSpec | None = None
@@ -461,7 +457,7 @@ class DenseReplicas:
         return _PendingStep(works, main, flat, header.numel(), others, received)
 
     def _finish_step(self, step: _PendingStep) -> bool:
-        """Waits for a step's all-reduce and applies its average; returns whether any member
+        """Waits for a step's exchange and applies its average; returns whether any member
         was stepping (False: every member is done with the round)."""
         assert self._spec is not None
         for work in step.works:
