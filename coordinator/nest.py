@@ -56,7 +56,7 @@ def flatten(structure: Any) -> list[Any]:
 def to_device(structure: Any, device: torch.device) -> Any:
     """Every tensor leaf moved to ``device`` (a leaf already there is itself), also the tensors
     in the fields of a dataclass leaf (a batch class, e.g. recommendation.ClickBatch), which
-    comes back as a new instance of its class.
+    comes back as a new instance of its class when a field moved.
 
     Copies to a GPU are asynchronous (from pinned memory; ordered before any later use on the
     device's current stream); copies to the host wait for their data, which the host would
