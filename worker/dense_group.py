@@ -7,7 +7,7 @@ one RunClosures call, with closures or none. A member's closures call ``optimize
 usual; each step's dense gradients go through ``DenseReplicas.exchange``; when its closures
 are done the member keeps taking part (``finish_round``) until every member is done. So the
 members need not run the same number of steps: the one exchange of each step (an all-reduce,
-or with few members on gloo, sends to every other member: ``pairwise_exchange``) carries, after
+or with two members on gloo, a send to the other: ``pairwise_exchange``) carries, after
 the gradients, a header slot per member (is it stepping, and under which key), and a step's
 average counts only the members that contributed. Every member, stepping or not, applies the
 same average with the same optimizer: the replicas stay identical. A step's exchange is left
@@ -166,24 +166,19 @@ def step_backend(devices: Sequence[Sequence[int]]) -> str:
     return "gloo"
 
 
-PAIRWISE_MAX_MEMBERS = 4
-PAIRWISE_MAX_BYTES = 4 << 20
-"""Above these a step's gradients go through gloo's all-reduce (a ring: each member sends about
-twice the gradients whatever the group's size) instead of to every other member."""
-
-
-def pairwise_exchange(world_size: int, nbytes: int, backend: str) -> bool:
-    """Whether a step's gradients go to every other member by point-to-point sends on gloo, each
-    member summing them itself in rank order, instead of through gloo's all-reduce.
+def pairwise_exchange(world_size: int, backend: str) -> bool:
+    """Whether a step's gradients go to the other member by a point-to-point send on gloo, each
+    member summing the two vectors itself in rank order, instead of through gloo's all-reduce:
+    in groups of two (or one) on gloo.
 
     Measured on 2 cores with two processes (benchmarks/gloo_exchange.py): gloo's all-reduce of
     the DLRM's 120 KB costs 1.37 ms and 0.89 CPU-ms per member (its work thread, the ring's two
-    phases), the pairwise exchange 0.44 ms and 0.30 CPU-ms. With two members each sends what a
-    ring would; with up to PAIRWISE_MAX_MEMBERS small gradients cost fewer round trips than the
-    ring. NCCL's all-reduce runs on the GPUs and stays."""
-    if backend != "gloo":
-        return False
-    return world_size <= 2 or (world_size <= PAIRWISE_MAX_MEMBERS and nbytes <= PAIRWISE_MAX_BYTES)
+    phases), the pairwise exchange 0.44 ms and 0.30 CPU-ms, and each member sends what a ring
+    would. Not with three or more: a member whose send to a dead peer fails gives up its
+    exchange with the others too, who then wait out the group's timeout (20 s in a test) for
+    its vector, where gloo's all-reduce fails for every member within milliseconds. NCCL's
+    all-reduce runs on the GPUs and stays."""
+    return backend == "gloo" and world_size <= 2
 
 
 def sum_in_rank_order(parts: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -421,8 +416,8 @@ class DenseReplicas:
     def _start_step(self, *, stepping: bool, key: int, gradients: Mapping[str, torch.Tensor]) -> _PendingStep:
         """Sends this member's part of a step and returns without waiting for the others.
 
-        One exchange carries the step (an all-reduce, or pairwise: sends of ``flat`` to every
-        other member and receives of theirs, summed in rank order by ``_finish_step``): the
+        One exchange carries the step (an all-reduce, or pairwise: a send of ``flat`` to the
+        other member and a receive of theirs, summed in rank order by ``_finish_step``): the
         float32 gradients (zeros from a member not
         stepping, or stepping under a key applied before), then a header slot per member
         (stepping, its key in 21-bit parts), each member writing only its own: the sum holds
@@ -440,8 +435,7 @@ class DenseReplicas:
         for dtype in sorted({p.dtype for p in parameters} - {torch.float32}, key=str):
             group = [(n, p) for n, p in zip(self._names, parameters) if p.dtype == dtype]
             others.append((group, torch.cat(_flat_gradients(group, gradients if fresh else {}, device))))
-        nbytes = flat.numel() * flat.element_size()
-        if not pairwise_exchange(self._spec.world_size, nbytes, "gloo" if self._step_group is self._group else "nccl"):
+        if not pairwise_exchange(self._spec.world_size, "gloo" if self._step_group is self._group else "nccl"):
             work = self._send("allreduce", [flat], group=self._step_group)
             return _PendingStep([work], main, flat, header.numel(), others)
         works: list[Any] = []

@@ -51,13 +51,11 @@ def test_steps_go_over_nccl_only_when_every_member_has_a_gpu_of_its_own() -> Non
     assert step_backend([]) == "gloo"
 
 
-def test_gradients_go_pairwise_on_gloo_for_small_groups_and_through_the_all_reduce_otherwise() -> None:
-    small, large = 120_000, 64 << 20
-    assert pairwise_exchange(2, small, "gloo") and pairwise_exchange(2, large, "gloo")  # a ring sends as much
-    assert pairwise_exchange(1, small, "gloo")
-    assert pairwise_exchange(4, small, "gloo") and not pairwise_exchange(4, large, "gloo")
-    assert not pairwise_exchange(5, small, "gloo")  # each member would send 4 copies
-    assert not pairwise_exchange(2, small, "nccl")  # NCCL's all-reduce runs on the GPUs
+def test_gradients_go_pairwise_only_between_two_members_on_gloo() -> None:
+    assert pairwise_exchange(2, "gloo") and pairwise_exchange(1, "gloo")
+    # Three or more: a member failing on one peer would leave the others waiting for its vector.
+    assert not pairwise_exchange(3, "gloo") and not pairwise_exchange(8, "gloo")
+    assert not pairwise_exchange(2, "nccl")  # NCCL's all-reduce runs on the GPUs
 
 
 def test_every_member_sums_the_same_bits_in_rank_order() -> None:
