@@ -117,3 +117,23 @@ def test_a_member_dying_mid_round_breaks_it_for_the_others_at_once(store: str) -
     assert reformed == {"ok": True}
     assert survivor["version"] == 2  # step 1 (both), step g/3 (alone); the broken step was not applied
     assert survivor["values"] == shifted(2.0)
+
+
+def test_a_member_dying_in_a_group_of_three_breaks_it_for_both_others_at_once(store: str) -> None:
+    # Three members exchange through gloo's all-reduce (worker.dense_group.pairwise_exchange);
+    # two exchange pairwise (the test above).
+    reports = run_members(
+        store,
+        [
+            [{"generation": 1, "rank": 0, "world": 3, "steps": [["m/0", 1.0], ["m/1", 1.0], ["m/2", 1.0]]}],
+            [{"generation": 1, "rank": 1, "world": 3, "steps": [["n/0", 1.0], ["n/1", 1.0], ["n/2", 1.0]]}],
+            [{"generation": 1, "rank": 2, "world": 3, "steps": [["o/0", 1.0], ["o/1", 1.0]], "die_after": 1}],
+        ],
+    )
+    assert reports[2] is None
+    for survivor in reports[:2]:
+        assert survivor is not None
+        (broken,) = survivor["outcomes"]
+        assert not broken["ok"] and "failed" in broken["error"]
+        assert broken["seconds"] < 10.0  # not the 20 s timeout
+        assert survivor["version"] == 1  # the step all three took; the broken one applied nowhere
