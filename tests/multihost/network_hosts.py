@@ -273,3 +273,13 @@ class NetworkHosts:
         left += [str(p) for p in self._etc_dirs if p.exists()]
         left += [f"pid {p.pid}" for p in self._processes if p.poll() is None]
         return left
+
+
+def wait_for(condition, what: str, seconds: float, check=lambda: None) -> None:  # type: ignore[no-untyped-def]
+    """Polls ``condition`` until it holds; ``check`` runs between polls (e.g. fails the test when
+    a process it waits on died); fails naming ``what`` after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        check()
+        assert time.monotonic() < deadline, f"{what}: not within {seconds:g}s"
+        time.sleep(0.05)

@@ -17,6 +17,7 @@ import sys
 import time
 
 import torch
+from network_hosts import wait_for
 
 from paramserve.coordinator.cluster import ClusterSpec
 from paramserve.coordinator.cluster_coordinator import ClusterCoordinator
@@ -28,14 +29,6 @@ from paramserve.psserver.partition import FixedShardsPartitioner
 from paramserve.psserver.security import read_token_file
 
 BEFORE, CHUNK, AFTER = 60, 30, 60
-
-
-def wait_for(condition, what: str, seconds: float) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(what)
-        time.sleep(0.05)
 
 
 def shards(address: str, token: str) -> dict[str, dict[str, object]]:

@@ -17,11 +17,10 @@ import json
 import os
 import pathlib
 import subprocess
-import time
 
 import pytest
 import torch
-from network_hosts import NetworkHosts, paramserve
+from network_hosts import NetworkHosts, paramserve, wait_for
 
 from paramserve.coordinator.commands.demo import MLP, digits_split
 from paramserve.psserver import checkpoint
@@ -72,13 +71,6 @@ def start_server(
     return port_file
 
 
-def wait_for(condition, what: str, deadline: float, check=lambda: None) -> None:  # type: ignore[no-untyped-def]
-    while not condition():
-        check()
-        assert time.monotonic() < deadline, f"{what}: not within the deadline"
-        time.sleep(0.05)
-
-
 def test_a_parameter_server_replaced_at_a_new_address_is_reached_by_name(
     requirements: None, tmp_path: pathlib.Path
 ) -> None:
@@ -116,7 +108,7 @@ def test_a_parameter_server_replaced_at_a_new_address_is_reached_by_name(
                     ("w1", "worker", "w1"),
                 )
             ]
-            wait_for(lambda: all(f.exists() for f in ready), "servers up", time.monotonic() + 120)
+            wait_for(lambda: all(f.exists() for f in ready), "servers up", 120)
             log = tmp_path / "coordinator.log"
             coordinator = hosts.start(
                 "coord",
@@ -142,21 +134,19 @@ def test_a_parameter_server_replaced_at_a_new_address_is_reached_by_name(
                 },
             )
             alive = lambda: None if coordinator.poll() is None else pytest.fail(log.read_text()[-3000:])  # noqa: E731
-            wait_for(
-                lambda: len(list(checkpoints.glob("ckpt-*"))) >= 3, "three checkpoints", time.monotonic() + 240, alive
-            )
+            wait_for(lambda: len(list(checkpoints.glob("ckpt-*"))) >= 3, "three checkpoints", 240, alive)
 
             for process in hosts.processes_on("ps0a"):
                 process.kill()  # SIGKILL: nothing drains
             hosts.set_link("ps0a", up=False)  # and its address is gone, as a removed container's
             point_names(hosts, "ps0b")
             replacement = start_server(hosts, "ps0b", "ps", "ps0", tmp_path, env)
-            wait_for(replacement.exists, "the replacement serving", time.monotonic() + 120, alive)
+            wait_for(replacement.exists, "the replacement serving", 120, alive)
             served_at = replacement.stat().st_mtime
             wait_for(
                 lambda: any(p.stat().st_mtime > served_at for p in checkpoints.glob("ckpt-*")),
                 "a checkpoint after the replacement served",
-                time.monotonic() + 120,
+                120,
                 alive,
             )
             resumed_after = min(p.stat().st_mtime for p in checkpoints.glob("ckpt-*") if p.stat().st_mtime > served_at)

@@ -18,10 +18,9 @@ import json
 import os
 import pathlib
 import sys
-import time
 
 import pytest
-from network_hosts import NetworkHosts, paramserve
+from network_hosts import NetworkHosts, paramserve, wait_for
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -53,14 +52,6 @@ def cut(hosts: NetworkHosts, host: str, peer: str, on: bool) -> None:
     action = "-A" if on else "-D"
     hosts.exec(host, "iptables", action, "INPUT", "-s", HOSTS[peer], "-j", "DROP")
     hosts.exec(host, "iptables", action, "OUTPUT", "-d", HOSTS[peer], "-j", "DROP")
-
-
-def wait_for(condition, what: str, seconds: float, check=lambda: None) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + seconds
-    while not condition():
-        check()
-        assert time.monotonic() < deadline, f"{what}: not within {seconds:g}s"
-        time.sleep(0.05)
 
 
 def test_a_primary_cut_off_from_the_coordinator_acknowledges_nothing_after_its_backup_took_over(
