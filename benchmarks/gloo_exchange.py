@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from _common import Result, free_port, print_report
 
-from paramserve.worker.dense_group import sum_in_rank_order
+from paramserve.worker.dense_group import post_pairwise, sum_in_rank_order
 
 WARMUP = 50
 
@@ -35,17 +35,10 @@ def exchange(group: dist.ProcessGroup, flat: torch.Tensor, rank: int, members: i
     if not pairwise:
         group.allreduce([flat]).wait()
         return flat
-    works, parts = [], []
-    for peer in range(members):
-        if peer == rank:
-            parts.append(flat)
-            continue
-        buffer = torch.empty_like(flat)
-        works += [group.send([flat], peer, 7), group.recv([buffer], peer, 7)]
-        parts.append(buffer)
+    works, received = post_pairwise(lambda collective, *args: getattr(group, collective)(*args), flat, rank, members)
     for work in works:
         work.wait()
-    return sum_in_rank_order(parts)
+    return sum_in_rank_order([flat if part is None else part for part in received])
 
 
 def cpu_seconds() -> float:

@@ -40,7 +40,7 @@ import io
 import logging
 import os
 from collections import OrderedDict
-from collections.abc import Container, Mapping, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +54,7 @@ __all__ = [
     "encode_header",
     "key_hash",
     "pairwise_exchange",
+    "post_pairwise",
     "state_source",
     "step_backend",
     "sum_in_rank_order",
@@ -179,6 +180,26 @@ def pairwise_exchange(world_size: int, backend: str) -> bool:
     its vector, where gloo's all-reduce fails for every member within milliseconds. NCCL's
     all-reduce runs on the GPUs and stays."""
     return backend == "gloo" and world_size <= 2
+
+
+def post_pairwise(
+    post: Callable[..., Any], flat: torch.Tensor, rank: int, world_size: int
+) -> tuple[list[Any], list[torch.Tensor | None]]:
+    """Starts the pairwise exchange of ``flat``: a send to and a receive from every other member
+    (``post(collective, *args)`` starts one on the group and returns its Work). Returns the Works
+    and, by rank, the buffers the others' vectors arrive in (None at ``rank``): once every Work
+    is waited for, ``sum_in_rank_order`` of them with ``flat`` in its place is the sum."""
+    works: list[Any] = []
+    received: list[torch.Tensor | None] = []
+    for peer in range(world_size):
+        if peer == rank:
+            received.append(None)
+            continue
+        buffer = torch.empty_like(flat)
+        works.append(post("send", [flat], peer, _PAIRWISE_TAG))
+        works.append(post("recv", [buffer], peer, _PAIRWISE_TAG))
+        received.append(buffer)
+    return works, received
 
 
 def sum_in_rank_order(parts: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -438,16 +459,7 @@ class DenseReplicas:
         if not pairwise_exchange(self._spec.world_size, "gloo" if self._step_group is self._group else "nccl"):
             work = self._send("allreduce", [flat], group=self._step_group)
             return _PendingStep([work], main, flat, header.numel(), others)
-        works: list[Any] = []
-        received: list[torch.Tensor | None] = []
-        for peer in range(self._spec.world_size):
-            if peer == self._rank:
-                received.append(None)
-                continue
-            buffer = torch.empty_like(flat)
-            works.append(self._send("send", [flat], peer, _PAIRWISE_TAG))
-            works.append(self._send("recv", [buffer], peer, _PAIRWISE_TAG))
-            received.append(buffer)
+        works, received = post_pairwise(self._send, flat, self._rank, self._spec.world_size)
         return _PendingStep(works, main, flat, header.numel(), others, received)
 
     def _finish_step(self, step: _PendingStep) -> bool:
