@@ -243,7 +243,7 @@ class WorkerCore:
             self._batch = frozenset(request.closure_id for request in requests)
         try:
             for request in requests:
-                outcome, access = self._run(request, pipeline if request.overlap_pushes else None, dense)
+                outcome, access = self._run(request, pipeline, dense)
                 if owner is not None and outcome.error is not None and outcome.error.group_failed:
                     runs = _fail_in_flight(runs, owner, outcome.error)  # its step may be what failed
                     break
@@ -259,7 +259,7 @@ class WorkerCore:
             if dense is not None:
                 runs = self._finish_round(dense, runs, owner)
         if pipeline.failure is not None:
-            runs = _blame_failed_push(runs, pipeline.failure)
+            runs = blame_failed_push(runs, pipeline.failure)
         outcomes = [_counted(outcome, access) for _, outcome, access in runs]
         for (request, _, access), outcome in zip(runs, outcomes):
             if access is not None:  # not a request answered with needs_cluster (logged already)
@@ -302,7 +302,13 @@ class WorkerCore:
             return self._needs_cluster(request), None
         cancelled = functools.partial(self._is_cancelled, request.closure_id)
         access = ClosureAccess(
-            self._variables, self._client_for(cluster), request.closure_id, pipeline, cancelled, dense
+            self._variables,
+            self._client_for(cluster),
+            request.closure_id,
+            pipeline,
+            cancelled,
+            dense,
+            overlap_pushes=request.overlap_pushes,
         )
         result, error = self._execute(request, access, cancelled)
         outcome = ClosureOutcome(
@@ -440,17 +446,22 @@ def _fail_in_flight(
     return [*runs[:owner], (request, dataclasses.replace(outcome, result=None, error=failed), access)]
 
 
-def _blame_failed_push(
+def blame_failed_push(
     runs: list[tuple[ClosureRequest, ClosureOutcome, ClosureAccess | None]], failure: tuple[object, BaseException]
 ) -> list[tuple[ClosureRequest, ClosureOutcome, ClosureAccess | None]]:
-    """The runs up to the closure whose push failed, that closure with the push's error: the
-    closures after it did not run as far as the coordinator knows (one stopped at its own push)."""
+    """The runs up to the closure whose push failed, that closure with the push's error (or
+    its own, when it failed already): the closures after it did not run as far as the
+    coordinator knows (one stopped at its own push). A pure decision, unit-tested."""
     owner, error = failure
     for position, (request, outcome, access) in enumerate(runs):
         if access is owner:
-            failed = dataclasses.replace(outcome, result=None, error=closure_failure(error))
+            failed = (
+                outcome
+                if outcome.error is not None
+                else dataclasses.replace(outcome, result=None, error=closure_failure(error))
+            )
             return [*runs[:position], (request, failed, access)]
-    raise AssertionError("a push failed that no closure of the batch owns")
+    return runs  # its closure went back to the queue already (a dense group broke before it)
 
 
 def _counted(outcome: ClosureOutcome, access: ClosureAccess | None) -> ClosureOutcome:

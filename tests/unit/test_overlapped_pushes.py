@@ -5,6 +5,8 @@ and processes: tests/chaos/test_training_under_failure.py."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import cloudpickle
 import fake_parameter_servers as fake_servers
 import pytest
@@ -12,8 +14,9 @@ import torch
 from torch import nn
 
 from paramserve.psserver.types import PendingExchange, PullResult, PushSummary
-from paramserve.worker.core import ClosureRequest
+from paramserve.worker.core import ClosureOutcome, ClosureRequest, blame_failed_push
 from paramserve.worker.pipeline import EarlierPushFailed, PushPipeline
+from paramserve.worker.results import ClosureFailure
 from paramserve.worker.variables import ServerOptimizer, dumps_closure
 
 LR = 0.5
@@ -178,3 +181,42 @@ def test_an_exchange_ends_once():
         exchange.result()
     exchange.abandon()
     assert log == ["a read"] and exchange.done
+
+
+def _outcome(error: ClosureFailure | None = None) -> ClosureOutcome:
+    return ClosureOutcome(
+        result=None if error else b"ok",
+        error=error,
+        worker_incarnation="i",
+        resources_held=(),
+        pushes_applied=1,
+        pushes_duplicate=0,
+        seconds=0.0,
+        device="cpu",
+    )
+
+
+def test_a_failed_push_fails_its_closure_and_drops_the_runs_after_it():
+    owners = [object(), object(), object()]
+    runs: list[Any] = [(None, _outcome(), owner) for owner in owners]
+
+    blamed = blame_failed_push(runs, (owners[1], ConnectionError("server went away")))
+
+    assert [access for _, _, access in blamed] == owners[:2], "the closures after it go back to the queue"
+    assert blamed[0][1].error is None
+    assert blamed[1][1].result is None and "server went away" in blamed[1][1].error.message
+
+
+def test_a_failed_push_keeps_its_closures_own_earlier_error():
+    owner = object()
+    group_broke = ClosureFailure(type="GroupFailed", message="a member died", group_failed=True)
+    runs: list[Any] = [(None, _outcome(group_broke), owner)]
+
+    assert blame_failed_push(runs, (owner, ConnectionError("server went away")))[0][1].error is group_broke
+
+
+def test_a_failed_push_whose_closure_went_back_to_the_queue_changes_nothing():
+    """A hybrid round whose group broke already cut the runs before the closure of the push."""
+    runs: list[Any] = [(None, _outcome(), object())]
+
+    assert blame_failed_push(runs, (object(), ConnectionError("server went away"))) == runs
