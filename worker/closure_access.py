@@ -257,8 +257,6 @@ class ClosureAccess:
         pipeline: PushPipeline | None = None,
         cancelled: Callable[[], bool] = lambda: False,
         dense: DenseExchange | None = None,
-        *,
-        overlap_pushes: bool = False,
     ):
         self._variables = variables
         self._dense: DenseExchange = dense or _NoDense()
@@ -268,9 +266,7 @@ class ClosureAccess:
         self._client = client
         self._closure_id = closure_id
         self._pipeline = pipeline
-        """Where this closure's pushes may stay in flight (None: each push waits): every push
-        with ``overlap_pushes``, a hybrid step's push of the tables always (``apply_gradients``)."""
-        self._overlap_pushes = overlap_pushes and pipeline is not None
+        """Where this closure's pushes stay in flight (overlap_pushes); None: each push waits."""
         self._used: dict[str, nn.Parameter] = {}
         self._placed: set[int] = set()
         self._lookups: dict[str, list[_RowLookup]] = defaultdict(list)
@@ -338,16 +334,10 @@ class ClosureAccess:
         """Pushes the gradients of ``names`` and, in the same round trip, reads back the dense
         ones this worker holds: their values as the servers hold them right after this push.
 
-        With ``overlap_pushes`` (worker.pipeline) the push is left in flight: the previous one
-        is settled first, and this one when the next step pushes or pulls, or the batch ends.
-        Its gradients then belong to the push (a retry may send them again): their parameters'
-        ``.grad`` is set to None, so no later step writes into them.
-
-        A hybrid step (replicated variables among ``names``) leaves its push of the tables in
-        flight too, while the all-reduce runs and until the next lookup or the round's end
-        settles it: that lookup still reads this push's rows (it waits for the reply first),
-        so the tables see what they would without the overlap, and the servers' reply arrives
-        while the worker waits for its peers' gradients instead of after them."""
+        With a pipeline (``overlap_pushes``, worker.pipeline) the push is left in flight: the
+        previous one is settled first, and this one when the next step pushes or pulls, or the
+        batch ends. Its gradients then belong to the push (a retry may send them again): their
+        parameters' ``.grad`` is set to None, so no later step writes into them."""
         if self._cancelled():
             raise ClosureCancelled(f"closure {self._closure_id} was cancelled by the coordinator before this push")
         replicated = [n for n in names if self._dense.holds(n)]
@@ -368,10 +358,9 @@ class ClosureAccess:
             used = list(self._used.values())
             if self._pipeline is None and replicated:  # in flight while the dense all-reduce runs
                 pending = client.start_push_and_pull(gradients, read_back, key=key, base_versions=base, out=out)
-            elif not (self._overlap_pushes or (replicated and self._pipeline is not None)):
+            elif self._pipeline is None:
                 self._record(*client.push_and_pull(gradients, read_back, key=key, base_versions=base, out=out), used)
             else:
-                assert self._pipeline is not None
                 exchange = client.start_push_and_pull(gradients, read_back, key=key, base_versions=base, out=out)
                 for name in gradients:
                     parameter = self._variables.parameters.get(name)

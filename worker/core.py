@@ -243,7 +243,7 @@ class WorkerCore:
             self._batch = frozenset(request.closure_id for request in requests)
         try:
             for request in requests:
-                outcome, access = self._run(request, pipeline, dense)
+                outcome, access = self._run(request, pipeline if request.overlap_pushes else None, dense)
                 if owner is not None and outcome.error is not None and outcome.error.group_failed:
                     runs = _fail_in_flight(runs, owner, outcome.error)  # its step may be what failed
                     break
@@ -302,13 +302,7 @@ class WorkerCore:
             return self._needs_cluster(request), None
         cancelled = functools.partial(self._is_cancelled, request.closure_id)
         access = ClosureAccess(
-            self._variables,
-            self._client_for(cluster),
-            request.closure_id,
-            pipeline,
-            cancelled,
-            dense,
-            overlap_pushes=request.overlap_pushes,
+            self._variables, self._client_for(cluster), request.closure_id, pipeline, cancelled, dense
         )
         result, error = self._execute(request, access, cancelled)
         outcome = ClosureOutcome(

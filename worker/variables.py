@@ -369,6 +369,11 @@ class ServerOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         current_access(self.home).zero_grad(self.variables, set_to_none)
 
+    def release(self, variable: str) -> None:
+        """Stops stepping ``variable``: another optimizer was declared for it (on the coordinator,
+        before any closure carried this one to a worker)."""
+        self.variables = tuple(name for name in self.variables if name != variable)
+
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "home": None, "owner": None}
 

@@ -56,6 +56,7 @@ from paramserve.coordinator.strategies.parameter_server_training import (
 )
 from paramserve.coordinator.strategies.step_runners import StepFn, StepRunner
 from paramserve.coordinator.strategies.sync_dense import SyncDense
+from paramserve.coordinator.strategies.table_optimizers import hand_over, tables_of_whole_models
 from paramserve.coordinator.strategies.training_state import TrainingCheckpoints
 from paramserve.psserver.client import ClientConfig, ParameterServerClient
 from paramserve.psserver.dynamic_types import DynamicShardState
@@ -194,6 +195,7 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         self._materialized = False
         self._created: set[str] = set()  # variables that exist on the servers (for this strategy)
         self._pending_tables: list[ShardedEmbedding | DynamicEmbedding] = []
+        self._tables_taken: dict[str, ServerOptimizer] = {}  # by an in-scope optimizer (table_optimizers)
         self._context: ClusterContext | None = None
         self._coordinator_ref: Callable[[], DispatchControl | None] = lambda: None  # weak: a dropped one is collected
         self._generation = 0  # restores so far (ClusterContext.generation)
@@ -426,20 +428,24 @@ class ParameterServerStrategy(SingleReplicaStrategy):
                 )
             for variable in names:
                 self._variables[variable].optimizer = spec
+            hand_over(self._tables_taken, names)
         return ServerOptimizer(names, spec.name, dict(spec.kwargs), home=self._access, owner=self)
 
     def _adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """A torch.optim optimizer built in scope becomes the servers' optimizer for its
         parameters; its step pushes gradients, so the same training code runs under every
-        strategy, and on the wire it is the ServerOptimizer it stands for."""
+        strategy, and on the wire it is the ServerOptimizer it stands for (with a whole model's tables)."""
         params = [p for group in optimizer.param_groups for p in group["params"]]
         kwargs = {k: v for k, v in optimizer.defaults.items() if k not in _LOCAL_ONLY_OPTIONS and v is not None}
-        server_optimizer = self.optimizer(_capture.base_class(optimizer), params=params, **kwargs)
+        tables = tables_of_whole_models(params, self._roots, {n for n, v in self._variables.items() if not v.optimizer})
+        server_optimizer = self.optimizer(_capture.base_class(optimizer), params=[*params, *tables], **kwargs)
+        self._tables_taken.update(dict.fromkeys(tables, server_optimizer))
         _capture.link_optimizer(optimizer, _ServerOptimizerLink(server_optimizer))
 
     def _variable_names(self, params: Iterable[Any] | None) -> list[str]:
         if params is None:
-            return [n for n, v in self._variables.items() if v.optimizer is None and n not in self._created]
+            untrained = [n for n, v in self._variables.items() if v.optimizer is None or n in self._tables_taken]
+            return [n for n in untrained if n not in self._created]
         names = []
         for item in params:
             item = item.variable if isinstance(item, (ShardedEmbedding, DynamicEmbedding)) else item

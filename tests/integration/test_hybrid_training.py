@@ -4,7 +4,8 @@ workers and all-reduced every step, the tables on the parameter servers.
 Checked: it learns; every worker's replica and the coordinator's view are the same values; a
 worker killed (SIGKILL) or stopped (SIGTERM) mid-training leaves the group formed anew and no
 closure lost; a changed learning rate reaches the workers; a checkpoint holds the dense state
-and restores it exactly, onto the workers too."""
+and restores it exactly, onto the workers too; a replicated table's primary killed mid-training
+fails over with every push applied exactly once."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ from paramserve.coordinator import (
     ShardedEmbeddingCollection,
 )
 from paramserve.coordinator.recommendation import DLRM, ClickData, WorkerClicks, auc, train_clicks
+from paramserve.psserver.calls import CallOptions, Stub
+from paramserve.psserver.channels import channel_options, open_channel
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import test modules
 
@@ -189,3 +192,39 @@ def test_a_restarted_worker_and_a_new_one_join_with_the_groups_state(start_clust
     assert len([float(v.fetch()) for v in first + second]) == 180
     assert_same(held[0], held[1])
     assert_same(held[0], held[2])
+
+
+def export_of(address):
+    stub = Stub(open_channel(address, None, channel_options(64 << 20)))
+    return {state.ref: state for state in stub.export(1 << 20, CallOptions(None, 30, 30))}
+
+
+def test_a_tables_primary_killed_mid_training_fails_over_with_every_push_applied_once(start_cluster):
+    """Replicated servers under hybrid training: each step's push of the tables is still in
+    flight when its closure's next lookup, or the round's end, settles it; a push lost with the
+    primary is that closure's error, retried under its key against the new primary."""
+    cluster = start_cluster(num_ps=4, num_workers=2)
+    strategy, model, optimizer = build(cluster, ps_replicas=2)
+    steps = 160
+    with ClusterCoordinator(strategy) as coordinator:
+        batches = iter(coordinator.create_per_worker_dataset(WorkerClicks(TABLE_ROWS, count=100)))
+        losses = [coordinator.schedule(train_clicks, args=(batches, model, optimizer)) for _ in range(steps)]
+        losses[30].fetch(timeout=120)  # training is under way
+        primary = strategy.client.addresses[0]
+        cluster.kill_ps(cluster.parameter_servers.index(primary))
+        coordinator.join(timeout=240)  # raises any error a closure met: there must be none
+        values = [float(v.fetch()) for v in losses]
+        recoveries = list(coordinator.recovery.recoveries) if coordinator.recovery else []
+        first, second = replicas(coordinator, model, 2)
+        states = strategy.servers.groups.states()
+        exports = {state.primary: export_of(state.primary) for state in states}
+    strategy.close()
+
+    assert len(values) == steps
+    assert [(r.server, r.result) for r in recoveries] == [(primary, "failed-over")], recoveries
+    assert_same(first, second)
+    tables = [shard for shards in exports.values() for shard in shards.values()]
+    assert len(tables) == 2 and all(shards for shards in exports.values()), "the tables' two shards, one per group"
+    for shard in tables:  # every batch touches both halves of the tables (256 Zipf ids per table)
+        keys = list(shard.applied_keys)
+        assert shard.version == len(keys) == len(set(keys)) == steps, (shard.ref, shard.version, len(set(keys)))

@@ -14,6 +14,7 @@ from paramserve.coordinator import (
     ShardedEmbedding,
     load_state_dict,
 )
+from paramserve.coordinator.strategies.table_optimizers import tables_of_whole_models
 from paramserve.psserver.errors import CheckpointError
 
 CLUSTER = ClusterSpec(parameter_servers=("127.0.0.1:1",), workers=("127.0.0.1:2",))
@@ -55,6 +56,61 @@ def test_optimizer_for_a_parameter_built_outside_the_scope_is_refused(strategy):
     outsider = nn.Linear(2, 2)
     with pytest.raises(ValueError, match="strategy.scope"):
         strategy.optimizer(torch.optim.SGD, params=outsider.parameters(), lr=0.1)
+
+
+def stepped(optimizer):
+    """The variables an optimizer built in scope pushes (the ServerOptimizer it stands for)."""
+    return set(optimizer._paramserve_link.server_optimizer.variables)
+
+
+def test_an_optimizer_over_a_whole_model_trains_its_tables_too(strategy):
+    """model.parameters() leaves the tables out (they are not Parameters): without this the
+    table would compute gradients every step and never change."""
+    with strategy.scope():
+        net = Net()
+        optimizer = torch.optim.Adagrad(net.parameters(), lr=0.1)
+    assert "net.table" in stepped(optimizer)
+    assert strategy.variables["net.table"].optimizer.name == "Adagrad"
+
+
+def test_an_optimizer_over_part_of_a_model_trains_only_what_it_holds(strategy):
+    with strategy.scope():
+        net = Net()
+        ShardedEmbedding(10, 2)  # a table on its own: no model holds it
+        optimizer = torch.optim.SGD(net.body[0].parameters(), lr=0.1)
+    assert stepped(optimizer) == {"net.body.0.weight", "net.body.0.bias"}
+    assert strategy.variables["net.table"].optimizer is None
+
+
+def test_a_table_declared_with_its_own_optimizer_is_stepped_by_that_one_only(strategy):
+    with strategy.scope():
+        net = Net()
+        dense = torch.optim.Adam(net.parameters(), lr=0.01)
+    sparse = strategy.optimizer(torch.optim.Adagrad, params=[net.table], lr=0.1)
+    assert "net.table" not in stepped(dense), "one table, one optimizer: never pushed twice"
+    assert sparse.variables == ("net.table",)
+    assert strategy.variables["net.table"].optimizer.name == "Adagrad"
+
+
+def test_an_optimizer_for_every_other_variable_takes_the_tables_over(strategy):
+    """Adam for the layers in scope, then Adagrad for "every variable without one": the tables."""
+    with strategy.scope():
+        net = Net()
+        dense = torch.optim.Adam(net.parameters(), lr=0.01)
+    sparse = strategy.optimizer(torch.optim.Adagrad, lr=0.1)
+    assert sparse.variables == ("net.table",)
+    assert "net.table" not in stepped(dense)
+
+
+def test_tables_of_whole_models_is_a_pure_choice():
+    with_table, other = Net(), Net()
+    with_table.table.variable, other.table.variable = "a.table", "b.table"
+    models = [("a", with_table), ("b", other)]
+
+    assert tables_of_whole_models(with_table.parameters(), models, {"a.table", "b.table"}) == ["a.table"]
+    assert tables_of_whole_models(with_table.parameters(), models, {"b.table"}) == [], "trained already"
+    assert tables_of_whole_models(list(with_table.body[0].parameters()), models, {"a.table"}) == []
+    assert tables_of_whole_models([], [("t", ShardedEmbedding(3, 2))], {"t"}) == [], "a lone table has no parameters"
 
 
 def test_a_directory_that_is_not_a_checkpoint_is_named(strategy, tmp_path):
