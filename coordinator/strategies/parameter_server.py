@@ -35,7 +35,7 @@ from paramserve.coordinator.cluster import ClusterSpec
 from paramserve.coordinator.cluster_resolver import ClusterResolver
 from paramserve.coordinator.contracts import CheckpointLog, DispatchControl, RecoverableVariables
 from paramserve.coordinator.replica_groups import ParameterServers, replica_count
-from paramserve.coordinator.strategies import _capture
+from paramserve.coordinator.strategies import _capture, scope_optimizers
 from paramserve.coordinator.strategies.base import DefaultStrategy, SingleReplicaStrategy, Strategy
 from paramserve.coordinator.strategies.input import InputOptions, check_per_worker
 from paramserve.coordinator.strategies.parameter_server_access import (
@@ -56,7 +56,6 @@ from paramserve.coordinator.strategies.parameter_server_training import (
 )
 from paramserve.coordinator.strategies.step_runners import StepFn, StepRunner
 from paramserve.coordinator.strategies.sync_dense import SyncDense
-from paramserve.coordinator.strategies.table_optimizers import hand_over, tables_of_whole_models
 from paramserve.coordinator.strategies.training_state import TrainingCheckpoints
 from paramserve.psserver.client import ClientConfig, ParameterServerClient
 from paramserve.psserver.dynamic_types import DynamicShardState
@@ -195,7 +194,7 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         self._materialized = False
         self._created: set[str] = set()  # variables that exist on the servers (for this strategy)
         self._pending_tables: list[ShardedEmbedding | DynamicEmbedding] = []
-        self._tables_taken: dict[str, ServerOptimizer] = {}  # by an in-scope optimizer (table_optimizers)
+        self._tables_taken: dict[str, ServerOptimizer] = {}  # by an in-scope optimizer (scope_optimizers)
         self._context: ClusterContext | None = None
         self._coordinator_ref: Callable[[], DispatchControl | None] = lambda: None  # weak: a dropped one is collected
         self._generation = 0  # restores so far (ClusterContext.generation)
@@ -428,17 +427,21 @@ class ParameterServerStrategy(SingleReplicaStrategy):
                 )
             for variable in names:
                 self._variables[variable].optimizer = spec
-            hand_over(self._tables_taken, names)
+            scope_optimizers.hand_over(self._tables_taken, names)
         return ServerOptimizer(names, spec.name, dict(spec.kwargs), home=self._access, owner=self)
 
     def _adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """A torch.optim optimizer built in scope becomes the servers' optimizer for its
         parameters; its step pushes gradients, so the same training code runs under every
-        strategy, and on the wire it is the ServerOptimizer it stands for (with a whole model's tables)."""
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        kwargs = {k: v for k, v in optimizer.defaults.items() if k not in _LOCAL_ONLY_OPTIONS and v is not None}
-        tables = tables_of_whole_models(params, self._roots, {n for n, v in self._variables.items() if not v.optimizer})
-        server_optimizer = self.optimizer(_capture.base_class(optimizer), params=[*params, *tables], **kwargs)
+        strategy, and on the wire it is the ServerOptimizer it stands for: each param group with its
+        options, and a whole model's tables with the defaults (strategies.scope_optimizers)."""
+        untrained = {n for n, v in self._variables.items() if not v.optimizer}
+        declared, tables = scope_optimizers.declarations(
+            optimizer.param_groups, optimizer.defaults, self._roots, untrained
+        )
+        parts = [self.optimizer(_capture.base_class(optimizer), params=g, **o) for g, o in declared]
+        names = [name for part in parts for name in part.variables]
+        server_optimizer = ServerOptimizer(names, parts[0].spec_name, declared[0][1], home=self._access, owner=self)
         self._tables_taken.update(dict.fromkeys(tables, server_optimizer))
         _capture.link_optimizer(optimizer, _ServerOptimizerLink(server_optimizer))
 
@@ -794,7 +797,3 @@ class ParameterServerStrategy(SingleReplicaStrategy):
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this ParameterServerStrategy was closed: create a new one")
-
-
-_LOCAL_ONLY_OPTIONS = frozenset({"foreach", "fused", "capturable", "differentiable"})
-"""torch.optim options about how a step runs locally; the servers choose their own."""

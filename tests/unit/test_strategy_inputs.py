@@ -14,7 +14,7 @@ from paramserve.coordinator import (
     ShardedEmbedding,
     load_state_dict,
 )
-from paramserve.coordinator.strategies.table_optimizers import tables_of_whole_models
+from paramserve.coordinator.strategies.scope_optimizers import server_groups, tables_of_whole_models
 from paramserve.psserver.errors import CheckpointError
 
 CLUSTER = ClusterSpec(parameter_servers=("127.0.0.1:1",), workers=("127.0.0.1:2",))
@@ -100,6 +100,41 @@ def test_an_optimizer_for_every_other_variable_takes_the_tables_over(strategy):
     sparse = strategy.optimizer(torch.optim.Adagrad, lr=0.1)
     assert sparse.variables == ("net.table",)
     assert "net.table" not in stepped(dense)
+
+
+def test_each_param_group_keeps_its_own_options_on_the_servers(strategy):
+    """A rate and a weight decay per group (biases without decay, a faster head) are what the
+    servers apply, not only the optimizer's defaults; a scheduler's initial_lr is not an option."""
+    with strategy.scope():
+        net = Net()
+        optimizer = torch.optim.SGD(
+            [
+                {"params": net.body[0].parameters(), "lr": 0.5},
+                {"params": net.body[2].parameters(), "weight_decay": 0.1},
+            ],
+            lr=0.01,
+            momentum=0.9,
+        )
+        torch.optim.lr_scheduler.StepLR(optimizer, step_size=10)
+    options = {name: dict(v.optimizer.kwargs) for name, v in strategy.variables.items() if v.optimizer}
+    assert options["net.body.0.weight"]["lr"] == options["net.body.0.bias"]["lr"] == 0.5
+    assert options["net.body.0.weight"]["weight_decay"] == 0
+    assert options["net.body.2.weight"]["lr"] == 0.01 and options["net.body.2.weight"]["weight_decay"] == 0.1
+    assert all(o["momentum"] == 0.9 and "initial_lr" not in o for o in options.values())
+    assert options["net.table"] == {**options["net.body.2.weight"], "weight_decay": 0}, "the table: the defaults"
+    assert strategy.learning_rate(optimizer) == 0.5, "the first group's, as under every strategy"
+
+
+def test_server_groups_keep_each_groups_constructor_options_only():
+    weight, bias = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(1))
+    defaults = {"lr": 0.1, "foreach": None, "fused": True, "eps": 1e-8}
+    groups = [
+        {"params": [weight], "lr": 0.5, "foreach": None, "fused": True, "eps": 1e-8, "initial_lr": 0.5},
+        {"params": [], "lr": 0.1, "foreach": None, "fused": True, "eps": 1e-8},
+        {"params": [bias], "lr": 0.1, "foreach": None, "fused": True, "eps": 1e-6},
+    ]
+
+    assert server_groups(groups, defaults) == [([weight], {"lr": 0.5, "eps": 1e-8}), ([bias], {"lr": 0.1, "eps": 1e-6})]
 
 
 def test_tables_of_whole_models_is_a_pure_choice():
