@@ -332,6 +332,9 @@ def _build_optimizer_class(cls: Any) -> type:
         link = self.__dict__.get(LINK)
         stand_in = link.pickled_as() if link is not None else None
         if stand_in is not None:
+            # Its steps run where the closure carrying it goes; torch's LR scheduler asks whether
+            # one ran before its own first step (else it warns of a skipped first rate).
+            self.__dict__["_opt_called"] = True
             return (_same, (stand_in,))
         return (_rebuild, (cls, cls.__getstate__(self)))
 

@@ -433,15 +433,14 @@ class ParameterServerStrategy(SingleReplicaStrategy):
     def _adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """A torch.optim optimizer built in scope becomes the servers' optimizer for its
         parameters; its step pushes gradients, so the same training code runs under every
-        strategy, and on the wire it is the ServerOptimizer it stands for: each param group with its
-        options, and a whole model's tables with the defaults (strategies.scope_optimizers)."""
-        untrained = {n for n, v in self._variables.items() if not v.optimizer}
-        declared, tables = scope_optimizers.declarations(
-            optimizer.param_groups, optimizer.defaults, self._roots, untrained
+        strategy, and on the wire it is the ServerOptimizer it stands for (strategies.scope_optimizers)."""
+        server_optimizer, tables = scope_optimizers.adopt(
+            optimizer,
+            lambda params, options: self.optimizer(_capture.base_class(optimizer), params=params, **options),
+            self._roots,
+            {n for n, v in self._variables.items() if not v.optimizer},
+            lambda names, lr: self.set_server_hyperparameters({"lr": lr}, params=names),
         )
-        parts = [self.optimizer(_capture.base_class(optimizer), params=g, **o) for g, o in declared]
-        names = [name for part in parts for name in part.variables]
-        server_optimizer = ServerOptimizer(names, parts[0].spec_name, declared[0][1], home=self._access, owner=self)
         self._tables_taken.update(dict.fromkeys(tables, server_optimizer))
         _capture.link_optimizer(optimizer, _ServerOptimizerLink(server_optimizer))
 
@@ -714,7 +713,7 @@ class ParameterServerStrategy(SingleReplicaStrategy):
                 else self._variable_names(params)
             )
         for name in names:
-            if not self._variables[name].replicated:  # replicated: the next round carries them
+            if name in self._created and not self._variables[name].replicated:  # replicated: the next round
                 self.client.set_hyperparameters(dict(values), variable=name)
             with self._lock:
                 variable = self._variables[name]

@@ -14,7 +14,7 @@ from paramserve.coordinator import (
     ShardedEmbedding,
     load_state_dict,
 )
-from paramserve.coordinator.strategies.scope_optimizers import server_groups, tables_of_whole_models
+from paramserve.coordinator.strategies.scope_optimizers import RateWatchingGroup, declarations, tables_of_whole_models
 from paramserve.psserver.errors import CheckpointError
 
 CLUSTER = ClusterSpec(parameter_servers=("127.0.0.1:1",), workers=("127.0.0.1:2",))
@@ -121,11 +121,40 @@ def test_each_param_group_keeps_its_own_options_on_the_servers(strategy):
     assert options["net.body.0.weight"]["weight_decay"] == 0
     assert options["net.body.2.weight"]["lr"] == 0.01 and options["net.body.2.weight"]["weight_decay"] == 0.1
     assert all(o["momentum"] == 0.9 and "initial_lr" not in o for o in options.values())
-    assert options["net.table"] == {**options["net.body.2.weight"], "weight_decay": 0}, "the table: the defaults"
+    assert options["net.table"] == options["net.body.0.weight"], "the table: the first group's options"
     assert strategy.learning_rate(optimizer) == 0.5, "the first group's, as under every strategy"
 
 
-def test_server_groups_keep_each_groups_constructor_options_only():
+@pytest.mark.filterwarnings("ignore:Detected call of")  # a scheduler stepped before any closure ran
+def test_a_rate_set_on_a_group_becomes_its_variables_rate_but_not_a_handed_over_tables(strategy):
+    with strategy.scope():
+        net = Net()
+        optimizer = torch.optim.SGD(
+            [{"params": net.body[0].parameters()}, {"params": net.body[2].parameters(), "lr": 0.2}], lr=0.1
+        )
+    strategy.optimizer(torch.optim.Adagrad, params=[net.table], lr=0.05)  # the table has its own now
+    scheduler = torch.optim.lr_scheduler.MultiplicativeLR(optimizer, lambda epoch: 0.5)
+    scheduler.step()
+
+    rate = {name: v.optimizer.kwargs["lr"] for name, v in strategy.variables.items()}
+    assert rate["net.body.0.weight"] == rate["net.body.0.bias"] == 0.05
+    assert rate["net.body.2.weight"] == 0.1
+    assert rate["net.table"] == 0.05 and strategy.variables["net.table"].optimizer.name == "Adagrad"
+    assert strategy.learning_rate(optimizer) == 0.05, "the first group's"
+
+
+def test_a_rate_watching_group_tells_only_of_a_new_rate():
+    told = []
+    group = RateWatchingGroup({"params": [], "lr": 0.1, "momentum": 0.9}, told.append)
+    group["lr"] = 0.1
+    group["momentum"] = 0.5
+    group["lr"] = 0.01
+
+    assert told == [0.01]
+    assert group == {"params": [], "lr": 0.01, "momentum": 0.5}
+
+
+def test_declarations_keep_each_groups_constructor_options_only():
     weight, bias = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(1))
     defaults = {"lr": 0.1, "foreach": None, "fused": True, "eps": 1e-8}
     groups = [
@@ -134,7 +163,13 @@ def test_server_groups_keep_each_groups_constructor_options_only():
         {"params": [bias], "lr": 0.1, "foreach": None, "fused": True, "eps": 1e-6},
     ]
 
-    assert server_groups(groups, defaults) == [([weight], {"lr": 0.5, "eps": 1e-8}), ([bias], {"lr": 0.1, "eps": 1e-6})]
+    declared, tables = declarations(groups, defaults, [], set())
+
+    assert [(d.params, d.options) for d in declared] == [
+        ([weight], {"lr": 0.5, "eps": 1e-8}),
+        ([bias], {"lr": 0.1, "eps": 1e-6}),
+    ]
+    assert tables == [] and declared[1].group is groups[2]
 
 
 def test_tables_of_whole_models_is_a_pure_choice():
