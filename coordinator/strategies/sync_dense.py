@@ -83,7 +83,8 @@ class SyncDense:
             )
         if len(specs) > 1:
             raise RuntimeError(
-                "sync_dense: the dense variables must share one optimizer (the workers apply it to all of them); "
+                "sync_dense: the dense variables must share one optimizer and one set of options (the workers "
+                "apply it to all of them), so param groups with options of their own are not supported here: "
                 f"got {len(specs)}: {sorted(str(s) for s in specs)}"
             )
         spec = specs.pop() if specs else None

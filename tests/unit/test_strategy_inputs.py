@@ -219,3 +219,19 @@ def test_the_servers_own_optimizers_are_not_taken_for_the_users(strategy):
 
     assert {v.optimizer.name for v in strategy.variables.values()} == {"SGD"}
     assert type(optimizer).__name__ == "SGD" and type(optimizer) is not torch.optim.SGD  # linked to the servers
+
+
+def test_hybrid_training_refuses_param_groups_with_options_of_their_own():
+    """The workers apply one optimizer to every replicated layer: a group's own rate would be
+    lost there, so it is refused before the first round, naming why."""
+    strategy = ParameterServerStrategy(CLUSTER, sync_dense=True)
+    try:
+        with strategy.scope():
+            net = Net()
+            torch.optim.SGD(
+                [{"params": net.body[0].parameters(), "lr": 0.5}, {"params": net.body[2].parameters()}], lr=0.1
+            )
+        with pytest.raises(RuntimeError, match="param groups with options of their own"):
+            strategy.sync_dense.settings()
+    finally:
+        strategy.close()
