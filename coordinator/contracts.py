@@ -185,7 +185,8 @@ class DenseSettings:
 
     variables: tuple[str, ...]
     optimizer: bytes
-    """cloudpickle of (torch.optim class, keyword arguments)."""
+    """cloudpickle of (torch.optim class, [(variable names, keyword arguments)]): a param group
+    per set of options."""
     state_epoch: int
     """Counts the strategy's restores of the dense values (a checkpoint restore)."""
 

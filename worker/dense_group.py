@@ -285,7 +285,7 @@ class DenseReplicas:
         self._optimizer: torch.optim.Optimizer | None = None
         self._optimizer_spec = b""
         self._wanted_optimizer = b""
-        """The optimizer the current round asks for (cloudpickle of class and kwargs)."""
+        """The optimizer the current round asks for (cloudpickle of its class and param groups)."""
         self._epoch = -1
         self._version = -1
         """Dense steps applied since this epoch's values were loaded; -1: no state."""
@@ -569,12 +569,16 @@ class DenseReplicas:
             return
         if not all(name in self._variables.parameters for name in self._names):
             return  # no values yet: built once they arrive (_synchronize)
-        cls, kwargs = cloudpickle.loads(spec)
-        if self._optimizer is not None and type(self._optimizer) is cls:
-            for group in self._optimizer.param_groups:
+        cls, groups = cloudpickle.loads(spec)
+        parameters = dict(zip(self._names, self._parameters()))
+        current = self._optimizer
+        held = [[id(p) for p in group["params"]] for group in current.param_groups] if current is not None else []
+        if type(current) is cls and held == [[id(parameters[n]) for n in names] for names, _ in groups]:
+            assert current is not None
+            for group, (_, kwargs) in zip(current.param_groups, groups):  # the same groups: their state kept
                 group.update(kwargs)
         else:
-            self._optimizer = cls(self._parameters(), **kwargs)
+            self._optimizer = cls([{"params": [parameters[n] for n in names], **kwargs} for names, kwargs in groups])
         self._optimizer_spec = spec
 
     def _drop_state(self) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import io
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import cloudpickle
@@ -24,15 +24,26 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from paramserve.coordinator.contracts import DenseSettings
+from paramserve.psserver.optimizer import OptimizerSpec
 from paramserve.worker.variables import SettleBeforeForward, variable_name
 
 if TYPE_CHECKING:
     from paramserve.coordinator.strategies.parameter_server import ParameterServerStrategy
 
-__all__ = ["SyncDense"]
+__all__ = ["SyncDense", "dense_groups"]
 
 READ_TIMEOUT = 600.0
 """How long reading the workers' dense state waits for the round running to end."""
+
+
+def dense_groups(specs: Sequence[tuple[str, OptimizerSpec | None]]) -> list[tuple[tuple[str, ...], OptimizerSpec]]:
+    """The workers' param groups: the replicated variables (in the order given) gathered by their
+    optimizer spec (a group per set of options, in order of first appearance)."""
+    groups: dict[OptimizerSpec, list[str]] = {}
+    for name, spec in specs:
+        if spec is not None:
+            groups.setdefault(spec, []).append(name)
+    return [(tuple(names), spec) for spec, names in groups.items()]
 
 
 class SyncDense:
@@ -81,14 +92,17 @@ class SyncDense:
                 f"sync_dense: dense variables {missing} have no optimizer: build the torch optimizer inside "
                 "strategy.scope() or declare it with strategy.optimizer(...) before the first schedule()"
             )
-        if len(specs) > 1:
+        if len({spec.name for spec in specs if spec is not None}) > 1:
             raise RuntimeError(
-                "sync_dense: the dense variables must share one optimizer and one set of options (the workers "
-                "apply it to all of them), so param groups with options of their own are not supported here: "
-                f"got {len(specs)}: {sorted(str(s) for s in specs)}"
+                "sync_dense: the dense variables must share one optimizer class (the workers apply one "
+                f"optimizer to all of them, a param group per set of options); got {sorted(str(s) for s in specs)}"
             )
-        spec = specs.pop() if specs else None
-        optimizer = cloudpickle.dumps((getattr(torch.optim, spec.name), dict(spec.kwargs))) if spec else b""
+        groups = dense_groups([(n, variables[n].optimizer) for n in names])
+        optimizer = (
+            cloudpickle.dumps((getattr(torch.optim, groups[0][1].name), [(g, dict(s.kwargs)) for g, s in groups]))
+            if groups
+            else b""
+        )
         return DenseSettings(names, optimizer, self._epoch)
 
     def initial_state(self) -> bytes:

@@ -39,7 +39,10 @@ def build(cluster, **options):
     torch.manual_seed(0)
     with strategy.scope():
         model = DLRM(TABLE_ROWS, embeddings=ShardedEmbeddingCollection)
-        optimizer = torch.optim.Adagrad(model.parameters(), lr=0.05)
+        # A param group of its own for the top layers: the workers apply each group's options.
+        optimizer = torch.optim.Adagrad(
+            [{"params": model.bottom.parameters()}, {"params": model.top.parameters(), "lr": 0.04}], lr=0.05
+        )
     return strategy, model, optimizer
 
 

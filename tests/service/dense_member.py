@@ -32,7 +32,7 @@ def main(plan: dict) -> None:
     initial = {name: torch.tensor(values) for name, values in plan["initial"].items()}
     buffer = io.BytesIO()
     torch.save({"version": 0, "values": initial, "optimizer": None, "applied": []}, buffer)
-    optimizer = cloudpickle.dumps((torch.optim.SGD, {"lr": plan["lr"]}))
+    optimizer = cloudpickle.dumps((torch.optim.SGD, [(tuple(sorted(initial)), {"lr": plan["lr"]})]))
     outcomes = []
     for round_ in plan["rounds"]:
         spec = GroupSpec(round_["generation"], round_["rank"], round_["world"], plan["store"], "127.0.0.1", 20.0)
