@@ -517,6 +517,33 @@ class ParameterServerClient:
         )
         return sum(results.values())
 
+    def set_hyperparameters_of(self, values: Mapping[str, float], variables: Sequence[str]) -> int:
+        """``set_hyperparameters`` of several variables in one call per server (a scheduler's
+        rate for a model's variables costs one round trip, not one per variable); returns how
+        many shards changed."""
+        by_server: dict[int, list[str]] = {}
+        for name in dict.fromkeys(variables):
+            servers = (
+                range(len(self.addresses)) if name in self._dynamic else {s.server for s in self.layout(name).shards}
+            )
+            for server in servers:
+                by_server.setdefault(server, []).append(name)
+        text = json.dumps(dict(values))
+        results = self._calls.fan_out(
+            by_server,
+            lambda server, names: (
+                self._stubs[server]
+                .unary(
+                    "SetHyperparameters",
+                    ps_pb2.SetHyperparametersRequest(variable=names[0], variables=names[1:], values_json=text),
+                    ps_pb2.SetHyperparametersResponse,
+                    self._options,
+                )
+                .shards_updated
+            ),
+        )
+        return sum(results.values())
+
     def delete_variable(self, name: str) -> None:
         if name in self._dynamic:
             servers = {server: None for server in range(len(self.addresses))}

@@ -643,7 +643,9 @@ class ShardOptimizer:
         ``amsgrad`` after Adam has stepped): create a new variable for that.
         """
         updated = updated_spec(self._spec, values)
-        if self._state():  # else torch will create whatever state the new spec needs
+        # Without state torch creates whatever the new spec needs; a rate alone never changes the
+        # slots (checking costs a trial step: a scheduler may set a rate every step).
+        if self._state() and set(values) != {"lr"}:
             same_state_layout(self._spec, _layout_for(self._spec, self._param), _layout_for(updated, self._param))
         return updated
 

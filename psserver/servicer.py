@@ -189,7 +189,10 @@ class ParameterServerServicer:
         self._admit(context)
         request = parse(ps_pb2.SetHyperparametersRequest, raw)
         values = _hyperparameters(request.values_json)
-        updated = self._store.set_hyperparameters(request.variable or None, values)
+        names = [name for name in (request.variable, *request.variables) if name]
+        updated = sum(self._store.set_hyperparameters(name, values) for name in names) if names else None
+        if updated is None:  # no variable named: every variable
+            updated = self._store.set_hyperparameters(None, values)
         return ps_pb2.SetHyperparametersResponse(shards_updated=updated).SerializeToString()
 
     @unary_boundary

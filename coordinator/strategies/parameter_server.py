@@ -712,9 +712,11 @@ class ParameterServerStrategy(SingleReplicaStrategy):
                 if params is None
                 else self._variable_names(params)
             )
+        # One call per server for all of them (replicated: the next round carries them).
+        self.client.set_hyperparameters_of(
+            values, [n for n in names if n in self._created and not self._variables[n].replicated]
+        )
         for name in names:
-            if name in self._created and not self._variables[name].replicated:  # replicated: the next round
-                self.client.set_hyperparameters(dict(values), variable=name)
             with self._lock:
                 variable = self._variables[name]
                 if variable.optimizer is not None:

@@ -129,6 +129,21 @@ def test_learning_rate_can_be_changed_on_the_servers(start_ps, make_client):
     torch.testing.assert_close(client.pull(["w"]).tensors["w"], torch.full((3,), -0.1))
 
 
+def test_one_call_per_server_sets_the_rate_of_the_variables_it_names_and_no_other(start_ps, make_client):
+    """What a torch LR scheduler's step sends for a model: every variable of its group at once."""
+    client = make_client([start_ps().address, start_ps().address])
+    for name in ("a", "b", "c"):
+        client.create_variable(name, torch.zeros(4), optimizer=SGD, partitioner=FixedShardsPartitioner(2))
+
+    assert client.set_hyperparameters_of({"lr": 0.25}, ["a", "b"]) == 4  # two shards each
+    client.push({name: torch.ones(4) for name in ("a", "b", "c")})
+
+    pulled = client.pull(["a", "b", "c"]).tensors
+    torch.testing.assert_close(pulled["a"], torch.full((4,), -0.25))
+    torch.testing.assert_close(pulled["b"], torch.full((4,), -0.25))
+    torch.testing.assert_close(pulled["c"], torch.full((4,), -0.5), msg="c keeps SGD's 0.5")
+
+
 def test_stop_and_close_leave_no_thread_behind(start_ps, make_client):
     import threading
 

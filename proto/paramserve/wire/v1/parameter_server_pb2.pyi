@@ -238,12 +238,14 @@ class RestoreResponse(_message.Message):
     def __init__(self, shards: _Optional[_Iterable[_Union[ShardInfo, _Mapping]]] = ...) -> None: ...
 
 class SetHyperparametersRequest(_message.Message):
-    __slots__ = ("variable", "values_json")
+    __slots__ = ("variable", "values_json", "variables")
     VARIABLE_FIELD_NUMBER: _ClassVar[int]
     VALUES_JSON_FIELD_NUMBER: _ClassVar[int]
+    VARIABLES_FIELD_NUMBER: _ClassVar[int]
     variable: str
     values_json: str
-    def __init__(self, variable: _Optional[str] = ..., values_json: _Optional[str] = ...) -> None: ...
+    variables: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, variable: _Optional[str] = ..., values_json: _Optional[str] = ..., variables: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SetHyperparametersResponse(_message.Message):
     __slots__ = ("shards_updated",)
