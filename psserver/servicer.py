@@ -190,9 +190,7 @@ class ParameterServerServicer:
         request = parse(ps_pb2.SetHyperparametersRequest, raw)
         values = _hyperparameters(request.values_json)
         names = [name for name in (request.variable, *request.variables) if name]
-        updated = sum(self._store.set_hyperparameters(name, values) for name in names) if names else None
-        if updated is None:  # no variable named: every variable
-            updated = self._store.set_hyperparameters(None, values)
+        updated = self._store.set_hyperparameters_of(names or [None], values)  # none named: every variable
         return ps_pb2.SetHyperparametersResponse(shards_updated=updated).SerializeToString()
 
     @unary_boundary

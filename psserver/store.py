@@ -706,24 +706,34 @@ class ShardStore:
         All or nothing: raises VariableNotFoundError for an unknown variable and
         InvalidRequestError for a variable without optimizer or a bad value.
         """
-        shards = self._select(variable)
-        tables = self.dynamic.hyperparameter_changes(variable or None, values)
-        if variable and not shards and not tables:
-            raise VariableNotFoundError("no shard of the variable is on this server", variable=variable)
-        if variable and any(shard.optimizer is None for shard in shards):
-            raise InvalidRequestError("the variable has no optimizer", variable=variable)
-        targets = [shard for shard in shards if shard.optimizer is not None]
-        with all_locked(targets):  # sorted: no other code holds two shard locks, so no deadlock
+        return self.set_hyperparameters_of([variable] if variable else [None], values)
+
+    def set_hyperparameters_of(self, variables: Sequence[str | None], values: Mapping[str, Any]) -> int:
+        """``set_hyperparameters`` of several variables at once (one request of a scheduler's
+        rate for a whole model), all or nothing across them: every one is checked first."""
+        changes = []
+        for variable in dict.fromkeys(variables):
+            shards = self._select(variable)
+            tables = self.dynamic.hyperparameter_changes(variable, values)
+            if variable and not shards and not tables:
+                raise VariableNotFoundError("no shard of the variable is on this server", variable=variable)
+            if variable and any(shard.optimizer is None for shard in shards):
+                raise InvalidRequestError("the variable has no optimizer", variable=variable)
+            changes.append((variable, [shard for shard in shards if shard.optimizer is not None], tables))
+        targets = [shard for _, shards, _ in changes for shard in shards]
+        with all_locked(sorted(targets, key=lambda shard: shard.ref)):  # sorted, as every multi-shard lock
             for shard in targets:
                 with about(shard.ref.variable):
                     shard.optimizer.with_hyperparameters(values)  # type: ignore[union-attr]
             for shard in targets:
                 shard.optimizer.set_hyperparameters(values)  # type: ignore[union-attr]
-            if targets:
-                self.replication.hyperparameters_set(variable, values)
-        for table, config in tables:  # validated above, so this cannot fail halfway
-            table.reconfigure(config)
-        return len(targets) + len(tables)
+            for variable, shards, _ in changes:
+                if shards:
+                    self.replication.hyperparameters_set(variable, values)
+        for _, _, tables in changes:  # validated above, so this cannot fail halfway
+            for table, config in tables:
+                table.reconfigure(config)
+        return len(targets) + sum(len(tables) for _, _, tables in changes)
 
 
 _PUSH_TRANSIENTS = 4

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import grpc
 import pytest
 import torch
 
@@ -9,6 +10,7 @@ from paramserve.psserver.errors import DtypeMismatchError, InvalidRequestError, 
 from paramserve.psserver.optimizer import OptimizerSpec
 from paramserve.psserver.partition import FixedShardsPartitioner
 from paramserve.psserver.types import RowGradient, ShardRef
+from paramserve.wire.v1 import parameter_server_pb2 as ps_pb2
 from paramserve.wire.v1 import tensor_pb2
 
 SGD = OptimizerSpec("SGD", {"lr": 0.5})
@@ -142,6 +144,19 @@ def test_one_call_per_server_sets_the_rate_of_the_variables_it_names_and_no_othe
     torch.testing.assert_close(pulled["a"], torch.full((4,), -0.25))
     torch.testing.assert_close(pulled["b"], torch.full((4,), -0.25))
     torch.testing.assert_close(pulled["c"], torch.full((4,), -0.5), msg="c keeps SGD's 0.5")
+
+
+def test_a_rate_for_several_variables_one_of_them_unknown_changes_none(start_ps, make_client):
+    client = make_client([start_ps().address])
+    client.create_variable("a", torch.zeros(4), optimizer=SGD)
+    request = ps_pb2.SetHyperparametersRequest(variable="a", variables=["nowhere"], values_json='{"lr": 0.25}')
+
+    with pytest.raises(grpc.RpcError) as refused:  # the raw call: the client would name the variable first
+        client._stubs[0].unary("SetHyperparameters", request, ps_pb2.SetHyperparametersResponse, client._options)
+    assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+    client.push({"a": torch.ones(4)})
+
+    torch.testing.assert_close(client.pull(["a"]).tensors["a"], torch.full((4,), -0.5), msg="a kept its 0.5")
 
 
 def test_stop_and_close_leave_no_thread_behind(start_ps, make_client):
