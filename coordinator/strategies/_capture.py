@@ -328,6 +328,12 @@ def _build_optimizer_class(cls: Any) -> type:
     def load_state_dict(self: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
         link_of(self).load_state_dict(state_dict)
 
+    def add_param_group(self: torch.optim.Optimizer, param_group: dict[str, Any]) -> None:
+        refuse = getattr(self.__dict__.get(LINK), "refuse_new_group", None)  # adopted already, elsewhere
+        if refuse is not None:
+            refuse()
+        cls.add_param_group(self, param_group)
+
     def __reduce_ex__(self: torch.optim.Optimizer, protocol: Any) -> Any:
         link = self.__dict__.get(LINK)
         stand_in = link.pickled_as() if link is not None else None
@@ -345,6 +351,7 @@ def _build_optimizer_class(cls: Any) -> type:
             "step": step,
             "zero_grad": zero_grad,
             "load_state_dict": load_state_dict,
+            "add_param_group": add_param_group,
             "__reduce_ex__": __reduce_ex__,
             "__module__": cls.__module__,
             "__qualname__": cls.__qualname__,

@@ -141,6 +141,15 @@ class _ServerOptimizerLink:
     def pickled_as(self) -> ServerOptimizer:
         return self.server_optimizer
 
+    def refuse_new_group(self) -> None:
+        """``add_param_group`` after the scope closed: the servers' optimizers are declared by then,
+        and a group added locally would never be stepped."""
+        raise RuntimeError(
+            "this optimizer's variables were declared to the parameter servers when its strategy.scope() "
+            "closed: a param group added now would never train; add it inside that scope, or declare "
+            "another optimizer for those parameters with strategy.optimizer(...)"
+        )
+
 
 def _server_optimizer(optimizer: Any) -> ServerOptimizer:
     """The ServerOptimizer behind ``optimizer`` (itself, or a torch optimizer built in scope)."""

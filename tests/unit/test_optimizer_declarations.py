@@ -182,3 +182,15 @@ def test_dense_groups_gather_variables_by_their_options():
     fast, slow = OptimizerSpec("SGD", {"lr": 0.5}), OptimizerSpec("SGD", {"lr": 0.1})
 
     assert dense_groups([("a", slow), ("b", fast), ("c", slow), ("d", None)]) == [(("a", "c"), slow), (("b",), fast)]
+
+
+def test_a_param_group_added_after_the_scope_closed_is_refused_not_left_untrained(strategy):
+    with strategy.scope():
+        net = Net()
+        optimizer = torch.optim.SGD(net.body[0].parameters(), lr=0.1)
+        optimizer.add_param_group({"params": net.body[2].weight, "lr": 0.2})  # in scope: declared with the rest
+    with pytest.raises(RuntimeError, match="would never train"):
+        optimizer.add_param_group({"params": net.body[2].bias})
+
+    assert stepped(optimizer) == {"net.body.0.weight", "net.body.0.bias", "net.body.2.weight"}
+    assert strategy.variables["net.body.2.weight"].optimizer.kwargs["lr"] == 0.2
