@@ -746,7 +746,7 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         """The servers apply ``lr`` to ``optimizer``'s variables from their next push."""
         server_optimizer = _server_optimizer(optimizer)
         self.set_server_hyperparameters({"lr": lr}, params=server_optimizer.variables)
-        server_optimizer.spec_kwargs["lr"] = lr
+        scope_optimizers.show_rate(optimizer, server_optimizer, lr)
 
     can_restore_model_weights = False  # variables are only assigned by a checkpoint restore
 

@@ -40,6 +40,7 @@ __all__ = [
     "RateWatchingGroup",
     "declarations",
     "hand_over",
+    "show_rate",
     "tables_of_whole_models",
     "watch_rates",
 ]
@@ -140,6 +141,16 @@ def watch_rates(
                 linked.spec_kwargs["lr"] = lr
 
         optimizer.param_groups[index] = RateWatchingGroup(declaration.group, changed)
+
+
+def show_rate(optimizer: Any, linked: ServerOptimizer, lr: float) -> None:
+    """A rate the servers apply now (``strategy.set_learning_rate``) is what ``optimizer``
+    shows too: ``linked.spec_kwargs`` and, for a torch optimizer built in scope, every param
+    group's ``"lr"``, as under the other strategies (written past RateWatchingGroup: the
+    servers have it already)."""
+    linked.spec_kwargs["lr"] = lr
+    for group in getattr(optimizer, "param_groups", ()):
+        dict.__setitem__(group, "lr", lr)
 
 
 def tables_of_whole_models(

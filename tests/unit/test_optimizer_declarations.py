@@ -194,3 +194,17 @@ def test_a_param_group_added_after_the_scope_closed_is_refused_not_left_untraine
 
     assert stepped(optimizer) == {"net.body.0.weight", "net.body.0.bias", "net.body.2.weight"}
     assert strategy.variables["net.body.2.weight"].optimizer.kwargs["lr"] == 0.2
+
+
+def test_a_rate_the_strategy_sets_is_the_rate_every_group_shows(strategy):
+    """``optimizer.param_groups[0]["lr"]`` reads the rate under every strategy (README's table)."""
+    with strategy.scope():
+        net = Net()
+        optimizer = torch.optim.SGD(
+            [{"params": net.body[0].parameters()}, {"params": net.body[2].parameters(), "lr": 0.2}], lr=0.1
+        )
+    strategy.set_learning_rate(optimizer, 0.01)
+
+    assert [group["lr"] for group in optimizer.param_groups] == [0.01, 0.01]
+    assert strategy.learning_rate(optimizer) == 0.01
+    assert {v.optimizer.kwargs["lr"] for v in strategy.variables.values()} == {0.01}
