@@ -154,16 +154,26 @@ class GrpcForwarder:
             )
         )
 
-    def hyperparameters(self, variable: str | None, values: Mapping[str, Any], epoch: int) -> None:
+    def hyperparameters(self, variables: Sequence[str | None], values: Mapping[str, Any], epoch: int) -> None:
+        """One call for all of ``variables`` (None: every variable). A joining backup may hold some
+        of them only (all or nothing, the call is refused): then one call each."""
         self._drain()
-        request = ps_pb2.SetHyperparametersRequest(variable=variable or "", values_json=json.dumps(dict(values)))
-        options = self._options(epoch)
+        names = [name or "" for name in variables] or [""]
         try:
-            self._call(
-                lambda: self._stub.unary("SetHyperparameters", request, ps_pb2.SetHyperparametersResponse, options)
-            )
+            self._set_hyperparameters(names, values, epoch)
         except VariableNotFoundError:
-            pass  # a joining backup that holds none of its shards yet: they arrive with the new values
+            for name in names if len(names) > 1 else ():
+                try:
+                    self._set_hyperparameters([name], values, epoch)
+                except VariableNotFoundError:
+                    pass  # a joining backup without its shards yet: they arrive with the new values
+
+    def _set_hyperparameters(self, names: Sequence[str], values: Mapping[str, Any], epoch: int) -> None:
+        request = ps_pb2.SetHyperparametersRequest(
+            variable=names[0], variables=names[1:], values_json=json.dumps(dict(values))
+        )
+        options = self._options(epoch)
+        self._call(lambda: self._stub.unary("SetHyperparameters", request, ps_pb2.SetHyperparametersResponse, options))
 
     def delete(self, variable: str, epoch: int) -> None:
         self._drain()

@@ -152,7 +152,7 @@ class Forwarder(Protocol):
 
     def shards(self, states: Sequence[ShardState], replace: bool, epoch: int) -> None: ...
 
-    def hyperparameters(self, variable: str | None, values: Mapping[str, Any], epoch: int) -> None: ...
+    def hyperparameters(self, variables: Sequence[str | None], values: Mapping[str, Any], epoch: int) -> None: ...
 
     def delete(self, variable: str, epoch: int) -> None: ...
 
@@ -266,9 +266,9 @@ class Replica:
 
         self._forward(what, send)
 
-    def hyperparameters_set(self, variable: str | None, values: Mapping[str, Any]) -> None:
+    def hyperparameters_set(self, variables: Sequence[str | None], values: Mapping[str, Any]) -> None:
         self._forward(
-            "new hyperparameters", lambda forwarder, epoch: forwarder.hyperparameters(variable, values, epoch)
+            "new hyperparameters", lambda forwarder, epoch: forwarder.hyperparameters(variables, values, epoch)
         )
 
     def variable_deleted(self, variable: str) -> None:

@@ -159,7 +159,7 @@ class ReplicationSink(Protocol):
     def shards_written(self, states: Callable[[], Sequence[ShardState]], replace: bool) -> None:
         """``states()`` copies the written shards: called only by a primary that forwards them."""
 
-    def hyperparameters_set(self, variable: str | None, values: Mapping[str, Any]) -> None: ...
+    def hyperparameters_set(self, variables: Sequence[str | None], values: Mapping[str, Any]) -> None: ...
 
     def variable_deleted(self, variable: str) -> None: ...
 
@@ -179,7 +179,7 @@ class _Unreplicated:
     def shards_written(self, states: Callable[[], Sequence[ShardState]], replace: bool) -> None:
         pass
 
-    def hyperparameters_set(self, variable: str | None, values: Mapping[str, Any]) -> None:
+    def hyperparameters_set(self, variables: Sequence[str | None], values: Mapping[str, Any]) -> None:
         pass
 
     def variable_deleted(self, variable: str) -> None:
@@ -727,9 +727,9 @@ class ShardStore:
                     shard.optimizer.with_hyperparameters(values)  # type: ignore[union-attr]
             for shard in targets:
                 shard.optimizer.set_hyperparameters(values)  # type: ignore[union-attr]
-            for variable, shards, _ in changes:
-                if shards:
-                    self.replication.hyperparameters_set(variable, values)
+            changed = [variable for variable, shards, _ in changes if shards]
+            if changed:  # one forward for all of them (None: every variable)
+                self.replication.hyperparameters_set(changed, values)
         for _, _, tables in changes:  # validated above, so this cannot fail halfway
             for table, config in tables:
                 table.reconfigure(config)

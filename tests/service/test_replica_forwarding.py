@@ -90,6 +90,8 @@ def test_a_backup_applies_every_write_of_its_primary_bit_for_bit(pair, make_clie
         client.push({"w": torch.randn(64, 8), "emb": RowGradient(rows, torch.randn(3, 4))}, key=f"k{step}")
         if step == 5:
             client.set_hyperparameters({"lr": 0.5}, variable="w")  # between pushes: in the same order
+        if step == 8:  # several variables in one call, forwarded as one
+            client.set_hyperparameters_of({"lr": 0.05}, ["emb", "gone"])
     client.push({"w": torch.randn(64, 8)}, key="k3")  # a retry: a duplicate on both
     client.delete_variable("gone")
     assert_identical(exported(address(primary)), exported(address(backup)))
@@ -97,6 +99,7 @@ def test_a_backup_applies_every_write_of_its_primary_bit_for_bit(pair, make_clie
     assert {ref.variable for ref in state} == {"w", "emb"}
     assert all(shard.version == 12 for shard in state.values())
     assert next(s for r, s in state.items() if r.variable == "w").optimizer.kwargs["lr"] == 0.5
+    assert next(s for r, s in state.items() if r.variable == "emb").optimizer.kwargs["lr"] == 0.05
 
 
 def test_writes_sent_another_way_wait_for_the_pushes_before_them(pair, one_client) -> None:  # type: ignore[no-untyped-def]

@@ -98,7 +98,7 @@ class FakeForwarder:
         if self.fail is not None:
             raise self.fail
 
-    def hyperparameters(self, variable, values, epoch):  # type: ignore[no-untyped-def]
+    def hyperparameters(self, variables, values, epoch):  # type: ignore[no-untyped-def]
         pass
 
     def delete(self, variable, epoch):  # type: ignore[no-untyped-def]
