@@ -9,28 +9,18 @@ from __future__ import annotations
 import cloudpickle
 import pytest
 import torch
+from scope_models import CLUSTER, Net, undialled_strategy
 from torch import nn
 
-from paramserve.coordinator import ClusterSpec, ParameterServerStrategy, ShardedEmbedding
+from paramserve.coordinator import ParameterServerStrategy, ShardedEmbedding
 from paramserve.coordinator.strategies.scope_optimizers import RateWatchingGroup, declarations, tables_of_whole_models
 from paramserve.coordinator.strategies.sync_dense import dense_groups
 from paramserve.psserver.optimizer import OptimizerSpec
 
-CLUSTER = ClusterSpec(parameter_servers=("127.0.0.1:1",), workers=("127.0.0.1:2",))
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.body = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
-        self.table = ShardedEmbedding(100, 4)
-
 
 @pytest.fixture
 def strategy():
-    strategy = ParameterServerStrategy(CLUSTER)
-    yield strategy
-    strategy.close()
+    yield from undialled_strategy()
 
 
 def stepped(optimizer):

@@ -5,32 +5,20 @@ from __future__ import annotations
 
 import pytest
 import torch
+from scope_models import Net, undialled_strategy
 from torch import nn
 
 from paramserve.coordinator import (
     CheckpointManager,
-    ClusterSpec,
-    ParameterServerStrategy,
     ShardedEmbedding,
     load_state_dict,
 )
 from paramserve.psserver.errors import CheckpointError
 
-CLUSTER = ClusterSpec(parameter_servers=("127.0.0.1:1",), workers=("127.0.0.1:2",))
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.body = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
-        self.table = ShardedEmbedding(100, 4)
-
 
 @pytest.fixture
 def strategy():
-    strategy = ParameterServerStrategy(CLUSTER)
-    yield strategy
-    strategy.close()
+    yield from undialled_strategy()
 
 
 def test_scope_names_variables_after_the_model_and_its_tables(strategy):
