@@ -501,21 +501,9 @@ class ParameterServerClient:
         """Changes optimizer hyperparameters of ``variable`` (dense or a dynamic table) on the
         servers holding its shards, or of every variable on every server for None; returns how
         many shards changed."""
-        request = ps_pb2.SetHyperparametersRequest(variable=variable or "", values_json=json.dumps(dict(values)))
-        if variable and variable not in self._dynamic:  # only its servers: the others hold none of it
-            servers = {s.server: None for s in self.layout(variable).shards}
-        else:
-            servers = {server: None for server in range(len(self.addresses))}
-        results = self._calls.fan_out(
-            servers,
-            lambda server, _: (
-                self._stubs[server]
-                .unary("SetHyperparameters", request, ps_pb2.SetHyperparametersResponse, self._options)
-                .shards_updated
-            ),
-            variable=variable,
-        )
-        return sum(results.values())
+        if variable:
+            return self.set_hyperparameters_of(values, [variable])
+        return self._send_hyperparameters(values, {server: [""] for server in range(len(self.addresses))})
 
     def set_hyperparameters_of(self, values: Mapping[str, float], variables: Sequence[str]) -> int:
         """``set_hyperparameters`` of several variables in one call per server (a scheduler's
@@ -528,6 +516,12 @@ class ParameterServerClient:
             )
             for server in servers:
                 by_server.setdefault(server, []).append(name)
+        return self._send_hyperparameters(values, by_server, variables[0] if len(variables) == 1 else None)
+
+    def _send_hyperparameters(
+        self, values: Mapping[str, float], by_server: Mapping[int, Sequence[str]], variable: str | None = None
+    ) -> int:
+        """One SetHyperparameters call per server, naming its variables ("": every variable)."""
         text = json.dumps(dict(values))
         results = self._calls.fan_out(
             by_server,
@@ -541,6 +535,7 @@ class ParameterServerClient:
                 )
                 .shards_updated
             ),
+            variable=variable,
         )
         return sum(results.values())
 

@@ -90,7 +90,7 @@ def declarations(
     group; the tables it takes (``tables_of_whole_models``) join its first group (its options,
     its rate), and are returned too."""
     declared = [
-        GroupDeclaration(g, list(g["params"]), server_options(g, defaults)) for g in groups if list(g["params"])
+        GroupDeclaration(g, params, server_options(g, defaults)) for g in groups if (params := list(g["params"]))
     ]
     tables = tables_of_whole_models([p for d in declared for p in d.params], models, untrained)
     if declared:
