@@ -201,6 +201,12 @@ class OptimizerLink(Protocol):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """A group added after the scope closed: onto every replica's optimizer too (or refused
+        where it could never train)."""
+
     def pickled_as(self) -> Any:
         """What the optimizer becomes when pickled (e.g. sent to a worker); None: a plain
         copy of the user's optimizer."""
@@ -328,11 +334,16 @@ def _build_optimizer_class(cls: Any) -> type:
     def load_state_dict(self: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
         link_of(self).load_state_dict(state_dict)
 
+    def state_dict(self: torch.optim.Optimizer) -> dict[str, Any]:
+        link = self.__dict__.get(LINK)
+        return cls.state_dict(self) if link is None else link.state_dict()
+
     def add_param_group(self: torch.optim.Optimizer, param_group: dict[str, Any]) -> None:
-        refuse = getattr(self.__dict__.get(LINK), "refuse_new_group", None)  # adopted already, elsewhere
-        if refuse is not None:
-            refuse()
-        cls.add_param_group(self, param_group)
+        link = self.__dict__.get(LINK)  # none yet: in scope (torch's own __init__ adds the first groups)
+        if link is None:
+            cls.add_param_group(self, param_group)
+        else:
+            link.add_param_group(param_group)
 
     def __reduce_ex__(self: torch.optim.Optimizer, protocol: Any) -> Any:
         link = self.__dict__.get(LINK)
@@ -351,6 +362,7 @@ def _build_optimizer_class(cls: Any) -> type:
             "step": step,
             "zero_grad": zero_grad,
             "load_state_dict": load_state_dict,
+            "state_dict": state_dict,
             "add_param_group": add_param_group,
             "__reduce_ex__": __reduce_ex__,
             "__module__": cls.__module__,

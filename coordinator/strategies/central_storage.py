@@ -138,9 +138,14 @@ class _CentralOptimizer:
         self.strategy = strategy
         self.optimizer = optimizer
         self.base = _capture.base_class(optimizer)
-        self.params = _flat_params(optimizer)
+        self._map_replicas()
+
+    def _map_replicas(self) -> None:
+        """Each central parameter the optimizer steps, and its copy on each replica."""
+        self.params = _flat_params(self.optimizer)
         self.replica_params = [
-            [strategy._param_replicas[id(p)][r] for p in self.params] for r in range(strategy.num_replicas_in_sync)
+            [self.strategy._param_replicas[id(p)][r] for p in self.params]
+            for r in range(self.strategy.num_replicas_in_sync)
         ]
 
     def step(self, closure: Callable[[], Any] | None) -> Any:
@@ -176,6 +181,14 @@ class _CentralOptimizer:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.base.load_state_dict(self.optimizer, state_dict)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.base.state_dict(self.optimizer)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """On the central optimizer; its parameters' replica gradients are gathered from then on."""
+        self.strategy._add_group_in_place(self.optimizer, param_group)
+        self._map_replicas()
 
     def pickled_as(self) -> None:
         return None  # a pickled (or deep-copied) optimizer is a plain one of the user's class

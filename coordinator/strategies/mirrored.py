@@ -299,5 +299,15 @@ class _MirroredOptimizer:
         for replica in self.replicas:
             self.base.load_state_dict(replica, copy.deepcopy(state_dict))
 
+    def state_dict(self) -> dict[str, Any]:
+        return self.base.state_dict(self.optimizer)  # replica 0's: the user's optimizer is replica 0
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """On every replica's optimizer, each with its own copies of the group's parameters."""
+        group = self.strategy._add_group_in_place(self.optimizer, param_group)
+        for r, replica in enumerate(self.replicas[1:], start=1):
+            params = [self.strategy._param_replicas[id(p)][r] for p in group["params"]]
+            self.base.add_param_group(replica, {**group, "params": params})
+
     def pickled_as(self) -> None:
         return None  # a pickled (or deep-copied) optimizer is a plain one of the user's class

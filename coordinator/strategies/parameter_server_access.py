@@ -133,22 +133,33 @@ class _ServerOptimizerLink:
         self.server_optimizer.zero_grad(set_to_none)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        raise RuntimeError(_STATE_ON_SERVERS + "restore it with CheckpointManager(strategy, directory).restore(...)")
+
+    def state_dict(self) -> dict[str, Any]:
+        """Refused rather than answered with the coordinator's empty local state: a file saved
+        from it would restore no momentum or moments, and the loss would show it only later."""
         raise RuntimeError(
-            "an optimizer of a ParameterServerStrategy keeps its state on the parameter servers: restore it "
-            "with CheckpointManager(strategy, directory).restore(...), not load_state_dict"
+            _STATE_ON_SERVERS + "save it, with the variables, by CheckpointManager(strategy, directory).save(step), "
+            "or export the model's weights alone with export_state_dict(strategy, path, model)"
         )
 
     def pickled_as(self) -> ServerOptimizer:
         return self.server_optimizer
 
-    def refuse_new_group(self) -> None:
-        """``add_param_group`` after the scope closed: the servers' optimizers are declared by then,
-        and a group added locally would never be stepped."""
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Refused: the servers' optimizers are declared when the scope closes, and a group
+        added locally afterwards would never be stepped."""
         raise RuntimeError(
             "this optimizer's variables were declared to the parameter servers when its strategy.scope() "
             "closed: a param group added now would never train; add it inside that scope, or declare "
             "another optimizer for those parameters with strategy.optimizer(...)"
         )
+
+
+_STATE_ON_SERVERS = (
+    "an optimizer of a ParameterServerStrategy keeps its state (momentum, moments, step counts) on the "
+    "parameter servers, not in this process: "
+)
 
 
 def _server_optimizer(optimizer: Any) -> ServerOptimizer:

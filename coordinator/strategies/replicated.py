@@ -201,6 +201,23 @@ class _ReplicatedStrategy(Strategy):
                 f"{type(self).__name__}.scope(): build the model inside the scope too (before the optimizer)"
             )
 
+    def _add_group_in_place(self, optimizer: torch.optim.Optimizer, param_group: dict[str, Any]) -> dict[str, Any]:
+        """``optimizer.add_param_group`` after the scope closed, on the user's optimizer itself:
+        torch fills in and checks the group, then the group's parameters must be ones this
+        strategy replicates (else the group is taken back and refused). Returns the group as
+        torch stored it, for the strategy to mirror onto its replicas."""
+        _capture.base_class(optimizer).add_param_group(optimizer, param_group)
+        group = optimizer.param_groups[-1]
+        strangers = [p for p in group["params"] if id(p) not in self._param_replicas]
+        if strangers:
+            optimizer.param_groups.pop()
+            raise RuntimeError(
+                f"the param group added to {type(optimizer).__name__} holds {len(strangers)} parameter(s) of no "
+                f"module built in {type(self).__name__}.scope(): they would not be replicated; build their "
+                "module inside the scope"
+            )
+        return group
+
     def _link_tree(self, original: nn.Module, replicas: Sequence[nn.Module]) -> None:
         """Points every module of ``original``'s tree at its counterparts in ``replicas``."""
         trees = [list(r.modules()) for r in replicas]

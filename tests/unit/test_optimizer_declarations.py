@@ -186,6 +186,18 @@ def test_a_param_group_added_after_the_scope_closed_is_refused_not_left_untraine
     assert strategy.variables["net.body.2.weight"].optimizer.kwargs["lr"] == 0.2
 
 
+def test_the_state_dict_of_an_optimizer_whose_state_is_on_the_servers_is_refused_not_empty(strategy):
+    """Saving the coordinator's local state would write a file with no momentum in it, and the
+    loss would only show that after a restore: refused, naming the way that saves the slots."""
+    with strategy.scope():
+        net = Net()
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(RuntimeError, match=r"on the parameter servers.*CheckpointManager\(strategy, directory\)\.save"):
+        optimizer.state_dict()
+    with pytest.raises(RuntimeError, match=r"CheckpointManager\(strategy, directory\)\.restore"):
+        optimizer.load_state_dict({"state": {}, "param_groups": []})
+
+
 def test_a_rate_the_strategy_sets_is_the_rate_every_group_shows(strategy):
     """``optimizer.param_groups[0]["lr"]`` reads the rate under every strategy (README's table)."""
     with strategy.scope():

@@ -145,6 +145,57 @@ def test_central_storage_training_matches_one_device(data, initial_state):
             assert torch.equal(central, local)  # refreshed from the central values after each step
 
 
+@pytest.mark.parametrize(
+    "factory",
+    [
+        lambda: MirroredStrategy(devices=["cpu:0", "cpu:1"]),
+        lambda: CentralStorageStrategy(compute_devices=["cpu:0", "cpu:1"]),
+    ],
+    ids=["mirrored", "central_storage"],
+)
+def test_a_param_group_added_after_the_scope_closed_trains_as_on_one_device(factory, data, initial_state):
+    """torch lets a group join an optimizer at any time (fine-tuning unfreezes layers so): it
+    trains on every replica, with its own options, and the optimizer's state_dict holds it."""
+    x, y = data
+    reference = make_mlp()
+    reference.load_state_dict(initial_state)
+    ref_opt = torch.optim.SGD(reference[0].parameters(), lr=LR, momentum=MOMENTUM)
+    ref_opt.add_param_group({"params": reference[2].parameters(), "lr": LR / 2})
+    strategy = factory()
+    with strategy.scope():
+        model = make_mlp()
+        model.load_state_dict(initial_state)
+        optimizer = torch.optim.SGD(model[0].parameters(), lr=LR, momentum=MOMENTUM)
+    optimizer.add_param_group({"params": model[2].parameters(), "lr": LR / 2})
+
+    def step(batch):
+        optimizer.zero_grad()
+        compute_average_loss(per_example_loss(model, *batch)).backward()
+        optimizer.step()
+
+    for batch in strategy.experimental_distribute_dataset([(x, y)] * STEPS):
+        strategy.run(step, args=(batch,))
+        ref_opt.zero_grad()
+        per_example_loss(reference, x, y).mean().backward()
+        ref_opt.step()
+    assert_close_to(model, reference)
+    saved = optimizer.state_dict()
+    assert [group["lr"] for group in saved["param_groups"]] == [LR, LR / 2]
+    assert sorted(saved["state"]) == [0, 1, 2, 3]
+    want = ref_opt.state_dict()["state"][3]["momentum_buffer"]
+    torch.testing.assert_close(saved["state"][3]["momentum_buffer"], want)
+
+
+def test_a_param_group_of_a_module_built_outside_the_scope_is_refused_and_not_kept(initial_state):
+    strategy = MirroredStrategy(devices=["cpu:0", "cpu:1"])
+    with strategy.scope():
+        model = make_mlp()
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    with pytest.raises(RuntimeError, match="no module built in MirroredStrategy.scope"):
+        optimizer.add_param_group({"params": nn.Linear(2, 2).parameters()})
+    assert len(optimizer.param_groups) == 1
+
+
 def test_one_device_strategy_runs_once_and_yields_plain_batches(data, initial_state):
     x, y = data
     strategy = OneDeviceStrategy("cpu")
