@@ -106,3 +106,21 @@ def test_debug_shows_the_traceback(capsys):
 def test_version():
     result = subprocess.run([*CLI, "--version"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and result.stdout.startswith("paramserve ")
+
+
+@pytest.mark.parametrize(
+    ("argv", "chosen"),
+    [(["ps", "--port", "0"], "ps"), (["--debug", "worker"], "worker"), (["--help"], None), (["serve"], None)],
+)
+def test_the_command_a_process_names_is_the_only_one_it_imports(argv, chosen):
+    assert cli.chosen_command(argv) == chosen
+
+
+def test_a_parser_built_for_one_command_still_lists_every_command(capsys):
+    parser = cli.build_parser(["health", "127.0.0.1:1"])
+    args = parser.parse_args(["health", "127.0.0.1:1"])
+    assert args.subparser.prog == "paramserve health"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--help"])
+    listed = capsys.readouterr().out
+    assert all(command.name in listed for command in cli.SUBCOMMANDS)
