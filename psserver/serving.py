@@ -293,8 +293,10 @@ def server_options(max_message_bytes: int, max_connections: int = DEFAULT_MAX_CO
         ("grpc.max_connection_idle_ms", MAX_CONNECTION_IDLE_MS),
         ("grpc.max_allowed_incoming_connections", max_connections),
         # Clients ping during calls that move no data for a while (a long closure): allow their rate,
-        # or gRPC's default (one ping per 5 minutes) ends such a call with GOAWAY "too_many_pings".
-        ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
+        # or gRPC's default (one ping per 5 minutes) ends such a call with GOAWAY "too_many_pings"
+        # at its third ping (GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS is spelt so; an
+        # unknown key is ignored silently, as a misspelt one was until 2026-11-26).
+        ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
         *TCP_READ_OPTIONS,
     ]
 
