@@ -82,8 +82,8 @@ def chosen_command(argv: list[str]) -> str | None:
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The whole parser; given ``argv`` that names a subcommand, only that subcommand's module
-    is imported: each process of a cluster starts without the others' imports (the
-    coordinator's cost a server about 2 s of CPU at every start)."""
+    is imported: each process starts without the other commands' imports (about a second of
+    CPU at every start of a server on a small machine)."""
     chosen = chosen_command(argv) if argv is not None else None
     parser = OneLineParser(
         prog="paramserve",
