@@ -7,8 +7,10 @@ who want a cluster on one machine::
         strategy = ParameterServerStrategy(cluster.spec)
         ...
 
-Each server is a fresh interpreter (``python -m <module>``; gRPC and fork do not
-mix) in its own session, so a Ctrl-C in the terminal reaches only this process,
+Each server runs ``python -m <module>`` in its own session. By default it is forked from a
+zygote (psserver/zygote.py) that has imported torch but never gRPC (gRPC and fork do not mix), so
+a start or restart costs about a second of CPU instead of three; ``preload=False``, or a zygote
+that cannot start, gives a fresh interpreter each. A Ctrl-C in the terminal reaches only this process,
 which then stops the servers itself: from ``__exit__``, from ``start()`` when it
 fails, or from an ``atexit`` hook when the program ends without stopping them. A program
 killed outright (SIGKILL, the OOM killer) runs none of these; each server's stdin is a pipe
@@ -36,11 +38,12 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, Protocol
 
 from paramserve.coordinator.cluster import ClusterSpec
 from paramserve.psserver.cpus import PROCESSES_ENV, torch_threads, usable_cpus
 from paramserve.psserver.errors import ConfigurationError
+from paramserve.psserver.zygote import ZygoteError, shared_zygote
 
 __all__ = ["ClusterState", "LaunchError", "LocalCluster", "PortReport", "ProcessInfo", "parse_port_report"]
 
@@ -100,13 +103,26 @@ class PortReport:
     pid: int
 
 
+class ChildProcess(Protocol):
+    """What the cluster needs of a started process: ``subprocess.Popen``, or a
+    ``PreloadedProcess`` forked by a zygote."""
+
+    pid: int
+    stdin: IO[bytes] | None
+    returncode: Any
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
 @dataclass
 class _Child:
     """One launched process. ``port`` is the port asked for (0: any) until the server reports one."""
 
     role: str
     index: int
-    proc: subprocess.Popen[bytes]
+    proc: ChildProcess
     port_file: Path
     log_path: Path
     log_offset: int
@@ -148,6 +164,7 @@ class LocalCluster:
         ps_module: str = "paramserve.psserver",
         worker_module: str = "paramserve.worker",
         supervise: bool = False,
+        preload: bool = True,
     ) -> None:
         _check_config(num_ps, num_workers, token, startup_timeout)
         self._num = {PS: num_ps, WORKER: num_workers}
@@ -167,6 +184,7 @@ class LocalCluster:
         self._child_env: dict[str, str] = {}
         self._spec: ClusterSpec | None = None
         self._supervise = supervise
+        self._preload = preload
         self._stopping = threading.Event()
         self._supervisor: threading.Thread | None = None
         self._threads: _SharedThreads | None = None
@@ -430,20 +448,32 @@ class LocalCluster:
             log.write(f"--- paramserve launcher: {' '.join(argv)}\n".encode())
             log.flush()
             offset = log.tell()
-            proc = subprocess.Popen(
-                argv,
-                # A pipe only this process holds (not inherited: Python's pipes are close-on-exec):
-                # it closes when this process ends however it ends, and the server then stops
-                # (--stop-when-stdin-closes), so no server outlives a killed program.
-                stdin=subprocess.PIPE,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=self._child_env,
-                start_new_session=True,
-                close_fds=True,
-            )
+            proc = self._start_process(argv, log)
         logger.info("launched %s %d (pid %d), port %s, log %s", role, index, proc.pid, port or "any", log_path)
         return _Child(role, index, proc, port_file, log_path, offset, port)
+
+    def _start_process(self, argv: list[str], log: IO[bytes]) -> ChildProcess:
+        """``argv`` (``python -m module ...``) forked from the shared zygote, or as a fresh
+        interpreter when ``preload`` is off or the zygote cannot start (then for good: a zygote
+        that failed once would cost every later start its wait)."""
+        if self._preload:
+            try:
+                return shared_zygote(self._child_env).spawn(argv[2], argv[3:], self._child_env, log)
+            except ZygoteError as err:
+                logger.warning("starting processes as fresh interpreters: %s", err)
+                self._preload = False
+        return subprocess.Popen(
+            argv,
+            # A pipe only this process holds (not inherited: Python's pipes are close-on-exec):
+            # it closes when this process ends however it ends, and the server then stops
+            # (--stop-when-stdin-closes), so no server outlives a killed program.
+            stdin=subprocess.PIPE,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=self._child_env,
+            start_new_session=True,
+            close_fds=True,
+        )
 
     def _await_ready(self, child: _Child, deadline: float) -> None:
         """Wait for the port file while the process lives. paramserve's servers write it
@@ -587,7 +617,7 @@ def _write_secret(path: Path, secret: str) -> Path:
     return path
 
 
-def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+def _signal_group(proc: ChildProcess, sig: int) -> None:
     """Signal the process's group (its own session: any grandchildren go too) if not yet reaped."""
     # While unreaped, the pid (and so the group id) cannot be reused by another process.
     if proc.poll() is not None:
@@ -598,7 +628,7 @@ def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
         pass
 
 
-def _wait_until(proc: subprocess.Popen[bytes], deadline: float) -> bool:
+def _wait_until(proc: ChildProcess, deadline: float) -> bool:
     """Wait for the process until ``deadline`` (monotonic); True if it has exited."""
     try:
         proc.wait(timeout=max(0.0, deadline - time.monotonic()))
@@ -608,7 +638,7 @@ def _wait_until(proc: subprocess.Popen[bytes], deadline: float) -> bool:
     return True
 
 
-def _let_go(proc: subprocess.Popen[bytes]) -> None:
+def _let_go(proc: ChildProcess) -> None:
     """Closes this end of an exited child's stdin pipe (its --stop-when-stdin-closes)."""
     if proc.stdin is not None and not proc.stdin.closed:
         try:
@@ -617,7 +647,7 @@ def _let_go(proc: subprocess.Popen[bytes]) -> None:
             pass
 
 
-def _kill_and_reap(proc: subprocess.Popen[bytes]) -> None:
+def _kill_and_reap(proc: ChildProcess) -> None:
     _signal_group(proc, signal.SIGKILL)
     if not _wait_until(proc, time.monotonic() + _KILL_WAIT_SECONDS):
         raise LaunchError(
