@@ -454,9 +454,11 @@ class LocalCluster:
 
     def _start_process(self, argv: list[str], log: IO[bytes]) -> ChildProcess:
         """``argv`` (``python -m module ...``) forked from the shared zygote, or as a fresh
-        interpreter when ``preload`` is off or the zygote cannot start (then for good: a zygote
-        that failed once would cost every later start its wait)."""
-        if self._preload:
+        interpreter when ``preload`` is off, the module is not paramserve's (the zygote's
+        preloads may mean nothing to it, and a module of one's own may be tiny), or the zygote
+        cannot start (then for good: a zygote that failed once would cost every later start its
+        wait)."""
+        if self._preload and argv[2].startswith("paramserve."):
             try:
                 return shared_zygote(self._child_env).spawn(argv[2], argv[3:], self._child_env, log)
             except ZygoteError as err:

@@ -8,6 +8,7 @@ gRPC and holds the security of the call.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -135,6 +136,13 @@ class GrpcTransport:
             )
         except grpc.aio.AioRpcError as err:
             raise RpcFailure(err.code().name, err.details() or "") from None
+        except asyncio.CancelledError:
+            if _this_task_cancelled():
+                raise
+            # The call, not this task: the worker's run call failed meanwhile and its dispatcher
+            # reset the channel (grpc.aio cancels the calls of a closed channel). Its closures are
+            # put back all the same.
+            raise RpcFailure("CANCELLED", "the connection was reset: the worker failed") from None
 
     async def is_serving(self, timeout: float) -> bool:
         # A fresh channel per probe: no reconnect backoff inherited from the dead connection.
@@ -154,3 +162,10 @@ class GrpcTransport:
 
     async def close(self) -> None:
         await self.reset()
+
+
+def _this_task_cancelled() -> bool:
+    """Whether the running task is being cancelled (not merely an awaited call of it)."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)  # Python 3.11+; before, every cancellation is the task's
+    return cancelling is None or cancelling() > 0

@@ -13,11 +13,12 @@ import time
 import pytest
 
 from paramserve.coordinator import LocalCluster
-from paramserve.psserver.zygote import PRELOADED_MODULES, Zygote, ZygoteError, shared_zygote
+from paramserve.psserver.zygote import Zygote, ZygoteError, shared_zygote
 
 PROBE = """
 import json, os, sys
-preloaded = sorted(name for name in ("grpc", "numpy", "torch", "paramserve.coordinator") if name in sys.modules)
+watched = ("grpc", "numpy", "torch", "torch._dynamo", "paramserve.coordinator")
+preloaded = sorted(name for name in watched if name in sys.modules)
 import numpy
 report = {
     "argv": sys.argv[1:],
@@ -30,17 +31,33 @@ report = {
     "random": numpy.random.randint(1 << 30),
 }
 print(json.dumps(report), flush=True)
+import atexit, threading, time
+atexit.register(lambda: print("atexit ran"))
 sys.stdin.read()  # until the caller closes our stdin
+late = threading.Thread(target=lambda: (time.sleep(0.2), print("late thread done")))
+late.start()  # not a daemon: the exit waits for it, then runs the atexit functions
 sys.exit(int(sys.argv[1]))
 """
 
 
-@pytest.fixture
-def zygote(tmp_path):
-    (tmp_path / "zygote_probe.py").write_text(PROBE)
+def _start_zygote(directory):
+    (directory / "zygote_probe.py").write_text(PROBE)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    started = Zygote(env, cwd=str(tmp_path))
+    started = Zygote(env, cwd=str(directory))
     started.start()
+    return started, env
+
+
+@pytest.fixture(scope="module")
+def zygote(tmp_path_factory):
+    started, env = _start_zygote(tmp_path_factory.mktemp("zygote"))
+    yield started, env
+    started.close()
+
+
+@pytest.fixture
+def own_zygote(tmp_path):
+    started, env = _start_zygote(tmp_path)
     yield started, env
     started.close()
 
@@ -64,16 +81,22 @@ def test_a_forked_child_runs_its_module_as_python_m_would(zygote, tmp_path):
     report = _report(out, child)
     assert report["argv"] == ["3", "x"]
     assert report["main"] == "__main__"
-    assert report["path0"] == report["cwd"] == str(tmp_path)
+    assert report["path0"] == report["cwd"]
+    assert os.path.exists(os.path.join(report["cwd"], "zygote_probe.py"))
     assert report["flag"] == "on", "a PARAMSERVE_* variable may differ from the zygote's"
     assert report["sid_is_pid"], "each child leads a session of its own (signals to its group reach only it)"
-    assert report["preloaded"] == sorted(PRELOADED_MODULES), "the zygote imports torch and numpy, never grpc"
+    # torch, numpy and what torch imports at a process's first optimizer step; never grpc
+    assert report["preloaded"] == ["numpy", "torch", "torch._dynamo"]
     assert child.poll() is None
     with pytest.raises(subprocess.TimeoutExpired):
         child.wait(timeout=0.2)
     child.stdin.close()  # the child reads stdin to its end, then exits with argv[1]
     assert child.wait(timeout=30) == 3
     assert child.returncode == 3
+    tail = out.read_text().splitlines()[1:]
+    assert tail == ["late thread done", "atexit ran"], "exits as an interpreter does, in that order"
+    with pytest.raises(ProcessLookupError):
+        os.kill(child.pid, 0)  # reaped once its exit was seen, as Popen's child is
 
 
 def test_a_killed_child_reports_its_signal_and_children_have_their_own_random_streams(zygote, tmp_path):
@@ -101,8 +124,8 @@ def test_an_environment_beyond_paramserve_variables_needs_another_zygote(zygote,
     assert shared_zygote({**env, "PARAMSERVE_PROBE_FLAG": "1", "OMP_NUM_THREADS": "1"}) is not first
 
 
-def test_children_of_a_lost_zygote_are_stopped_and_count_as_killed(zygote, tmp_path):
-    started, env = zygote
+def test_children_of_a_lost_zygote_are_stopped_and_count_as_killed(own_zygote, tmp_path):
+    started, env = own_zygote
     out = tmp_path / "out.log"
     with open(out, "wb") as log:
         child = started.spawn("zygote_probe", ["0"], env, log)

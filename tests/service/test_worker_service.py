@@ -315,3 +315,40 @@ def test_the_coordinators_transport_cancels_a_running_closure_and_only_with_the_
     outcome = outcome_from_proto(running.result())
     assert outcome.error is not None and outcome.error.cancelled, outcome
     assert "before step 2" in outcome.error.message
+
+
+def test_a_cancellation_cut_short_by_a_reset_of_the_connection_is_an_rpc_failure():
+    """The dispatcher resets a worker's channel when its run call fails; a cancellation in flight
+    on that channel then fails as an RPC (join() goes on), never as the caller's CancelledError."""
+    import asyncio
+
+    from paramserve.coordinator.worker_transport import GrpcTransport, RpcFailure
+
+    async def scenario() -> str:
+        arrived = asyncio.Event()
+
+        async def never_answers(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            arrived.set()
+            await asyncio.sleep(60)
+            return b""
+
+        server = grpc.aio.server()
+        handler = grpc.method_handlers_generic_handler(
+            "paramserve.wire.v1.Worker", {"CancelClosures": grpc.unary_unary_rpc_method_handler(never_answers)}
+        )
+        server.add_generic_rpc_handlers((handler,))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        transport = GrpcTransport(f"127.0.0.1:{port}", None, 1 << 20)
+        try:
+            cancelling = asyncio.ensure_future(transport.cancel_closures(["c"], 30))
+            await asyncio.wait_for(arrived.wait(), 30)
+            await transport.reset()  # what the dispatcher does when the worker's run call fails
+            with pytest.raises(RpcFailure) as failed:
+                await asyncio.wait_for(cancelling, 30)
+            return failed.value.code
+        finally:
+            await transport.close()
+            await server.stop(0)
+
+    assert asyncio.run(scenario()) == "CANCELLED"
