@@ -9,7 +9,8 @@ who want a cluster on one machine::
 
 Each server runs ``python -m <module>`` in its own session. By default it is forked from a
 zygote (psserver/zygote.py) that has imported torch but never gRPC (gRPC and fork do not mix), so
-a start or restart costs about a second of CPU instead of three; ``preload=False``, or a zygote
+a start or restart costs a fraction of a second instead of torch's import (BENCHMARKS.md,
+``startup.py``); ``preload=False``, or a zygote
 that cannot start, gives a fresh interpreter each. A Ctrl-C in the terminal reaches only this process,
 which then stops the servers itself: from ``__exit__``, from ``start()`` when it
 fails, or from an ``atexit`` hook when the program ends without stopping them. A program

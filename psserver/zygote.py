@@ -139,6 +139,8 @@ class Zygote:
     def __init__(self, env: Mapping[str, str], cwd: str | None = None):
         self._env = dict(env)
         self._cwd = cwd or os.getcwd()
+        self.key = zygote_key(self._env, self._cwd)
+        """What a child's environment must match (``zygote_key``)."""
         self._socket: socket.socket | None = None
         self._process: subprocess.Popen[bytes] | None = None
         self._send_lock = threading.Lock()
@@ -196,7 +198,7 @@ class Zygote:
         """Forks ``python -m module *args`` with ``env`` (differing from the zygote's only in
         PARAMSERVE_* variables), stdout and stderr to ``output`` and a new stdin pipe, in a
         session of its own."""
-        if zygote_key(env, self._cwd) != zygote_key(self._env, self._cwd):
+        if zygote_key(env, self._cwd) != self.key:
             raise ZygoteError("the environment differs from the zygote's beyond PARAMSERVE_* variables")
         read_end, write_end = os.pipe()
         try:
