@@ -64,3 +64,20 @@ def start_cluster() -> Iterator[Callable[..., LocalCluster]]:
     yield start
     for cluster in clusters:
         cluster.stop()
+
+
+MAX_TEST_PROCESSES = 4
+"""At most this many test processes with ``-n auto`` (pyproject.toml): one per core up to it. Each
+test starts several servers and workers of its own, so more would only share the cores out
+thinner, and make the tests' deadlines the machine's load rather than the code's speed."""
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """How many processes ``-n auto`` starts: PYTEST_XDIST_AUTO_NUM_WORKERS where set, else one per
+    core this process may run on, at most MAX_TEST_PROCESSES."""
+    import os
+
+    chosen = os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS")
+    if chosen:
+        return int(chosen)
+    return max(1, min(MAX_TEST_PROCESSES, len(os.sched_getaffinity(0))))
