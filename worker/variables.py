@@ -478,11 +478,15 @@ class _ClosurePickler(cloudpickle.Pickler):
 def dumps_closure(obj: Any) -> bytes:
     """Serialises a closure (function, args, kwargs) for a worker.
 
-    Raises TypeError naming what cannot be sent (a lock, an open file, a generator...).
+    Raises TypeError naming what cannot be sent (a lock, an open file, a generator...); an
+    object that refuses to be sent with an error of its own (a RuntimeError saying why, as an
+    optimizer with step hooks does under parameter servers) raises that error as it is.
     """
     buffer = io.BytesIO()
     try:
         _ClosurePickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    except RuntimeError:
+        raise
     except Exception as err:
         raise TypeError(
             f"cannot send this to a worker: {type(err).__name__}: {err}. Closures and their "

@@ -442,7 +442,7 @@ class ParameterServerStrategy(SingleReplicaStrategy):
             lambda names, lr: self.set_server_hyperparameters({"lr": lr}, params=names),
         )
         self._tables_taken.update(dict.fromkeys(tables, server_optimizer))
-        _capture.link_optimizer(optimizer, _ServerOptimizerLink(server_optimizer))
+        _capture.link_optimizer(optimizer, _ServerOptimizerLink(server_optimizer, optimizer))
 
     def _variable_names(self, params: Iterable[Any] | None) -> list[str]:
         if params is None:

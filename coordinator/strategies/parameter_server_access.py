@@ -123,10 +123,12 @@ class CoordinatorAccess:
 class _ServerOptimizerLink:
     """What a torch optimizer built in scope does: the ServerOptimizer's step, on the wire itself."""
 
-    def __init__(self, server_optimizer: ServerOptimizer):
+    def __init__(self, server_optimizer: ServerOptimizer, optimizer: torch.optim.Optimizer | None = None):
         self.server_optimizer = server_optimizer
+        self._optimizer = optimizer
 
     def step(self, closure: Any = None) -> Any:
+        self._refuse_step_hooks()
         return self.server_optimizer.step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -144,7 +146,25 @@ class _ServerOptimizerLink:
         )
 
     def pickled_as(self) -> ServerOptimizer:
+        self._refuse_step_hooks()
         return self.server_optimizer
+
+    def _refuse_step_hooks(self) -> None:
+        """Refuses an optimizer with step hooks of its own: torch runs them inside its ``step()``,
+        and this optimizer's steps are the ServerOptimizer's (sent to the workers in closures),
+        which cannot run code that lives in this process. Without this the hooks (a gradient
+        clip, an average of the weights, a log line) would silently never run."""
+        if self._optimizer is None:
+            return
+        hooks = step_hook_count(self._optimizer)
+        if hooks:
+            raise RuntimeError(
+                f"this {type(self._optimizer).__name__} has {hooks} step hook(s) (register_step_pre_hook / "
+                "register_step_post_hook), which would never run: under ParameterServerStrategy its steps are "
+                "pushes to the parameter servers, made on the workers in the closures it is sent with. Do the "
+                "hook's work in the step function, before or after optimizer.step(), and remove the hooks "
+                "(handle.remove())"
+            )
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Refused: the servers' optimizers are declared when the scope closes, and a group
@@ -154,6 +174,13 @@ class _ServerOptimizerLink:
             "closed: a param group added now would never train; add it inside that scope, or declare "
             "another optimizer for those parameters with strategy.optimizer(...)"
         )
+
+
+def step_hook_count(optimizer: torch.optim.Optimizer) -> int:
+    """How many step hooks ``optimizer`` has of its own (torch's process-wide ones are not its)."""
+    pre: Mapping[Any, Any] = getattr(optimizer, "_optimizer_step_pre_hooks", {})
+    post: Mapping[Any, Any] = getattr(optimizer, "_optimizer_step_post_hooks", {})
+    return len(pre) + len(post)
 
 
 _STATE_ON_SERVERS = (

@@ -16,6 +16,7 @@ from paramserve.coordinator import ParameterServerStrategy, ShardedEmbedding
 from paramserve.coordinator.strategies.scope_optimizers import RateWatchingGroup, declarations, tables_of_whole_models
 from paramserve.coordinator.strategies.sync_dense import dense_groups
 from paramserve.psserver.optimizer import OptimizerSpec
+from paramserve.worker.variables import dumps_closure
 
 
 @pytest.fixture
@@ -196,6 +197,25 @@ def test_the_state_dict_of_an_optimizer_whose_state_is_on_the_servers_is_refused
         optimizer.state_dict()
     with pytest.raises(RuntimeError, match=r"CheckpointManager\(strategy, directory\)\.restore"):
         optimizer.load_state_dict({"state": {}, "param_groups": []})
+
+
+def test_an_optimizer_with_step_hooks_is_refused_where_it_steps_not_left_without_them(strategy):
+    """torch runs an optimizer's step hooks inside its step(); under parameter servers the step is
+    the ServerOptimizer's, made on the workers, so the hooks would silently never run."""
+    with strategy.scope():
+        net = Net()
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    cloudpickle.dumps(optimizer)  # no hooks: sent as its ServerOptimizer
+    handle = optimizer.register_step_post_hook(lambda *_: None)
+    with pytest.raises(RuntimeError, match=r"1 step hook\(s\).*would never run.*before or after optimizer.step\(\)"):
+        cloudpickle.dumps(optimizer)  # as a closure that calls optimizer.step() takes it to a worker
+    with pytest.raises(RuntimeError, match="would never run"):
+        dumps_closure((lambda: optimizer.step(), (), {}))  # what ClusterCoordinator.schedule() sends
+    with pytest.raises(RuntimeError, match="would never run"):
+        optimizer.step()  # on the coordinator
+    handle.remove()
+    sent = cloudpickle.loads(cloudpickle.dumps(optimizer))
+    assert sent.variables == optimizer._paramserve_link.server_optimizer.variables
 
 
 def test_a_rate_the_strategy_sets_is_the_rate_every_group_shows(strategy):
