@@ -53,10 +53,15 @@ def coordinator(cluster: LocalCluster) -> Iterator[ClusterCoordinator]:
 
 
 def items_from_both_workers(coordinator: ClusterCoordinator, iterator: Iterator[Item]) -> dict[int, Item]:
-    """One item read on each worker: two closures that wait for each other cannot share a worker."""
+    """One item read on each worker: two closures that wait for each other cannot share a worker.
+    The second is scheduled once the first runs, so only the other worker can take it: scheduled
+    together while a restarted worker was still DOWN (not yet probed), both went to the same
+    worker, the first waiting there for the second for ever."""
     gate = Gate(DEADLINE)
     try:
-        values = [coordinator.schedule(item_at_gate, args=(iterator, gate.address)) for _ in range(2)]
+        values = [coordinator.schedule(item_at_gate, args=(iterator, gate.address))]
+        gate.wait_for(lambda arrived: len(arrived) == 1)
+        values.append(coordinator.schedule(item_at_gate, args=(iterator, gate.address)))
         gate.wait_for(lambda arrived: sorted(arrived) == [0, 1])
         gate.release()
         items = coordinator.fetch(values, timeout=DEADLINE)
