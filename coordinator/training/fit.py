@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -65,15 +65,12 @@ from paramserve.coordinator.training.callbacks import (
     TrainingState,
     with_defaults,
 )
+from paramserve.coordinator.training.step_metrics import Metrics, StepMetric, resolve_metrics
 
-if TYPE_CHECKING:  # imported when first used: step_metrics brings torchmetrics (about a second)
-    from paramserve.coordinator.training.step_metrics import Metrics, StepMetric
-
-    _Named = tuple[StepMetric, ...]
-
-__all__ = ["evaluate", "fit", "predict", "resolve_strategy"]
+__all__ = ["evaluate", "fit", "predict", "resolve_metrics", "resolve_strategy"]
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
+_Named = tuple[StepMetric, ...]
 
 
 # ------------------------------------------------------------------ per-batch statistics
@@ -200,8 +197,6 @@ def fit(
         )
     _check_fit_arguments(optimizer, loss_fn, train_data, epochs, steps_per_epoch, steps_per_execution)
     strategy.check_optimizer(optimizer)
-    from paramserve.coordinator.training.step_metrics import resolve_metrics
-
     loop = Loop(
         epochs,
         steps_per_epoch,
@@ -411,8 +406,6 @@ def evaluate(
     if y is not None:
         data = ArrayData(as_tensor(data, "x"), as_tensor(y, "y"), batch_size or 32, shuffle=False)
     local = resolve_strategy(model, strategy).evaluation_strategy()
-    from paramserve.coordinator.training.step_metrics import resolve_metrics
-
     named = resolve_metrics(metrics)
 
     def step(batch: Any) -> Tensor:
