@@ -235,10 +235,20 @@ class ParameterServerRecovery:
                 log.info("parameter server %s: %s", self._addresses[server], verdict.reason)
 
     def _probe(self, server: int) -> Probe:
-        found = self._variables.client.probe(server, self._policy.probe_timeout)
-        if found.incarnation is not None:
-            return Probe(ProbeResult.ANSWERED, found.incarnation)
-        return Probe(ProbeResult.BUSY if found.reachable else ProbeResult.UNREACHABLE)
+        """One probe of ``server``. Until it has answered once, the probe also lists its shards:
+        a server restarted between the variables' creation and the monitor's first answer would
+        otherwise have its new, empty incarnation adopted as the one to watch, and never be
+        suspected while no closure needs it."""
+        first = not self._watches[server].incarnation
+        found = self._variables.client.probe(server, self._policy.probe_timeout, shards=first)
+        if found.incarnation is None:
+            return Probe(ProbeResult.BUSY if found.reachable else ProbeResult.UNREACHABLE)
+        missing = 0
+        if first:
+            held = {info.ref for info in found.shards}
+            missing = len(lost_variables(server, held, self._variables.created_layouts()))
+            missing += len(self._lost_tables(server))
+        return Probe(ProbeResult.ANSWERED, found.incarnation, missing)
 
     def _recover(self, server: int) -> None:
         if self._variables.servers.groups is not None:

@@ -92,6 +92,10 @@ class Probe:
     result: ProbeResult
     incarnation: str = ""
     """With ANSWERED: the incarnation of the server's store (a new one on every start)."""
+    missing: int = 0
+    """With ANSWERED, at a server's first answer: how many variables and tables placed on it it
+    does not hold (the monitor lists its shards once, to know the incarnation it adopts holds
+    them; later answers are judged by incarnation alone)."""
 
 
 @dataclass(frozen=True)
@@ -117,6 +121,12 @@ def judge_probe(watch: ServerWatch, probe: Probe, now: float, policy: RecoveryPo
     if probe.result is ProbeResult.ANSWERED:
         known = watch.incarnation or probe.incarnation
         after = ServerWatch(probe.incarnation)
+        if not watch.incarnation and probe.missing:
+            return after, Verdict(
+                True,
+                f"its first answer lacks {probe.missing} variables placed on it: it restarted "
+                "before the monitor first saw it",
+            )
         if known != probe.incarnation:
             return after, Verdict(True, f"it restarted (incarnation {known[:8]} -> {probe.incarnation[:8]})")
         return after, Verdict(False, "it answered")

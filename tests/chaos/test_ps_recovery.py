@@ -5,6 +5,7 @@ user code, accuracy within 1% of a clean run, and no push applied twice."""
 from __future__ import annotations
 
 import sys
+import time
 
 import cloudpickle
 import pytest
@@ -177,3 +178,31 @@ def test_a_restarted_parameter_server_without_a_checkpoint_is_an_error_saying_to
         with pytest.raises(ParameterServerUnavailableError, match="saved no checkpoint"):
             coordinator.join(timeout=120)
     strategy.close()
+
+
+def test_a_server_restarted_before_the_monitor_first_saw_it_is_restored_with_no_closure_running(
+    start_cluster, tmp_path
+):
+    """A server restarted between the variables' creation (here by a first checkpoint, saved
+    before the coordinator starts) and the recovery monitor's first answer. The monitor must
+    not take the replacement's empty incarnation for the one to watch: it restores the server
+    before any closure needs it."""
+    cluster = start_cluster(num_ps=2, num_workers=1, extra_worker_args=WORKER_ARGS)
+    strategy, model, optimizer = build(cluster)
+    CheckpointManager(strategy, tmp_path).save(step=0)  # creates the variables on the servers
+    cluster.kill_ps(1)
+    cluster.restart_ps(1)
+    with ClusterCoordinator(strategy) as coordinator:
+        recovery = coordinator.recovery
+        deadline = time.monotonic() + 120
+        while not recovery.recoveries and time.monotonic() < deadline:  # no closure runs meanwhile
+            time.sleep(0.1)
+        results = [r.result for r in recovery.recoveries]
+        held = {state.ref.variable for state in strategy.client.export()[1]}
+        batches = iter(coordinator.create_per_worker_dataset(worker_batches))
+        loss = coordinator.schedule(train_step, args=(batches, model, optimizer)).fetch(timeout=120)
+    strategy.close()
+
+    assert results == ["restored"], results
+    assert held == {n for n, layout in strategy.client.layouts.items() if any(s.server == 1 for s in layout.shards)}
+    assert torch.isfinite(loss)

@@ -51,6 +51,18 @@ def test_a_new_incarnation_is_a_restart_at_the_first_probe():
     assert verdicts[-1].suspect and "restarted" in verdicts[-1].reason
 
 
+def test_a_first_answer_lacking_what_was_placed_on_the_server_is_a_restart_before_it_was_watched():
+    """A server restarted between the variables' creation and the monitor's first answer: its
+    empty incarnation is adopted, but suspected for what it lacks; a first answer holding
+    everything, or a later answer (judged by incarnation), is not."""
+    empty = Probe(ProbeResult.ANSWERED, "incarnation-b", missing=3)
+    watch, verdicts = _watch([empty, Probe(ProbeResult.ANSWERED, "incarnation-b")])
+    assert [v.suspect for v in verdicts] == [True, False]
+    assert "lacks 3 variables" in verdicts[0].reason and watch.incarnation == "incarnation-b"
+    _, verdicts = _watch([ANSWER, Probe(ProbeResult.ANSWERED, "incarnation-a", missing=3)])
+    assert [v.suspect for v in verdicts] == [False, False]
+
+
 def test_unreachable_becomes_suspect_only_after_enough_misses_in_a_row():
     _, verdicts = _watch([ANSWER, UNREACHABLE, ANSWER, UNREACHABLE, UNREACHABLE])
     assert [v.suspect for v in verdicts] == [False, False, False, False, True]
