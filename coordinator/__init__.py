@@ -1,6 +1,13 @@
-"""The user's program: ParameterServerStrategy, ClusterCoordinator, checkpoints, the local launcher."""
+"""The user's program: ParameterServerStrategy, ClusterCoordinator, checkpoints, the local launcher.
 
-from paramserve.coordinator import metrics
+``metrics`` is imported when first used (``from paramserve.coordinator import metrics``, or
+the attribute): it brings torchmetrics, about a second of every process's start that a program
+without metrics (a server started by the ``paramserve`` command, a launcher) never needs.
+"""
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from paramserve.coordinator.checkpoint_manager import (
     CheckpointManager,
     export_state_dict,
@@ -51,6 +58,16 @@ from paramserve.psserver.partition import (
 from paramserve.worker.dynamic_embedding import DynamicEmbedding
 from paramserve.worker.resources import experimental_get_current_worker_index
 from paramserve.worker.variables import ShardedEmbedding, ShardedEmbeddingCollection
+
+if TYPE_CHECKING:
+    from paramserve.coordinator import metrics
+
+
+def __getattr__(name: str) -> Any:
+    if name == "metrics":
+        return importlib.import_module("paramserve.coordinator.metrics")
+    raise AttributeError(f"module 'paramserve.coordinator' has no attribute {name!r}")
+
 
 __all__ = [
     "CentralStorageStrategy",

@@ -26,16 +26,18 @@ import os
 import pathlib
 import threading
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from paramserve.coordinator.training.callbacks import summary_writer, write_epoch_logs
 from paramserve.coordinator.training.fit import evaluate
-from paramserve.coordinator.training.step_metrics import Metrics, resolve_metrics
 from paramserve.psserver import checkpoint as server_checkpoint
 from paramserve.psserver.types import ShardRef
+
+if TYPE_CHECKING:  # imported when first used: step_metrics brings torchmetrics (about a second)
+    from paramserve.coordinator.training.step_metrics import Metrics
 
 __all__ = ["Evaluation", "SidecarEvaluator", "find_checkpoints", "load_checkpoint_weights"]
 
@@ -87,6 +89,8 @@ class SidecarEvaluator:
         self.model, self.data = model, data
         self.checkpoint_dir = pathlib.Path(checkpoint_dir)
         self.loss_fn = loss_fn if loss_fn is not None else nn.CrossEntropyLoss(reduction="none")
+        from paramserve.coordinator.training.step_metrics import resolve_metrics
+
         self.metrics = resolve_metrics(metrics)
         self.log_dir = pathlib.Path(log_dir) if log_dir is not None else None
         self.steps, self.max_evaluations, self.every = steps, max_evaluations, every

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -65,12 +65,15 @@ from paramserve.coordinator.training.callbacks import (
     TrainingState,
     with_defaults,
 )
-from paramserve.coordinator.training.step_metrics import Metrics, StepMetric, resolve_metrics
 
-__all__ = ["evaluate", "fit", "predict", "resolve_metrics", "resolve_strategy"]
+if TYPE_CHECKING:  # imported when first used: step_metrics brings torchmetrics (about a second)
+    from paramserve.coordinator.training.step_metrics import Metrics, StepMetric
+
+    _Named = tuple[StepMetric, ...]
+
+__all__ = ["evaluate", "fit", "predict", "resolve_strategy"]
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
-_Named = tuple[StepMetric, ...]
 
 
 # ------------------------------------------------------------------ per-batch statistics
@@ -197,6 +200,8 @@ def fit(
         )
     _check_fit_arguments(optimizer, loss_fn, train_data, epochs, steps_per_epoch, steps_per_execution)
     strategy.check_optimizer(optimizer)
+    from paramserve.coordinator.training.step_metrics import resolve_metrics
+
     loop = Loop(
         epochs,
         steps_per_epoch,
@@ -406,6 +411,8 @@ def evaluate(
     if y is not None:
         data = ArrayData(as_tensor(data, "x"), as_tensor(y, "y"), batch_size or 32, shuffle=False)
     local = resolve_strategy(model, strategy).evaluation_strategy()
+    from paramserve.coordinator.training.step_metrics import resolve_metrics
+
     named = resolve_metrics(metrics)
 
     def step(batch: Any) -> Tensor:

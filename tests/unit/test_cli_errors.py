@@ -124,3 +124,15 @@ def test_a_parser_built_for_one_command_still_lists_every_command(capsys):
         parser.parse_args(["--help"])
     listed = capsys.readouterr().out
     assert all(command.name in listed for command in cli.SUBCOMMANDS)
+
+
+def test_a_server_started_by_the_command_imports_neither_the_other_commands_nor_torchmetrics():
+    """Each import is seconds of every container's start on a small machine."""
+    probe = (
+        "import sys; from paramserve.coordinator.commands import cli; cli.build_parser(['ps']); "
+        "print([m for m in ('torchmetrics', 'paramserve.worker.__main__', 'paramserve.coordinator.commands.demo') "
+        "if m in sys.modules])"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

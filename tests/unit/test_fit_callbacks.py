@@ -21,7 +21,8 @@ from paramserve.coordinator.training.callbacks import (
     TensorBoard,
     improved,
 )
-from paramserve.coordinator.training.fit import evaluate, fit, predict, resolve_metrics
+from paramserve.coordinator.training.fit import evaluate, fit, predict
+from paramserve.coordinator.training.step_metrics import resolve_metrics
 
 LOSS = nn.CrossEntropyLoss(reduction="none")
 
