@@ -247,7 +247,10 @@ class ParameterServerRecovery:
         if first:
             held = {info.ref for info in found.shards}
             missing = len(lost_variables(server, held, self._variables.created_layouts()))
-            missing += len(self._lost_tables(server))
+            try:
+                missing += len(self._lost_tables(server))
+            except ParamServeError:  # gone again since it answered: a miss, its baseline still unset
+                return Probe(ProbeResult.UNREACHABLE)
         return Probe(ProbeResult.ANSWERED, found.incarnation, missing)
 
     def _recover(self, server: int) -> None:
