@@ -14,7 +14,6 @@ would otherwise stay resident until the next round). A no-op where the C library
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import threading
 import time
@@ -59,9 +58,13 @@ def released(nbytes: int) -> None:
 
 
 def _glibc(name: str, argtypes: list[Any]) -> Callable[..., int] | None:
-    """The C library's function ``name``, or None where it has none (not glibc: musl, macOS)."""
+    """The C library's function ``name``, or None where it has none (not glibc: musl, macOS).
+
+    Looked up among the symbols the process has loaded (``CDLL(None)``), not by
+    ``ctypes.util.find_library``, which forks ``ldconfig``: a fork in a process that imported
+    gRPC runs gRPC's fork handlers, and a server's start must not."""
     try:
-        function = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
+        function = getattr(ctypes.CDLL(None), name)
     except (OSError, AttributeError):
         return None
     function.argtypes = argtypes
