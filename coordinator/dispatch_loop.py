@@ -98,8 +98,6 @@ class DispatchLoop:
         self._drained: asyncio.Event | None = None  # set while none runs; made on the loop
         self._holds = 0
         self._stopped = False
-        self._wake_lock = threading.Lock()
-        self._wake_pending = False  # a wake is on its way to the loop: later ones ride on it
         self._thread.start()
         queue.set_waker(self._wake)
 
@@ -177,27 +175,11 @@ class DispatchLoop:
             return self._call(self._read_dense(timeout), timeout)
 
     def _wake(self) -> None:
-        """Has the loop assign queued closures. One wake at a time is on its way: each one
-        writes to the loop's self-pipe and wakes its thread, which a program scheduling
-        thousands of closures in a row paid for every one of them (a third of the
-        coordinator's CPU in the small-model benchmark). A wake that finds one pending is
-        covered by it: the loop clears the flag before it reads the queue."""
-        if self._stopped or self._loop.is_closed():
-            return
-        with self._wake_lock:
-            if self._wake_pending:
-                return
-            self._wake_pending = True
-        try:
-            self._loop.call_soon_threadsafe(self._woken)
-        except RuntimeError:  # the loop closed meanwhile
-            with self._wake_lock:
-                self._wake_pending = False
-
-    def _woken(self) -> None:
-        with self._wake_lock:
-            self._wake_pending = False
-        self._assign()
+        if not self._stopped and not self._loop.is_closed():
+            try:
+                self._loop.call_soon_threadsafe(self._assign)
+            except RuntimeError:  # the loop closed meanwhile
+                pass
 
     def _call(self, coroutine: Coroutine[Any, Any, _T], timeout: float | None = None) -> _T:
         if threading.current_thread() is self._thread:

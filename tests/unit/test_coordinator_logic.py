@@ -718,41 +718,6 @@ def test_one_thread_dispatches_to_a_hundred_workers_in_bounded_batches():
     assert not loop.thread.is_alive()
 
 
-def test_a_burst_of_schedules_wakes_the_dispatch_loop_once_and_every_closure_runs():
-    """Each schedule() used to wake the loop's thread through its self-pipe; while a wake is on
-    its way, later ones ride on it. Here the loop's thread is held while 300 closures are
-    queued: one wake reaches it, and all 300 run."""
-    queue = ClosureQueue(1000)
-    transport = AnsweringTransport("w:0")
-    loop = DispatchLoop(
-        queue=queue,
-        specs=ResourceSpecs(),
-        policy=POLICY,
-        transport_factory=lambda address: transport,
-        cluster_context=lambda: CONTEXT,
-    )
-    wakes, held, release = [], threading.Event(), threading.Event()
-    woken = loop._woken
-    loop._woken = lambda: (wakes.append(1), woken())  # type: ignore[method-assign]
-
-    async def hold_the_loop():
-        held.set()
-        release.wait(30)  # blocks the loop's thread: wakes queue up behind it
-
-    try:
-        loop.add_worker("w:0")
-        asyncio.run_coroutine_threadsafe(hold_the_loop(), loop._loop)
-        assert held.wait(10)
-        wakes.clear()
-        closures = _queued(queue, *(_closure(str(i)) for i in range(300)))
-        release.set()
-        assert [c.remote_value.fetch(30) for c in closures] == [c.closure_id for c in closures]
-        assert wakes and len(wakes) <= 2, f"{len(wakes)} wakes for 300 schedules"
-    finally:
-        release.set()
-        assert loop.stop(10)
-
-
 def test_a_dense_round_that_cannot_be_prepared_fails_its_closures_with_the_reason():
     """Hybrid training whose dense variables have no optimizer: join() must raise the reason,
     not wait for a round that will never form."""
