@@ -378,7 +378,8 @@ PARENT = textwrap.dedent(
     print(json.dumps([p.pid for p in cluster.processes]), flush=True)
     if mode == "interrupt":
         threading.Event().wait()  # until Ctrl-C
-    elif mode == "error":
+    sys.stdin.readline()  # the test saw the processes alive: end now
+    if mode == "error":
         raise RuntimeError("the user's program failed")
     # mode "exit": end without stop(); the atexit hook must stop the cluster
     """
@@ -389,6 +390,7 @@ PARENT = textwrap.dedent(
 def test_parent_ending_without_stop_stops_the_cluster(mode: str, fake_env: dict[str, str], tmp_path: Path) -> None:
     parent = subprocess.Popen(
         [sys.executable, "-c", PARENT, mode, FAKE_MODULE, str(tmp_path / "run")],
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         env={**os.environ, **fake_env},
@@ -402,6 +404,9 @@ def test_parent_ending_without_stop_stops_the_cluster(mode: str, fake_env: dict[
         assert len(pids) == 3 and all(is_alive(pid) for pid in pids)
         if mode == "interrupt":
             parent.send_signal(signal.SIGINT)
+        else:  # the parent waits for this line: it ends only after the check above
+            parent.stdin.write("end\n")  # type: ignore[union-attr]
+            parent.stdin.flush()  # type: ignore[union-attr]
         _, stderr = parent.communicate(timeout=60)
         assert parent.returncode != 0 if mode != "exit" else parent.returncode == 0, stderr
         if mode == "interrupt":
