@@ -245,12 +245,11 @@ class ParameterServerRecovery:
             return Probe(ProbeResult.BUSY if found.reachable else ProbeResult.UNREACHABLE)
         missing = 0
         if first:
-            held = {info.ref for info in found.shards}
-            missing = len(lost_variables(server, held, self._variables.created_layouts()))
             try:
-                missing += len(self._lost_tables(server))
+                lost, tables = self._lost_on(server, found.shards)
             except ParamServeError:  # gone again since it answered: a miss, its baseline still unset
                 return Probe(ProbeResult.UNREACHABLE)
+            missing = len(lost) + len(tables)
         return Probe(ProbeResult.ANSWERED, found.incarnation, missing)
 
     def _recover(self, server: int) -> None:
@@ -371,9 +370,7 @@ class ParameterServerRecovery:
         with self.loop.paused(self._policy.replacement_timeout):
             incarnation, infos = self._wait_for(server)
             answered = self._clock()
-            layouts = self._variables.created_layouts()
-            lost = lost_variables(server, {info.ref for info in infos}, layouts)
-            tables = self._lost_tables(server)
+            lost, tables = self._lost_on(server, infos)
             plan = self._plan([*lost, *tables])
             log.warning("parameter server %s answers (incarnation %s): %s", address, incarnation[:8], plan.reason)
             self._execute(server, lost, plan)
@@ -405,6 +402,12 @@ class ParameterServerRecovery:
                 )
             self._stopped.wait(self._policy.poll_interval)
         raise Unrecoverable("the coordinator shut down while waiting for it")
+
+    def _lost_on(self, server: int, infos: Sequence[ShardInfo]) -> tuple[dict[str, VariableLayout], list[str]]:
+        """What ``server`` lacks of what was placed on it: the variables missing from the shards it
+        listed (``infos``), and the dynamic tables it does not hold."""
+        lost = lost_variables(server, {info.ref for info in infos}, self._variables.created_layouts())
+        return lost, self._lost_tables(server)
 
     def _lost_tables(self, server: int) -> list[str]:
         created = self._variables.created_dynamic_tables()
