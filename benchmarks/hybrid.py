@@ -18,9 +18,13 @@ thread per process).
   Adagrad. Ratio 1.0: the same loss; the bar is within 0.5 % (ratio <= 1.005).
 - ps_logloss: the same for pure parameter-server training (asynchronous everywhere).
 
-The asynchronous runs' log-loss differs from run to run (the table pushes of the two workers
-land in another order each time: 0.5823-0.5849 over seven hybrid runs on 2c), so each mode
-trains --loss-runs times and the median is reported, every run printed.
+Every run starts from the same values (``initial_weights``: the servers' seeded tables and the
+seeded layers; each distributed run checks it got them). The initial values alone move this
+loss by 1 %: the synchronous run from five local seeds ends at 0.5789-0.5837, and from the
+servers' tables at 0.5850, so a synchronous run from other values than the distributed runs'
+compares draws, not training modes. The asynchronous runs' log-loss also differs from run to
+run (the table pushes of the two workers land in another order each time), so each mode trains
+--loss-runs times and the median is reported, every run printed.
 """
 
 from __future__ import annotations
@@ -38,7 +42,14 @@ from dlrm import BATCH, LR, dlrm_cluster, paramserve_run
 from paramserve.coordinator import (
     ClusterCoordinator,
 )
-from paramserve.coordinator.recommendation import DLRM, ClickData, WorkerClicks, criteo_rows, train_clicks
+from paramserve.coordinator.recommendation import (
+    DLRM,
+    ClickData,
+    WorkerClicks,
+    criteo_rows,
+    feature_name,
+    train_clicks,
+)
 
 WORKERS = 2
 HELD_OUT_BATCHES = 16
@@ -51,12 +62,30 @@ def held_out_logloss(model: torch.nn.Module, rows: list[int]) -> float:
     return float(torch.stack(losses).mean())
 
 
-def synchronous_logloss(cap: int, samples: int) -> float:
-    """Fully synchronous data parallelism, computed in one process: each step takes one batch
-    of each worker's stream and steps on their mean loss (every parameter, tables included)."""
+def initial_weights(cap: int) -> dict[str, torch.Tensor]:
+    """The distributed model's values before training, as one process's DLRM names them: the
+    servers fill the tables (their seeded initializer) and the layers come from the seeded
+    module, so every distributed run starts from these; the synchronous run starts from them
+    too, so the log-loss ratios compare training modes, not two draws of initial values."""
+    with dlrm_cluster(cap, workers=1) as (_, strategy, model, _optimizer):
+        return as_local(strategy.model_weights(model), cap)
+
+
+def as_local(weights: dict[str, torch.Tensor], cap: int) -> dict[str, torch.Tensor]:
+    """The distributed DLRM's values (its tables one ShardedEmbeddingCollection) named as one
+    process's DLRM holds them (a table per feature)."""
+    weights = dict(weights)
+    pieces = weights.pop("embeddings.table.weight").split(criteo_rows(cap))
+    return {**weights, **{f"embeddings.tables.{feature_name(i)}.weight": p for i, p in enumerate(pieces)}}
+
+
+def synchronous_logloss(cap: int, samples: int, initial: dict[str, torch.Tensor]) -> float:
+    """Fully synchronous data parallelism, computed in one process from ``initial``: each step
+    takes one batch of each worker's stream and steps on their mean loss (every parameter,
+    tables included)."""
     rows = criteo_rows(cap)
-    torch.manual_seed(0)
     model = DLRM(rows)
+    model.load_state_dict(initial)
     optimizer = torch.optim.Adagrad(model.parameters(), lr=LR)
     steps = samples // (BATCH * WORKERS)
     streams = [ClickData(rows, BATCH).cycle(worker, steps) for worker in range(WORKERS)]
@@ -71,11 +100,14 @@ def synchronous_logloss(cap: int, samples: int) -> float:
     return held_out_logloss(model, rows)
 
 
-def distributed_logloss(cap: int, samples: int, sync_dense: bool) -> float:
-    """Pure parameter-server (``sync_dense=False``) or hybrid training from the same initial
-    values on the workers' streams, then the held-out log-loss read on the coordinator."""
+def distributed_logloss(cap: int, samples: int, sync_dense: bool, initial: dict[str, torch.Tensor]) -> float:
+    """Pure parameter-server (``sync_dense=False``) or hybrid training from ``initial`` (checked)
+    on the workers' streams, then the held-out log-loss read on the coordinator."""
     rows = criteo_rows(cap)
     with dlrm_cluster(cap, workers=WORKERS, sync_dense=sync_dense) as (_, strategy, model, optimizer):
+        start = as_local(strategy.model_weights(model), cap)
+        if start.keys() != initial.keys() or not all(torch.equal(start[k], initial[k]) for k in initial):
+            raise RuntimeError("a distributed run did not start from the initial values the others start from")
         with ClusterCoordinator(strategy) as coordinator:
             fresh = WorkerClicks(rows, BATCH, samples // (BATCH * WORKERS))  # each batch seen about once
             batches = iter(coordinator.create_per_worker_dataset(fresh))
@@ -106,11 +138,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"  [hybrid round {round_ + 1}/{args.rounds}] hybrid {hybrid[-1]:,.0f} samples/s, "
               f"parameter servers {pure[-1]:,.0f} samples/s", flush=True)  # fmt: skip
 
-    synchronous = synchronous_logloss(args.cap, args.samples)  # deterministic: one run
+    initial = initial_weights(args.cap)
+    synchronous = synchronous_logloss(args.cap, args.samples, initial)  # deterministic: one run
     hybrid_losses, ps_losses = [], []
     for _ in range(args.loss_runs):  # asynchronous table pushes land in another order each run
-        hybrid_losses.append(distributed_logloss(args.cap, args.samples, sync_dense=True))
-        ps_losses.append(distributed_logloss(args.cap, args.samples, sync_dense=False))
+        hybrid_losses.append(distributed_logloss(args.cap, args.samples, True, initial))
+        ps_losses.append(distributed_logloss(args.cap, args.samples, False, initial))
     hybrid_loss, ps_loss = statistics.median(hybrid_losses), statistics.median(ps_losses)
     print(f"  log-loss after {args.samples:,} samples: synchronous {synchronous:.5f}, hybrid "
           f"{' / '.join(f'{v:.5f}' for v in hybrid_losses)}, parameter servers "
