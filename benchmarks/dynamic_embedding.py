@@ -25,7 +25,8 @@ the calls freed (as ps_memory.py does).
 - dyn_bytes_per_row_<n>: tables grown to n live rows (no cap; one server process per size):
   resident growth per live row, beside dim x (1 + slots) x 4 = 128 bytes.
 - dyn_us_per_row_<n>: at n live rows, the time a lookup and a push of a batch of existing ids
-  take per row (median of 5 batches).
+  take per row (median of 25 batches after 5 untimed ones: of 5, it swung by 15 % between
+  runs).
 - dyn_incremental_save_bytes: a table of --inc-rows live rows saved whole by a CheckpointManager
   (``full_every=10``), then --inc-steps steps of --inc-batch ids each (skewed: id =
   rows x u^2, u uniform), then saved again: the bytes of that delta checkpoint (its directory:
@@ -59,6 +60,9 @@ from paramserve.psserver.types import RowGradient
 DIM = 16
 ROW_STATE_BYTES = DIM * 2 * 4  # value and Adagrad's sum, float32
 SHAPE = {"t": (DIM, torch.float32)}
+WARM_BATCHES = 5
+"""Batches stepped before the timed ones: the first after the pause for the memory reading run
+slower (pages the trim returned are faulted in again)."""
 TRIM_WAIT_SECONDS = 12.0
 """Longer than the servers' trimming interval (psserver/memory.py): what a step freed is back."""
 
@@ -167,11 +171,12 @@ def growth(sizes: list[int], batch: int) -> list[Result]:
             after = rss(local)
             held = sum(live(client))
             timings = []
-            for n in range(5):
+            for n in range(WARM_BATCHES + 25):
                 ids = torch.randint(0, size, (batch,)).unique()
                 started = time.perf_counter()
                 step(client, ids, f"t{n}")
                 timings.append((time.perf_counter() - started) / ids.numel() * 1e6)
+            del timings[:WARM_BATCHES]
             client.close()
         per_row = sum(a - b for a, b in zip(after, before)) * 2**20 / held
         cost = statistics.median(timings)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Mapping
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -29,6 +30,7 @@ __all__ = [
     "RowArena",
     "expired",
     "initial_rows",
+    "lazy_zeros",
     "least_recently_used",
     "owner_of",
     "splitmix64",
@@ -114,6 +116,21 @@ def initial_rows(ids: Tensor, dim: int, kind: str, a: float, b: float, seed: int
     raise ValueError(f"unknown initializer {kind!r} for a dynamic table; use zeros, constant, normal or uniform")
 
 
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    """Zeros in numpy's memory, for a shard's large structures. Two reasons. Its pages are
+    committed on their first write: numpy's zeros is calloc, and calloc of a large block maps
+    fresh pages without writing them (torch.zeros writes every byte), so an arena block costs
+    memory for the rows written into it, not for its size. And numpy asks the kernel for huge
+    pages (madvise, for arrays of 4 MiB or more): a batch's rows are random reads and writes all
+    over the arena and the index, and with 4 KiB pages nearly each one walks the page table once
+    they pass the TLB's reach (BENCHMARKS.md, ``dyn_us_per_row``)."""
+    count = math.prod(shape)
+    if count == 0:
+        return torch.empty(shape, dtype=dtype)
+    raw = torch.from_numpy(np.zeros(count * dtype.itemsize, dtype=np.uint8))
+    return raw.view(dtype).reshape(shape)
+
+
 # ---------------------------------------------------------------- the index
 
 
@@ -142,8 +159,9 @@ class IdIndex:
         self._allocate(_power_of_two(max(16, capacity)))
 
     def _allocate(self, capacity: int) -> None:
-        self._keys = torch.zeros(capacity, dtype=torch.int64)
-        self._slots = torch.full((capacity,), self.EMPTY, dtype=torch.int32)
+        # numpy's memory (lazy_zeros): huge pages, so a probe into a large index walks fewer pages.
+        self._keys = lazy_zeros((capacity,), torch.int64)
+        self._slots = lazy_zeros((capacity,), torch.int32).fill_(self.EMPTY)
         self._mask = capacity - 1
         self._used = 0
         self.live = 0
@@ -245,11 +263,16 @@ def _power_of_two(n: int) -> int:
 
 
 class RowArena:
-    """Rows in preallocated blocks of ``block_rows`` (the last block of a capped arena is cut
-    to the cap), one tensor per block and column, with a free list: a freed slot is reused by
-    the next allocation, so memory grows with the live rows' high-water mark, never past
-    ``max_rows``. ``columns``: name -> (row shape, dtype), e.g. ``{"value": ((16,),
-    torch.float32), "ids": ((), torch.int64)}``."""
+    """Rows in blocks of ``block_rows`` (the last block of a capped arena is cut to the cap),
+    one tensor per block and column, handed out in slot order with a list of freed slots that
+    the next allocations take first: memory grows with the live rows' high-water mark
+    (``capacity``: the slots handed out so far), never past ``max_rows``. A block is allocated
+    whole but committed as its rows are written (``lazy_zeros``), so blocks can be large: a
+    batch's gather and scatter loop over the blocks its slots fall in, and few large blocks keep
+    that loop as short for ten million rows as for one. ``columns``: name -> (row shape, dtype),
+    e.g. ``{"value": ((16,), torch.float32), "ids": ((), torch.int64)}``; ``fill``: an integer
+    column's value at a slot never written (stored XOR the fill, so a fresh block's zeros read
+    as it)."""
 
     def __init__(
         self,
@@ -261,56 +284,66 @@ class RowArena:
         if block_rows < 1 or (max_rows is not None and max_rows < 1):
             raise ValueError(f"a row arena needs positive sizes, got block_rows={block_rows}, max_rows={max_rows}")
         self.columns = dict(columns)
-        self.fill = dict(fill or {})  # column -> what a new block's slots hold (else zeros)
+        self.fill = {name: value for name, value in (fill or {}).items() if value}
+        bad = [name for name in self.fill if self.columns[name][1].is_floating_point]
+        if bad:
+            raise ValueError(f"a fill is for integer columns only, got {bad}")
         self.block_rows = block_rows if max_rows is None else min(block_rows, max_rows)
         self.max_rows = max_rows
         self._blocks: dict[str, list[Tensor]] = {name: [] for name in self.columns}
-        self._free = torch.empty(0, dtype=torch.int64)
-        self._free_count = 0
+        # A capped arena's list has room for every slot from the start: never regrown, so it
+        # never exists twice, and committed only as far as slots are freed into it.
+        self._freed = lazy_zeros((max_rows or 0,), torch.int64)
+        self._freed_count = 0
         self.capacity = 0
+        """Slots handed out so far: [0, capacity); a slot past it was never written."""
 
     @property
     def live(self) -> int:
-        return self.capacity - self._free_count
+        return self.capacity - self._freed_count
 
     @property
     def nbytes(self) -> int:
-        return sum(block.nbytes for blocks in self._blocks.values() for block in blocks) + self._free.nbytes
+        """The bytes the rows written so far and the list of freed slots hold."""
+        return self.capacity * self.row_bytes() + self._freed_count * self._freed.element_size()
 
     def row_bytes(self) -> int:
         """Bytes a row takes across every column."""
         return sum(math.prod(shape) * dtype.itemsize for shape, dtype in self.columns.values())
 
     def allocate(self, count: int) -> Tensor:
-        """``count`` free slots (int64); raises MemoryError past ``max_rows``."""
-        while self._free_count < count:
+        """``count`` free slots (int64), freed ones first, then new ones in ascending order;
+        raises MemoryError past ``max_rows`` (and allocates none)."""
+        reused = min(count, self._freed_count)
+        fresh = count - reused
+        if self.max_rows is not None and self.capacity + fresh > self.max_rows:
+            raise MemoryError(f"the row arena holds its cap of {self.max_rows} rows")
+        self._freed_count -= reused
+        taken = self._freed[self._freed_count : self._freed_count + reused].clone()
+        if not fresh:
+            return taken
+        new = torch.arange(self.capacity, self.capacity + fresh, dtype=torch.int64)
+        self.capacity += fresh
+        while self.blocks * self.block_rows < self.capacity:
             self._add_block()
-        self._free_count -= count
-        return self._free[self._free_count : self._free_count + count].clone()
+        return torch.cat([taken, new]) if reused else new
 
     def release(self, slots: Tensor) -> None:
         """Returns ``slots`` (distinct, allocated) to the free list."""
         n = slots.numel()
-        self._free[self._free_count : self._free_count + n] = slots
-        self._free_count += n
+        if self._freed_count + n > self._freed.numel():
+            grown = lazy_zeros((max(self._freed_count + n, min(self.capacity, 2 * self._freed.numel())),), torch.int64)
+            grown[: self._freed_count] = self._freed[: self._freed_count]
+            self._freed = grown
+        self._freed[self._freed_count : self._freed_count + n] = slots
+        self._freed_count += n
 
     def _add_block(self) -> None:
         rows = self.block_rows
         if self.max_rows is not None:
-            rows = min(rows, self.max_rows - self.capacity)
-            if rows <= 0:
-                raise MemoryError(f"the row arena holds its cap of {self.max_rows} rows")
+            rows = min(rows, self.max_rows - self.blocks * self.block_rows)
         for name, (shape, dtype) in self.columns.items():
-            self._blocks[name].append(torch.full((rows, *shape), self.fill.get(name, 0), dtype=dtype))
-        free = torch.empty(self.capacity + rows, dtype=torch.int64)
-        free[: self._free_count] = self._free[: self._free_count]
-        # Reversed, so that allocations take a new block's slots in ascending order.
-        free[self._free_count : self._free_count + rows] = torch.arange(
-            self.capacity + rows - 1, self.capacity - 1, -1, dtype=torch.int64
-        )
-        self._free = free
-        self._free_count += rows
-        self.capacity += rows
+            self._blocks[name].append(lazy_zeros((rows, *shape), dtype))
 
     def _grouped(self, slots: Tensor) -> Iterator[tuple[int, Tensor | None, Tensor]]:
         """(block, positions in ``slots`` or None for all, offsets in the block) per block touched."""
@@ -332,13 +365,17 @@ class RowArena:
         return len(next(iter(self._blocks.values())))
 
     def column(self, name: str, block: int | None = None) -> Tensor:
-        """A copy of column ``name`` at every slot in order (of block ``block`` only: its slots
-        from ``block * block_rows`` on), free slots included."""
+        """A copy of column ``name`` at every slot handed out, in order (of block ``block``
+        only: its slots from ``block * block_rows`` on), freed slots included."""
         blocks = self._blocks[name]
         if block is not None:
-            return blocks[block].clone()
+            rows = min(self.block_rows, self.capacity - block * self.block_rows)
+            return self._read(name, blocks[block][: max(0, rows)].clone())
         shape, dtype = self.columns[name]
-        return torch.cat(blocks) if blocks else torch.empty((0, *shape), dtype=dtype)
+        if not blocks:
+            return torch.empty((0, *shape), dtype=dtype)
+        written = [b[: max(0, min(self.block_rows, self.capacity - i * self.block_rows))] for i, b in enumerate(blocks)]
+        return self._read(name, torch.cat(written))
 
     def gather(self, column: str, slots: Tensor) -> Tensor:
         """Copies of ``column`` at ``slots``, in their order."""
@@ -350,14 +387,22 @@ class RowArena:
                 torch.index_select(blocks[block], 0, offsets, out=out)
             else:
                 out[positions] = blocks[block].index_select(0, offsets)
-        return out
+        return self._read(column, out)
 
     def scatter(self, column: str, slots: Tensor, values: Tensor) -> None:
         """Writes ``values[i]`` (shape ``[len(slots), *row shape]``) to ``column`` at ``slots[i]``."""
         blocks = self._blocks[column]
+        fill = self.fill.get(column)
+        if fill is not None:
+            values = values.to(self.columns[column][1]) ^ fill
         for block, positions, offsets in self._grouped(slots):
             piece = values if positions is None else values[positions]
             blocks[block].index_copy_(0, offsets, piece.to(blocks[block].dtype))
+
+    def _read(self, column: str, stored: Tensor) -> Tensor:
+        """What ``stored`` (values as the blocks keep them) holds: the fill is XORed back."""
+        fill = self.fill.get(column)
+        return stored if fill is None else stored.bitwise_xor_(fill)
 
 
 # ---------------------------------------------------------------- admission
@@ -375,7 +420,7 @@ class AdmissionFilter:
             raise ValueError(f"an admission filter needs width >= 1 and depth in 1..{len(_FILTER_SALTS)}")
         self.width = width
         self.depth = depth
-        self._counts = torch.zeros((depth, width), dtype=torch.int32)
+        self._counts = lazy_zeros((depth, width), torch.int32)  # huge pages: its reads are random
         self._since_reset = 0
 
     @property

@@ -37,6 +37,7 @@ Every call is validated before it changes anything; the shard's lock serialises 
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 import time
 import uuid
@@ -117,7 +118,7 @@ class DynamicShard:
         self._filter = AdmissionFilter(width) if config.admit_after > 1 else None
         probe = RowArena(columns, 1)
         self.max_rows, buckets = config.capacity(probe.row_bytes(), self._filter.nbytes if self._filter else 0)
-        block = config.block_rows or max(1024, (8 << 20) // probe.row_bytes())
+        block = config.arena_block_rows(max(math.prod(shape) * kind.itemsize for shape, kind in columns.values()))
         self._arena = RowArena(columns, block, self.max_rows, fill={"used": _FREE})
         # Under max_bytes, the index grows up to the buckets the cap counts, never past them.
         self._index = IdIndex(capacity=min(1024, 2 * (self.max_rows or 1024)), max_capacity=buckets)

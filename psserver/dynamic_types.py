@@ -35,6 +35,11 @@ FREE_LIST_BYTES_PER_ROW = 8
 """A row's entry in its arena's free list (int64)."""
 DELETION_LOG_BYTES_PER_ROW = 4
 """What a deletion log may hold per live row: the ids of up to half the live rows, 8 bytes each."""
+ARENA_BLOCK_COLUMN_BYTES = 64 << 20
+"""The default arena block: as many rows as fill this in its widest column (a million rows of 16
+float32). Large, because a batch's gather and scatter loop over the blocks its rows fall in (few
+blocks: as short a loop at ten million rows as at one million); cheap, because a block's pages are
+committed as its rows are written (dynamic_rows.lazy_zeros), not when it is made."""
 WORKING_BYTES_PER_ROW = 17
 """The temporaries of the largest operation over every row, per row: a least-recently-used pick
 (each slot's last use copied, a flag, and a masked copy: 8 + 1 + 8); an in-place rebuild of the
@@ -50,7 +55,8 @@ class DynamicTableConfig:
     trained). ``ttl_steps`` / ``ttl_seconds``: rows not updated for longer are evicted.
     ``max_rows`` / ``max_bytes``: per server; the least recently used rows make room.
     ``admission_width``: counters per row of the sighting sketch (default: 4 per row of the cap,
-    or 2^20). ``block_rows``: rows per arena block (default: about 8 MiB of rows)."""
+    or 2^20). ``block_rows``: rows per arena block (default: ARENA_BLOCK_COLUMN_BYTES in the
+    widest column)."""
 
     dim: int
     dtype: torch.dtype = torch.float32
@@ -92,13 +98,18 @@ class DynamicTableConfig:
         a column of an arena block at 8 bytes a value, or the sighting sketch), known before
         any is made: a server refuses a table whose allocation would pass its shard limit."""
         row = self.dim * 8
-        block = self.block_rows or max(1024, (8 << 20) // row)
+        block = self.arena_block_rows(row)
         if self.max_rows is not None:
             block = min(block, self.max_rows)
         sketch = 0
         if self.admit_after > 1:
             sketch = 8 * (self.admission_width or (4 * self.max_rows if self.max_rows else 1 << 20))
         return max(row * block, sketch)
+
+    def arena_block_rows(self, widest_row_bytes: int) -> int:
+        """Rows per arena block: ``block_rows``, else as many as fill ARENA_BLOCK_COLUMN_BYTES
+        in the widest column (``widest_row_bytes`` a row)."""
+        return self.block_rows or max(1024, ARENA_BLOCK_COLUMN_BYTES // widest_row_bytes)
 
     def capacity(self, row_bytes: int, sketch_bytes: int) -> tuple[int | None, int | None]:
         """(rows, index buckets) of one server's shard: ``max_rows``, and what ``max_bytes``

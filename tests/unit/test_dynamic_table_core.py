@@ -136,6 +136,36 @@ def test_the_arena_reuses_freed_slots_and_never_passes_its_cap():
         arena.allocate(1)
 
 
+def test_an_arena_column_reads_its_fill_where_no_row_was_written_and_what_was_written_elsewhere():
+    free = torch.iinfo(torch.int64).max
+    arena = RowArena({"used": ((), torch.int64), "value": ((2,), torch.float32)}, block_rows=4, fill={"used": free})
+    slots = arena.allocate(6)  # two blocks
+    assert torch.equal(arena.column("used"), torch.full((6,), free))
+    arena.scatter("used", slots[[1, 4]], torch.tensor([7, -3]))
+    assert arena.gather("used", slots).tolist() == [free, 7, free, free, -3, free]
+    assert arena.column("used", 1).tolist() == [-3, free]  # block 1: the slots handed out, 4 and 5
+    arena.release(slots[[1]])
+    assert arena.allocate(1).tolist() == [1] and arena.capacity == 6, "a freed slot goes out before a new one"
+    with pytest.raises(ValueError, match="integer columns"):
+        RowArena({"value": ((2,), torch.float32)}, block_rows=4, fill={"value": 1})
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * 4096
+
+
+def test_an_arena_block_costs_memory_for_the_rows_written_not_for_its_size():
+    arena = RowArena({"value": ((16,), torch.float32)}, block_rows=1 << 22)  # a 256 MiB block
+    before = _resident_bytes()
+    slots = arena.allocate(1000)
+    arena.scatter("value", slots, torch.ones(1000, 16))
+    grown = _resident_bytes() - before
+    assert grown < 32 << 20, f"a block of 256 MiB with 1,000 rows written took {grown >> 20} MiB"
+    assert arena.nbytes == 1000 * 16 * 4
+    assert torch.equal(arena.gather("value", slots[-3:]), torch.ones(3, 16))
+
+
 def test_the_admission_filter_never_counts_low_and_forgets_evicted_ids():
     sketch = AdmissionFilter(width=64)
     ids = torch.arange(200)
@@ -302,7 +332,7 @@ def test_evictions_for_room_and_by_age_never_pick_a_free_slot():
 
 
 def test_the_largest_allocation_is_known_before_any_is_made():
-    assert DynamicTableConfig(dim=16).largest_allocation() == 16 * 8 * ((8 << 20) // (16 * 8))
+    assert DynamicTableConfig(dim=16).largest_allocation() == 64 << 20  # the default block's widest column
     assert DynamicTableConfig(dim=16, block_rows=10).largest_allocation() == 16 * 8 * 10
     assert DynamicTableConfig(dim=16, max_rows=5).largest_allocation() == 16 * 8 * 5
     assert DynamicTableConfig(dim=1, admit_after=2, max_rows=1 << 30).largest_allocation() == 8 * 4 * (1 << 30)
