@@ -58,7 +58,13 @@ from paramserve.psserver.dynamic_rows import (
     least_recently_used,
     owner_of,
 )
-from paramserve.psserver.dynamic_types import DynamicSaveMark, DynamicShardState, DynamicStats, DynamicTableConfig
+from paramserve.psserver.dynamic_types import (
+    ARENA_BLOCK_COLUMN_BYTES,
+    DynamicSaveMark,
+    DynamicShardState,
+    DynamicStats,
+    DynamicTableConfig,
+)
 from paramserve.psserver.errors import (
     DtypeMismatchError,
     InvalidRequestError,
@@ -93,7 +99,14 @@ _METADATA = {
 class DynamicShard:
     """One server's shard of a dynamic table (see the module docstring). Thread-safe."""
 
-    def __init__(self, ref: ShardRef, num_shards: int, config: DynamicTableConfig, idempotency_capacity: int):
+    def __init__(
+        self,
+        ref: ShardRef,
+        num_shards: int,
+        config: DynamicTableConfig,
+        idempotency_capacity: int,
+        block_bytes: int = ARENA_BLOCK_COLUMN_BYTES,
+    ):
         config.validate()
         if isinstance(num_shards, bool) or not isinstance(num_shards, int) or not 0 <= ref.shard < num_shards:
             raise InvalidRequestError(f"shard {ref.shard} of {num_shards} is not a shard of a dynamic table")
@@ -118,7 +131,8 @@ class DynamicShard:
         self._filter = AdmissionFilter(width) if config.admit_after > 1 else None
         probe = RowArena(columns, 1)
         self.max_rows, buckets = config.capacity(probe.row_bytes(), self._filter.nbytes if self._filter else 0)
-        block = config.arena_block_rows(max(math.prod(shape) * kind.itemsize for shape, kind in columns.values()))
+        widest = max(math.prod(shape) * kind.itemsize for shape, kind in columns.values())
+        block = config.arena_block_rows(widest, block_bytes)
         self._arena = RowArena(columns, block, self.max_rows, fill={"used": _FREE})
         # Under max_bytes, the index grows up to the buckets the cap counts, never past them.
         self._index = IdIndex(capacity=min(1024, 2 * (self.max_rows or 1024)), max_capacity=buckets)
@@ -484,8 +498,10 @@ class DynamicTables:
         idempotency_capacity: int = 65536,
         settings: PushSettings | None = None,
         clock: Callable[[], float] = time.monotonic,
+        block_bytes: int = ARENA_BLOCK_COLUMN_BYTES,
     ):
         self._capacity = idempotency_capacity
+        self._block_bytes = block_bytes  # the default arena block (dynamic_types.block_bytes_within)
         self.settings = settings or PushSettings()
         self.clock = clock
         self._shards: dict[ShardRef, DynamicShard] = {}
@@ -510,7 +526,7 @@ class DynamicTables:
     def create(self, ref: ShardRef, num_shards: int, config: DynamicTableConfig) -> DynamicStats:
         """Creates the shard, or keeps an identical one (a retried create); raises
         VariableExistsError for one with other settings."""
-        built = DynamicShard(ref, num_shards, config, self._capacity)
+        built = DynamicShard(ref, num_shards, config, self._capacity, self._block_bytes)
         with self._lock:
             existing = self._shards.get(ref)
             if existing is None:

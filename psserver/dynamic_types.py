@@ -26,6 +26,7 @@ __all__ = [
     "DynamicShardState",
     "DynamicStats",
     "DynamicTableConfig",
+    "block_bytes_within",
     "rehash",
 ]
 
@@ -40,6 +41,15 @@ ARENA_BLOCK_COLUMN_BYTES = 64 << 20
 float32). Large, because a batch's gather and scatter loop over the blocks its rows fall in (few
 blocks: as short a loop at ten million rows as at one million); cheap, because a block's pages are
 committed as its rows are written (dynamic_rows.lazy_zeros), not when it is made."""
+
+
+def block_bytes_within(shard_limit: int) -> int:
+    """A server's default arena block (bytes in its widest column): ARENA_BLOCK_COLUMN_BYTES, or
+    its limit on one allocation (--max-shard-bytes) where that is smaller, so a table with the
+    default blocks is never refused for them."""
+    return min(ARENA_BLOCK_COLUMN_BYTES, shard_limit)
+
+
 WORKING_BYTES_PER_ROW = 17
 """The temporaries of the largest operation over every row, per row: a least-recently-used pick
 (each slot's last use copied, a flag, and a masked copy: 8 + 1 + 8); an in-place rebuild of the
@@ -93,12 +103,13 @@ class DynamicTableConfig:
         if self.optimizer is not None:
             self.optimizer.validate()
 
-    def largest_allocation(self) -> int:
+    def largest_allocation(self, block_bytes: int = ARENA_BLOCK_COLUMN_BYTES) -> int:
         """About the most bytes one allocation of a shard of this table takes (an upper bound:
         a column of an arena block at 8 bytes a value, or the sighting sketch), known before
-        any is made: a server refuses a table whose allocation would pass its shard limit."""
+        any is made: a server refuses a table whose allocation would pass its shard limit.
+        ``block_bytes``: the server's default block (``block_bytes_within``)."""
         row = self.dim * 8
-        block = self.arena_block_rows(row)
+        block = self.arena_block_rows(row, block_bytes)
         if self.max_rows is not None:
             block = min(block, self.max_rows)
         sketch = 0
@@ -106,10 +117,11 @@ class DynamicTableConfig:
             sketch = 8 * (self.admission_width or (4 * self.max_rows if self.max_rows else 1 << 20))
         return max(row * block, sketch)
 
-    def arena_block_rows(self, widest_row_bytes: int) -> int:
-        """Rows per arena block: ``block_rows``, else as many as fill ARENA_BLOCK_COLUMN_BYTES
-        in the widest column (``widest_row_bytes`` a row)."""
-        return self.block_rows or max(1024, ARENA_BLOCK_COLUMN_BYTES // widest_row_bytes)
+    def arena_block_rows(self, widest_row_bytes: int, block_bytes: int = ARENA_BLOCK_COLUMN_BYTES) -> int:
+        """Rows per arena block: ``block_rows``, else as many as fill ``block_bytes`` (the
+        server's default, ``block_bytes_within``) in the widest column (``widest_row_bytes`` a
+        row)."""
+        return self.block_rows or max(1024, block_bytes // widest_row_bytes)
 
     def capacity(self, row_bytes: int, sketch_bytes: int) -> tuple[int | None, int | None]:
         """(rows, index buckets) of one server's shard: ``max_rows``, and what ``max_bytes``

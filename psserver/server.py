@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import pathlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from grpc_health.v1 import health_pb2
@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from paramserve.psserver.dataplane_server import DataPlaneServer
+from paramserve.psserver.dynamic_types import block_bytes_within
 from paramserve.psserver.error_boundary import boundary_error
 from paramserve.psserver.errors import ConfigurationError, ParamServeError
 from paramserve.psserver.metadata import SERVICE_NAME
@@ -182,7 +183,6 @@ def build_server(config: ServerConfig, registry: CollectorRegistry | None = None
         torch.set_num_threads(config.torch_threads)
     warm_up()
     registry = registry or CollectorRegistry()
-    store = ShardStore(config.store, observer=PushMetrics(registry))
     limits = ServicerLimits(
         max_push_bytes=config.max_push_bytes,
         max_pull_bytes=config.max_pull_bytes,
@@ -191,6 +191,8 @@ def build_server(config: ServerConfig, registry: CollectorRegistry | None = None
         checkpoint_root=config.checkpoint_root,
         authenticated=bool(config.token),
     )
+    store_config = replace(config.store, dynamic_block_bytes=block_bytes_within(limits.shard_limit()))
+    store = ShardStore(store_config, observer=PushMetrics(registry))
     steps = StepEngine(store, limits.step_limits())
     settings = ForwarderSettings(config.token, config.replica_tls, max_message_bytes=config.max_message_bytes)
     cannot_forward = (

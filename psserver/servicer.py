@@ -18,7 +18,7 @@ import grpc
 import torch
 
 from paramserve.psserver import checkpoint, convert, dynamic_wire
-from paramserve.psserver.dynamic_types import DynamicStats, DynamicTableConfig
+from paramserve.psserver.dynamic_types import DynamicStats, DynamicTableConfig, block_bytes_within
 from paramserve.psserver.error_boundary import parse, stream_boundary, unary_boundary
 from paramserve.psserver.errors import InvalidRequestError, MessageTooLargeError, VariableNotFoundError
 from paramserve.psserver.memory import resident_bytes
@@ -235,9 +235,10 @@ class ParameterServerServicer:
         return _dynamic_response(self._store.dynamic.replace(states))
 
     def _check_allocation(self, variable: str, config: DynamicTableConfig) -> None:
-        if config.largest_allocation() > self._shard_limit:
+        largest = config.largest_allocation(block_bytes_within(self._shard_limit))
+        if largest > self._shard_limit:
             raise MessageTooLargeError(
-                f"a shard of this dynamic table would allocate about {config.largest_allocation()} bytes at once "
+                f"a shard of this dynamic table would allocate about {largest} bytes at once "
                 f"(its dim, block_rows, or admission sketch: admission_width, else 4 x max_rows); this server's "
                 f"limit is {self._shard_limit} (--max-shard-bytes)",
                 variable=variable,

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from paramserve.psserver.dynamic_table import DynamicTableConfig, DynamicTables, PushSettings
+from paramserve.psserver.dynamic_types import ARENA_BLOCK_COLUMN_BYTES
 from paramserve.psserver.errors import (
     DtypeMismatchError,
     InternalError,
@@ -104,6 +105,8 @@ class StoreConfig:
     idempotency_capacity: int = 65536
     allow_nonfinite: bool = False
     max_staleness: int | None = None
+    dynamic_block_bytes: int = ARENA_BLOCK_COLUMN_BYTES
+    """A dynamic table's default arena block, in its widest column (dynamic_types.block_bytes_within)."""
 
     def __post_init__(self) -> None:
         if not is_int(self.idempotency_capacity) or self.idempotency_capacity < 1:
@@ -199,7 +202,9 @@ class ShardStore:
         self._shards_lock = threading.Lock()
         self._grouped = GroupedSteps()
         self.dynamic = DynamicTables(
-            self._config.idempotency_capacity, PushSettings(self._config.allow_nonfinite, self._config.max_staleness)
+            self._config.idempotency_capacity,
+            PushSettings(self._config.allow_nonfinite, self._config.max_staleness),
+            block_bytes=self._config.dynamic_block_bytes,
         )
         """The dynamic embedding tables' shards (psserver/dynamic_table.py): read and pushed by
         id through ``pull_rows`` and ``push``, as row reads and row pushes of other shards."""

@@ -20,7 +20,12 @@ from paramserve.psserver.dynamic_rows import (
     splitmix64,
 )
 from paramserve.psserver.dynamic_table import DynamicShard, PushSettings
-from paramserve.psserver.dynamic_types import DynamicTableConfig, rehash
+from paramserve.psserver.dynamic_types import (
+    ARENA_BLOCK_COLUMN_BYTES,
+    DynamicTableConfig,
+    block_bytes_within,
+    rehash,
+)
 from paramserve.psserver.errors import DtypeMismatchError, InvalidRequestError, NonFiniteGradientError
 from paramserve.psserver.optimizer import OptimizerSpec
 from paramserve.psserver.types import ShardRef
@@ -329,6 +334,16 @@ def test_evictions_for_room_and_by_age_never_pick_a_free_slot():
     empty = shard(max_rows=4)
     empty.lookup(torch.arange(10), now=0.0)  # more ids than the cap on an empty shard
     assert empty.stats().live_rows == 4
+
+
+def test_a_servers_default_block_fits_its_allocation_limit():
+    assert block_bytes_within(1 << 40) == ARENA_BLOCK_COLUMN_BYTES
+    small = 16 << 20  # a server started with --max-shard-bytes 16 MiB
+    config = DynamicTableConfig(dim=16)
+    assert config.largest_allocation() > small, "the default block alone would be refused there"
+    assert config.largest_allocation(block_bytes_within(small)) <= small
+    table = DynamicShard(ShardRef("t", 0), 1, config, idempotency_capacity=16, block_bytes=block_bytes_within(small))
+    assert table._arena.block_rows * 16 * 4 <= small
 
 
 def test_the_largest_allocation_is_known_before_any_is_made():
