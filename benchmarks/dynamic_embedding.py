@@ -26,7 +26,8 @@ the calls freed (as ps_memory.py does).
   resident growth per live row, beside dim x (1 + slots) x 4 = 128 bytes.
 - dyn_us_per_row_<n>: at n live rows, the time a lookup and a push of a batch of existing ids
   take per row (median of 25 batches after 5 untimed ones: of 5, it swung by 15 % between
-  runs).
+  runs). The rows are made in a random order of their ids, as ids arrive in a real stream, so
+  a server's slots for a batch of ids are in no particular order.
 - dyn_incremental_save_bytes: a table of --inc-rows live rows saved whole by a CheckpointManager
   (``full_every=10``), then --inc-steps steps of --inc-batch ids each (skewed: id =
   rows x u^2, u uniform), then saved again: the bytes of that delta checkpoint (its directory:
@@ -164,9 +165,9 @@ def growth(sizes: list[int], batch: int) -> list[Result]:
             client = ParameterServerClient(local.spec.parameter_servers, ClientConfig())
             before = rss(local)
             table(client)
+            arrival = torch.randperm(size, generator=torch.Generator().manual_seed(0))
             for start in range(0, size, batch):
-                ids = torch.arange(start, min(size, start + batch))
-                client.pull_unique_rows({"t": ids}, dynamic=SHAPE)
+                client.pull_unique_rows({"t": arrival[start : start + batch]}, dynamic=SHAPE)
             time.sleep(TRIM_WAIT_SECONDS)
             after = rss(local)
             held = sum(live(client))

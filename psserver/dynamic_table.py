@@ -210,7 +210,7 @@ class DynamicShard:
             self._tick += 1
             slots = self._index.find(ids)
             found = slots >= 0
-            self._arena.scatter("used", slots[found], torch.full((int(found.sum()),), self._tick))
+            self._arena.scatter("used", slots[found].sort().values, torch.full((int(found.sum()),), self._tick))
             missing = (~found).nonzero().reshape(-1)
             if missing.numel():
                 wanted = ids[missing]
@@ -221,8 +221,9 @@ class DynamicShard:
                 admitted = self._admit(wanted, now)
                 slots[missing[: admitted.numel()]] = admitted
             rows = self._default.expand(ids.numel(), -1).clone()
-            held = slots >= 0
-            rows[held] = self._arena.gather("value", slots[held])
+            held = (slots >= 0).nonzero().reshape(-1)
+            ordered, order = torch.sort(slots[held])  # in slot order: see RowArena._grouped
+            rows[held[order]] = self._arena.gather("value", ordered)
             return rows, self.version
 
     def push(self, ids: Tensor, values: Tensor, key: str, base_version: int, now: float) -> PushOutcome:
@@ -239,13 +240,14 @@ class DynamicShard:
             slots = self._index.find(unique)
             held = slots >= 0
             if bool(held.any()):
-                self._step(slots[held], summed[held])
+                ordered, order = torch.sort(slots[held])  # in slot order: see RowArena._grouped
+                self._step(ordered, summed[held][order])
                 self.version += 1
-                count = int(held.sum())
-                self._arena.scatter("updated", slots[held], torch.full((count,), self.version))
-                self._arena.scatter("updated_at", slots[held], torch.full((count,), now, dtype=torch.float64))
-                self._arena.scatter("used", slots[held], torch.full((count,), self._tick))
-                self._arena.scatter("changed", slots[held], self._stamp(count))
+                count = ordered.numel()
+                self._arena.scatter("updated", ordered, torch.full((count,), self.version))
+                self._arena.scatter("updated_at", ordered, torch.full((count,), now, dtype=torch.float64))
+                self._arena.scatter("used", ordered, torch.full((count,), self._tick))
+                self._arena.scatter("changed", ordered, self._stamp(count))
             else:
                 self.version += 1
             self.window.record(key)
@@ -300,19 +302,20 @@ class DynamicShard:
                 self._evict_for_room(max(over, self.max_rows // _LRU_BATCH))
             ids = ids[: max(0, self.max_rows - self._arena.live)]
         slots = self._arena.allocate(ids.numel())
-        cfg = self.config
+        ordered, order = torch.sort(slots)  # freed slots come in any order: see RowArena._grouped
+        ids, count, cfg = ids[order], ids.numel(), self.config
         self._arena.scatter(
-            "value", slots, initial_rows(ids, cfg.dim, cfg.initializer, cfg.init_a, cfg.init_b, cfg.seed, cfg.dtype)
+            "value", ordered, initial_rows(ids, cfg.dim, cfg.initializer, cfg.init_a, cfg.init_b, cfg.seed, cfg.dtype)
         )
         for key, (rows, initial) in self._state.items():
             if rows:
-                self._arena.scatter(f"slot.{key}", slots, initial.expand(ids.numel(), -1))
-        self._arena.scatter("ids", slots, ids)
-        self._arena.scatter("updated", slots, torch.full((ids.numel(),), self.version))
-        self._arena.scatter("updated_at", slots, torch.full((ids.numel(),), now, dtype=torch.float64))
-        self._arena.scatter("used", slots, torch.full((ids.numel(),), self._tick))
-        self._arena.scatter("changed", slots, self._stamp(ids.numel()))
-        self._index.insert(ids, slots)
+                self._arena.scatter(f"slot.{key}", ordered, initial.expand(count, -1))
+        self._arena.scatter("ids", ordered, ids)
+        self._arena.scatter("updated", ordered, torch.full((count,), self.version))
+        self._arena.scatter("updated_at", ordered, torch.full((count,), now, dtype=torch.float64))
+        self._arena.scatter("used", ordered, torch.full((count,), self._tick))
+        self._arena.scatter("changed", ordered, self._stamp(count))
+        self._index.insert(ids, ordered)
         self.admissions += ids.numel()
         return slots
 

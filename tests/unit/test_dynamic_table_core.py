@@ -111,6 +111,39 @@ def test_an_index_at_its_most_buckets_is_rebuilt_in_place_and_never_grows():
         index.insert(torch.arange(10**6, 10**6 + 200), torch.arange(200))
 
 
+def test_one_cluster_longer_than_every_probe_window_is_walked_to_its_end():
+    index = IdIndex(capacity=1024)
+    candidates = torch.arange(1, 2_000_000)
+    crowded = candidates[index._start(candidates) == 5][:600]  # 600 ids whose probes all start at bucket 5
+    assert crowded.numel() == 600
+    index.insert(crowded, torch.arange(600))  # every one claims bucket 5 first; one wins each round
+    assert index.capacity == 1024 and index.find(crowded).tolist() == list(range(600))
+    index.remove(crowded[::2])  # deleted buckets all along the cluster: probes walk past them
+    assert index.find(crowded).tolist() == [-1 if i % 2 == 0 else i for i in range(600)]
+    absent = candidates[index._start(candidates) == 5][600:610]
+    assert index.find(absent).tolist() == [-1] * 10  # found absent only at the empty bucket past the cluster
+    index.insert(crowded[::2], torch.arange(1000, 1300))
+    assert index.find(crowded).tolist() == [1000 + i // 2 if i % 2 == 0 else i for i in range(600)]
+    held, slots = index.items()
+    assert dict(zip(held.tolist(), slots.tolist())) == dict(zip(crowded.tolist(), index.find(crowded).tolist()))
+
+
+@pytest.mark.parametrize("order", ["ascending", "descending", "shuffled"])
+def test_gather_and_scatter_across_blocks_agree_with_one_tensor_in_any_slot_order(order: str):
+    free = torch.iinfo(torch.int64).max
+    arena = RowArena({"value": ((2,), torch.float32), "used": ((), torch.int64)}, block_rows=8, fill={"used": free})
+    slots = arena.allocate(50)
+    reference = {"value": torch.zeros(50, 2), "used": torch.full((50,), free)}
+    picked = torch.tensor([0, 3, 7, 8, 9, 23, 24, 31, 40, 41, 49])
+    picked = {"ascending": picked, "descending": picked.flip(0), "shuffled": picked[torch.randperm(11)]}[order]
+    values = {"value": torch.randn(11, 2), "used": torch.arange(11) * 3 - 7}
+    for name, written in values.items():
+        arena.scatter(name, slots[picked], written)
+        reference[name][picked] = written
+        assert torch.equal(arena.gather(name, slots[picked]), written)
+        assert torch.equal(arena.column(name), reference[name])
+
+
 @pytest.mark.parametrize("max_bytes", [1 << 20, 3 << 20, 128 << 20, 1 << 30])
 def test_a_byte_cap_counts_everything_a_shard_holds(max_bytes: int):
     config = DynamicTableConfig(dim=16, max_bytes=max_bytes)
