@@ -9,7 +9,6 @@ import errno
 import json
 import logging
 import os
-import resource
 import socket
 import subprocess
 import sys
@@ -146,6 +145,20 @@ def test_a_failing_accept_is_counted_retried_and_reported_and_the_listener_goes_
     assert steps_on_data_plane(server) == before + 1, "on the data plane, which still accepts"
 
 
+def server_with_descriptor_limit(limit: int) -> list[str]:
+    """The command of ``python -m paramserve.psserver`` with a descriptor limit of ``limit``, which
+    the child sets itself. Not a preexec_fn: that runs Python in a fork of this process, where
+    gRPC's fork handlers restart its poller thread on a descriptor that the fork then closes
+    before exec, and the poller aborts the child now and then (SIGABRT, "epoll_wait error: Bad
+    file descriptor", before the server ran a line)."""
+    module = "paramserve.psserver"
+    launcher = (
+        f"import resource, runpy; resource.setrlimit(resource.RLIMIT_NOFILE, ({limit}, {limit})); "
+        f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)"
+    )
+    return [sys.executable, "-c", launcher]
+
+
 def test_a_connection_flood_under_a_low_descriptor_limit_never_disables_the_data_plane(tmp_path, clients):
     """The issue's flood: 300 idle unauthenticated connections against a server whose descriptor
     limit is 256. The server caps them (evicting the ones still in their handshake), a correct
@@ -154,12 +167,9 @@ def test_a_connection_flood_under_a_low_descriptor_limit_never_disables_the_data
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
     data_port = free_port()
-    limits = lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))  # noqa: E731
     server = subprocess.Popen(
         [
-            sys.executable,
-            "-m",
-            "paramserve.psserver",
+            *server_with_descriptor_limit(256),
             "--port",
             "0",
             "--data-port",
@@ -173,7 +183,6 @@ def test_a_connection_flood_under_a_low_descriptor_limit_never_disables_the_data
             "--port-file",
             str(port_file),
         ],
-        preexec_fn=limits,
         stdout=subprocess.DEVNULL,
         stderr=(tmp_path / "ps.log").open("wb"),
     )
@@ -213,10 +222,8 @@ def test_a_connection_flood_under_a_low_descriptor_limit_never_disables_the_data
 
 
 def test_more_connections_than_descriptors_refuse_to_start_naming_both(tmp_path):
-    limits = lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))  # noqa: E731
     done = subprocess.run(
-        [sys.executable, "-m", "paramserve.psserver", "--port", "0"],
-        preexec_fn=limits,
+        [*server_with_descriptor_limit(256), "--port", "0"],
         capture_output=True,
         text=True,
         timeout=120,
