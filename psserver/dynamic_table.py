@@ -53,6 +53,7 @@ from paramserve.psserver.dynamic_rows import (
     DeletionLog,
     IdIndex,
     RowArena,
+    ascending,
     expired,
     initial_rows,
     least_recently_used,
@@ -210,7 +211,7 @@ class DynamicShard:
             self._tick += 1
             slots = self._index.find(ids)
             found = slots >= 0
-            self._arena.scatter("used", slots[found].sort().values, torch.full((int(found.sum()),), self._tick))
+            self._arena.scatter("used", self._ascending(slots[found])[0], torch.full((int(found.sum()),), self._tick))
             missing = (~found).nonzero().reshape(-1)
             if missing.numel():
                 wanted = ids[missing]
@@ -222,7 +223,7 @@ class DynamicShard:
                 slots[missing[: admitted.numel()]] = admitted
             rows = self._default.expand(ids.numel(), -1).clone()
             held = (slots >= 0).nonzero().reshape(-1)
-            ordered, order = torch.sort(slots[held])  # in slot order: see RowArena._grouped
+            ordered, order = self._ascending(slots[held])  # in slot order: see RowArena._grouped
             rows[held[order]] = self._arena.gather("value", ordered)
             return rows, self.version
 
@@ -240,7 +241,7 @@ class DynamicShard:
             slots = self._index.find(unique)
             held = slots >= 0
             if bool(held.any()):
-                ordered, order = torch.sort(slots[held])  # in slot order: see RowArena._grouped
+                ordered, order = self._ascending(slots[held])  # in slot order: see RowArena._grouped
                 self._step(ordered, summed[held][order])
                 self.version += 1
                 count = ordered.numel()
@@ -302,7 +303,7 @@ class DynamicShard:
                 self._evict_for_room(max(over, self.max_rows // _LRU_BATCH))
             ids = ids[: max(0, self.max_rows - self._arena.live)]
         slots = self._arena.allocate(ids.numel())
-        ordered, order = torch.sort(slots)  # freed slots come in any order: see RowArena._grouped
+        ordered, order = self._ascending(slots)  # freed slots come in any order: see RowArena._grouped
         ids, count, cfg = ids[order], ids.numel(), self.config
         self._arena.scatter(
             "value", ordered, initial_rows(ids, cfg.dim, cfg.initializer, cfg.init_a, cfg.init_b, cfg.seed, cfg.dtype)
@@ -325,6 +326,11 @@ class DynamicShard:
         victims = least_recently_used(self._arena.column("used"), count, protected_from=self._tick)
         self._evict(self._arena.gather("ids", victims), victims)
         self.evictions_capacity += victims.numel()
+
+    def _ascending(self, slots: Tensor) -> tuple[Tensor, Tensor]:
+        """``slots`` in ascending order and their positions: a batch's arena reads and writes go
+        in slot order (see RowArena._grouped)."""
+        return ascending(slots, self._arena.capacity)
 
     def _stamp(self, count: int) -> Tensor:
         return torch.full((count,), self._epoch, dtype=torch.int32)

@@ -13,6 +13,7 @@ from paramserve.psserver.dynamic_rows import (
     AdmissionFilter,
     IdIndex,
     RowArena,
+    ascending,
     expired,
     initial_rows,
     least_recently_used,
@@ -126,6 +127,15 @@ def test_one_cluster_longer_than_every_probe_window_is_walked_to_its_end():
     assert index.find(crowded).tolist() == [1000 + i // 2 if i % 2 == 0 else i for i in range(600)]
     held, slots = index.items()
     assert dict(zip(held.tolist(), slots.tolist())) == dict(zip(crowded.tolist(), index.find(crowded).tolist()))
+
+
+@pytest.mark.parametrize("bound", [2**31, 2**40])
+def test_ascending_sorts_and_gives_each_values_position_whatever_its_width(bound: int):
+    values = torch.randint(0, bound, (1000,))
+    values[:10] = bound - 1  # the largest value the bound allows, and repeats of it
+    ordered, order = ascending(values, bound)
+    assert ordered.dtype == torch.int64 and torch.equal(ordered, torch.sort(values).values)
+    assert torch.equal(values[order], ordered) and sorted(order.tolist()) == list(range(1000))
 
 
 @pytest.mark.parametrize("order", ["ascending", "descending", "shuffled"])
