@@ -432,13 +432,15 @@ class RowArena:
         only: its slots from ``block * block_rows`` on), freed slots included."""
         blocks = self._blocks[name]
         if block is not None:
-            rows = min(self.block_rows, self.capacity - block * self.block_rows)
-            return self._read(name, blocks[block][: max(0, rows)].clone())
+            return self._read(name, blocks[block][: self._handed_out_in(block)].clone())
         shape, dtype = self.columns[name]
         if not blocks:
             return torch.empty((0, *shape), dtype=dtype)
-        written = [b[: max(0, min(self.block_rows, self.capacity - i * self.block_rows))] for i, b in enumerate(blocks)]
-        return self._read(name, torch.cat(written))
+        return self._read(name, torch.cat([b[: self._handed_out_in(i)] for i, b in enumerate(blocks)]))
+
+    def _handed_out_in(self, block: int) -> int:
+        """How many of block ``block``'s slots were handed out (the rest were never written)."""
+        return max(0, min(self.block_rows, self.capacity - block * self.block_rows))
 
     def gather(self, column: str, slots: Tensor) -> Tensor:
         """Copies of ``column`` at ``slots``, in their order."""
