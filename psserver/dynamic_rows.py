@@ -139,9 +139,9 @@ class IdIndex:
     """id -> arena slot, by open addressing with linear probing over two flat tensors (keys
     int64, slots int32; -1 empty, -2 deleted): 12 bytes a bucket, 2 to 4 buckets a live id
     after a rebuild. Every call takes a batch of ids and probes them together, a widening window
-    of buckets a vector step (``_probe``). A rebuild drops the old buckets before it makes the new ones, and
-    rebuilds in place at the same size. ``max_capacity``: the most buckets it grows to (a
-    byte-capped table's, which its cap counts); past that it is rebuilt in place."""
+    of buckets a vector step (``_probe``). A rebuild drops the old buckets before it makes the
+    new ones, and rebuilds in place at the same size. ``max_capacity``: the most buckets it
+    grows to (a byte-capped table's, which its cap counts); past that it is rebuilt in place."""
 
     EMPTY = -1
     DELETED = -2
@@ -322,10 +322,9 @@ class RowArena:
     batch's gather and scatter loop over the blocks its slots fall in, and few large blocks keep
     that loop as short for ten million rows as for one. Slots passed in ascending order cost
     least: each block's are one slice, and the reads walk memory front to back (``_grouped``).
-    ``columns``: name -> (row shape, dtype),
-    e.g. ``{"value": ((16,), torch.float32), "ids": ((), torch.int64)}``; ``fill``: an integer
-    column's value at a slot never written (stored XOR the fill, so a fresh block's zeros read
-    as it)."""
+    ``columns``: name -> (row shape, dtype), e.g. ``{"value": ((16,), torch.float32), "ids":
+    ((), torch.int64)}``; ``fill``: an integer column's value at a slot never written (stored
+    XOR the fill, so a fresh block's zeros read as it)."""
 
     def __init__(
         self,
