@@ -210,9 +210,9 @@ class DynamicShard:
             self._maybe_sweep(now)
             self._tick += 1
             slots = self._index.find(ids)
-            found = slots >= 0
-            self._arena.scatter("used", self._ascending(slots[found])[0], torch.full((int(found.sum()),), self._tick))
-            missing = (~found).nonzero().reshape(-1)
+            held, ordered = self._held_in_slot_order(slots)
+            self._arena.scatter("used", ordered, torch.full((ordered.numel(),), self._tick))
+            missing = (slots < 0).nonzero().reshape(-1)
             if missing.numel():
                 wanted = ids[missing]
                 if self._filter is not None:
@@ -220,11 +220,11 @@ class DynamicShard:
                     ready = seen >= self.config.admit_after
                     missing, wanted = missing[ready], wanted[ready]
                 admitted = self._admit(wanted, now)
-                slots[missing[: admitted.numel()]] = admitted
+                if admitted.numel():
+                    slots[missing[: admitted.numel()]] = admitted
+                    held, ordered = self._held_in_slot_order(slots)
             rows = self._default.expand(ids.numel(), -1).clone()
-            held = (slots >= 0).nonzero().reshape(-1)
-            ordered, order = self._ascending(slots[held])  # in slot order: see RowArena._grouped
-            rows[held[order]] = self._arena.gather("value", ordered)
+            rows[held] = self._arena.gather("value", ordered)
             return rows, self.version
 
     def push(self, ids: Tensor, values: Tensor, key: str, base_version: int, now: float) -> PushOutcome:
@@ -238,11 +238,9 @@ class DynamicShard:
             unique, inverse = torch.unique(ids, sorted=True, return_inverse=True)
             summed = torch.zeros((unique.numel(), self.config.dim), dtype=values.dtype)
             summed.index_add_(0, inverse, values)
-            slots = self._index.find(unique)
-            held = slots >= 0
-            if bool(held.any()):
-                ordered, order = self._ascending(slots[held])  # in slot order: see RowArena._grouped
-                self._step(ordered, summed[held][order])
+            held, ordered = self._held_in_slot_order(self._index.find(unique))
+            if ordered.numel():
+                self._step(ordered, summed.index_select(0, held))
                 self.version += 1
                 count = ordered.numel()
                 self._arena.scatter("updated", ordered, torch.full((count,), self.version))
@@ -326,6 +324,13 @@ class DynamicShard:
         victims = least_recently_used(self._arena.column("used"), count, protected_from=self._tick)
         self._evict(self._arena.gather("ids", victims), victims)
         self.evictions_capacity += victims.numel()
+
+    def _held_in_slot_order(self, slots: Tensor) -> tuple[Tensor, Tensor]:
+        """(positions in ``slots`` of the ids with a row, their slots), both in slot order: a
+        batch's arena reads and writes go in slot order (see RowArena._grouped)."""
+        positions = (slots >= 0).nonzero().reshape(-1)
+        ordered, order = self._ascending(slots[positions])
+        return positions[order], ordered
 
     def _ascending(self, slots: Tensor) -> tuple[Tensor, Tensor]:
         """``slots`` in ascending order and their positions: a batch's arena reads and writes go
