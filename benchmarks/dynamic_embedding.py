@@ -55,7 +55,7 @@ from paramserve.coordinator import (
 )
 from paramserve.psserver.client import ClientConfig, ParameterServerClient
 from paramserve.psserver.dynamic_types import DynamicTableConfig
-from paramserve.psserver.optimizer import OptimizerSpec
+from paramserve.psserver.optimizer_spec import OptimizerSpec
 from paramserve.psserver.types import RowGradient
 
 DIM = 16

@@ -85,7 +85,7 @@ def start_ps(directory: pathlib.Path, token: str) -> tuple[subprocess.Popen, str
 
 def setup_variables(address: str, token: str) -> None:
     from paramserve.psserver.client import ClientConfig, ParameterServerClient
-    from paramserve.psserver.optimizer import OptimizerSpec
+    from paramserve.psserver.optimizer_spec import OptimizerSpec
 
     with ParameterServerClient([address], ClientConfig(token=token)) as client:
         client.create_variable("w", torch.zeros(6, 4), optimizer=OptimizerSpec("SGD", {"lr": 0.1}))

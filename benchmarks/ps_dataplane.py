@@ -30,7 +30,7 @@ from _common import EchoServer, Result, best_of, print_report, tcp_loopback_gbps
 
 from paramserve.coordinator.local_cluster import LocalCluster
 from paramserve.psserver.client import ClientConfig, ParameterServerClient
-from paramserve.psserver.optimizer import OptimizerSpec
+from paramserve.psserver.optimizer_spec import OptimizerSpec
 from paramserve.psserver.partition import FixedShardsPartitioner
 from paramserve.psserver.streams import DEFAULT_CHUNK_BYTES
 from paramserve.psserver.types import RowGradient

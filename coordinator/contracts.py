@@ -32,7 +32,7 @@ from paramserve.coordinator.cluster import ClusterSpec
 from paramserve.coordinator.replica_groups import ParameterServers
 from paramserve.psserver.client import ParameterServerClient
 from paramserve.psserver.dynamic_types import DynamicShardState
-from paramserve.psserver.optimizer import OptimizerSpec
+from paramserve.psserver.optimizer_spec import OptimizerSpec
 from paramserve.psserver.security import ClientTls
 from paramserve.psserver.types import ClusterContext, ShardPlacement, ShardState, VariableLayout
 

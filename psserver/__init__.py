@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from typing import Any
 
     from paramserve.psserver.client import ClientConfig, ParameterServerClient
-    from paramserve.psserver.optimizer import OptimizerSpec
+    from paramserve.psserver.optimizer_spec import OptimizerSpec
     from paramserve.psserver.partition import (
         FixedShardsPartitioner,
         MaxSizePartitioner,

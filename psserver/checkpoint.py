@@ -60,7 +60,7 @@ from paramserve.psserver.errors import (
     InvalidRequestError,
     ParamServeError,
 )
-from paramserve.psserver.optimizer import OptimizerSpec
+from paramserve.psserver.optimizer_spec import OptimizerSpec
 from paramserve.psserver.shards import check_state
 from paramserve.psserver.tensors import dtype_from_name, dtype_name
 from paramserve.psserver.types import ShardRef, ShardState

@@ -30,7 +30,7 @@ from paramserve.psserver.channels import channel_options, open_channel
 from paramserve.psserver.dataplane_client import DataPlaneLinks
 from paramserve.psserver.dynamic_client import DynamicTableCalls
 from paramserve.psserver.errors import ConfigurationError, VariableNotFoundError
-from paramserve.psserver.optimizer import OptimizerSpec
+from paramserve.psserver.optimizer_spec import OptimizerSpec
 from paramserve.psserver.partition import (
     Partitioner,
     place_shards,

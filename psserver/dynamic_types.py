@@ -16,7 +16,7 @@ from torch import Tensor
 
 from paramserve.psserver.dynamic_rows import DELETION_LOG_MIN_IDS, IdIndex, owner_of
 from paramserve.psserver.errors import DtypeMismatchError, InvalidRequestError
-from paramserve.psserver.optimizer import OptimizerSpec
+from paramserve.psserver.optimizer_spec import OptimizerSpec
 from paramserve.psserver.types import ShardRef
 
 __all__ = [

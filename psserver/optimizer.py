@@ -43,12 +43,10 @@ from __future__ import annotations
 
 import functools
 import inspect
-import json
-import math
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
@@ -61,196 +59,15 @@ from paramserve.psserver.errors import (
     InvalidRequestError,
     ShapeMismatchError,
 )
+from paramserve.psserver.optimizer_spec import (
+    OptimizerSpec,
+    build_torch_optimizer,
+    hyperparameter_names,
+    optimizer_parameters,
+)
 from paramserve.psserver.tensors import strictly_increasing
 
-__all__ = ["OPTIMIZER_NAMES", "GroupedSteps", "OptimizerSpec", "ShardOptimizer", "warm_up"]
-
-OPTIMIZER_NAMES: tuple[str, ...] = (
-    "SGD",
-    "Adam",
-    "AdamW",
-    "Adagrad",
-    "RMSprop",
-    "Adadelta",
-    "Adamax",
-    "NAdam",
-    "RAdam",
-)
-"""The torch.optim classes a variable may be created with (a whitelist: names are looked up, never evaluated)."""
-
-# Implementation switches the server owns. A client may only pass the value
-# the server uses anyway (False or None).
-_IMPLEMENTATION_FLAGS: dict[str, bool] = {
-    "foreach": False,
-    "fused": False,
-    "capturable": False,
-    "differentiable": False,
-}
-
-
-def _optimizer_class(name: str) -> type[torch.optim.Optimizer]:
-    if name not in OPTIMIZER_NAMES:
-        raise InvalidRequestError(f"unknown optimizer {name!r}; use one of {', '.join(OPTIMIZER_NAMES)}")
-    return getattr(torch.optim, name)
-
-
-@functools.cache
-@functools.cache
-def _parameters(name: str) -> dict[str, Any]:
-    """The keyword arguments of torch.optim.<name> besides ``params``, with their defaults
-    (``inspect.Parameter.empty`` for none)."""
-    parameters = inspect.signature(_optimizer_class(name).__init__).parameters.values()
-    return {p.name: p.default for p in parameters if p.name not in ("self", "params")}
-
-
-def _arguments(name: str) -> tuple[str, ...]:
-    """The keyword arguments of torch.optim.<name> besides ``params``."""
-    return tuple(_parameters(name))
-
-
-def _hyperparameter_names(name: str) -> tuple[str, ...]:
-    return tuple(arg for arg in _arguments(name) if arg not in _IMPLEMENTATION_FLAGS)
-
-
-def _freeze(value: Any) -> Any:
-    # JSON has lists only; torch wants tuples (betas), and a frozen spec must not share mutable lists.
-    if isinstance(value, (list, tuple)):
-        return tuple(_freeze(item) for item in value)
-    if isinstance(value, Mapping):
-        raise InvalidRequestError(f"optimizer arguments are numbers, booleans or lists; got an object {dict(value)!r}")
-    return value
-
-
-def _thaw(value: Any) -> Any:
-    return [_thaw(item) for item in value] if isinstance(value, tuple) else value
-
-
-def _check_scalar(key: str, value: Any) -> None:
-    if value is None or isinstance(value, bool):
-        return
-    if isinstance(value, int):
-        if abs(value) >= 1 << 63:  # JSON's integers are unbounded; math.isfinite overflows on them
-            raise InvalidRequestError(f"optimizer argument {key!r} is too large ({len(str(abs(value)))} digits)")
-        return
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            raise InvalidRequestError(f"optimizer argument {key!r} must be finite, got {value!r}")
-        return
-    raise InvalidRequestError(
-        f"optimizer argument {key!r} must be a number, boolean, null or list of numbers, got {type(value).__name__}"
-    )
-
-
-def _check_argument(name: str, key: str, value: Any) -> None:
-    if key not in _arguments(name):
-        raise InvalidRequestError(
-            f"optimizer {name} has no argument {key!r}; its arguments are {', '.join(_hyperparameter_names(name))}"
-        )
-    if key in _IMPLEMENTATION_FLAGS and value not in (None, False):
-        raise InvalidRequestError(
-            f"optimizer argument {key!r}={value!r} is not supported: the parameter server chooses the "
-            f"implementation itself (deterministic single-tensor CPU kernels); drop {key!r}"
-        )
-    for item in value if isinstance(value, tuple) else (value,):
-        _check_scalar(key, item)
-
-
-@dataclass(frozen=True)
-class OptimizerSpec:
-    """A torch.optim class name and its keyword arguments, as sent on the wire.
-
-    ``kwargs`` is frozen on construction (lists become tuples, e.g. ``betas``),
-    so specs built from JSON and from Python compare equal. Construction only
-    checks the structure; :meth:`validate` checks it against torch.
-    """
-
-    name: str
-    kwargs: Mapping[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.name, str):
-            raise InvalidRequestError(f"optimizer name must be a string, got {self.name!r}")
-        if not isinstance(self.kwargs, Mapping):
-            raise InvalidRequestError(f"optimizer kwargs must be a JSON object, got {self.kwargs!r}")
-        frozen = {str(key): _freeze(self.kwargs[key]) for key in sorted(self.kwargs, key=str)}
-        object.__setattr__(self, "kwargs", MappingProxyType(frozen))
-
-    def __hash__(self) -> int:
-        return hash((self.name, tuple(self.kwargs.items())))
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (OptimizerSpec, (self.name, dict(self.kwargs)))
-
-    def with_kwargs(self, values: Mapping[str, Any]) -> OptimizerSpec:
-        """This spec with ``values`` replacing its arguments of those names (not validated)."""
-        return OptimizerSpec(self.name, {**self.kwargs, **values})
-
-    def to_json(self) -> str:
-        """``kwargs`` as a JSON object with sorted keys (the wire's ``kwargs_json``)."""
-        try:
-            plain = {key: _thaw(value) for key, value in self.kwargs.items()}
-            return json.dumps(plain, sort_keys=True, allow_nan=False)
-        except (TypeError, ValueError) as exc:
-            raise InvalidRequestError(f"optimizer {self.name} arguments are not JSON: {exc}") from None
-
-    @classmethod
-    def from_json(cls, name: str, kwargs_json: str) -> OptimizerSpec:
-        """Parses and validates a spec from the wire; "" means no arguments.
-
-        Raises InvalidRequestError for malformed JSON, an unknown name or bad arguments.
-        """
-        try:
-            kwargs = json.loads(kwargs_json) if kwargs_json else {}
-        except ValueError as exc:
-            raise InvalidRequestError(f"optimizer {name} kwargs_json is not valid JSON: {exc}") from None
-        if not isinstance(kwargs, dict):
-            raise InvalidRequestError(f"optimizer {name} kwargs_json must be a JSON object, got {kwargs_json!r}")
-        spec = cls(name, kwargs)
-        spec.validate()
-        return spec
-
-    def validate(self) -> None:
-        """Raises InvalidRequestError unless torch.optim.<name>(**kwargs) would be built and used here."""
-        _optimizer_class(self.name)
-        for key, value in self.kwargs.items():
-            _check_argument(self.name, key, value)
-        _validated_by_torch(self)
-
-
-_building = threading.local()
-
-
-def building_server_optimizer() -> bool:
-    """True while this thread builds an optimizer of the server's own (for a shard, or to check a
-    spec). A strategy scope that captures the optimizers user code builds skips these."""
-    return getattr(_building, "depth", 0) > 0
-
-
-def _build(spec: OptimizerSpec, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    """The torch optimizer for ``spec`` with the server's implementation flags forced."""
-    arguments = _arguments(spec.name)
-    kwargs: dict[str, Any] = {key: value for key, value in spec.kwargs.items() if key not in _IMPLEMENTATION_FLAGS}
-    kwargs.update({key: value for key, value in _IMPLEMENTATION_FLAGS.items() if key in arguments})
-    _building.depth = getattr(_building, "depth", 0) + 1
-    try:
-        return _optimizer_class(spec.name)(params, **kwargs)
-    finally:
-        _building.depth -= 1
-
-
-@functools.lru_cache(maxsize=256)
-def _validated_by_torch(spec: OptimizerSpec) -> None:
-    # torch checks ranges (lr >= 0, 0 <= beta < 1, nesterov needs momentum, ...);
-    # its message is the most precise one we can give.
-    # One step on a probe as well: some arguments (betas=[0.9]) fail only when torch uses them,
-    # with whatever error that gives (IndexError, OverflowError, ...).
-    probe = torch.nn.Parameter(torch.zeros(2))
-    try:
-        optimizer = _build(spec, [probe])
-        probe.grad = torch.ones(2)
-        optimizer.step()
-    except Exception as exc:
-        raise InvalidRequestError(f"invalid arguments for optimizer {spec.name}: {type(exc).__name__}: {exc}") from None
+__all__ = ["GroupedSteps", "ShardOptimizer", "warm_up"]
 
 
 @dataclass(frozen=True)
@@ -272,7 +89,7 @@ def _slot_layout(
     """
     probe = torch.nn.Parameter(torch.zeros(() if scalar else (2, *row_shape), dtype=dtype))
     try:
-        optimizer = _build(spec, [probe])
+        optimizer = build_torch_optimizer(spec, [probe])
         probe.grad = torch.zeros_like(probe)
         optimizer.step()
     except (RuntimeError, NotImplementedError) as exc:
@@ -378,7 +195,7 @@ def _row_optimizer(spec: OptimizerSpec) -> torch.optim.Optimizer:
         kept = _row_optimizers.by_spec = OrderedDict()
     optimizer = kept.get(spec)
     if optimizer is None:
-        optimizer = _build(spec, [torch.nn.Parameter(torch.zeros(1))])
+        optimizer = build_torch_optimizer(spec, [torch.nn.Parameter(torch.zeros(1))])
         optimizer.param_groups[0]["params"] = []
         optimizer.state.clear()
         kept[spec] = optimizer
@@ -395,7 +212,7 @@ def row_state(spec: OptimizerSpec, dim: int, dtype: torch.dtype) -> dict[str, tu
     (made at the first step) starts at zeros, as the row step above assumes."""
     layout = _slot_layout(spec, (dim,), False, dtype)
     probe = torch.nn.Parameter(torch.zeros((1, dim), dtype=dtype))
-    made = _build(spec, [probe]).state.get(probe, {})
+    made = build_torch_optimizer(spec, [probe]).state.get(probe, {})
     state = {}
     for key, slot in layout.items():
         if slot.value_shaped:
@@ -431,7 +248,7 @@ def updated_spec(spec: OptimizerSpec, values: Mapping[str, Any]) -> OptimizerSpe
     """
     if not isinstance(values, Mapping) or not values:
         raise InvalidRequestError('no hyperparameters given; pass e.g. {"lr": 0.01}')
-    known = _hyperparameter_names(spec.name)
+    known = hyperparameter_names(spec.name)
     for key in values:
         if key not in known:
             raise InvalidRequestError(f"optimizer {spec.name} has no hyperparameter {key!r}; it has {', '.join(known)}")
@@ -481,7 +298,7 @@ class ShardOptimizer:
         self._spec = spec
         # Parameter shares value's storage: step() updates the shard itself.
         self._param = torch.nn.Parameter(value.detach(), requires_grad=True)
-        self._optimizer = _build(spec, [self._param])
+        self._optimizer = build_torch_optimizer(spec, [self._param])
         if slots:
             self._replace_state(slots, copy=copy_slots)
 
@@ -633,7 +450,7 @@ class ShardOptimizer:
         if slots:
             self._replace_state(slots)
         else:
-            self._optimizer = _build(self._spec, [self._param])
+            self._optimizer = build_torch_optimizer(self._spec, [self._param])
 
     def with_hyperparameters(self, values: Mapping[str, Any]) -> OptimizerSpec:
         """The spec after ``values`` are applied, validated; changes nothing.
@@ -669,7 +486,9 @@ def in_place_sgd_rate(spec: OptimizerSpec) -> float | None:
     copies a push takes to undo a failed step."""
     if spec.name != "SGD":
         return None
-    defaults = {key: value for key, value in _parameters("SGD").items() if value is not inspect.Parameter.empty}
+    defaults = {
+        key: value for key, value in optimizer_parameters("SGD").items() if value is not inspect.Parameter.empty
+    }
     settings = {**defaults, **spec.kwargs}
     if settings.get("momentum") or settings.get("weight_decay") or settings.get("maximize"):
         return None
@@ -739,7 +558,7 @@ class GroupedSteps:
             if group is not None:
                 self._groups.move_to_end(key)
                 return group
-        group = _build(spec, [optimizer._param for optimizer in optimizers])
+        group = build_torch_optimizer(spec, [optimizer._param for optimizer in optimizers])
         with self._lock:
             self._groups[key] = group
             while len(self._groups) > self._capacity:

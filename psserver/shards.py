@@ -30,7 +30,8 @@ from paramserve.psserver.errors import (
     ShapeMismatchError,
 )
 from paramserve.psserver.idempotency import IdempotencyWindow
-from paramserve.psserver.optimizer import OptimizerSpec, ShardOptimizer
+from paramserve.psserver.optimizer import ShardOptimizer
+from paramserve.psserver.optimizer_spec import OptimizerSpec
 from paramserve.psserver.tensors import DTYPE_NAMES, check_shape, dtype_name
 from paramserve.psserver.types import ShardInfo, ShardRef, ShardState
 

@@ -37,7 +37,8 @@ from paramserve.psserver.errors import (
     VariableNotFoundError,
 )
 from paramserve.psserver.memory import released
-from paramserve.psserver.optimizer import GroupedSteps, OptimizerSpec, ShardOptimizer, in_place_sgd_rate
+from paramserve.psserver.optimizer import GroupedSteps, ShardOptimizer, in_place_sgd_rate
+from paramserve.psserver.optimizer_spec import OptimizerSpec
 from paramserve.psserver.shards import (
     Shard,
     about,

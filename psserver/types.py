@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from paramserve.psserver.optimizer import OptimizerSpec
+from paramserve.psserver.optimizer_spec import OptimizerSpec
 
 __all__ = [
     "ClusterContext",

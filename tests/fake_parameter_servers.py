@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from paramserve.psserver.errors import ServerUnavailableError
-from paramserve.psserver.optimizer import OptimizerSpec
+from paramserve.psserver.optimizer_spec import OptimizerSpec
 from paramserve.psserver.store import ShardPush, ShardStore
 from paramserve.psserver.types import (
     ClusterContext,

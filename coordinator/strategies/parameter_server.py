@@ -59,7 +59,7 @@ from paramserve.coordinator.strategies.sync_dense import SyncDense
 from paramserve.coordinator.strategies.training_state import TrainingCheckpoints
 from paramserve.psserver.client import ClientConfig, ParameterServerClient
 from paramserve.psserver.dynamic_types import DynamicShardState
-from paramserve.psserver.optimizer import OptimizerSpec
+from paramserve.psserver.optimizer_spec import OptimizerSpec
 from paramserve.psserver.partition import Partitioner
 from paramserve.psserver.security import TOKEN_ENV, check_token
 from paramserve.psserver.types import ClusterContext, ShardPlacement, ShardState, VariableLayout

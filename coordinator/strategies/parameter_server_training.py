@@ -26,7 +26,7 @@ from paramserve.coordinator.cluster_coordinator import ClusterCoordinator
 from paramserve.coordinator.remote_value import RemoteValue, RemoteValueState
 from paramserve.coordinator.strategies.step_runners import StepFn, add_statistics
 from paramserve.psserver import checkpoint
-from paramserve.psserver.optimizer import OptimizerSpec
+from paramserve.psserver.optimizer_spec import OptimizerSpec
 from paramserve.worker.variables import ServerOptimizer, current_access, variable_name
 
 if TYPE_CHECKING:

@@ -24,7 +24,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from paramserve.coordinator.contracts import DenseSettings
-from paramserve.psserver.optimizer import OptimizerSpec
+from paramserve.psserver.optimizer_spec import OptimizerSpec
 from paramserve.worker.variables import SettleBeforeForward, variable_name
 
 if TYPE_CHECKING:

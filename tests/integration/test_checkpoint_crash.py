@@ -19,7 +19,7 @@ import torch
 
 from paramserve.psserver.atomic_files import TEMPORARY_PREFIX
 from paramserve.psserver.checkpoint import latest_checkpoint, load_rows, read_manifest, save_checkpoint
-from paramserve.psserver.optimizer import OptimizerSpec
+from paramserve.psserver.optimizer_spec import OptimizerSpec
 from paramserve.psserver.types import ShardRef, ShardState
 
 KILLS = 20

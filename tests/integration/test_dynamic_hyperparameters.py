@@ -16,7 +16,7 @@ import torch
 from paramserve.coordinator import CheckpointManager, ClusterCoordinator, ParameterServerStrategy
 from paramserve.psserver.dynamic_rows import owner_of
 from paramserve.psserver.errors import InvalidRequestError
-from paramserve.psserver.optimizer import OptimizerSpec
+from paramserve.psserver.optimizer_spec import OptimizerSpec
 from paramserve.psserver.types import RowGradient
 from tests.integration.test_dynamic_embedding import HOT, Clicks, ClickStream, train_step
 

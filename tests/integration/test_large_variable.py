@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from paramserve.psserver.client import ClientConfig, ParameterServerClient
-from paramserve.psserver.optimizer import OptimizerSpec
+from paramserve.psserver.optimizer_spec import OptimizerSpec
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("PARAMSERVE_SLOW_TESTS") != "1",

@@ -16,7 +16,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from paramserve.psserver.client import ClientConfig, ParameterServerClient
-from paramserve.psserver.optimizer import OptimizerSpec
+from paramserve.psserver.optimizer_spec import OptimizerSpec
 from paramserve.psserver.partition import FixedShardsPartitioner
 from paramserve.psserver.types import RowGradient
 

@@ -15,7 +15,7 @@ from paramserve.psserver import dataplane_client, dataplane_server
 from paramserve.psserver.client import ClientConfig, ParameterServerClient
 from paramserve.psserver.dataplane import MAGIC, PREFIX, FrameKind, TransportError
 from paramserve.psserver.errors import AuthenticationError, VariableNotFoundError
-from paramserve.psserver.optimizer import OptimizerSpec
+from paramserve.psserver.optimizer_spec import OptimizerSpec
 from paramserve.psserver.partition import FixedShardsPartitioner
 from paramserve.psserver.security import ClientTls, TlsConfig, bearer_metadata
 from paramserve.psserver.types import ShardRef

@@ -12,7 +12,7 @@ from paramserve.psserver.dynamic_chain import apply_delta
 from paramserve.psserver.dynamic_rows import initial_rows, owner_of
 from paramserve.psserver.dynamic_types import DynamicTableConfig, rehash
 from paramserve.psserver.errors import DtypeMismatchError, InvalidRequestError, ShapeMismatchError, VariableExistsError
-from paramserve.psserver.optimizer import OptimizerSpec
+from paramserve.psserver.optimizer_spec import OptimizerSpec
 from paramserve.psserver.types import RowGradient
 
 DIM = 4

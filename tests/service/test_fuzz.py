@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from paramserve.psserver.dynamic_types import DynamicTableConfig
 from paramserve.psserver.metadata import IDEMPOTENCY_METADATA_KEY, SERVICE_NAME
-from paramserve.psserver.optimizer import OptimizerSpec
+from paramserve.psserver.optimizer_spec import OptimizerSpec
 from paramserve.wire.v1 import parameter_server_pb2 as ps_pb2
 from paramserve.wire.v1 import tensor_pb2
 

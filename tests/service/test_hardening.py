@@ -33,7 +33,7 @@ from paramserve.psserver.errors import (
     VariableNotFoundError,
 )
 from paramserve.psserver.metadata import IDEMPOTENCY_METADATA_KEY, SERVICE_NAME, metadata_text, metadata_value
-from paramserve.psserver.optimizer import OptimizerSpec
+from paramserve.psserver.optimizer_spec import OptimizerSpec
 from paramserve.psserver.security import AUTH_METADATA_KEY, TlsConfig, check_token, confined_path
 from paramserve.wire.v1 import parameter_server_pb2 as ps_pb2
 from paramserve.wire.v1 import tensor_pb2, worker_pb2

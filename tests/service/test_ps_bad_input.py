@@ -19,7 +19,7 @@ from paramserve.psserver.errors import (
     VariableNotFoundError,
 )
 from paramserve.psserver.metadata import IDEMPOTENCY_METADATA_KEY, SERVICE_NAME
-from paramserve.psserver.optimizer import OptimizerSpec
+from paramserve.psserver.optimizer_spec import OptimizerSpec
 from paramserve.psserver.partition import FixedShardsPartitioner
 from paramserve.psserver.streams import encode_parts, meta_of, tensor_payload
 from paramserve.wire.v1 import parameter_server_pb2 as ps_pb2

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from paramserve.psserver.errors import DtypeMismatchError, InvalidRequestError, ShapeMismatchError
-from paramserve.psserver.optimizer import OptimizerSpec
+from paramserve.psserver.optimizer_spec import OptimizerSpec
 from paramserve.psserver.partition import FixedShardsPartitioner
 from paramserve.psserver.types import RowGradient, ShardRef
 from paramserve.wire.v1 import parameter_server_pb2 as ps_pb2

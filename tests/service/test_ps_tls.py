@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from paramserve.psserver.errors import ServerUnavailableError
-from paramserve.psserver.optimizer import OptimizerSpec
+from paramserve.psserver.optimizer_spec import OptimizerSpec
 from paramserve.psserver.security import TlsConfig
 
 pytestmark = pytest.mark.skipif(

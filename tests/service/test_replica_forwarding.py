@@ -18,7 +18,7 @@ from paramserve.psserver.client import ClientConfig, ParameterServerClient
 from paramserve.psserver.dynamic_types import DynamicTableConfig
 from paramserve.psserver.errors import InvalidRequestError, NotPrimaryError, ParamServeError, ReplicaEpochError
 from paramserve.psserver.metadata import REPLICA_EPOCH_METADATA_KEY, SERVICE_NAME
-from paramserve.psserver.optimizer import OptimizerSpec
+from paramserve.psserver.optimizer_spec import OptimizerSpec
 from paramserve.psserver.replica_calls import ReplicaCalls
 from paramserve.psserver.replication import ReplicaConfig, ReplicaRole
 from paramserve.psserver.types import RowGradient

@@ -18,7 +18,7 @@ from paramserve.psserver.dataplane import MAX_PROGRAMS
 from paramserve.psserver.dataplane_client import ProgramNumbers
 from paramserve.psserver.errors import NonFiniteGradientError, VariableNotFoundError
 from paramserve.psserver.metadata import SERVICE_NAME
-from paramserve.psserver.optimizer import OptimizerSpec
+from paramserve.psserver.optimizer_spec import OptimizerSpec
 from paramserve.psserver.partition import FixedShardsPartitioner
 from paramserve.psserver.streams import encode_step_request
 from paramserve.psserver.types import ShardRef

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from paramserve.psserver.optimizer import OptimizerSpec
+from paramserve.psserver.optimizer_spec import OptimizerSpec
 from paramserve.psserver.partition import FixedShardsPartitioner
 from paramserve.psserver.security import bearer_metadata
 from paramserve.psserver.types import ClusterContext

@@ -18,7 +18,7 @@ from paramserve.psserver.checkpoint import (
     variables,
 )
 from paramserve.psserver.errors import CheckpointBaseMissingError, CheckpointError, InvalidRequestError
-from paramserve.psserver.optimizer import OptimizerSpec
+from paramserve.psserver.optimizer_spec import OptimizerSpec
 from paramserve.psserver.partition import split_rows
 from paramserve.psserver.store import ShardPush, ShardStore, StoreConfig
 from paramserve.psserver.types import ShardRef, ShardState

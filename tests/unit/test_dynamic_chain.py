@@ -21,7 +21,7 @@ from paramserve.psserver.dynamic_rows import DELETION_LOG_MIN_IDS, DeletionLog
 from paramserve.psserver.dynamic_table import DynamicShard
 from paramserve.psserver.dynamic_types import DynamicSaveMark, DynamicShardState, DynamicTableConfig, rehash
 from paramserve.psserver.errors import CheckpointBaseMissingError, CheckpointError, InvalidRequestError
-from paramserve.psserver.optimizer import OptimizerSpec
+from paramserve.psserver.optimizer_spec import OptimizerSpec
 from paramserve.psserver.types import ShardRef
 
 ADAGRAD = OptimizerSpec("Adagrad", {"lr": 0.3})

@@ -28,7 +28,7 @@ from paramserve.psserver.dynamic_types import (
     rehash,
 )
 from paramserve.psserver.errors import DtypeMismatchError, InvalidRequestError, NonFiniteGradientError
-from paramserve.psserver.optimizer import OptimizerSpec
+from paramserve.psserver.optimizer_spec import OptimizerSpec
 from paramserve.psserver.types import ShardRef
 
 MASK = (1 << 64) - 1

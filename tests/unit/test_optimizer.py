@@ -16,7 +16,8 @@ from paramserve.psserver.errors import (
     InvalidRequestError,
     ShapeMismatchError,
 )
-from paramserve.psserver.optimizer import OPTIMIZER_NAMES, OptimizerSpec, ShardOptimizer, in_place_sgd_rate
+from paramserve.psserver.optimizer import ShardOptimizer, in_place_sgd_rate
+from paramserve.psserver.optimizer_spec import OPTIMIZER_NAMES, OptimizerSpec
 
 ROWS, COLS = 6, 3
 TOLERANCE = 1e-6

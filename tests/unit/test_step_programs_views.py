@@ -8,7 +8,7 @@ import weakref
 
 import torch
 
-from paramserve.psserver.optimizer import OptimizerSpec
+from paramserve.psserver.optimizer_spec import OptimizerSpec
 from paramserve.psserver.programs import PushSlot, StepProgram, StepPrograms
 from paramserve.psserver.store import ShardStore
 from paramserve.psserver.types import ShardRef, ShardState

@@ -20,7 +20,7 @@ from paramserve.psserver.errors import (
     VariableExistsError,
     VariableNotFoundError,
 )
-from paramserve.psserver.optimizer import OptimizerSpec
+from paramserve.psserver.optimizer_spec import OptimizerSpec
 from paramserve.psserver.store import ShardPush, ShardStore, StoreConfig
 from paramserve.psserver.types import PushOutcome, ShardRef, ShardState
 

@@ -16,7 +16,7 @@ from torch import nn
 
 from paramserve.psserver import cpus
 from paramserve.psserver.errors import InvalidRequestError
-from paramserve.psserver.optimizer import OptimizerSpec
+from paramserve.psserver.optimizer_spec import OptimizerSpec
 from paramserve.psserver.types import ClusterContext
 from paramserve.worker.core import ClosureRequest, ResourceSpec, WorkerCore
 from paramserve.worker.resources import PerWorkerResource, ResourceMissingError, WorkerContext, resolve_resource
