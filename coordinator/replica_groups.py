@@ -42,7 +42,7 @@ from dataclasses import dataclass, field, replace
 from paramserve.psserver.client import ClientConfig, ParameterServerClient
 from paramserve.psserver.errors import ParamServeError, ServerUnavailableError
 from paramserve.psserver.replica_calls import MemberState, ReplicaCalls
-from paramserve.psserver.replication import ReplicaConfig, ReplicaRole
+from paramserve.psserver.replica_config import ReplicaConfig, ReplicaRole
 
 __all__ = [
     "REPLICAS_ENV",

@@ -13,7 +13,7 @@ import torch
 from paramserve.psserver.errors import InvalidRequestError
 from paramserve.psserver.initializers import initial_value
 from paramserve.psserver.optimizer_spec import OptimizerSpec
-from paramserve.psserver.replication import ReplicaConfig, ReplicaRole
+from paramserve.psserver.replica_config import ReplicaConfig, ReplicaRole
 from paramserve.psserver.streams import (
     meta_nbytes,
     meta_of,

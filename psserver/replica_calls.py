@@ -15,7 +15,7 @@ from paramserve.psserver import convert
 from paramserve.psserver.calls import CallOptions, EpochCallOptions, Stub, typed_error
 from paramserve.psserver.channels import channel_options, open_channel
 from paramserve.psserver.probes import Prober
-from paramserve.psserver.replication import ReplicaConfig
+from paramserve.psserver.replica_config import ReplicaConfig
 from paramserve.psserver.security import ClientTls
 from paramserve.wire.v1 import parameter_server_pb2 as ps_pb2
 

@@ -29,15 +29,15 @@ imports no grpc.
 
 from __future__ import annotations
 
-import enum
 import functools
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from paramserve.psserver.errors import InvalidRequestError, NotPrimaryError, ParamServeError, ReplicaEpochError
+from paramserve.psserver.replica_config import ReplicaConfig, ReplicaRole
 
 if TYPE_CHECKING:
     from paramserve.psserver.shards import Shard
@@ -47,34 +47,12 @@ if TYPE_CHECKING:
 __all__ = [
     "Forwarder",
     "Replica",
-    "ReplicaConfig",
-    "ReplicaRole",
     "client_refusal",
     "configure_problem",
     "forward_refusal",
 ]
 
 log = logging.getLogger(__name__)
-
-
-class ReplicaRole(enum.Enum):
-    STANDALONE = "standalone"
-    """Not replicated (``replicas=1``): serves clients, forwards nothing."""
-    PRIMARY = "primary"
-    BACKUP = "backup"
-
-
-@dataclass(frozen=True)
-class ReplicaConfig:
-    """What the coordinator decided for this server: its role in the group at ``epoch`` and, for
-    a primary, the backups it forwards every write to."""
-
-    epoch: int = 0
-    role: ReplicaRole = ReplicaRole.STANDALONE
-    backups: tuple[str, ...] = ()
-    joining: tuple[str, ...] = ()
-    """Those of ``backups`` being copied into (``Replica.copy_to``): they get only the writes to
-    shards copied so far, and count as in sync only once the copy is done."""
 
 
 # ---------------------------------------------------------------- pure decisions

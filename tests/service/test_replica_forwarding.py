@@ -20,7 +20,7 @@ from paramserve.psserver.errors import InvalidRequestError, NotPrimaryError, Par
 from paramserve.psserver.metadata import REPLICA_EPOCH_METADATA_KEY, SERVICE_NAME
 from paramserve.psserver.optimizer_spec import OptimizerSpec
 from paramserve.psserver.replica_calls import ReplicaCalls
-from paramserve.psserver.replication import ReplicaConfig, ReplicaRole
+from paramserve.psserver.replica_config import ReplicaConfig, ReplicaRole
 from paramserve.psserver.types import RowGradient
 from paramserve.wire.v1 import parameter_server_pb2 as ps_pb2
 

@@ -17,14 +17,8 @@ from paramserve.coordinator.replica_groups import (
 )
 from paramserve.psserver.errors import InvalidRequestError, NotPrimaryError, ReplicaEpochError, ServerUnavailableError
 from paramserve.psserver.replica_calls import MemberState
-from paramserve.psserver.replication import (
-    Replica,
-    ReplicaConfig,
-    ReplicaRole,
-    client_refusal,
-    configure_problem,
-    forward_refusal,
-)
+from paramserve.psserver.replica_config import ReplicaConfig, ReplicaRole
+from paramserve.psserver.replication import Replica, client_refusal, configure_problem, forward_refusal
 from paramserve.psserver.store import ShardPush
 from paramserve.psserver.types import ShardRef
 
