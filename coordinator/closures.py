@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from paramserve.coordinator import nest
+from paramserve.coordinator.dispatch_observer import NO_OBSERVER, CoordinatorObserver
 from paramserve.coordinator.errors import (
     ClosureCancelledError,
     ClosureError,
@@ -28,7 +29,6 @@ from paramserve.coordinator.errors import (
     InvalidTransitionError,
 )
 from paramserve.coordinator.remote_value import RemoteValue
-from paramserve.coordinator.telemetry import NO_OBSERVER, CoordinatorObserver
 from paramserve.worker.resources import PerWorkerResource
 
 __all__ = ["Closure", "ClosureQueue", "ClosureState", "InFlight", "find_resource_ids"]

@@ -29,16 +29,18 @@ from typing import Any, NoReturn
 
 from paramserve.coordinator import nest
 from paramserve.coordinator.batching import BATCH_SECONDS
+from paramserve.coordinator.checkpoint_log import CheckpointRecord
 from paramserve.coordinator.closures import Closure, ClosureQueue, find_resource_ids
+from paramserve.coordinator.cluster_resolver import Resolver, resolve_dns
 from paramserve.coordinator.cluster_status import status_key
-from paramserve.coordinator.contracts import CheckpointRecord, CoordinatedStrategy, RecoverableVariables
+from paramserve.coordinator.contracts import CoordinatedStrategy
 from paramserve.coordinator.dense_rounds import DenseRounds, default_rendezvous_host
-from paramserve.coordinator.discovery import DiscoveryPolicy, Resolver, WorkerDiscovery, resolve_dns
+from paramserve.coordinator.discovery import DiscoveryPolicy, WorkerDiscovery
 from paramserve.coordinator.dispatch_loop import DispatchLoop
 from paramserve.coordinator.dispatcher import ResourceSpecs, WireContext
 from paramserve.coordinator.errors import CoordinatorClosedError
 from paramserve.coordinator.failures import FailurePolicy
-from paramserve.coordinator.ps_recovery import ParameterServerRecovery
+from paramserve.coordinator.ps_recovery import ParameterServerRecovery, RecoverableVariables
 from paramserve.coordinator.recovery_policy import RecoveryPolicy
 from paramserve.coordinator.remote_value import RemoteValue, fetch_structure
 from paramserve.coordinator.status_page import ServerProber, StatusPage, StatusSources, check_status_exposure

@@ -25,12 +25,12 @@ import enum
 import importlib
 import importlib.util
 import os
-from collections.abc import Iterable, Mapping, Sequence
+import socket
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
 
-from paramserve.coordinator.discovery import Resolver, resolve_dns
 from paramserve.psserver.tf_config import TF_CONFIG_ENV, ClusterSpecError, TfConfig, parse_address, parse_tf_config
 
 __all__ = [
@@ -39,10 +39,44 @@ __all__ = [
     "ExecutableLocation",
     "KubernetesClusterResolver",
     "PodLister",
+    "ResolutionError",
+    "Resolver",
     "SimpleClusterResolver",
     "TFConfigClusterResolver",
     "format_master_url",
+    "resolve_dns",
 ]
+
+Resolver = Callable[[str], frozenset[str]]
+"""``"name:port"`` -> the ``"address:port"`` of every worker behind it now. Raises
+ResolutionError when the answer is unknown (the resolver failed); returns an empty set
+when the name has no address."""
+
+
+def resolve_dns(service: str) -> frozenset[str]:
+    """Every address the system resolver gives for ``service``'s name, with its port (a Resolver)."""
+    host, port = parse_address(service)
+    try:
+        answers = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as err:
+        if err.errno in _NO_ADDRESS:
+            return frozenset()
+        raise ResolutionError(f"could not resolve {host!r}: {err}") from err
+    return frozenset(_join(str(sockaddr[0]), port) for _family, _type, _proto, _name, sockaddr in answers)
+
+
+class ResolutionError(Exception):
+    """The name could not be resolved this time (as opposed to: it has no address)."""
+
+
+# DNS answers that mean "no such name" (nothing runs), rather than "could not ask".
+_NO_ADDRESS = frozenset(
+    code for code in (getattr(socket, "EAI_NONAME", None), getattr(socket, "EAI_NODATA", None)) if code is not None
+)
+
+
+def _join(ip: str, port: int) -> str:
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
 
 
 # --------------------------------------------------------------------------- the cluster's jobs

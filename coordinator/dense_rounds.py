@@ -28,16 +28,23 @@ import logging
 import socket
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch.distributed as dist
 
-from paramserve.coordinator.contracts import DenseSettings
 from paramserve.worker.dense_group import DenseRound, GroupSpec
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DenseObserver", "DenseRounds", "default_rendezvous_host", "plan_generation", "round_shares"]
+__all__ = [
+    "DenseObserver",
+    "DenseRounds",
+    "DenseSettings",
+    "default_rendezvous_host",
+    "plan_generation",
+    "round_shares",
+]
 
 
 class DenseObserver(Protocol):
@@ -185,3 +192,15 @@ class DenseRounds:
 
 def _host_of(address: str) -> str:
     return address.rpartition(":")[0].strip("[]")
+
+
+@dataclass(frozen=True)
+class DenseSettings:
+    """What the strategy says about its replicated variables when a round is built."""
+
+    variables: tuple[str, ...]
+    optimizer: bytes
+    """cloudpickle of (torch.optim class, [(variable names, keyword arguments)]): a param group
+    per set of options."""
+    state_epoch: int
+    """Counts the strategy's restores of the dense values (a checkpoint restore)."""

@@ -19,59 +19,26 @@ nothing runs) changes nothing.
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from paramserve.psserver.tf_config import parse_address
+from paramserve.coordinator.cluster_resolver import ResolutionError, Resolver, resolve_dns
 
 __all__ = [
     "DiscoveryPolicy",
     "Membership",
     "MembershipPlan",
-    "ResolutionError",
     "THREAD_NAME",
     "WorkerDiscovery",
     "plan_membership",
-    "resolve_dns",
 ]
 
 log = logging.getLogger(__name__)
 
 THREAD_NAME = "paramserve-discovery"
-Resolver = Callable[[str], frozenset[str]]
-"""``"name:port"`` -> the ``"address:port"`` of every worker behind it now. Raises
-ResolutionError when the answer is unknown (the resolver failed); returns an empty set
-when the name has no address."""
-
-
-class ResolutionError(Exception):
-    """The name could not be resolved this time (as opposed to: it has no address)."""
-
-
-# DNS answers that mean "no such name" (nothing runs), rather than "could not ask".
-_NO_ADDRESS = frozenset(
-    code for code in (getattr(socket, "EAI_NONAME", None), getattr(socket, "EAI_NODATA", None)) if code is not None
-)
-
-
-def resolve_dns(service: str) -> frozenset[str]:
-    """Every address the system resolver gives for ``service``'s name, with its port (a Resolver)."""
-    host, port = parse_address(service)
-    try:
-        answers = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except socket.gaierror as err:
-        if err.errno in _NO_ADDRESS:
-            return frozenset()
-        raise ResolutionError(f"could not resolve {host!r}: {err}") from err
-    return frozenset(_join(str(sockaddr[0]), port) for _family, _type, _proto, _name, sockaddr in answers)
-
-
-def _join(ip: str, port: int) -> str:
-    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
 
 
 @dataclass(frozen=True)

@@ -34,10 +34,10 @@ from typing import Any, TypeVar
 from paramserve.coordinator.batching import BATCH_SECONDS, BatchSizer
 from paramserve.coordinator.closures import Closure, ClosureQueue
 from paramserve.coordinator.dense_rounds import DenseRounds, round_shares
+from paramserve.coordinator.dispatch_observer import NO_OBSERVER, CoordinatorObserver
 from paramserve.coordinator.dispatcher import Dispatcher, ResourceSpecs, WireContext, WorkerState
 from paramserve.coordinator.errors import ClosureError
 from paramserve.coordinator.failures import FailurePolicy
-from paramserve.coordinator.telemetry import NO_OBSERVER, CoordinatorObserver
 from paramserve.coordinator.worker_transport import RpcFailure, WorkerTransport
 from paramserve.worker.dense_group import DenseRound
 

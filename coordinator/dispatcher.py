@@ -34,6 +34,7 @@ import tenacity
 
 from paramserve.coordinator.batching import BatchSizer
 from paramserve.coordinator.closures import Closure, ClosureQueue
+from paramserve.coordinator.dispatch_observer import NO_OBSERVER, CoordinatorObserver
 from paramserve.coordinator.errors import ClosureError, InvalidTransitionError, closure_error_from_remote
 from paramserve.coordinator.failures import (
     RETRYABLE_CODES,
@@ -44,7 +45,6 @@ from paramserve.coordinator.failures import (
     decide_on_rpc_failure,
     probe_delay,
 )
-from paramserve.coordinator.telemetry import NO_OBSERVER, CoordinatorObserver
 from paramserve.coordinator.worker_transport import RpcFailure, WorkerTransport
 from paramserve.wire.v1 import cluster_pb2, worker_pb2
 from paramserve.worker.core import ClosureRequest, ResourceSpec

@@ -33,8 +33,10 @@ the queued closures with ParameterServerUnavailableError (raised by the next ``s
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import pathlib
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -42,8 +44,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from paramserve.coordinator.checkpoint_log import CheckpointLog
 from paramserve.coordinator.closures import ClosureQueue
-from paramserve.coordinator.contracts import RecoverableVariables
 from paramserve.coordinator.dispatch_loop import DispatchLoop
 from paramserve.coordinator.errors import ParameterServerUnavailableError
 from paramserve.coordinator.recovery_policy import (
@@ -60,12 +62,15 @@ from paramserve.coordinator.recovery_policy import (
     lost_variables,
     plan_restore,
 )
+from paramserve.coordinator.replica_groups import ParameterServers
 from paramserve.psserver import checkpoint, dynamic_checkpoint
+from paramserve.psserver.client import ParameterServerClient
 from paramserve.psserver.dynamic_types import DynamicShardState, rehash
 from paramserve.psserver.errors import CheckpointError, ParamServeError
+from paramserve.psserver.optimizer_spec import OptimizerSpec
 from paramserve.psserver.types import ShardInfo, ShardPlacement, ShardRef, ShardState, VariableLayout
 
-__all__ = ["ParameterServerRecovery", "RecoveryObserver", "RecoveryOutcome", "THREAD_NAME"]
+__all__ = ["ParameterServerRecovery", "RecoverableVariables", "RecoveryObserver", "RecoveryOutcome", "THREAD_NAME"]
 
 log = logging.getLogger(__name__)
 
@@ -487,3 +492,59 @@ def _table_shards(
         mine = next(state for state in rehash(saved[key], len(addresses)) if state.ref.shard == server)
         states.append(dataclasses.replace(mine, ref=ShardRef(name, server)))
     return states
+
+
+class RecoverableVariables(Protocol):
+    """What parameter-server recovery restores: a strategy's variables on the servers."""
+
+    @property
+    def client(self) -> ParameterServerClient:
+        """The client of the parameter servers the variables live on (the primaries, replicated)."""
+
+    @property
+    def servers(self) -> ParameterServers:
+        """The servers and, when they are replicated, their groups (coordinator/replica_groups.py)."""
+
+    def servers_moved(self) -> None:
+        """A backup took over: the client and the cluster context name the new primaries."""
+
+    @property
+    def checkpoints(self) -> CheckpointLog:
+        """The checkpoints the program wrote or restored."""
+
+    @property
+    def materialized(self) -> bool:
+        """Whether the variables exist on the servers (nothing to watch before)."""
+
+    def created_layouts(self) -> dict[str, VariableLayout]:
+        """Where each variable that exists on the servers lives."""
+
+    def checkpoint_key(self, name: str) -> str | None:
+        """Variable ``name`` as checkpoints store it; None for one no checkpoint holds (a metric's
+        state, which starts again from its initial value)."""
+
+    def initial_state(self, name: str, layout: VariableLayout, shard: ShardPlacement) -> ShardState:
+        """Shard ``shard`` of a variable no checkpoint holds, at its initial value."""
+
+    def live_optimizer(self, name: str) -> OptimizerSpec | None:
+        """The optimizer and hyperparameters the servers apply to ``name`` now (the program may
+        have changed the learning rate since the checkpoint was written)."""
+
+    def restore_states(
+        self, states_by_server: Mapping[int, Sequence[ShardState]], layouts: Mapping[str, VariableLayout]
+    ) -> None:
+        """Makes those shards exactly ``states_by_server`` on the servers; workers drop their values."""
+
+    def restore_checkpoint(self, path: pathlib.Path) -> None:
+        """Rolls every variable back to checkpoint ``path`` (RecoveryPoint.ALL), keeping the
+        optimizer settings in force now."""
+
+    def created_dynamic_tables(self) -> list[str]:
+        """The dynamic embedding tables that exist on the servers (they have no layout: every
+        server holds one shard of each)."""
+
+    def restore_dynamic(self, states_by_server: Mapping[int, Sequence[DynamicShardState]]) -> None:
+        """Makes those dynamic tables' shards exactly ``states_by_server`` on those servers."""
+
+    def state_change(self) -> contextlib.AbstractContextManager[None]:
+        """Held while a checkpoint is taken or a server restored: the two never overlap."""

@@ -44,6 +44,7 @@ from concurrent import futures
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from paramserve.coordinator.checkpoint_log import CheckpointRecord
 from paramserve.coordinator.cluster_status import (
     Cursor,
     CursorError,
@@ -57,7 +58,6 @@ from paramserve.coordinator.cluster_status import (
     resume,
     status_key,
 )
-from paramserve.coordinator.contracts import CheckpointRecord
 from paramserve.coordinator.status_history import History, Sample
 from paramserve.coordinator.status_html import CONTENT_SECURITY_POLICY, render_page
 from paramserve.psserver import checkpoint

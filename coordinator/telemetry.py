@@ -37,68 +37,27 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from paramserve.coordinator.checkpoint_log import CheckpointRecord
 from paramserve.coordinator.cluster_status import RunLog, check_report
-from paramserve.coordinator.contracts import CheckpointRecord
 from paramserve.psserver.metrics_http import MetricsEndpoint, register_build_info, serve_metrics
 
 if TYPE_CHECKING:
     from paramserve.coordinator.closures import Closure
 
 __all__ = [
-    "CoordinatorObserver",
     "CoordinatorTelemetry",
-    "NO_OBSERVER",
     "WORKER_STATES",
 ]
 
 PREFIX = "paramserve_coordinator_"
 WORKER_STATES = ("up", "down", "stopped")
 """``WorkerState`` values of coordinator.dispatcher, as labels."""
-
-
-class CoordinatorObserver(Protocol):
-    """What the closure queue and the dispatchers report (called on their threads; quick)."""
-
-    def closure_scheduled(self, closure: Closure) -> None:
-        """``closure`` was queued by ``schedule``."""
-
-    def closure_finished(self, closure: Closure) -> None:
-        """``closure`` reached a final state (``closure.state``: SUCCEEDED, FAILED or CANCELLED)."""
-
-    def closure_retried(self, closure: Closure, code: str) -> None:
-        """A call running ``closure`` failed with gRPC status ``code``; it goes to another worker."""
-
-    def worker_state(self, address: str, state: str | None) -> None:
-        """The worker at ``address`` joined or changed state (a WORKER_STATES value), or left (None)."""
-
-    def worker_device(self, address: str, device: str) -> None:
-        """The worker at ``address`` computes on ``device`` (told when it first answers, and when it changes)."""
-
-
-class _NoObserver:
-    def closure_scheduled(self, closure: Closure) -> None:
-        pass
-
-    def closure_finished(self, closure: Closure) -> None:
-        pass
-
-    def closure_retried(self, closure: Closure, code: str) -> None:
-        pass
-
-    def worker_state(self, address: str, state: str | None) -> None:
-        pass
-
-    def worker_device(self, address: str, device: str) -> None:
-        pass
-
-
-NO_OBSERVER: CoordinatorObserver = _NoObserver()
 
 
 class CoordinatorTelemetry:

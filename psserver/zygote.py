@@ -49,9 +49,12 @@ log = logging.getLogger(__name__)
 
 PRELOADED_MODULES = ("numpy", "torch", "paramserve.psserver.optimizer")
 """What the zygote imports before it forks: the slow imports every server and worker makes,
-none of which starts threads or opens connections a fork would break. Then it runs
-``optimizer.warm_up``, the one optimizer step after which torch has imported what it imports
-lazily (about as long again as ``import torch``), which every server runs before it serves."""
+none of which starts threads or opens connections a fork would break."""
+WARM_UP = ("paramserve.psserver.optimizer", "warm_up")
+"""Then it runs this function of a preloaded module: the one optimizer step after which torch has
+imported what it imports lazily (about as long again as ``import torch``), which every server
+runs before it serves. Named, not imported: the zygote is runtime every process runs on, and
+knows no server module by import."""
 RUNTIME_ENV_PREFIX = "PARAMSERVE_"
 """Variables a child may set differently from its zygote: read by paramserve as it runs."""
 READY_SECONDS = 120.0
@@ -374,9 +377,8 @@ def main() -> None:
     for name in PRELOADED_MODULES:
         importlib.import_module(name)
     threads = _thread_count()
-    from paramserve.psserver.optimizer import warm_up
-
-    warm_up()
+    module, function = WARM_UP
+    getattr(importlib.import_module(module), function)()
     if _thread_count() != threads:  # e.g. an OpenMP pool, which a forked child could not use
         _send_message(control, {"refused": f"warming up started threads ({threads} -> {_thread_count()})"})
         os._exit(1)

@@ -1,17 +1,15 @@
 """ParameterServerStrategy: the user's model, made of variables that live on parameter servers.
 
-Modules built inside ``strategy.scope()`` keep their ordinary torch code; their
-parameters become variables partitioned across the parameter servers (created
-there lazily, when the next closure is scheduled, so that the optimizer
-declared after the model can be created with them). Models may be built at any
-time, also after training started: their variables are created with the next
-closure, and the cluster context workers receive changes with them.
+Modules built inside ``strategy.scope()`` keep their ordinary torch code; their parameters
+become variables partitioned across the parameter servers (created there lazily, when the next
+closure is scheduled, so that the optimizer declared after the model can be created with them).
+Models may be built at any time, also after training started: their variables are created with
+the next closure, and the cluster context workers receive changes with them.
 ``strategy.optimizer()`` declares the torch.optim class the servers apply.
 
-Variables are named ``[<run_name>/]<model>.<parameter>``. Creating one that the
-servers hold already (an earlier run with the same names) is refused unless the
-strategy was built with ``reuse_variables=True``: a run never silently starts from
-another run's trained values.
+Variables are named ``[<run_name>/]<model>.<parameter>``. Creating one that the servers hold
+already (an earlier run with the same names) is refused unless the strategy was built with
+``reuse_variables=True``: a run never silently starts from another run's trained values.
 """
 
 from __future__ import annotations
@@ -30,10 +28,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from paramserve.coordinator.checkpoint_log import CheckpointLog
 from paramserve.coordinator.checkpoint_manager import CheckpointManager
 from paramserve.coordinator.cluster import ClusterSpec
 from paramserve.coordinator.cluster_resolver import ClusterResolver
-from paramserve.coordinator.contracts import CheckpointLog, DispatchControl, RecoverableVariables
+from paramserve.coordinator.contracts import DispatchControl
+from paramserve.coordinator.ps_recovery import RecoverableVariables
 from paramserve.coordinator.replica_groups import ParameterServers, replica_count
 from paramserve.coordinator.strategies import _capture, scope_optimizers
 from paramserve.coordinator.strategies.base import DefaultStrategy, SingleReplicaStrategy, Strategy

@@ -23,7 +23,7 @@ import cloudpickle
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from paramserve.coordinator.contracts import DenseSettings
+from paramserve.coordinator.dense_rounds import DenseSettings
 from paramserve.psserver.optimizer_spec import OptimizerSpec
 from paramserve.worker.variables import SettleBeforeForward, variable_name
 

@@ -7,13 +7,13 @@ import threading
 import pytest
 
 from paramserve.coordinator.cluster import ClusterSpec, ClusterSpecError
+from paramserve.coordinator.cluster_resolver import resolve_dns
 from paramserve.coordinator.discovery import (
     THREAD_NAME,
     DiscoveryPolicy,
     ResolutionError,
     WorkerDiscovery,
     plan_membership,
-    resolve_dns,
 )
 
 A, B, C = "10.0.0.1:6000", "10.0.0.2:6000", "10.0.0.3:6000"

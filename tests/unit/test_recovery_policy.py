@@ -8,7 +8,7 @@ import pathlib
 import pytest
 import torch
 
-from paramserve.coordinator.contracts import CheckpointLog
+from paramserve.coordinator.checkpoint_log import CheckpointLog
 from paramserve.coordinator.recovery_policy import (
     CheckpointFacts,
     Probe,
