@@ -2,7 +2,7 @@
 
     python benchmarks/dlrm.py [--json] [--rounds 3] [--sweep 100000 1000000 10000000]
 
-The model and data are paramserve.coordinator.recommendation's: 26 categorical features, each
+The model and data are paramserve.coordinator.demos.recommendation's: 26 categorical features, each
 with its own table (Criteo Kaggle's cardinalities, each capped at the sweep's size), ids drawn
 from a Zipf law, 13 dense features, bottom MLP 13-64-16, the 27 vectors concatenated, top MLP
 432-64-1, binary cross-entropy, batch 256, Adagrad (lr 0.05) for every parameter.
@@ -41,7 +41,7 @@ from paramserve.coordinator import (
     ParameterServerStrategy,
     ShardedEmbeddingCollection,
 )
-from paramserve.coordinator.recommendation import DLRM, ClickData, WorkerClicks, criteo_rows, train_clicks
+from paramserve.coordinator.demos.recommendation import DLRM, ClickData, WorkerClicks, criteo_rows, train_clicks
 
 BATCH = 256
 LR = 0.05

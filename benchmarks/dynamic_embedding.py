@@ -53,10 +53,10 @@ from paramserve.coordinator import (
     LocalCluster,
     ParameterServerStrategy,
 )
-from paramserve.psserver.client import ClientConfig, ParameterServerClient
-from paramserve.psserver.dynamic_types import DynamicTableConfig
-from paramserve.psserver.optimizer_spec import OptimizerSpec
-from paramserve.psserver.types import RowGradient
+from paramserve.psserver.client.ps_client import ClientConfig, ParameterServerClient
+from paramserve.psserver.dynamic.dynamic_types import DynamicTableConfig
+from paramserve.psserver.protocol.optimizer_spec import OptimizerSpec
+from paramserve.psserver.protocol.types import RowGradient
 
 DIM = 16
 ROW_STATE_BYTES = DIM * 2 * 4  # value and Adagrad's sum, float32
@@ -65,7 +65,7 @@ WARM_BATCHES = 5
 """Batches stepped before the timed ones: the first after the pause for the memory reading run
 slower (pages the trim returned are faulted in again)."""
 TRIM_WAIT_SECONDS = 12.0
-"""Longer than the servers' trimming interval (psserver/memory.py): what a step freed is back."""
+"""Longer than the servers' trimming interval (psserver/runtime/memory.py): what a step freed is back."""
 
 
 def cluster() -> LocalCluster:

@@ -84,8 +84,8 @@ def start_ps(directory: pathlib.Path, token: str) -> tuple[subprocess.Popen, str
 
 
 def setup_variables(address: str, token: str) -> None:
-    from paramserve.psserver.client import ClientConfig, ParameterServerClient
-    from paramserve.psserver.optimizer_spec import OptimizerSpec
+    from paramserve.psserver.client.ps_client import ClientConfig, ParameterServerClient
+    from paramserve.psserver.protocol.optimizer_spec import OptimizerSpec
 
     with ParameterServerClient([address], ClientConfig(token=token)) as client:
         client.create_variable("w", torch.zeros(6, 4), optimizer=OptimizerSpec("SGD", {"lr": 0.1}))
@@ -93,7 +93,7 @@ def setup_variables(address: str, token: str) -> None:
 
 
 def oversized_push(address: str, token: str) -> str:
-    from paramserve.psserver.security import bearer_metadata
+    from paramserve.psserver.runtime.security import bearer_metadata
     from paramserve.wire.v1 import tensor_pb2
 
     part = tensor_pb2.PushPart(
@@ -115,7 +115,7 @@ def oversized_push(address: str, token: str) -> str:
 
 
 def amplified_pull(address: str, token: str) -> str:
-    from paramserve.psserver.security import bearer_metadata
+    from paramserve.psserver.runtime.security import bearer_metadata
     from paramserve.wire.v1 import parameter_server_pb2 as ps_pb2
     from paramserve.wire.v1 import tensor_pb2
 
@@ -193,8 +193,8 @@ def flood_connection(port: int, frames: int, hold: threading.Event) -> None:
 def flood_server(hardened: bool, ready: Any, stop: Any) -> None:
     from grpc_health.v1 import health, health_pb2_grpc
 
-    from paramserve.psserver.memory import MemoryTrimmer
-    from paramserve.psserver.serving import server_options
+    from paramserve.psserver.runtime.memory import MemoryTrimmer
+    from paramserve.psserver.runtime.serving import server_options
 
     options = server_options(64 << 20) if hardened else [("grpc.so_reuseport", 0)]
     if hardened:  # as every paramserve server: freed memory goes back to the system

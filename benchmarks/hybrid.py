@@ -42,7 +42,7 @@ from dlrm import BATCH, LR, dlrm_cluster, paramserve_run
 from paramserve.coordinator import (
     ClusterCoordinator,
 )
-from paramserve.coordinator.recommendation import (
+from paramserve.coordinator.demos.recommendation import (
     DLRM,
     ClickData,
     WorkerClicks,

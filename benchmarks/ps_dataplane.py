@@ -29,11 +29,11 @@ import torch
 from _common import EchoServer, Result, best_of, print_report, tcp_loopback_gbps
 
 from paramserve.coordinator.local_cluster import LocalCluster
-from paramserve.psserver.client import ClientConfig, ParameterServerClient
-from paramserve.psserver.optimizer_spec import OptimizerSpec
-from paramserve.psserver.partition import FixedShardsPartitioner
-from paramserve.psserver.streams import DEFAULT_CHUNK_BYTES
-from paramserve.psserver.types import RowGradient
+from paramserve.psserver.client.ps_client import ClientConfig, ParameterServerClient
+from paramserve.psserver.protocol.optimizer_spec import OptimizerSpec
+from paramserve.psserver.protocol.partition import FixedShardsPartitioner
+from paramserve.psserver.protocol.streams import DEFAULT_CHUNK_BYTES
+from paramserve.psserver.protocol.types import RowGradient
 from paramserve.wire.v1 import tensor_pb2
 
 DENSE_FLOATS = 10_000_000

@@ -40,7 +40,7 @@ from _common import (
 from paramserve.coordinator import ClusterCoordinator, LocalCluster, ParameterServerStrategy, ShardedEmbedding
 
 TRIM_WAIT_SECONDS = 12.0
-"""Longer than the server's trimming interval (psserver/memory.py), so freed memory is back."""
+"""Longer than the server's trimming interval (psserver/runtime/memory.py), so freed memory is back."""
 
 
 @dataclass

@@ -54,7 +54,7 @@ from paramserve.coordinator import CheckpointManager, ClusterCoordinator
 from paramserve.coordinator.commands.demo import MLP, train_step, worker_batches
 from paramserve.coordinator.local_cluster import LocalCluster
 from paramserve.coordinator.strategies.parameter_server import ParameterServerStrategy
-from paramserve.psserver.partition import FixedShardsPartitioner
+from paramserve.psserver.protocol.partition import FixedShardsPartitioner
 
 _common.one_torch_thread()
 POLL = 0.002

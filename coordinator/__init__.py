@@ -8,7 +8,7 @@ without metrics (a server started by the ``paramserve`` command, a launcher) nev
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from paramserve.coordinator.checkpoint_manager import (
+from paramserve.coordinator.checkpointing.checkpoint_manager import (
     CheckpointManager,
     export_state_dict,
     load_state_dict,
@@ -23,15 +23,15 @@ from paramserve.coordinator.cluster_resolver import (
     SimpleClusterResolver,
     TFConfigClusterResolver,
 )
-from paramserve.coordinator.discovery import DiscoveryPolicy
+from paramserve.coordinator.dispatch.discovery import DiscoveryPolicy
+from paramserve.coordinator.dispatch.failures import FailurePolicy
 from paramserve.coordinator.errors import (
     ClosureError,
     OutOfRangeError,
     ParameterServerUnavailableError,
 )
-from paramserve.coordinator.failures import FailurePolicy
 from paramserve.coordinator.local_cluster import LocalCluster
-from paramserve.coordinator.recovery_policy import RecoveryPoint, RecoveryPolicy
+from paramserve.coordinator.recovery.recovery_policy import RecoveryPoint, RecoveryPolicy
 from paramserve.coordinator.remote_value import PerWorkerValues, RemoteValue, RemoteValueState
 from paramserve.coordinator.sidecar_evaluator import SidecarEvaluator, load_checkpoint_weights
 from paramserve.coordinator.strategies import (
@@ -49,7 +49,7 @@ from paramserve.coordinator.strategies.parameter_server import ParameterServerSt
 from paramserve.coordinator.training import callbacks
 from paramserve.coordinator.training.callbacks import latest_checkpoint
 from paramserve.coordinator.training.fit import evaluate, fit, predict
-from paramserve.psserver.partition import (
+from paramserve.psserver.protocol.partition import (
     FixedShardsPartitioner,
     MaxSizePartitioner,
     MinSizePartitioner,

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from paramserve.coordinator.cluster_resolver import ClusterResolver
-from paramserve.psserver.tf_config import (
+from paramserve.psserver.runtime.tf_config import (
     EXAMPLE_TF_CONFIG,
     ROLES,
     TF_CONFIG_ENV,

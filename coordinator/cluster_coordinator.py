@@ -28,28 +28,28 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from paramserve.coordinator import nest
-from paramserve.coordinator.batching import BATCH_SECONDS
-from paramserve.coordinator.checkpoint_log import CheckpointRecord
-from paramserve.coordinator.closures import Closure, ClosureQueue, find_resource_ids
+from paramserve.coordinator.checkpointing.checkpoint_log import CheckpointRecord
 from paramserve.coordinator.cluster_resolver import Resolver, resolve_dns
-from paramserve.coordinator.cluster_status import status_key
 from paramserve.coordinator.contracts import CoordinatedStrategy
-from paramserve.coordinator.dense_rounds import DenseRounds, default_rendezvous_host
-from paramserve.coordinator.discovery import DiscoveryPolicy, WorkerDiscovery
-from paramserve.coordinator.dispatch_loop import DispatchLoop
-from paramserve.coordinator.dispatcher import ResourceSpecs, WireContext
+from paramserve.coordinator.dispatch.batching import BATCH_SECONDS
+from paramserve.coordinator.dispatch.closures import Closure, ClosureQueue, find_resource_ids
+from paramserve.coordinator.dispatch.dense_rounds import DenseRounds, default_rendezvous_host
+from paramserve.coordinator.dispatch.discovery import DiscoveryPolicy, WorkerDiscovery
+from paramserve.coordinator.dispatch.dispatch_loop import DispatchLoop
+from paramserve.coordinator.dispatch.dispatcher import ResourceSpecs, WireContext
+from paramserve.coordinator.dispatch.failures import FailurePolicy
+from paramserve.coordinator.dispatch.worker_transport import GrpcTransport, WorkerTransport
 from paramserve.coordinator.errors import CoordinatorClosedError
-from paramserve.coordinator.failures import FailurePolicy
-from paramserve.coordinator.ps_recovery import ParameterServerRecovery, RecoverableVariables
-from paramserve.coordinator.recovery_policy import RecoveryPolicy
+from paramserve.coordinator.recovery.ps_recovery import ParameterServerRecovery, RecoverableVariables
+from paramserve.coordinator.recovery.recovery_policy import RecoveryPolicy
 from paramserve.coordinator.remote_value import RemoteValue, fetch_structure
-from paramserve.coordinator.status_page import ServerProber, StatusPage, StatusSources, check_status_exposure
-from paramserve.coordinator.telemetry import CoordinatorTelemetry
-from paramserve.coordinator.worker_transport import GrpcTransport, WorkerTransport
-from paramserve.psserver import convert
-from paramserve.psserver.errors import ConfigurationError
-from paramserve.psserver.security import ClientTls, unauthenticated_workers
-from paramserve.psserver.types import ClusterContext
+from paramserve.coordinator.status.cluster_status import status_key
+from paramserve.coordinator.status.status_page import ServerProber, StatusPage, StatusSources, check_status_exposure
+from paramserve.coordinator.status.telemetry import CoordinatorTelemetry
+from paramserve.psserver.protocol import convert
+from paramserve.psserver.protocol.errors import ConfigurationError
+from paramserve.psserver.protocol.types import ClusterContext
+from paramserve.psserver.runtime.security import ClientTls, unauthenticated_workers
 from paramserve.worker.resources import PerWorkerResource, WorkerContext
 from paramserve.worker.variables import dumps_closure
 

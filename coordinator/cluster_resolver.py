@@ -31,7 +31,13 @@ from typing import Any, Protocol
 
 import torch
 
-from paramserve.psserver.tf_config import TF_CONFIG_ENV, ClusterSpecError, TfConfig, parse_address, parse_tf_config
+from paramserve.psserver.runtime.tf_config import (
+    TF_CONFIG_ENV,
+    ClusterSpecError,
+    TfConfig,
+    parse_address,
+    parse_tf_config,
+)
 
 __all__ = [
     "ClusterJobs",

@@ -22,10 +22,10 @@ from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from paramserve.coordinator.cluster import ClusterSpec
-from paramserve.coordinator.dense_rounds import DenseSettings
-from paramserve.coordinator.ps_recovery import RecoverableVariables
-from paramserve.psserver.security import ClientTls
-from paramserve.psserver.types import ClusterContext
+from paramserve.coordinator.dispatch.dense_rounds import DenseSettings
+from paramserve.coordinator.recovery.ps_recovery import RecoverableVariables
+from paramserve.psserver.protocol.types import ClusterContext
+from paramserve.psserver.runtime.security import ClientTls
 
 __all__ = [
     "CoordinatedStrategy",

@@ -8,7 +8,7 @@ who want a cluster on one machine::
         ...
 
 Each server runs ``python -m <module>`` in its own session. By default it is forked from a
-zygote (psserver/zygote.py) that has imported torch but never gRPC (gRPC and fork do not mix), so
+zygote (psserver/runtime/zygote.py) that has imported torch but never gRPC (gRPC and fork do not mix), so
 a start or restart costs a fraction of a second instead of torch's import (BENCHMARKS.md,
 ``startup.py``); ``preload=False``, or a zygote
 that cannot start, gives a fresh interpreter each. A Ctrl-C in the terminal reaches only this process,
@@ -42,9 +42,9 @@ from pathlib import Path
 from typing import IO, Any, Protocol
 
 from paramserve.coordinator.cluster import ClusterSpec
-from paramserve.psserver.cpus import PROCESSES_ENV, torch_threads, usable_cpus
-from paramserve.psserver.errors import ConfigurationError
-from paramserve.psserver.zygote import ZygoteError, shared_zygote
+from paramserve.psserver.protocol.errors import ConfigurationError
+from paramserve.psserver.runtime.cpus import PROCESSES_ENV, torch_threads, usable_cpus
+from paramserve.psserver.runtime.zygote import ZygoteError, shared_zygote
 
 __all__ = ["ClusterState", "LaunchError", "LocalCluster", "PortReport", "ProcessInfo", "parse_port_report"]
 
@@ -418,7 +418,7 @@ class LocalCluster:
             self._run_dir.mkdir(parents=True, exist_ok=True)
         if self._token is not None:
             self._token_file = _write_secret(self._run_dir / "token", self._token)
-        # Every child sizes its torch threads to its share of the machine (psserver/cpus.py):
+        # Every child sizes its torch threads to its share of the machine (psserver/runtime/cpus.py):
         # the servers, the workers and the program that drives them share these cores.
         sharing = {PROCESSES_ENV: str(self._num[PS] + self._num[WORKER] + 1)}
         self._child_env = {**os.environ, **sharing, **self._env, "PYTHONUNBUFFERED": "1"}
@@ -574,7 +574,7 @@ def _check_config(num_ps: int, num_workers: int, token: str | None, startup_time
 @dataclass
 class _SharedThreads:
     """This process's torch threads while it drives a local cluster: its share of the machine,
-    as every child's (psserver/cpus.py). Each process's intra-op pool spins between parallel
+    as every child's (psserver/runtime/cpus.py). Each process's intra-op pool spins between parallel
     regions, so a program keeping torch's default (one thread per core) beside servers and
     workers stalls them all: measured on 16 cores, a row pull and push ran 11.6x slower than
     with one thread per process. Only taken when the program has not chosen

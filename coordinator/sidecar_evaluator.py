@@ -33,8 +33,8 @@ from torch import nn
 
 from paramserve.coordinator.training.callbacks import summary_writer, write_epoch_logs
 from paramserve.coordinator.training.fit import evaluate
-from paramserve.psserver import checkpoint as server_checkpoint
-from paramserve.psserver.types import ShardRef
+from paramserve.psserver.checkpoint import shard_files as server_checkpoint
+from paramserve.psserver.protocol.types import ShardRef
 
 if TYPE_CHECKING:  # imported when first used: step_metrics brings torchmetrics (about a second)
     from paramserve.coordinator.training.step_metrics import Metrics

@@ -2,7 +2,7 @@
 
     python examples/recommendation.py [--steps 600] [--rows 100000] [--sync-dense]
 
-A DLRM-shaped click-through model (paramserve.coordinator.recommendation): 26 categorical
+A DLRM-shaped click-through model (paramserve.coordinator.demos.recommendation): 26 categorical
 features, each with an embedding table that lives only on the parameter servers, 13 dense
 features through a bottom MLP, everything concatenated into a top MLP that predicts a click.
 The data is synthetic and Criteo-like (ids follow a power law; a hidden model decides the
@@ -29,7 +29,7 @@ from paramserve.coordinator import (
     ParameterServerStrategy,
     ShardedEmbeddingCollection,
 )
-from paramserve.coordinator.recommendation import DLRM, ClickData, WorkerClicks, auc, criteo_rows, train_clicks
+from paramserve.coordinator.demos.recommendation import DLRM, ClickData, WorkerClicks, auc, criteo_rows, train_clicks
 
 BATCH = 256
 

@@ -10,33 +10,31 @@ container health probe (``health_probe``) must start without torch.
 
 from __future__ import annotations
 
-import importlib
+from paramserve.psserver.protocol.lazy import lazy_attributes
 
 TYPE_CHECKING = False  # not typing's: importing typing costs a health probe ~25 ms of CPU
 if TYPE_CHECKING:
-    from typing import Any
-
-    from paramserve.psserver.client import ClientConfig, ParameterServerClient
-    from paramserve.psserver.optimizer_spec import OptimizerSpec
-    from paramserve.psserver.partition import (
+    from paramserve.psserver.client.ps_client import ClientConfig, ParameterServerClient
+    from paramserve.psserver.protocol.optimizer_spec import OptimizerSpec
+    from paramserve.psserver.protocol.partition import (
         FixedShardsPartitioner,
         MaxSizePartitioner,
         MinSizePartitioner,
     )
+    from paramserve.psserver.protocol.types import RowGradient, VariableLayout
     from paramserve.psserver.server import ParameterServer, ServerConfig, build_server
-    from paramserve.psserver.types import RowGradient, VariableLayout
 
 _HOMES = {
-    "ClientConfig": "client",
-    "FixedShardsPartitioner": "partition",
-    "MaxSizePartitioner": "partition",
-    "MinSizePartitioner": "partition",
-    "OptimizerSpec": "optimizer",
+    "ClientConfig": "client.ps_client",
+    "FixedShardsPartitioner": "protocol.partition",
+    "MaxSizePartitioner": "protocol.partition",
+    "MinSizePartitioner": "protocol.partition",
+    "OptimizerSpec": "protocol.optimizer_spec",
     "ParameterServer": "server",
-    "ParameterServerClient": "client",
-    "RowGradient": "types",
+    "ParameterServerClient": "client.ps_client",
+    "RowGradient": "protocol.types",
     "ServerConfig": "server",
-    "VariableLayout": "types",
+    "VariableLayout": "protocol.types",
     "build_server": "server",
 }
 
@@ -55,10 +53,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_attributes(__name__, _HOMES)

@@ -7,7 +7,8 @@ import os
 import pathlib
 import sys
 
-from paramserve.psserver.command_line import (
+from paramserve.psserver.protocol.streams import DEFAULT_CHUNK_BYTES
+from paramserve.psserver.runtime.command_line import (
     add_server_arguments,
     check_port_file,
     configure_logging,
@@ -21,12 +22,11 @@ from paramserve.psserver.command_line import (
     run_reporting_errors,
     serve_until_signal,
 )
-from paramserve.psserver.memory import limit_arenas
-from paramserve.psserver.security import ClientTls, writable_directory
+from paramserve.psserver.runtime.memory import limit_arenas
+from paramserve.psserver.runtime.security import ClientTls, writable_directory
 from paramserve.psserver.server import ServerConfig, build_server
-from paramserve.psserver.steps import DEFAULT_MAX_PULL_BYTES, DEFAULT_MAX_PUSH_BYTES
-from paramserve.psserver.store import StoreConfig
-from paramserve.psserver.streams import DEFAULT_CHUNK_BYTES
+from paramserve.psserver.steps.engine import DEFAULT_MAX_PULL_BYTES, DEFAULT_MAX_PUSH_BYTES
+from paramserve.psserver.store.shard_store import StoreConfig
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    limit_arenas()  # before the server's threads exist (psserver/memory.py)
+    limit_arenas()  # before the server's threads exist (psserver/runtime/memory.py)
     configure_logging(args.log_level, "ps")
     config = config_from_args(args, parser)
     check_port_file(args.port_file)

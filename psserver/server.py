@@ -14,22 +14,22 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from paramserve.psserver.dataplane_server import DataPlaneServer
-from paramserve.psserver.dynamic_types import block_bytes_within
-from paramserve.psserver.error_boundary import boundary_error
-from paramserve.psserver.errors import ConfigurationError, ParamServeError
-from paramserve.psserver.metadata import SERVICE_NAME
-from paramserve.psserver.optimizer import warm_up
-from paramserve.psserver.programs import StepPrograms
-from paramserve.psserver.replica_forwarder import ForwarderSettings, GrpcForwarder
-from paramserve.psserver.replication import Replica
-from paramserve.psserver.security import ClientTls, TlsConfig
+from paramserve.psserver.dataplane.dataplane_server import DataPlaneServer
+from paramserve.psserver.dynamic.dynamic_types import block_bytes_within
+from paramserve.psserver.protocol.errors import ConfigurationError, ParamServeError
+from paramserve.psserver.protocol.metadata import SERVICE_NAME
+from paramserve.psserver.protocol.streams import DEFAULT_CHUNK_BYTES
+from paramserve.psserver.protocol.types import PushOutcome
+from paramserve.psserver.replication.replica import Replica
+from paramserve.psserver.replication.replica_forwarder import ForwarderSettings, GrpcForwarder
+from paramserve.psserver.runtime.error_boundary import boundary_error
+from paramserve.psserver.runtime.security import ClientTls, TlsConfig
+from paramserve.psserver.runtime.serving import DEFAULT_MAX_CONNECTIONS, GrpcService, RunningService, ensure_descriptors
 from paramserve.psserver.servicer import ParameterServerServicer, ServicerLimits, generic_handler
-from paramserve.psserver.serving import DEFAULT_MAX_CONNECTIONS, GrpcService, RunningService, ensure_descriptors
-from paramserve.psserver.steps import DEFAULT_MAX_PULL_BYTES, DEFAULT_MAX_PUSH_BYTES, StepEngine
-from paramserve.psserver.store import ShardStore, StoreConfig
-from paramserve.psserver.streams import DEFAULT_CHUNK_BYTES
-from paramserve.psserver.types import PushOutcome
+from paramserve.psserver.steps.engine import DEFAULT_MAX_PULL_BYTES, DEFAULT_MAX_PUSH_BYTES, StepEngine
+from paramserve.psserver.steps.programs import StepPrograms
+from paramserve.psserver.store.optimizer import warm_up
+from paramserve.psserver.store.shard_store import ShardStore, StoreConfig
 from paramserve.wire.v1 import parameter_server_pb2 as ps_pb2
 
 
@@ -65,7 +65,7 @@ class ServerConfig:
     """How this server reaches its backups when it is a replicated primary and the servers serve
     TLS (``--replica-tls-ca``, with ``--replica-tls-cert``/``--replica-tls-key`` for mutual TLS)."""
     data_port: int | None = 0
-    """The step data plane's TCP port (psserver/dataplane.py; ``--data-port``): 0 picks a free
+    """The step data plane's TCP port (psserver/dataplane/frames.py; ``--data-port``): 0 picks a free
     one, which clients learn with GetDataPlane; None serves steps over gRPC only."""
 
 

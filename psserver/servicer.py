@@ -2,7 +2,7 @@
 
 Handlers take and return raw bytes (see serving.MetricsInterceptor); bulk data
 moves through psserver.streams. What a step means (Step, Push, and Pull's
-checks) is psserver/steps.py's, shared with the data plane. Every error leaves
+checks) is psserver/steps/engine.py's, shared with the data plane. Every error leaves
 through the boundary in psserver.error_boundary.
 """
 
@@ -17,18 +17,33 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from paramserve.psserver import checkpoint, convert, dynamic_wire
-from paramserve.psserver.dynamic_types import DynamicStats, DynamicTableConfig, block_bytes_within
-from paramserve.psserver.error_boundary import parse, stream_boundary, unary_boundary
-from paramserve.psserver.errors import InvalidRequestError, MessageTooLargeError, VariableNotFoundError
-from paramserve.psserver.memory import resident_bytes
-from paramserve.psserver.metadata import IDEMPOTENCY_METADATA_KEY, REPLICA_EPOCH_METADATA_KEY, SERVICE_NAME
-from paramserve.psserver.replication import Replica
-from paramserve.psserver.security import checkpoint_root, confined_path
-from paramserve.psserver.steps import DEFAULT_MAX_PULL_BYTES, DEFAULT_MAX_PUSH_BYTES, StepEngine, StepLimits, reads_of
-from paramserve.psserver.store import ShardStore
-from paramserve.psserver.streams import byte_buffer, encode_parts, meta_nbytes, meta_of, read_parts, tensor_payload
-from paramserve.psserver.types import ShardInfo, ShardState
+from paramserve.psserver.checkpoint import shard_files as checkpoint
+from paramserve.psserver.dynamic import dynamic_wire
+from paramserve.psserver.dynamic.dynamic_types import DynamicStats, DynamicTableConfig, block_bytes_within
+from paramserve.psserver.protocol import convert
+from paramserve.psserver.protocol.errors import InvalidRequestError, MessageTooLargeError, VariableNotFoundError
+from paramserve.psserver.protocol.metadata import IDEMPOTENCY_METADATA_KEY, REPLICA_EPOCH_METADATA_KEY, SERVICE_NAME
+from paramserve.psserver.protocol.streams import (
+    byte_buffer,
+    encode_parts,
+    meta_nbytes,
+    meta_of,
+    read_parts,
+    tensor_payload,
+)
+from paramserve.psserver.protocol.types import ShardInfo, ShardState
+from paramserve.psserver.replication.replica import Replica
+from paramserve.psserver.runtime.error_boundary import parse, stream_boundary, unary_boundary
+from paramserve.psserver.runtime.memory import resident_bytes
+from paramserve.psserver.runtime.security import checkpoint_root, confined_path
+from paramserve.psserver.steps.engine import (
+    DEFAULT_MAX_PULL_BYTES,
+    DEFAULT_MAX_PUSH_BYTES,
+    StepEngine,
+    StepLimits,
+    reads_of,
+)
+from paramserve.psserver.store.shard_store import ShardStore
 from paramserve.wire.v1 import parameter_server_pb2 as ps_pb2
 from paramserve.wire.v1 import tensor_pb2
 
@@ -58,7 +73,7 @@ class ServicerLimits:
         return self.max_shard_bytes if self.max_shard_bytes is not None else half_the_memory()
 
     def step_limits(self) -> StepLimits:
-        """The limits that bound one step (psserver/steps.py)."""
+        """The limits that bound one step (psserver/steps/engine.py)."""
         return StepLimits(self.max_push_bytes, self.max_pull_bytes, self.max_reply_bytes)
 
 
@@ -299,7 +314,7 @@ class ParameterServerServicer:
         infos = self._store.replace_shards(states)
         return ps_pb2.RestoreResponse(shards=[convert.info_to_proto(i) for i in infos]).SerializeToString()
 
-    # -- replication (psserver/replication.py)
+    # -- replication (psserver/replication/replica.py)
 
     @unary_boundary
     def ConfigureReplica(self, raw: bytes, context: grpc.ServicerContext) -> bytes:

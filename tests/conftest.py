@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from paramserve.psserver.client import ClientConfig, ParameterServerClient
+from paramserve.psserver.client.ps_client import ClientConfig, ParameterServerClient
 from paramserve.psserver.server import ParameterServer, ServerConfig, build_server
 
 if TYPE_CHECKING:

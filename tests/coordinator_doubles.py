@@ -15,7 +15,7 @@ import cloudpickle
 
 from paramserve.coordinator.contracts import DispatchControl
 from paramserve.coordinator.local_cluster import LocalCluster
-from paramserve.psserver.types import ClusterContext
+from paramserve.psserver.protocol.types import ClusterContext
 
 # check_in runs on workers, which cannot import the tests: send it by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])

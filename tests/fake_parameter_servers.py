@@ -14,10 +14,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from paramserve.psserver.errors import ServerUnavailableError
-from paramserve.psserver.optimizer_spec import OptimizerSpec
-from paramserve.psserver.store import ShardPush, ShardStore
-from paramserve.psserver.types import (
+from paramserve.psserver.protocol.errors import ServerUnavailableError
+from paramserve.psserver.protocol.optimizer_spec import OptimizerSpec
+from paramserve.psserver.protocol.types import (
     ClusterContext,
     PendingExchange,
     PullResult,
@@ -29,6 +28,7 @@ from paramserve.psserver.types import (
     UniqueRows,
     VariableLayout,
 )
+from paramserve.psserver.store.shard_store import ShardPush, ShardStore
 from paramserve.worker.variables import RefreshBeforeForward, ServerOptimizer, mark_variable
 
 ADDRESS = "fake-ps:1"

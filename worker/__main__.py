@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from paramserve.psserver.command_line import (
+from paramserve.psserver.runtime.command_line import (
     add_server_arguments,
     check_port_file,
     configure_logging,
@@ -22,8 +22,8 @@ from paramserve.psserver.command_line import (
     run_reporting_errors,
     serve_until_signal,
 )
-from paramserve.psserver.devices import unused_gpus_warning, worker_device
-from paramserve.psserver.security import read_token_file
+from paramserve.psserver.runtime.devices import unused_gpus_warning, worker_device
+from paramserve.psserver.runtime.security import read_token_file
 from paramserve.worker.server import WorkerConfig, build_worker
 
 

@@ -22,8 +22,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from paramserve.psserver.errors import DtypeMismatchError, InvalidRequestError, ShapeMismatchError
-from paramserve.psserver.types import (
+from paramserve.psserver.protocol.errors import DtypeMismatchError, InvalidRequestError, ShapeMismatchError
+from paramserve.psserver.protocol.types import (
     PendingExchange,
     PullResult,
     PushSummary,

@@ -26,9 +26,9 @@ from typing import Any, Protocol
 import cloudpickle
 import torch
 
-from paramserve.psserver.devices import CPU, computing_on
-from paramserve.psserver.errors import InvalidRequestError
-from paramserve.psserver.types import ClusterContext
+from paramserve.psserver.protocol.errors import InvalidRequestError
+from paramserve.psserver.protocol.types import ClusterContext
+from paramserve.psserver.runtime.devices import CPU, computing_on
 from paramserve.worker.closure_access import ClientFactory, ClosureAccess, LocalVariables, VariableClient
 from paramserve.worker.dense_group import DenseReplicas, DenseRound
 from paramserve.worker.pipeline import PushPipeline

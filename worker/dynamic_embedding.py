@@ -1,5 +1,5 @@
 """``DynamicEmbedding``: an embedding table keyed by any int64 id, grown and shrunk by the
-parameter servers (psserver/dynamic_table.py), as the user's torch code sees it.
+parameter servers (psserver/store/dynamic_table.py), as the user's torch code sees it.
 
 Unlike ShardedEmbedding it has no number of rows: an id's row is made on the servers when the
 id has been looked up ``admit_after`` times, and evicted when it was not updated within its
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from paramserve.psserver.dynamic_types import DynamicTableConfig
+from paramserve.psserver.dynamic.dynamic_types import DynamicTableConfig
 from paramserve.worker.variables import VariableAccess, active_registry, current_access
 
 __all__ = ["DynamicEmbedding"]

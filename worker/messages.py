@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from paramserve.psserver import convert as ps_convert
-from paramserve.psserver.errors import InvalidRequestError
+from paramserve.psserver.protocol import convert as ps_convert
+from paramserve.psserver.protocol.errors import InvalidRequestError
 from paramserve.wire.v1 import cluster_pb2, worker_pb2
 from paramserve.worker.core import ClosureOutcome, ClosureRequest, ResourceSpec, RoundOutcome, WorkerInfo
 from paramserve.worker.dense_group import DenseRound, GroupSpec

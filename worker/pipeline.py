@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from paramserve.psserver.types import PendingExchange
+from paramserve.psserver.protocol.types import PendingExchange
 
 __all__ = ["EarlierPushFailed", "PushPipeline"]
 

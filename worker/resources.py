@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from paramserve.psserver.devices import CPU
+from paramserve.psserver.runtime.devices import CPU
 
 
 @dataclass(frozen=True)

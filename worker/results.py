@@ -19,8 +19,8 @@ import cloudpickle
 import torch
 from torch import nn
 
-from paramserve.psserver.errors import DeadlineExceededError, ServerUnavailableError, VariableNotFoundError
-from paramserve.psserver.tensors import DTYPE_NAMES, as_byte_view, dtype_from_name, tensor_from_buffer
+from paramserve.psserver.protocol.errors import DeadlineExceededError, ServerUnavailableError, VariableNotFoundError
+from paramserve.psserver.protocol.tensors import DTYPE_NAMES, as_byte_view, dtype_from_name, tensor_from_buffer
 from paramserve.worker.resources import ResourceMissingError
 
 

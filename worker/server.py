@@ -9,9 +9,9 @@ from dataclasses import dataclass
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from paramserve.psserver.client import ClientConfig, ParameterServerClient
-from paramserve.psserver.security import TlsConfig
-from paramserve.psserver.serving import DEFAULT_MAX_CONNECTIONS, GrpcService, RunningService, ensure_descriptors
+from paramserve.psserver.client.ps_client import ClientConfig, ParameterServerClient
+from paramserve.psserver.runtime.security import TlsConfig
+from paramserve.psserver.runtime.serving import DEFAULT_MAX_CONNECTIONS, GrpcService, RunningService, ensure_descriptors
 from paramserve.worker.closure_access import ClientFactory
 from paramserve.worker.core import ClosureOutcome, ClosureRequest, WorkerCore
 from paramserve.worker.servicer import SERVICE_NAME, WorkerServicer, generic_handler

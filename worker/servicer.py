@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import grpc
 
-from paramserve.psserver.error_boundary import parse, unary_boundary
+from paramserve.psserver.runtime.error_boundary import parse, unary_boundary
 from paramserve.wire.v1 import worker_pb2
 from paramserve.worker.core import WorkerCore
 from paramserve.worker.messages import (

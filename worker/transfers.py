@@ -22,7 +22,7 @@ from typing import Protocol
 
 import torch
 
-from paramserve.psserver.types import RowGradient
+from paramserve.psserver.protocol.types import RowGradient
 
 __all__ = ["CudaTransfers", "HostTransfers", "Transfers", "transfers_for"]
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from importlib import metadata
 from typing import NamedTuple, NoReturn
 
-from paramserve.psserver.command_line import run_reporting_errors
+from paramserve.psserver.runtime.command_line import run_reporting_errors
 
 Runner = Callable[[argparse.Namespace, argparse.ArgumentParser], int]
 USAGE_ERROR = 2

@@ -103,12 +103,12 @@ class DemoSummary:
 def run(args: argparse.Namespace) -> DemoSummary:
     from tqdm import tqdm
 
-    from paramserve.coordinator.checkpoint_manager import CheckpointManager, export_state_dict
+    from paramserve.coordinator.checkpointing.checkpoint_manager import CheckpointManager, export_state_dict
     from paramserve.coordinator.cluster_coordinator import ClusterCoordinator
     from paramserve.coordinator.strategies.parameter_server import ParameterServerStrategy
-    from paramserve.psserver.client import ClientConfig
-    from paramserve.psserver.partition import MinSizePartitioner
-    from paramserve.psserver.security import writable_directory
+    from paramserve.psserver.client.ps_client import ClientConfig
+    from paramserve.psserver.protocol.partition import MinSizePartitioner
+    from paramserve.psserver.runtime.security import writable_directory
 
     started = time.perf_counter()
     checkpoint_dir = (
@@ -198,7 +198,7 @@ def _cluster(args: argparse.Namespace) -> Iterator[tuple[Any, str | None]]:
     """The cluster to train on: described by the environment, or started here."""
     from paramserve.coordinator.cluster import ClusterSpec
     from paramserve.coordinator.local_cluster import LocalCluster
-    from paramserve.psserver.security import TOKEN_ENV, check_token, read_token_file
+    from paramserve.psserver.runtime.security import TOKEN_ENV, check_token, read_token_file
 
     if args.cluster_from_env:
         token = (

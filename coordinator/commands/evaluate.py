@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from paramserve.psserver.command_line import LOG_LEVELS
+from paramserve.psserver.runtime.command_line import LOG_LEVELS
 
 
 def digits_test_batches(batch_size: int = 128) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

@@ -3,7 +3,7 @@
 For scripts; uses the standard grpc.health.v1 service, over TLS when ``--tls-ca`` is given
 (with a client certificate for servers that require mutual TLS: ``--tls-cert`` and
 ``--tls-key``). Container health checks use ``paramserve-health``
-(``paramserve.psserver.health_probe``): the same question in plaintext, without loading
+(``paramserve.psserver.runtime.health_probe``): the same question in plaintext, without loading
 torch.
 """
 
@@ -16,7 +16,7 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from paramserve.psserver.tf_config import ClusterSpecError, parse_address
+from paramserve.psserver.runtime.tf_config import ClusterSpecError, parse_address
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:

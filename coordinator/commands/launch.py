@@ -16,8 +16,8 @@ import os
 import secrets
 import subprocess
 
-from paramserve.coordinator.replica_groups import REPLICAS_ENV
-from paramserve.psserver.cpus import PROCESSES_ENV, torch_threads
+from paramserve.coordinator.recovery.replica_groups import REPLICAS_ENV
+from paramserve.psserver.runtime.cpus import PROCESSES_ENV, torch_threads
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:

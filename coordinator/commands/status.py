@@ -21,8 +21,8 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from paramserve.coordinator.cluster_status import bytes_text, status_key
-from paramserve.psserver.security import TOKEN_ENV, check_token, read_token_file
+from paramserve.coordinator.status.cluster_status import bytes_text, status_key
+from paramserve.psserver.runtime.security import TOKEN_ENV, check_token, read_token_file
 
 __all__ = ["build_parser", "fetch_status", "format_status", "main", "status_request"]
 

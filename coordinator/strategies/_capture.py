@@ -31,7 +31,7 @@ from paramserve.coordinator.strategies._process_hooks import SharedHook
 from paramserve.coordinator.strategies._replicas import _local as _replica_local
 from paramserve.coordinator.strategies._replicas import replica_of
 from paramserve.coordinator.strategies.base import Strategy
-from paramserve.psserver.optimizer_spec import building_server_optimizer
+from paramserve.psserver.protocol.optimizer_spec import building_server_optimizer
 
 LINK = "_paramserve_link"
 """Instance attribute holding the link of a distributed module or optimizer."""

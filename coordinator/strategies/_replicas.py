@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from paramserve.coordinator.strategies.base import Strategy, replica_thread_context
-from paramserve.psserver.devices import computing_on
+from paramserve.psserver.runtime.devices import computing_on
 
 
 class ReplicaDeparted(RuntimeError):

@@ -29,7 +29,7 @@ from paramserve.coordinator.strategies.replicated import (
     _ReplicatedStrategy,
     _resolve_devices,
 )
-from paramserve.psserver.devices import cuda_device_count, resolve_device
+from paramserve.psserver.runtime.devices import cuda_device_count, resolve_device
 
 
 def default_parameter_device(compute_devices: Sequence[str], cuda_devices: int) -> str:

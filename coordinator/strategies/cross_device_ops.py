@@ -25,7 +25,7 @@ import torch
 
 from paramserve.coordinator.strategies.base import ReduceOp
 from paramserve.coordinator.strategies.distributed_values import DistributedValue, Mirrored
-from paramserve.psserver.devices import resolve_device
+from paramserve.psserver.runtime.devices import resolve_device
 
 Destinations = torch.device | str | Sequence[torch.device | str]
 

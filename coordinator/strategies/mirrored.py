@@ -96,7 +96,7 @@ from paramserve.coordinator.strategies.replicated import (
     _ReplicatedStrategy,
     _resolve_devices,
 )
-from paramserve.psserver.devices import computing_on, resolve_device
+from paramserve.psserver.runtime.devices import computing_on, resolve_device
 
 # ------------------------------------------------------------------ OneDeviceStrategy
 

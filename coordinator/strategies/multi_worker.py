@@ -76,7 +76,7 @@ from paramserve.coordinator.strategies.multi_worker_cluster import (
     process_group_backend,
     strategy_arguments,
 )
-from paramserve.psserver.devices import computing_on, cuda_device_count
+from paramserve.psserver.runtime.devices import computing_on, cuda_device_count
 
 if TYPE_CHECKING:
     from paramserve.coordinator.metrics import LocalMetricState

@@ -28,13 +28,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from paramserve.coordinator.checkpoint_log import CheckpointLog
-from paramserve.coordinator.checkpoint_manager import CheckpointManager
+from paramserve.coordinator.checkpointing.checkpoint_log import CheckpointLog
+from paramserve.coordinator.checkpointing.checkpoint_manager import CheckpointManager
 from paramserve.coordinator.cluster import ClusterSpec
 from paramserve.coordinator.cluster_resolver import ClusterResolver
 from paramserve.coordinator.contracts import DispatchControl
-from paramserve.coordinator.ps_recovery import RecoverableVariables
-from paramserve.coordinator.replica_groups import ParameterServers, replica_count
+from paramserve.coordinator.recovery.ps_recovery import RecoverableVariables
+from paramserve.coordinator.recovery.replica_groups import ParameterServers, replica_count
 from paramserve.coordinator.strategies import _capture, scope_optimizers
 from paramserve.coordinator.strategies.base import DefaultStrategy, SingleReplicaStrategy, Strategy
 from paramserve.coordinator.strategies.input import InputOptions, check_per_worker
@@ -57,12 +57,12 @@ from paramserve.coordinator.strategies.parameter_server_training import (
 from paramserve.coordinator.strategies.step_runners import StepFn, StepRunner
 from paramserve.coordinator.strategies.sync_dense import SyncDense
 from paramserve.coordinator.strategies.training_state import TrainingCheckpoints
-from paramserve.psserver.client import ClientConfig, ParameterServerClient
-from paramserve.psserver.dynamic_types import DynamicShardState
-from paramserve.psserver.optimizer_spec import OptimizerSpec
-from paramserve.psserver.partition import Partitioner
-from paramserve.psserver.security import TOKEN_ENV, check_token
-from paramserve.psserver.types import ClusterContext, ShardPlacement, ShardState, VariableLayout
+from paramserve.psserver.client.ps_client import ClientConfig, ParameterServerClient
+from paramserve.psserver.dynamic.dynamic_types import DynamicShardState
+from paramserve.psserver.protocol.optimizer_spec import OptimizerSpec
+from paramserve.psserver.protocol.partition import Partitioner
+from paramserve.psserver.protocol.types import ClusterContext, ShardPlacement, ShardState, VariableLayout
+from paramserve.psserver.runtime.security import TOKEN_ENV, check_token
 from paramserve.wire.v1 import tensor_pb2
 from paramserve.worker.dynamic_embedding import DynamicEmbedding
 from paramserve.worker.variables import (
@@ -752,7 +752,7 @@ class ParameterServerStrategy(SingleReplicaStrategy):
 
     def model_weights(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The variables' current values (pulled from the servers) as ``model``'s state_dict."""
-        from paramserve.coordinator.checkpoint_manager import state_dict
+        from paramserve.coordinator.checkpointing.checkpoint_manager import state_dict
 
         return state_dict(self, model)
 

@@ -20,9 +20,9 @@ from torch import nn
 
 from paramserve.coordinator.strategies import _capture
 from paramserve.coordinator.strategies.base import SingleReplicaStrategy
-from paramserve.psserver.client import ParameterServerClient, layouts_from_infos
-from paramserve.psserver.errors import VariableExistsError
-from paramserve.psserver.types import VariableLayout
+from paramserve.psserver.client.ps_client import ParameterServerClient, layouts_from_infos
+from paramserve.psserver.protocol.errors import VariableExistsError
+from paramserve.psserver.protocol.types import VariableLayout
 from paramserve.worker.variables import ServerOptimizer, variable_name
 
 if TYPE_CHECKING:

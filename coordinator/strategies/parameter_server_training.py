@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from paramserve.coordinator.checkpoint_manager import CheckpointManager
+from paramserve.coordinator.checkpointing.checkpoint_manager import CheckpointManager
 from paramserve.coordinator.cluster_coordinator import ClusterCoordinator
 from paramserve.coordinator.remote_value import RemoteValue, RemoteValueState
 from paramserve.coordinator.strategies.step_runners import StepFn, add_statistics
-from paramserve.psserver import checkpoint
-from paramserve.psserver.optimizer_spec import OptimizerSpec
+from paramserve.psserver.checkpoint import shard_files as checkpoint
+from paramserve.psserver.protocol.optimizer_spec import OptimizerSpec
 from paramserve.worker.variables import ServerOptimizer, current_access, variable_name
 
 if TYPE_CHECKING:

@@ -63,7 +63,7 @@ from paramserve.coordinator.strategies.input import (
     DistributedDatasetsFromFunction,
     InputOptions,
 )
-from paramserve.psserver.devices import cuda_device_count, resolve_device
+from paramserve.psserver.runtime.devices import cuda_device_count, resolve_device
 
 # ------------------------------------------------------------------ devices
 

@@ -23,8 +23,8 @@ import cloudpickle
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from paramserve.coordinator.dense_rounds import DenseSettings
-from paramserve.psserver.optimizer_spec import OptimizerSpec
+from paramserve.coordinator.dispatch.dense_rounds import DenseSettings
+from paramserve.psserver.protocol.optimizer_spec import OptimizerSpec
 from paramserve.worker.variables import SettleBeforeForward, variable_name
 
 if TYPE_CHECKING:

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from paramserve.psserver.atomic_files import atomic_torch_save
+from paramserve.psserver.runtime.atomic_files import atomic_torch_save
 
 __all__ = ["TorchFileCheckpoints", "TrainingCheckpoints"]
 

@@ -40,8 +40,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from paramserve.psserver import checkpoint as server_checkpoints
-from paramserve.psserver.atomic_files import atomic_torch_save, atomic_write
+from paramserve.psserver.checkpoint import shard_files as server_checkpoints
+from paramserve.psserver.runtime.atomic_files import atomic_torch_save, atomic_write
 
 __all__ = [
     "BackupAndRestore",

@@ -18,8 +18,8 @@ from coordinator_doubles import FakeStrategy, Gate, item_at_gate, tagged_items
 
 from paramserve.coordinator.cluster import ClusterSpec
 from paramserve.coordinator.cluster_coordinator import ClusterCoordinator, CoordinatorConfig
-from paramserve.coordinator.discovery import THREAD_NAME, DiscoveryPolicy
-from paramserve.coordinator.failures import FailurePolicy
+from paramserve.coordinator.dispatch.discovery import THREAD_NAME, DiscoveryPolicy
+from paramserve.coordinator.dispatch.failures import FailurePolicy
 from paramserve.coordinator.local_cluster import LocalCluster
 from paramserve.coordinator.remote_value import RemoteValueState
 

@@ -30,14 +30,14 @@ import cloudpickle
 import pytest
 import torch
 
-from paramserve.coordinator.checkpoint_manager import CheckpointManager
+from paramserve.coordinator.checkpointing.checkpoint_manager import CheckpointManager
 from paramserve.coordinator.cluster_coordinator import ClusterCoordinator, CoordinatorConfig
 from paramserve.coordinator.commands.demo import MLP, digits_split, train_step, worker_batches
-from paramserve.coordinator.recovery_policy import RecoveryPolicy
+from paramserve.coordinator.recovery.recovery_policy import RecoveryPolicy
 from paramserve.coordinator.strategies.parameter_server import ParameterServerStrategy
-from paramserve.psserver import checkpoint
-from paramserve.psserver.partition import FixedShardsPartitioner
-from paramserve.psserver.types import ShardRef, ShardState
+from paramserve.psserver.checkpoint import shard_files as checkpoint
+from paramserve.psserver.protocol.partition import FixedShardsPartitioner
+from paramserve.psserver.protocol.types import ShardRef, ShardState
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import test modules
 

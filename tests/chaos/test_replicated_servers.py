@@ -22,9 +22,9 @@ import torch
 from paramserve.coordinator.cluster_coordinator import ClusterCoordinator
 from paramserve.coordinator.commands.demo import MLP, digits_split, train_step, worker_batches
 from paramserve.coordinator.strategies.parameter_server import ParameterServerStrategy
-from paramserve.psserver.calls import CallOptions, Stub
-from paramserve.psserver.channels import channel_options, open_channel
-from paramserve.psserver.partition import FixedShardsPartitioner
+from paramserve.psserver.client.calls import CallOptions, Stub
+from paramserve.psserver.protocol.partition import FixedShardsPartitioner
+from paramserve.psserver.runtime.channels import channel_options, open_channel
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import test modules
 
@@ -256,9 +256,9 @@ class KillDuringExport:
 def test_a_primary_killed_during_a_save_and_a_restarted_coordinator_lose_nothing(
     start_cluster, tmp_path, monkeypatch
 ) -> None:  # type: ignore[no-untyped-def]
-    from paramserve.coordinator.checkpoint_manager import CheckpointManager
-    from paramserve.psserver import checkpoint
-    from paramserve.psserver.client import ParameterServerClient
+    from paramserve.coordinator.checkpointing.checkpoint_manager import CheckpointManager
+    from paramserve.psserver.checkpoint import shard_files as checkpoint
+    from paramserve.psserver.client.ps_client import ParameterServerClient
 
     cluster = start_cluster(4, 2)
     strategy, model, optimizer = build(cluster, 2)

@@ -11,7 +11,7 @@ from paramserve.coordinator.cluster_coordinator import ClusterCoordinator
 from paramserve.coordinator.commands.demo import MLP, train_step, worker_batches
 from paramserve.coordinator.remote_value import RemoteValueState
 from paramserve.coordinator.strategies.parameter_server import ParameterServerStrategy
-from paramserve.psserver.partition import FixedShardsPartitioner
+from paramserve.psserver.protocol.partition import FixedShardsPartitioner
 
 STEPS = 240
 

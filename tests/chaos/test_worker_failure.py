@@ -16,7 +16,7 @@ import pytest
 from coordinator_doubles import FakeStrategy, Gate, Item, item_at_gate, tagged_items
 
 from paramserve.coordinator.cluster_coordinator import ClusterCoordinator, CoordinatorConfig
-from paramserve.coordinator.failures import FailurePolicy
+from paramserve.coordinator.dispatch.failures import FailurePolicy
 from paramserve.coordinator.local_cluster import LocalCluster
 from paramserve.coordinator.remote_value import RemoteValue, RemoteValueState
 

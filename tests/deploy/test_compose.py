@@ -169,7 +169,7 @@ def test_the_replicated_override_adds_two_servers_grouped_by_the_coordinator() -
     assert environment["PARAMSERVE_PS"] == ",".join(f"ps{i}:5000" for i in range(4))
     assert environment["PARAMSERVE_PS_REPLICAS"] == "2"
     assert set(services["coordinator"]["depends_on"]) >= {f"ps{i}" for i in range(4)}
-    from paramserve.coordinator.replica_groups import group_servers, replica_count
+    from paramserve.coordinator.recovery.replica_groups import group_servers, replica_count
 
     groups = group_servers(environment["PARAMSERVE_PS"].split(","), replica_count(None, environment))
     assert groups == (("ps0:5000", "ps2:5000"), ("ps1:5000", "ps3:5000"))

@@ -143,7 +143,7 @@ def test_the_replicated_overlay_runs_four_servers_in_groups_of_two() -> None:
     replica count; the patched manifests stay valid."""
     import copy
 
-    from paramserve.coordinator.replica_groups import group_servers, replica_count
+    from paramserve.coordinator.recovery.replica_groups import group_servers, replica_count
 
     overlay = yaml.safe_load((K8S / "replicated" / "kustomization.yaml").read_text())
     assert overlay["resources"] == ["../"]

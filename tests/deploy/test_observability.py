@@ -17,7 +17,7 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from paramserve.coordinator.telemetry import CoordinatorTelemetry
+from paramserve.coordinator.status.telemetry import CoordinatorTelemetry
 from paramserve.psserver.server import ServerConfig, build_server
 from paramserve.worker.server import WorkerConfig, build_worker
 

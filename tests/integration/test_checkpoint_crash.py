@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from paramserve.psserver.atomic_files import TEMPORARY_PREFIX
-from paramserve.psserver.checkpoint import latest_checkpoint, load_rows, read_manifest, save_checkpoint
-from paramserve.psserver.optimizer_spec import OptimizerSpec
-from paramserve.psserver.types import ShardRef, ShardState
+from paramserve.psserver.checkpoint.shard_files import latest_checkpoint, load_rows, read_manifest, save_checkpoint
+from paramserve.psserver.protocol.optimizer_spec import OptimizerSpec
+from paramserve.psserver.protocol.types import ShardRef, ShardState
+from paramserve.psserver.runtime.atomic_files import TEMPORARY_PREFIX
 
 KILLS = 20
 ROWS, COLS = 1024, 1024  # 4 MB: a save takes long enough to be killed in the middle of
@@ -49,7 +49,7 @@ def _leftovers(root: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def saver_context():
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "paramserve.psserver.checkpoint"])
+    context.set_forkserver_preload(["torch", "paramserve.psserver.checkpoint.shard_files"])
     return context
 
 

@@ -34,7 +34,7 @@ DEADLINE = 240.0
 def build():
     from paramserve.coordinator.commands.demo import MLP
     from paramserve.coordinator.strategies.parameter_server import ParameterServerStrategy
-    from paramserve.psserver.partition import FixedShardsPartitioner
+    from paramserve.psserver.protocol.partition import FixedShardsPartitioner
 
     strategy = ParameterServerStrategy(variable_partitioner=FixedShardsPartitioner(2))  # the cluster from the env
     torch.manual_seed(int(os.environ.get("SEED", "0")))  # a different model each run: only the restore makes them agree
@@ -142,7 +142,7 @@ class Program:
 
 
 def versions(cluster) -> set[int]:
-    from paramserve.psserver.client import ParameterServerClient
+    from paramserve.psserver.client.ps_client import ParameterServerClient
 
     with ParameterServerClient(cluster.spec.parameter_servers) as client:
         return {info.version for infos in client.list_shards().values() for info in infos}

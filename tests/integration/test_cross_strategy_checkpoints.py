@@ -50,7 +50,7 @@ def test_mirrored_to_parameter_servers_to_mirrored_to_plain_torch(start_cluster,
         ps_model = MLP(32)
         ps_optimizer = torch.optim.SGD(ps_model.parameters(), lr=0.1)
     load_state_dict(ps, torch.load(tmp_path / "mirrored.pt", weights_only=True), ps_model)
-    from paramserve.coordinator.checkpoint_manager import state_dict
+    from paramserve.coordinator.checkpointing.checkpoint_manager import state_dict
 
     restored = state_dict(ps, ps_model)  # read back from the parameter servers
     saved = torch.load(tmp_path / "mirrored.pt", weights_only=True)

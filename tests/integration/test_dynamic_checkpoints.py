@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from paramserve.coordinator import CheckpointManager, ClusterCoordinator, DynamicEmbedding, ParameterServerStrategy
-from paramserve.psserver import checkpoint, dynamic_checkpoint
-from paramserve.psserver.dynamic_types import DynamicShardState
-from paramserve.psserver.errors import CheckpointBaseMissingError, CheckpointError
-from paramserve.psserver.types import RowGradient
+from paramserve.psserver.checkpoint import dynamic_checkpoint
+from paramserve.psserver.checkpoint import shard_files as checkpoint
+from paramserve.psserver.dynamic.dynamic_types import DynamicShardState
+from paramserve.psserver.protocol.errors import CheckpointBaseMissingError, CheckpointError
+from paramserve.psserver.protocol.types import RowGradient
 from tests.integration.test_dynamic_embedding import ClickStream, build, train_step
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import test modules

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from paramserve.coordinator import CheckpointManager, ClusterCoordinator, ParameterServerStrategy
-from paramserve.psserver.dynamic_rows import owner_of
-from paramserve.psserver.errors import InvalidRequestError
-from paramserve.psserver.optimizer_spec import OptimizerSpec
-from paramserve.psserver.types import RowGradient
+from paramserve.psserver.dynamic.dynamic_rows import owner_of
+from paramserve.psserver.protocol.errors import InvalidRequestError
+from paramserve.psserver.protocol.optimizer_spec import OptimizerSpec
+from paramserve.psserver.protocol.types import RowGradient
 from tests.integration.test_dynamic_embedding import HOT, Clicks, ClickStream, train_step
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import test modules

@@ -9,13 +9,13 @@ import cloudpickle
 import pytest
 import torch
 
-from paramserve.coordinator.checkpoint_manager import CheckpointManager
+from paramserve.coordinator.checkpointing.checkpoint_manager import CheckpointManager
 from paramserve.coordinator.cluster_coordinator import ClusterCoordinator
 from paramserve.coordinator.commands.demo import MLP, train_step, worker_batches
 from paramserve.coordinator.strategies.parameter_server import ParameterServerStrategy
-from paramserve.psserver import checkpoint
-from paramserve.psserver.errors import CheckpointError
-from paramserve.psserver.partition import FixedShardsPartitioner
+from paramserve.psserver.checkpoint import shard_files as checkpoint
+from paramserve.psserver.protocol.errors import CheckpointError
+from paramserve.psserver.protocol.partition import FixedShardsPartitioner
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import test modules
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from paramserve.coordinator import examples
+from paramserve.coordinator.demos import examples
 
 
 @pytest.mark.parametrize("strategy", ["default", "one_device", "mirrored", "central_storage"])

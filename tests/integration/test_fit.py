@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from paramserve.coordinator.checkpoint_manager import CheckpointManager
+from paramserve.coordinator.checkpointing.checkpoint_manager import CheckpointManager
 from paramserve.coordinator.commands.demo import MLP, digits_split, worker_batches
 from paramserve.coordinator.strategies.parameter_server import ParameterServerStrategy
 from paramserve.coordinator.training.callbacks import (
@@ -34,7 +34,7 @@ from paramserve.coordinator.training.callbacks import (
     latest_checkpoint,
 )
 from paramserve.coordinator.training.fit import evaluate, fit, predict
-from paramserve.psserver.partition import FixedShardsPartitioner
+from paramserve.psserver.protocol.partition import FixedShardsPartitioner
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import the test module
 

@@ -15,9 +15,9 @@ import torch
 from paramserve.coordinator import ShardedEmbeddingCollection
 from paramserve.coordinator.cluster_coordinator import ClusterCoordinator
 from paramserve.coordinator.commands.demo import MLP, digits_split, train_step, worker_batches
-from paramserve.coordinator.recommendation import DLRM, ClickData, WorkerClicks, train_clicks
+from paramserve.coordinator.demos.recommendation import DLRM, ClickData, WorkerClicks, train_clicks
 from paramserve.coordinator.strategies.parameter_server import ParameterServerStrategy
-from paramserve.psserver.partition import FixedShardsPartitioner
+from paramserve.psserver.protocol.partition import FixedShardsPartitioner
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import test modules
 

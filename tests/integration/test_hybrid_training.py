@@ -23,9 +23,9 @@ from paramserve.coordinator import (
     ParameterServerStrategy,
     ShardedEmbeddingCollection,
 )
-from paramserve.coordinator.recommendation import DLRM, ClickData, WorkerClicks, auc, train_clicks
-from paramserve.psserver.calls import CallOptions, Stub
-from paramserve.psserver.channels import channel_options, open_channel
+from paramserve.coordinator.demos.recommendation import DLRM, ClickData, WorkerClicks, auc, train_clicks
+from paramserve.psserver.client.calls import CallOptions, Stub
+from paramserve.psserver.runtime.channels import channel_options, open_channel
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import test modules
 

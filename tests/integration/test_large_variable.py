@@ -11,8 +11,8 @@ import os
 import pytest
 import torch
 
-from paramserve.psserver.client import ClientConfig, ParameterServerClient
-from paramserve.psserver.optimizer_spec import OptimizerSpec
+from paramserve.psserver.client.ps_client import ClientConfig, ParameterServerClient
+from paramserve.psserver.protocol.optimizer_spec import OptimizerSpec
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("PARAMSERVE_SLOW_TESTS") != "1",

@@ -508,7 +508,7 @@ def test_failed_start_keeps_the_logs_of_an_owned_run_dir(make_cluster: Callable[
 
 
 def test_real_servers_size_their_torch_threads_to_their_share(start_cluster: Callable[..., LocalCluster]) -> None:
-    from paramserve.psserver import cpus
+    from paramserve.psserver.runtime import cpus
 
     cluster = start_cluster(num_ps=1, num_workers=2, run_dir=None)
     sharing = {cpus.PROCESSES_ENV: "4"}  # 1 ps + 2 workers + the program driving them

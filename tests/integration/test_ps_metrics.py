@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from paramserve.coordinator import metrics
-from paramserve.coordinator.checkpoint_manager import CheckpointManager
+from paramserve.coordinator.checkpointing.checkpoint_manager import CheckpointManager
 from paramserve.coordinator.cluster_coordinator import ClusterCoordinator
 from paramserve.coordinator.commands.demo import MLP, digits_split, worker_batches
 from paramserve.coordinator.strategies.parameter_server import ParameterServerStrategy
@@ -64,7 +64,7 @@ def test_metrics_updated_on_workers_count_on_the_coordinator(start_cluster, tmp_
 
 
 def _saved_variables(directory):
-    from paramserve.psserver import checkpoint
+    from paramserve.psserver.checkpoint import shard_files as checkpoint
 
     return set(checkpoint.read_manifest(checkpoint.resolve(directory)).variables)
 

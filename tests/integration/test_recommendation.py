@@ -16,7 +16,7 @@ from paramserve.coordinator import (
     ShardedEmbedding,
     ShardedEmbeddingCollection,
 )
-from paramserve.coordinator.recommendation import DLRM, ClickData, WorkerClicks, auc, train_clicks
+from paramserve.coordinator.demos.recommendation import DLRM, ClickData, WorkerClicks, auc, train_clicks
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import test modules
 

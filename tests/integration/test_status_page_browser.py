@@ -23,11 +23,11 @@ import pytest
 import torch
 from torch import nn
 
-from paramserve.coordinator.checkpoint_manager import CheckpointManager
+from paramserve.coordinator.checkpointing.checkpoint_manager import CheckpointManager
 from paramserve.coordinator.cluster_coordinator import ClusterCoordinator
-from paramserve.coordinator.cluster_status import RunLog
 from paramserve.coordinator.commands.demo import MLP, worker_batches
-from paramserve.coordinator.status_page import StatusPage, StatusSources
+from paramserve.coordinator.status.cluster_status import RunLog
+from paramserve.coordinator.status.status_page import StatusPage, StatusSources
 from paramserve.coordinator.strategies.parameter_server import ParameterServerStrategy
 from paramserve.coordinator.training.callbacks import Callback
 from paramserve.coordinator.training.fit import fit

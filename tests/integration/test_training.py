@@ -8,7 +8,7 @@ import sys
 import cloudpickle
 import torch
 
-from paramserve.coordinator.checkpoint_manager import (
+from paramserve.coordinator.checkpointing.checkpoint_manager import (
     CheckpointManager,
     export_state_dict,
     state_dict,
@@ -16,7 +16,7 @@ from paramserve.coordinator.checkpoint_manager import (
 from paramserve.coordinator.cluster_coordinator import ClusterCoordinator
 from paramserve.coordinator.commands.demo import MLP, digits_split, train_step, worker_batches
 from paramserve.coordinator.strategies.parameter_server import ParameterServerStrategy
-from paramserve.psserver.partition import FixedShardsPartitioner
+from paramserve.psserver.protocol.partition import FixedShardsPartitioner
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import test modules
 

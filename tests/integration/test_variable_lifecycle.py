@@ -10,11 +10,11 @@ import pytest
 import torch
 from torch import nn
 
-from paramserve.coordinator.checkpoint_manager import CheckpointManager, export_state_dict, state_dict
+from paramserve.coordinator.checkpointing.checkpoint_manager import CheckpointManager, export_state_dict, state_dict
 from paramserve.coordinator.cluster_coordinator import ClusterCoordinator
 from paramserve.coordinator.commands.demo import MLP, train_step, worker_batches
 from paramserve.coordinator.strategies.parameter_server import ParameterServerStrategy
-from paramserve.psserver.errors import VariableExistsError
+from paramserve.psserver.protocol.errors import VariableExistsError
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import test modules
 

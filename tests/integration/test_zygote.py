@@ -1,4 +1,4 @@
-"""Processes forked from a zygote (psserver/zygote.py) behave as `python -m` ones would, and a
+"""Processes forked from a zygote (psserver/runtime/zygote.py) behave as `python -m` ones would, and a
 LocalCluster started from one trains and recovers as before."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import time
 import pytest
 
 from paramserve.coordinator import LocalCluster
-from paramserve.psserver.zygote import Zygote, ZygoteError, shared_zygote
+from paramserve.psserver.runtime.zygote import Zygote, ZygoteError, shared_zygote
 
 PROBE = """
 import json, os, sys
@@ -147,7 +147,7 @@ def test_a_cluster_forks_its_processes_from_the_zygote_and_restarts_them(start_c
     server, worker = cluster.processes
     parent = int(open(f"/proc/{server.pid}/stat").read().rsplit(")", 1)[1].split()[1])
     assert parent != os.getpid()
-    assert any(b"paramserve.psserver.zygote" in part for part in _cmdline(parent)), "forked by the zygote"
+    assert any(b"paramserve.psserver.runtime.zygote" in part for part in _cmdline(parent)), "forked by the zygote"
     shown = b" ".join(_cmdline(server.pid))
     assert b" -m paramserve.psserver --host 127.0.0.1 --port 0 " in shown, "ps shows the python -m command line"
     cluster.kill_worker(0)

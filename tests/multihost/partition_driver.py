@@ -23,10 +23,10 @@ from paramserve.coordinator.cluster import ClusterSpec
 from paramserve.coordinator.cluster_coordinator import ClusterCoordinator
 from paramserve.coordinator.commands.demo import MLP, train_step, worker_batches
 from paramserve.coordinator.strategies.parameter_server import ParameterServerStrategy
-from paramserve.psserver.calls import CallOptions, Stub
-from paramserve.psserver.channels import channel_options, open_channel
-from paramserve.psserver.partition import FixedShardsPartitioner
-from paramserve.psserver.security import read_token_file
+from paramserve.psserver.client.calls import CallOptions, Stub
+from paramserve.psserver.protocol.partition import FixedShardsPartitioner
+from paramserve.psserver.runtime.channels import channel_options, open_channel
+from paramserve.psserver.runtime.security import read_token_file
 
 BEFORE, CHUNK, AFTER = 60, 30, 60
 

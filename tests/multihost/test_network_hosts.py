@@ -19,7 +19,7 @@ import time
 import pytest
 from network_hosts import NetworkHosts, paramserve
 
-from paramserve.psserver import checkpoint
+from paramserve.psserver.checkpoint import shard_files as checkpoint
 
 pytestmark = pytest.mark.timeout(420)
 

@@ -23,8 +23,8 @@ import torch
 from network_hosts import NetworkHosts, paramserve, wait_for
 
 from paramserve.coordinator.commands.demo import MLP, digits_split
-from paramserve.psserver import checkpoint
-from paramserve.psserver.types import ShardRef
+from paramserve.psserver.checkpoint import shard_files as checkpoint
+from paramserve.psserver.protocol.types import ShardRef
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -31,9 +31,9 @@ DRIVER = pathlib.Path(__file__).with_name("partition_driver.py")
 
 PROBE = """
 import json, sys, torch
-from paramserve.psserver.client import ClientConfig, ParameterServerClient
-from paramserve.psserver.errors import ParamServeError
-from paramserve.psserver.security import read_token_file
+from paramserve.psserver.client.ps_client import ClientConfig, ParameterServerClient
+from paramserve.psserver.protocol.errors import ParamServeError
+from paramserve.psserver.runtime.security import read_token_file
 import pathlib
 token = read_token_file(pathlib.Path(sys.argv[2]))
 client = ParameterServerClient([sys.argv[1]], ClientConfig(token=token, retry_deadline=1.0, call_timeout=5.0))

@@ -31,10 +31,10 @@ from test_dataplane_transport import (
     still_serves,
 )
 
-from paramserve.psserver import dataplane_client, dataplane_server
-from paramserve.psserver.dataplane import PREFIX, FrameKind
-from paramserve.psserver.errors import AuthenticationError, InvalidRequestError
-from paramserve.psserver.security import DataPlaneKey, new_handshake_nonce
+from paramserve.psserver.dataplane import dataplane_client, dataplane_server
+from paramserve.psserver.dataplane.frames import PREFIX, FrameKind
+from paramserve.psserver.protocol.errors import AuthenticationError, InvalidRequestError
+from paramserve.psserver.runtime.security import DataPlaneKey, new_handshake_nonce
 from paramserve.psserver.server import DATA_PLANE_HEALTH
 from paramserve.wire.v1 import parameter_server_pb2 as ps_pb2
 
@@ -44,7 +44,7 @@ DEADLINE = 20.0
 @pytest.fixture
 def clients():  # type: ignore[no-untyped-def]
     """Clients with the default configuration: on the data plane where they can be."""
-    from paramserve.psserver.client import ClientConfig, ParameterServerClient
+    from paramserve.psserver.client.ps_client import ClientConfig, ParameterServerClient
 
     made: list[ParameterServerClient] = []
 
@@ -76,8 +76,8 @@ def scraped(metrics_port: int, name: str, labels: str) -> float:
 
 
 def data_plane_info(address: str) -> ps_pb2.DataPlaneInfo:
-    from paramserve.psserver.metadata import SERVICE_NAME
-    from paramserve.psserver.security import bearer_metadata
+    from paramserve.psserver.protocol.metadata import SERVICE_NAME
+    from paramserve.psserver.runtime.security import bearer_metadata
 
     with grpc.insecure_channel(address) as channel:
         call = channel.unary_unary(
@@ -459,7 +459,7 @@ def test_a_step_program_over_its_byte_budget_is_refused_and_the_client_sends_it_
 
 def test_refusals_are_counted_by_reason_and_logged_at_a_bounded_rate(start_ps, caplog):
     server = start_ps(token=TOKEN)
-    caplog.set_level(logging.WARNING, logger="paramserve.psserver.dataplane_server")
+    caplog.set_level(logging.WARNING, logger="paramserve.psserver.dataplane.dataplane_server")
     for _ in range(30):
         sock = connect(server)
         sock.sendall(frame(FrameKind.HELLO, b"not a nonce"))

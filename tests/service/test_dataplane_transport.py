@@ -1,4 +1,4 @@
-"""The step data plane (psserver/dataplane_server.py, dataplane_client.py) over real sockets: who
+"""The step data plane (psserver/dataplane/dataplane_server.py, dataplane_client.py) over real sockets: who
 gets in, what a bad peer gets back, and that the server stays up and unchanged for everyone else."""
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from paramserve.psserver import dataplane_client, dataplane_server
-from paramserve.psserver.client import ClientConfig, ParameterServerClient
-from paramserve.psserver.dataplane import MAGIC, PREFIX, FrameKind, TransportError
-from paramserve.psserver.errors import AuthenticationError, VariableNotFoundError
-from paramserve.psserver.optimizer_spec import OptimizerSpec
-from paramserve.psserver.partition import FixedShardsPartitioner
-from paramserve.psserver.security import ClientTls, TlsConfig, bearer_metadata
-from paramserve.psserver.types import ShardRef
+from paramserve.psserver.client.ps_client import ClientConfig, ParameterServerClient
+from paramserve.psserver.dataplane import dataplane_client, dataplane_server
+from paramserve.psserver.dataplane.frames import MAGIC, PREFIX, FrameKind, TransportError
+from paramserve.psserver.protocol.errors import AuthenticationError, VariableNotFoundError
+from paramserve.psserver.protocol.optimizer_spec import OptimizerSpec
+from paramserve.psserver.protocol.partition import FixedShardsPartitioner
+from paramserve.psserver.protocol.types import ShardRef
+from paramserve.psserver.runtime.security import ClientTls, TlsConfig, bearer_metadata
 from paramserve.wire.v1 import parameter_server_pb2 as ps_pb2
 from paramserve.wire.v1 import tensor_pb2
 from tests.certificates import make_certificates, needs_openssl

@@ -8,12 +8,17 @@ import pytest
 import torch
 from prometheus_client import generate_latest
 
-from paramserve.psserver.dynamic_chain import apply_delta
-from paramserve.psserver.dynamic_rows import initial_rows, owner_of
-from paramserve.psserver.dynamic_types import DynamicTableConfig, rehash
-from paramserve.psserver.errors import DtypeMismatchError, InvalidRequestError, ShapeMismatchError, VariableExistsError
-from paramserve.psserver.optimizer_spec import OptimizerSpec
-from paramserve.psserver.types import RowGradient
+from paramserve.psserver.checkpoint.dynamic_chain import apply_delta
+from paramserve.psserver.dynamic.dynamic_rows import initial_rows, owner_of
+from paramserve.psserver.dynamic.dynamic_types import DynamicTableConfig, rehash
+from paramserve.psserver.protocol.errors import (
+    DtypeMismatchError,
+    InvalidRequestError,
+    ShapeMismatchError,
+    VariableExistsError,
+)
+from paramserve.psserver.protocol.optimizer_spec import OptimizerSpec
+from paramserve.psserver.protocol.types import RowGradient
 
 DIM = 4
 ADAGRAD = OptimizerSpec("Adagrad", {"lr": 0.5})

@@ -11,9 +11,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from paramserve.psserver.dynamic_types import DynamicTableConfig
-from paramserve.psserver.metadata import IDEMPOTENCY_METADATA_KEY, SERVICE_NAME
-from paramserve.psserver.optimizer_spec import OptimizerSpec
+from paramserve.psserver.dynamic.dynamic_types import DynamicTableConfig
+from paramserve.psserver.protocol.metadata import IDEMPOTENCY_METADATA_KEY, SERVICE_NAME
+from paramserve.psserver.protocol.optimizer_spec import OptimizerSpec
 from paramserve.wire.v1 import parameter_server_pb2 as ps_pb2
 from paramserve.wire.v1 import tensor_pb2
 
@@ -180,7 +180,7 @@ messages = st.one_of(
 
 @pytest.fixture(scope="module")
 def target():
-    from paramserve.psserver.client import ClientConfig, ParameterServerClient
+    from paramserve.psserver.client.ps_client import ClientConfig, ParameterServerClient
     from paramserve.psserver.server import ServerConfig, build_server
 
     server = build_server(ServerConfig(max_workers=4, max_shard_bytes=1 << 24))
@@ -285,7 +285,7 @@ def test_data_plane_steps_never_fail_internally(target, plan, then, payload):
     likewise a step program run after whatever the first frame defined."""
     import socket
 
-    from paramserve.psserver.dataplane import MAGIC, PREFIX, FrameKind
+    from paramserve.psserver.dataplane.frames import MAGIC, PREFIX, FrameKind
     from tests.service.test_dataplane_transport import read_frame
 
     channel, client, value = target

@@ -23,8 +23,8 @@ import pytest
 import torch
 
 from paramserve.coordinator.commands.health import check, credentials
-from paramserve.coordinator.worker_transport import GrpcTransport, RpcFailure
-from paramserve.psserver.errors import (
+from paramserve.coordinator.dispatch.worker_transport import GrpcTransport, RpcFailure
+from paramserve.psserver.protocol.errors import (
     CheckpointError,
     ConfigurationError,
     InvalidRequestError,
@@ -32,9 +32,9 @@ from paramserve.psserver.errors import (
     PermissionDeniedError,
     VariableNotFoundError,
 )
-from paramserve.psserver.metadata import IDEMPOTENCY_METADATA_KEY, SERVICE_NAME, metadata_text, metadata_value
-from paramserve.psserver.optimizer_spec import OptimizerSpec
-from paramserve.psserver.security import AUTH_METADATA_KEY, TlsConfig, check_token, confined_path
+from paramserve.psserver.protocol.metadata import IDEMPOTENCY_METADATA_KEY, SERVICE_NAME, metadata_text, metadata_value
+from paramserve.psserver.protocol.optimizer_spec import OptimizerSpec
+from paramserve.psserver.runtime.security import AUTH_METADATA_KEY, TlsConfig, check_token, confined_path
 from paramserve.wire.v1 import parameter_server_pb2 as ps_pb2
 from paramserve.wire.v1 import tensor_pb2, worker_pb2
 from tests.certificates import make_certificates, needs_openssl
@@ -91,7 +91,7 @@ def test_any_variable_name_gets_its_real_error_and_comes_back_whole(holder, name
 
 
 def raw_delete(address: str, name: str) -> None:
-    from paramserve.psserver.calls import typed_error
+    from paramserve.psserver.client.calls import typed_error
 
     try:
         raw_unary(address, "DeleteVariable", ps_pb2.DeleteVariableRequest(variable=name).SerializeToString())
@@ -427,7 +427,7 @@ def test_mutual_tls_between_client_and_server_and_health_over_tls(start_ps, make
 
 
 def test_a_client_certificate_needs_a_ca_bundle():
-    from paramserve.psserver.client import ClientConfig
+    from paramserve.psserver.client.ps_client import ClientConfig
 
     with pytest.raises(ConfigurationError):
         ClientConfig(tls_cert_chain=pathlib.Path("c.pem"), tls_private_key=pathlib.Path("k.pem")).client_tls()
@@ -468,7 +468,7 @@ def _resident_mb(pid: int) -> float:
 def test_a_header_flood_is_dropped_at_the_settings_timeout_and_its_memory_returned(tmp_path):
     """Upstream gRPC buffers a header block before the peer acknowledges SETTINGS (about 1 MB a
     flooding connection here, bounded by --max-connections): paramserve drops such peers after
-    the 10 s settings timeout, and gives the freed memory back (psserver/memory.py)."""
+    the 10 s settings timeout, and gives the freed memory back (psserver/runtime/memory.py)."""
     (tmp_path / "token").write_text(TOKEN)
     port_file = tmp_path / "port.json"
     server = subprocess.Popen(

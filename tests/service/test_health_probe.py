@@ -8,8 +8,8 @@ import sys
 
 from grpc_health.v1 import health_pb2
 
-from paramserve.psserver.health_probe import UNREACHABLE, check, main
-from paramserve.psserver.metadata import SERVICE_NAME
+from paramserve.psserver.protocol.metadata import SERVICE_NAME
+from paramserve.psserver.runtime.health_probe import UNREACHABLE, check, main
 
 
 def test_a_serving_server_and_its_service_are_serving(start_ps) -> None:
@@ -39,14 +39,14 @@ def test_nothing_listening_or_nothing_answering_is_unreachable() -> None:
 def test_the_command_exits_0_when_serving_and_prints_the_status(start_ps) -> None:
     ps = start_ps()
     done = subprocess.run(
-        [sys.executable, "-m", "paramserve.psserver.health_probe", ps.address],
+        [sys.executable, "-m", "paramserve.psserver.runtime.health_probe", ps.address],
         capture_output=True,
         text=True,
         timeout=30,
     )
     assert (done.returncode, done.stdout.strip()) == (0, f"{ps.address}: SERVING")
     bad = subprocess.run(
-        [sys.executable, "-m", "paramserve.psserver.health_probe", "no-port"],
+        [sys.executable, "-m", "paramserve.psserver.runtime.health_probe", "no-port"],
         capture_output=True,
         text=True,
         timeout=30,
@@ -56,7 +56,7 @@ def test_the_command_exits_0_when_serving_and_prints_the_status(start_ps) -> Non
 
 def test_the_probe_imports_neither_torch_nor_grpc() -> None:
     code = (
-        "import sys, paramserve.psserver.health_probe; "
+        "import sys, paramserve.psserver.runtime.health_probe; "
         "print(sorted(m for m in ('torch', 'grpc', 'google.protobuf', 'numpy') if m in sys.modules))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=True)

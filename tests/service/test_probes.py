@@ -1,4 +1,4 @@
-"""Probing parameter servers (psserver/probes.py): an answer names the server's incarnation;
+"""Probing parameter servers (psserver/client/probes.py): an answer names the server's incarnation;
 without one, a server that is busy (its port accepts connections) is told from one that is gone."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from concurrent import futures
 
 import grpc
 
-from paramserve.psserver.channels import channel_options, open_channel
-from paramserve.psserver.metadata import SERVICE_NAME
-from paramserve.psserver.probes import Prober, accepts_connections
+from paramserve.psserver.client.probes import Prober, accepts_connections
+from paramserve.psserver.protocol.metadata import SERVICE_NAME
+from paramserve.psserver.runtime.channels import channel_options, open_channel
 
 
 def prober(address: str) -> Prober:

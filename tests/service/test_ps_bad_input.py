@@ -8,7 +8,7 @@ import grpc
 import pytest
 import torch
 
-from paramserve.psserver.errors import (
+from paramserve.psserver.protocol.errors import (
     AuthenticationError,
     DtypeMismatchError,
     IndexOutOfRangeError,
@@ -18,10 +18,10 @@ from paramserve.psserver.errors import (
     ShapeMismatchError,
     VariableNotFoundError,
 )
-from paramserve.psserver.metadata import IDEMPOTENCY_METADATA_KEY, SERVICE_NAME
-from paramserve.psserver.optimizer_spec import OptimizerSpec
-from paramserve.psserver.partition import FixedShardsPartitioner
-from paramserve.psserver.streams import encode_parts, meta_of, tensor_payload
+from paramserve.psserver.protocol.metadata import IDEMPOTENCY_METADATA_KEY, SERVICE_NAME
+from paramserve.psserver.protocol.optimizer_spec import OptimizerSpec
+from paramserve.psserver.protocol.partition import FixedShardsPartitioner
+from paramserve.psserver.protocol.streams import encode_parts, meta_of, tensor_payload
 from paramserve.wire.v1 import parameter_server_pb2 as ps_pb2
 from paramserve.wire.v1 import tensor_pb2
 
@@ -111,7 +111,7 @@ def test_nan_gradient_is_rejected_and_no_shard_of_the_push_is_applied(cluster):
 
 
 def test_nan_gradients_can_be_allowed(start_ps, make_client):
-    from paramserve.psserver.store import StoreConfig
+    from paramserve.psserver.store.shard_store import StoreConfig
 
     client = make_client([start_ps(store=StoreConfig(allow_nonfinite=True)).address])
     client.create_variable("w", torch.zeros(2), optimizer=SGD)
@@ -214,7 +214,7 @@ def test_unknown_optimizer_is_rejected_at_creation(cluster):
 
 def step_request(parts, key: str, pull) -> bytes:
     """A StepRequest as a client would pack it, from push_part()s."""
-    from paramserve.psserver.streams import encode_step_request
+    from paramserve.psserver.protocol.streams import encode_step_request
 
     plan = ps_pb2.StepPlan(idempotency_key=key, push=[header.push for header, _ in parts], pull=pull)
     return encode_step_request(plan, [piece for _, pieces in parts for piece in pieces])
@@ -251,7 +251,7 @@ def test_a_step_push_without_a_key_is_rejected(cluster):
 
 @pytest.mark.parametrize("extra", [b"\x00" * 4, b""])
 def test_a_step_whose_payload_disagrees_with_its_plan_is_rejected(cluster, extra):
-    from paramserve.psserver.streams import encode_step_request
+    from paramserve.psserver.protocol.streams import encode_step_request
 
     server, client, value = cluster
     header, pieces = push_part("w", 0, torch.ones(3, 4))

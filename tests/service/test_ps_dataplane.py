@@ -6,10 +6,10 @@ import grpc
 import pytest
 import torch
 
-from paramserve.psserver.errors import DtypeMismatchError, InvalidRequestError, ShapeMismatchError
-from paramserve.psserver.optimizer_spec import OptimizerSpec
-from paramserve.psserver.partition import FixedShardsPartitioner
-from paramserve.psserver.types import RowGradient, ShardRef
+from paramserve.psserver.protocol.errors import DtypeMismatchError, InvalidRequestError, ShapeMismatchError
+from paramserve.psserver.protocol.optimizer_spec import OptimizerSpec
+from paramserve.psserver.protocol.partition import FixedShardsPartitioner
+from paramserve.psserver.protocol.types import RowGradient, ShardRef
 from paramserve.wire.v1 import parameter_server_pb2 as ps_pb2
 from paramserve.wire.v1 import tensor_pb2
 
@@ -162,7 +162,7 @@ def test_a_rate_for_several_variables_one_of_them_unknown_changes_none(start_ps,
 def test_stop_and_close_leave_no_thread_behind(start_ps, make_client):
     import threading
 
-    from paramserve.psserver.client import ClientConfig, ParameterServerClient
+    from paramserve.psserver.client.ps_client import ClientConfig, ParameterServerClient
 
     server = start_ps()
     client = ParameterServerClient([server.address, server.address], ClientConfig(call_timeout=10))

@@ -8,9 +8,9 @@ import subprocess
 import pytest
 import torch
 
-from paramserve.psserver.errors import ServerUnavailableError
-from paramserve.psserver.optimizer_spec import OptimizerSpec
-from paramserve.psserver.security import TlsConfig
+from paramserve.psserver.protocol.errors import ServerUnavailableError
+from paramserve.psserver.protocol.optimizer_spec import OptimizerSpec
+from paramserve.psserver.runtime.security import TlsConfig
 
 pytestmark = pytest.mark.skipif(
     shutil.which("openssl") is None, reason="needs the openssl command to make a certificate"

@@ -1,4 +1,4 @@
-"""Replicated parameter servers over real gRPC and data planes (psserver/replication.py): a
+"""Replicated parameter servers over real gRPC and data planes (psserver/replication/replica.py): a
 primary's backup applies every write bit for bit, a backup and a replaced primary serve no
 client, a primary whose backup is gone acknowledges nothing until the coordinator decides, a
 rejoining server is copied into, and bad replication requests are refused, changing nothing."""
@@ -12,16 +12,16 @@ import grpc
 import pytest
 import torch
 
-from paramserve.psserver.calls import CallOptions, Stub
-from paramserve.psserver.channels import channel_options, open_channel
-from paramserve.psserver.client import ClientConfig, ParameterServerClient
-from paramserve.psserver.dynamic_types import DynamicTableConfig
-from paramserve.psserver.errors import InvalidRequestError, NotPrimaryError, ParamServeError, ReplicaEpochError
-from paramserve.psserver.metadata import REPLICA_EPOCH_METADATA_KEY, SERVICE_NAME
-from paramserve.psserver.optimizer_spec import OptimizerSpec
-from paramserve.psserver.replica_calls import ReplicaCalls
-from paramserve.psserver.replica_config import ReplicaConfig, ReplicaRole
-from paramserve.psserver.types import RowGradient
+from paramserve.psserver.client.calls import CallOptions, Stub
+from paramserve.psserver.client.ps_client import ClientConfig, ParameterServerClient
+from paramserve.psserver.dynamic.dynamic_types import DynamicTableConfig
+from paramserve.psserver.protocol.errors import InvalidRequestError, NotPrimaryError, ParamServeError, ReplicaEpochError
+from paramserve.psserver.protocol.metadata import REPLICA_EPOCH_METADATA_KEY, SERVICE_NAME
+from paramserve.psserver.protocol.optimizer_spec import OptimizerSpec
+from paramserve.psserver.protocol.replica_config import ReplicaConfig, ReplicaRole
+from paramserve.psserver.protocol.types import RowGradient
+from paramserve.psserver.replication.replica_calls import ReplicaCalls
+from paramserve.psserver.runtime.channels import channel_options, open_channel
 from paramserve.wire.v1 import parameter_server_pb2 as ps_pb2
 
 PRIMARY, BACKUP = ReplicaRole.PRIMARY, ReplicaRole.BACKUP

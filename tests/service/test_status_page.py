@@ -15,18 +15,18 @@ from grpc import StatusCode
 
 from paramserve.coordinator.cluster import ClusterSpec
 from paramserve.coordinator.cluster_coordinator import ClusterCoordinator
-from paramserve.coordinator.cluster_status import RunLog, ServerReading, status_key
 from paramserve.coordinator.commands import status as status_command
-from paramserve.coordinator.status_page import (
+from paramserve.coordinator.dispatch.worker_transport import RpcFailure
+from paramserve.coordinator.status.cluster_status import RunLog, ServerReading, status_key
+from paramserve.coordinator.status.status_page import (
     SAMPLER_THREAD,
     SERVER_THREAD,
     StatusPage,
     StatusSources,
     check_status_exposure,
 )
-from paramserve.coordinator.worker_transport import RpcFailure
-from paramserve.psserver.errors import ConfigurationError
-from paramserve.psserver.types import ClusterContext
+from paramserve.psserver.protocol.errors import ConfigurationError
+from paramserve.psserver.protocol.types import ClusterContext
 
 TOKEN = "status-page-token-0123456789"
 

@@ -1,4 +1,4 @@
-"""Step programs on the data plane (psserver/programs.py), against a real server over real
+"""Step programs on the data plane (psserver/steps/programs.py), against a real server over real
 sockets: a recurring step is defined once and then run by number, with the same results,
 exactly-once keys and checks as a whole plan; bad program frames get specific errors and change
 nothing; a program follows its shards through a restore and refuses a deleted variable."""
@@ -12,16 +12,16 @@ import grpc
 import pytest
 import torch
 
-from paramserve.psserver import dataplane
-from paramserve.psserver.client import ParameterServerClient
-from paramserve.psserver.dataplane import MAX_PROGRAMS
-from paramserve.psserver.dataplane_client import ProgramNumbers
-from paramserve.psserver.errors import NonFiniteGradientError, VariableNotFoundError
-from paramserve.psserver.metadata import SERVICE_NAME
-from paramserve.psserver.optimizer_spec import OptimizerSpec
-from paramserve.psserver.partition import FixedShardsPartitioner
-from paramserve.psserver.streams import encode_step_request
-from paramserve.psserver.types import ShardRef
+from paramserve.psserver.client.ps_client import ParameterServerClient
+from paramserve.psserver.dataplane import frames as dataplane
+from paramserve.psserver.dataplane.dataplane_client import ProgramNumbers
+from paramserve.psserver.dataplane.frames import MAX_PROGRAMS
+from paramserve.psserver.protocol.errors import NonFiniteGradientError, VariableNotFoundError
+from paramserve.psserver.protocol.metadata import SERVICE_NAME
+from paramserve.psserver.protocol.optimizer_spec import OptimizerSpec
+from paramserve.psserver.protocol.partition import FixedShardsPartitioner
+from paramserve.psserver.protocol.streams import encode_step_request
+from paramserve.psserver.protocol.types import ShardRef
 from paramserve.wire.v1 import parameter_server_pb2 as ps_pb2
 from paramserve.wire.v1 import tensor_pb2
 from tests.service.test_dataplane_transport import FrameKind, admitted, error_of, frame, make_client, read_frame

@@ -11,10 +11,10 @@ import pytest
 import torch
 from torch import nn
 
-from paramserve.psserver.optimizer_spec import OptimizerSpec
-from paramserve.psserver.partition import FixedShardsPartitioner
-from paramserve.psserver.security import bearer_metadata
-from paramserve.psserver.types import ClusterContext
+from paramserve.psserver.protocol.optimizer_spec import OptimizerSpec
+from paramserve.psserver.protocol.partition import FixedShardsPartitioner
+from paramserve.psserver.protocol.types import ClusterContext
+from paramserve.psserver.runtime.security import bearer_metadata
 from paramserve.wire.v1 import cluster_pb2, worker_pb2, worker_pb2_grpc
 from paramserve.worker.core import ClosureRequest
 from paramserve.worker.messages import outcome_from_proto, request_to_proto
@@ -287,7 +287,7 @@ def test_a_batch_runs_in_order_and_stops_at_the_first_failure(start_worker, stub
 def test_the_coordinators_transport_cancels_a_running_closure_and_only_with_the_token(start_worker, stub_for):
     import asyncio
 
-    from paramserve.coordinator.worker_transport import GrpcTransport, RpcFailure
+    from paramserve.coordinator.dispatch.worker_transport import GrpcTransport, RpcFailure
 
     worker = start_worker(token=TOKEN)
     stub = stub_for(worker)
@@ -322,7 +322,7 @@ def test_a_cancellation_cut_short_by_a_reset_of_the_connection_is_an_rpc_failure
     on that channel then fails as an RPC (join() goes on), never as the caller's CancelledError."""
     import asyncio
 
-    from paramserve.coordinator.worker_transport import GrpcTransport, RpcFailure
+    from paramserve.coordinator.dispatch.worker_transport import GrpcTransport, RpcFailure
 
     async def scenario() -> str:
         arrived = asyncio.Event()

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from paramserve.psserver import checkpoint
-from paramserve.psserver.checkpoint import (
+from paramserve.psserver.checkpoint import shard_files as checkpoint
+from paramserve.psserver.checkpoint.shard_files import (
     latest_checkpoint,
     load_rows,
     read_manifest,
@@ -17,11 +17,11 @@ from paramserve.psserver.checkpoint import (
     save_checkpoint,
     variables,
 )
-from paramserve.psserver.errors import CheckpointBaseMissingError, CheckpointError, InvalidRequestError
-from paramserve.psserver.optimizer_spec import OptimizerSpec
-from paramserve.psserver.partition import split_rows
-from paramserve.psserver.store import ShardPush, ShardStore, StoreConfig
-from paramserve.psserver.types import ShardRef, ShardState
+from paramserve.psserver.protocol.errors import CheckpointBaseMissingError, CheckpointError, InvalidRequestError
+from paramserve.psserver.protocol.optimizer_spec import OptimizerSpec
+from paramserve.psserver.protocol.partition import split_rows
+from paramserve.psserver.protocol.types import ShardRef, ShardState
+from paramserve.psserver.store.shard_store import ShardPush, ShardStore, StoreConfig
 
 ADAM = OptimizerSpec("Adam", {"lr": 0.1, "betas": [0.9, 0.99]})
 EMBEDDING = "model/embedding.weight"  # a slash and dots: must be escaped in file names

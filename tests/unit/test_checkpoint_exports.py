@@ -1,12 +1,12 @@
-"""What makes a coordinator's export a whole checkpoint (coordinator/checkpoint_manager.py's
+"""What makes a coordinator's export a whole checkpoint (coordinator/checkpointing/checkpoint_manager.py's
 pure checks): every shard of the layouts exported, no server restarted during the export."""
 
 from __future__ import annotations
 
 import torch
 
-from paramserve.coordinator.checkpoint_manager import changed_servers, missing_shards
-from paramserve.psserver.types import ShardPlacement, ShardRef, VariableLayout
+from paramserve.coordinator.checkpointing.checkpoint_manager import changed_servers, missing_shards
+from paramserve.psserver.protocol.types import ShardPlacement, ShardRef, VariableLayout
 
 LAYOUTS = {
     "w": VariableLayout("w", (4, 2), torch.float32, (ShardPlacement(0, 0, 0, 2), ShardPlacement(1, 1, 2, 2))),

@@ -13,8 +13,10 @@ import re
 import pytest
 import torch
 
-from paramserve.coordinator.closures import Closure, ClosureQueue
-from paramserve.coordinator.cluster_status import (
+from paramserve.coordinator.commands.status import format_status, status_request
+from paramserve.coordinator.dispatch.closures import Closure, ClosureQueue
+from paramserve.coordinator.errors import ClosureError
+from paramserve.coordinator.status.cluster_status import (
     ALIVE,
     EVENTS_SHOWN,
     JOINING,
@@ -36,12 +38,10 @@ from paramserve.coordinator.cluster_status import (
     status_key,
     worker_status,
 )
-from paramserve.coordinator.commands.status import format_status, status_request
-from paramserve.coordinator.errors import ClosureError
-from paramserve.coordinator.status_history import History, Sample, series
-from paramserve.coordinator.status_html import CONTENT_SECURITY_POLICY, SCRIPT, STYLE, render_page
-from paramserve.coordinator.telemetry import CoordinatorTelemetry
-from paramserve.psserver.security import bearer_metadata
+from paramserve.coordinator.status.status_history import History, Sample, series
+from paramserve.coordinator.status.status_html import CONTENT_SECURITY_POLICY, SCRIPT, STYLE, render_page
+from paramserve.coordinator.status.telemetry import CoordinatorTelemetry
+from paramserve.psserver.runtime.security import bearer_metadata
 
 
 class Clock:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paramserve.psserver import convert
-from paramserve.psserver.errors import ParamServeError
-from paramserve.psserver.partition import split_rows
-from paramserve.psserver.types import ClusterContext, ShardPlacement, VariableLayout
+from paramserve.psserver.protocol import convert
+from paramserve.psserver.protocol.errors import ParamServeError
+from paramserve.psserver.protocol.partition import split_rows
+from paramserve.psserver.protocol.types import ClusterContext, ShardPlacement, VariableLayout
 
 
 def layout(name: str, shape: tuple[int, ...], shards: int, servers: int) -> VariableLayout:

@@ -12,15 +12,22 @@ from dataclasses import dataclass, field
 import cloudpickle
 import pytest
 
-from paramserve.coordinator.batching import BatchSizer
-from paramserve.coordinator.closures import (
+from paramserve.coordinator.dispatch.batching import BatchSizer
+from paramserve.coordinator.dispatch.closures import (
     Closure,
     ClosureQueue,
     ClosureState,
     find_resource_ids,
 )
-from paramserve.coordinator.dispatch_loop import THREAD_NAME, DispatchLoop
-from paramserve.coordinator.dispatcher import Dispatcher, ResourceSpecs, WireContext, WorkerState
+from paramserve.coordinator.dispatch.dispatch_loop import THREAD_NAME, DispatchLoop
+from paramserve.coordinator.dispatch.dispatcher import Dispatcher, ResourceSpecs, WireContext, WorkerState
+from paramserve.coordinator.dispatch.failures import (
+    Action,
+    FailurePolicy,
+    decide_on_closure_error,
+    decide_on_rpc_failure,
+)
+from paramserve.coordinator.dispatch.worker_transport import RpcFailure
 from paramserve.coordinator.errors import (
     ClosureCancelledError,
     ClosureError,
@@ -32,23 +39,18 @@ from paramserve.coordinator.errors import (
     WorkerUnavailableError,
     closure_error_from_remote,
 )
-from paramserve.coordinator.failures import (
-    Action,
-    FailurePolicy,
-    decide_on_closure_error,
-    decide_on_rpc_failure,
-)
 from paramserve.coordinator.remote_value import (
     PerWorkerValues,
     RemoteValue,
     RemoteValueState,
     fetch_structure,
 )
-from paramserve.coordinator.worker_transport import RpcFailure
 from paramserve.wire.v1 import cluster_pb2, worker_pb2
 from paramserve.worker.resources import PerWorkerResource
 
 POLICY = FailurePolicy(max_attempts=3, max_resource_resends=2)
+
+ERRORS = "paramserve.psserver.protocol.errors"
 
 
 @dataclass
@@ -102,7 +104,9 @@ def test_missing_resources_the_coordinator_does_not_know_raise():
 
 
 def test_parameter_server_failures_raise_a_typed_error_naming_the_server():
-    error = ErrorData(type="paramserve.psserver.errors.ServerUnavailableError", parameter_server="10.0.0.1:2222")
+    error = ErrorData(
+        type="paramserve.psserver.protocol.errors.ServerUnavailableError", parameter_server="10.0.0.1:2222"
+    )
     decision = decide_on_closure_error(error, resends=0, known_resources=(), policy=POLICY)
     assert decision.action is Action.RAISE and decision.error_type is ParameterServerUnavailableError
     built = closure_error_from_remote(
@@ -115,7 +119,9 @@ def test_parameter_server_failures_raise_a_typed_error_naming_the_server():
 def test_a_server_failure_met_before_a_restore_runs_again_at_once_without_a_new_recovery():
     """A closure sent before a recovery finished may report the failure that recovery repaired:
     it runs again with the new cluster context instead of setting off another recovery."""
-    error = ErrorData(type="paramserve.psserver.errors.VariableNotFoundError", parameter_server="10.0.0.1:2222")
+    error = ErrorData(
+        type="paramserve.psserver.protocol.errors.VariableNotFoundError", parameter_server="10.0.0.1:2222"
+    )
 
     def decide(resends, restored):
         return decide_on_closure_error(
@@ -133,7 +139,9 @@ def test_a_server_failure_met_before_a_restore_runs_again_at_once_without_a_new_
 
 
 def test_with_recovery_a_parameter_server_failure_waits_for_it_a_bounded_number_of_times():
-    error = ErrorData(type="paramserve.psserver.errors.VariableNotFoundError", parameter_server="10.0.0.1:2222")
+    error = ErrorData(
+        type="paramserve.psserver.protocol.errors.VariableNotFoundError", parameter_server="10.0.0.1:2222"
+    )
     waits = [
         decide_on_closure_error(
             error, resends=0, known_resources=(), policy=POLICY, server_waits=n, servers_recover=True
@@ -152,7 +160,9 @@ def test_a_dispatcher_puts_closures_back_and_reports_the_server_when_recovery_is
     batch = queue.take("w:1", 2)
     reported: list[str] = []
     failure = worker_pb2.ClosureFailure(
-        type="paramserve.psserver.errors.ServerUnavailableError", message="gone", parameter_server="10.0.0.1:2222"
+        type="paramserve.psserver.protocol.errors.ServerUnavailableError",
+        message="gone",
+        parameter_server="10.0.0.1:2222",
     )
 
     class Failing(_HealthyTransport):
@@ -721,7 +731,7 @@ def test_one_thread_dispatches_to_a_hundred_workers_in_bounded_batches():
 def test_a_dense_round_that_cannot_be_prepared_fails_its_closures_with_the_reason():
     """Hybrid training whose dense variables have no optimizer: join() must raise the reason,
     not wait for a round that will never form."""
-    from paramserve.coordinator.dense_rounds import DenseRounds
+    from paramserve.coordinator.dispatch.dense_rounds import DenseRounds
 
     def settings():
         raise RuntimeError("sync_dense: dense variables ['w'] have no optimizer: build the torch optimizer ...")
@@ -753,7 +763,7 @@ def test_a_dense_round_that_cannot_be_prepared_fails_its_closures_with_the_reaso
 
 
 def test_a_joining_worker_is_probed_often_and_a_failed_one_with_backoff():
-    from paramserve.coordinator.failures import probe_delay
+    from paramserve.coordinator.dispatch.failures import probe_delay
 
     policy = FailurePolicy(probe_initial_backoff=0.1, probe_max_backoff=5.0, join_probe_interval=0.1)
     assert [probe_delay(policy, joining=True, attempt=n) for n in (1, 5, 50)] == [0.1, 0.1, 0.1]
@@ -792,7 +802,7 @@ class _StubStrategy:
 
     def __init__(self, workers=("w0:1", "w1:1")):
         from paramserve.coordinator.cluster import ClusterSpec
-        from paramserve.psserver.types import ClusterContext
+        from paramserve.psserver.protocol.types import ClusterContext
 
         self.cluster = ClusterSpec(parameter_servers=("ps0:1",), workers=tuple(workers))
         self.token = "a-token"  # the doubles' addresses are not loopback: replies must be signed

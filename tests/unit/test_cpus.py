@@ -1,4 +1,4 @@
-"""The rule that sizes every server's and worker's torch threads (psserver/cpus.py)."""
+"""The rule that sizes every server's and worker's torch threads (psserver/runtime/cpus.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 
-from paramserve.psserver import cpus
-from paramserve.psserver.cpus import usable_cpus
+from paramserve.psserver.runtime import cpus
+from paramserve.psserver.runtime.cpus import usable_cpus
 
 
 @pytest.mark.parametrize(

@@ -8,9 +8,9 @@ import random
 import pytest
 import torch
 
-from paramserve.coordinator.batching import ROUND_FACTOR, BatchSizer
-from paramserve.coordinator.dense_rounds import default_rendezvous_host, plan_generation, round_shares
-from paramserve.coordinator.failures import Action, FailurePolicy, decide_on_closure_error
+from paramserve.coordinator.dispatch.batching import ROUND_FACTOR, BatchSizer
+from paramserve.coordinator.dispatch.dense_rounds import default_rendezvous_host, plan_generation, round_shares
+from paramserve.coordinator.dispatch.failures import Action, FailurePolicy, decide_on_closure_error
 from paramserve.worker.dense_group import (
     HEADER_SLOT,
     contributors,

@@ -1,4 +1,4 @@
-"""Where a process computes (psserver/devices.py): device names, and the rule that gives a
+"""Where a process computes (psserver/runtime/devices.py): device names, and the rule that gives a
 worker its device from --device and the environment. Pure: the CUDA device count is passed in."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paramserve.psserver.devices import computing_on, resolve_device, unused_gpus_warning, worker_device
+from paramserve.psserver.runtime.devices import computing_on, resolve_device, unused_gpus_warning, worker_device
 
 CPU = torch.device("cpu")
 

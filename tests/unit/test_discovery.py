@@ -8,7 +8,7 @@ import pytest
 
 from paramserve.coordinator.cluster import ClusterSpec, ClusterSpecError
 from paramserve.coordinator.cluster_resolver import resolve_dns
-from paramserve.coordinator.discovery import (
+from paramserve.coordinator.dispatch.discovery import (
     THREAD_NAME,
     DiscoveryPolicy,
     ResolutionError,

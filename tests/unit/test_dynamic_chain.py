@@ -1,5 +1,5 @@
 """Incremental checkpoints of dynamic tables, without processes: what a shard exports as a delta
-(psserver/dynamic_table.py, its DeletionLog), and the pure decisions of psserver/dynamic_chain.py:
+(psserver/store/dynamic_table.py, its DeletionLog), and the pure decisions of psserver/checkpoint/dynamic_chain.py:
 full or delta, which checkpoints make a restore chain, a delta applied to its base."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from paramserve.psserver.dynamic_chain import (
+from paramserve.psserver.checkpoint.dynamic_chain import (
     SavedLink,
     SavedTable,
     apply_delta,
@@ -17,12 +17,12 @@ from paramserve.psserver.dynamic_chain import (
     next_link,
     restore_chain,
 )
-from paramserve.psserver.dynamic_rows import DELETION_LOG_MIN_IDS, DeletionLog
-from paramserve.psserver.dynamic_table import DynamicShard
-from paramserve.psserver.dynamic_types import DynamicSaveMark, DynamicShardState, DynamicTableConfig, rehash
-from paramserve.psserver.errors import CheckpointBaseMissingError, CheckpointError, InvalidRequestError
-from paramserve.psserver.optimizer_spec import OptimizerSpec
-from paramserve.psserver.types import ShardRef
+from paramserve.psserver.dynamic.dynamic_rows import DELETION_LOG_MIN_IDS, DeletionLog
+from paramserve.psserver.dynamic.dynamic_types import DynamicSaveMark, DynamicShardState, DynamicTableConfig, rehash
+from paramserve.psserver.protocol.errors import CheckpointBaseMissingError, CheckpointError, InvalidRequestError
+from paramserve.psserver.protocol.optimizer_spec import OptimizerSpec
+from paramserve.psserver.protocol.types import ShardRef
+from paramserve.psserver.store.dynamic_table import DynamicShard
 
 ADAGRAD = OptimizerSpec("Adagrad", {"lr": 0.3})
 REF = ShardRef("t", 0)

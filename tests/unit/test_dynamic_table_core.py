@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from paramserve.psserver.dynamic_rows import (
+from paramserve.psserver.dynamic.dynamic_rows import (
     DELETION_LOG_MIN_IDS,
     AdmissionFilter,
     IdIndex,
@@ -20,16 +20,16 @@ from paramserve.psserver.dynamic_rows import (
     owner_of,
     splitmix64,
 )
-from paramserve.psserver.dynamic_table import DynamicShard, PushSettings
-from paramserve.psserver.dynamic_types import (
+from paramserve.psserver.dynamic.dynamic_types import (
     ARENA_BLOCK_COLUMN_BYTES,
     DynamicTableConfig,
     block_bytes_within,
     rehash,
 )
-from paramserve.psserver.errors import DtypeMismatchError, InvalidRequestError, NonFiniteGradientError
-from paramserve.psserver.optimizer_spec import OptimizerSpec
-from paramserve.psserver.types import ShardRef
+from paramserve.psserver.protocol.errors import DtypeMismatchError, InvalidRequestError, NonFiniteGradientError
+from paramserve.psserver.protocol.optimizer_spec import OptimizerSpec
+from paramserve.psserver.protocol.types import ShardRef
+from paramserve.psserver.store.dynamic_table import DynamicShard, PushSettings
 
 MASK = (1 << 64) - 1
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from paramserve.psserver import health_probe as hp
+from paramserve.psserver.runtime import health_probe as hp
 
 # Trailers grpc core (1.85) sent for a Check of an unknown service: literal fields with incremental
 # indexing and new names, not Huffman-coded.

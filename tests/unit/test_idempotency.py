@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from paramserve.psserver.idempotency import IdempotencyWindow
+from paramserve.psserver.store.idempotency import IdempotencyWindow
 
 
 def test_remembers_recorded_keys() -> None:

@@ -1,4 +1,4 @@
-"""Initial values the servers fill in themselves (psserver/initializers.py): each kind, seeded,
+"""Initial values the servers fill in themselves (psserver/protocol/initializers.py): each kind, seeded,
 and bad arguments refused before anything is allocated."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paramserve.psserver.errors import InvalidRequestError, ShapeMismatchError
-from paramserve.psserver.initializers import initial_value
+from paramserve.psserver.protocol.errors import InvalidRequestError, ShapeMismatchError
+from paramserve.psserver.protocol.initializers import initial_value
 
 
 def test_initial_value_kinds() -> None:

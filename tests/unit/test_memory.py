@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from paramserve.psserver import memory
+from paramserve.psserver.runtime import memory
 
 
 class CountedTrims:

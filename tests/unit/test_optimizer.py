@@ -10,14 +10,14 @@ from collections.abc import Callable, Sequence
 import pytest
 import torch
 
-from paramserve.psserver.errors import (
+from paramserve.psserver.protocol.errors import (
     DtypeMismatchError,
     IndexOutOfRangeError,
     InvalidRequestError,
     ShapeMismatchError,
 )
-from paramserve.psserver.optimizer import ShardOptimizer, in_place_sgd_rate
-from paramserve.psserver.optimizer_spec import OPTIMIZER_NAMES, OptimizerSpec
+from paramserve.psserver.protocol.optimizer_spec import OPTIMIZER_NAMES, OptimizerSpec
+from paramserve.psserver.store.optimizer import ShardOptimizer, in_place_sgd_rate
 
 ROWS, COLS = 6, 3
 TOLERANCE = 1e-6
@@ -326,7 +326,7 @@ class TestOptimizerSpec:
 
 @pytest.mark.parametrize("name", OPTIMIZER_NAMES)
 def test_grouped_steps_are_bit_for_bit_one_step_per_shard(name):
-    from paramserve.psserver.optimizer import GroupedSteps
+    from paramserve.psserver.store.optimizer import GroupedSteps
 
     spec = OptimizerSpec(name, {"lr": 0.05} if name != "Adadelta" else {})
     alone = [ShardOptimizer(spec, _initial(seed).clone()) for seed in range(3)]
@@ -348,7 +348,7 @@ def test_grouped_steps_are_bit_for_bit_one_step_per_shard(name):
 def test_grouped_row_steps_are_bit_for_bit_one_step_per_shard(name):
     """A push touching rows of several shards (a recommendation model's tables) steps them as
     one torch.optim step; each shard ends exactly as its own apply_rows leaves it."""
-    from paramserve.psserver.optimizer import GroupedSteps
+    from paramserve.psserver.store.optimizer import GroupedSteps
 
     spec = OptimizerSpec(name, {"lr": 0.05} if name != "Adadelta" else {})
     alone = [ShardOptimizer(spec, _initial(seed).clone()) for seed in range(3)]
@@ -385,7 +385,7 @@ def test_distinct_sorted_rows_step_exactly_as_the_same_rows_in_any_order(name):
 
 
 def test_a_grouped_row_step_with_a_bad_member_changes_no_shard():
-    from paramserve.psserver.optimizer import GroupedSteps
+    from paramserve.psserver.store.optimizer import GroupedSteps
 
     spec = OptimizerSpec("Adagrad", {"lr": 0.05})
     shards = [ShardOptimizer(spec, _initial(seed).clone()) for seed in range(2)]
@@ -422,7 +422,7 @@ def test_arguments_beyond_a_float_or_an_int64_are_refused_by_name(value) -> None
 
 @pytest.mark.parametrize("name", ["Adagrad", "Adam", "SGD"])
 def test_a_step_without_torch_optims_profiling_wrapper_is_bit_for_bit_a_step(name):
-    from paramserve.psserver.optimizer import step_without_profiling
+    from paramserve.psserver.store.optimizer import step_without_profiling
 
     torch.manual_seed(0)
     start, grad = torch.randn(5, 3), torch.randn(5, 3)

@@ -15,7 +15,7 @@ from torch import nn
 from paramserve.coordinator import ParameterServerStrategy, ShardedEmbedding
 from paramserve.coordinator.strategies.scope_optimizers import RateWatchingGroup, declarations, tables_of_whole_models
 from paramserve.coordinator.strategies.sync_dense import dense_groups
-from paramserve.psserver.optimizer_spec import OptimizerSpec
+from paramserve.psserver.protocol.optimizer_spec import OptimizerSpec
 from paramserve.worker.variables import dumps_closure
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from paramserve.psserver.types import PendingExchange, PullResult, PushSummary
+from paramserve.psserver.protocol.types import PendingExchange, PullResult, PushSummary
 from paramserve.worker.core import ClosureOutcome, ClosureRequest, blame_failed_push
 from paramserve.worker.pipeline import EarlierPushFailed, PushPipeline
 from paramserve.worker.results import ClosureFailure

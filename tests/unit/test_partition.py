@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paramserve.psserver.partition import (
+from paramserve.psserver.protocol.partition import (
     FixedShardsPartitioner,
     MaxSizePartitioner,
     MinSizePartitioner,

@@ -61,17 +61,17 @@ def _imported_modules(path: pathlib.Path) -> set[str]:
 
 
 CORES = [
-    "psserver/store.py",
-    "psserver/shards.py",
-    "psserver/optimizer.py",
-    "psserver/partition.py",
-    "psserver/idempotency.py",
-    "psserver/checkpoint.py",
-    "psserver/errors.py",
-    "psserver/tensors.py",
-    "psserver/types.py",
-    "psserver/atomic_files.py",
-    "psserver/initializers.py",
+    "psserver/store/shard_store.py",
+    "psserver/store/shards.py",
+    "psserver/store/optimizer.py",
+    "psserver/protocol/partition.py",
+    "psserver/store/idempotency.py",
+    "psserver/checkpoint/shard_files.py",
+    "psserver/protocol/errors.py",
+    "psserver/protocol/tensors.py",
+    "psserver/protocol/types.py",
+    "psserver/runtime/atomic_files.py",
+    "psserver/protocol/initializers.py",
     "worker/core.py",
     "worker/closure_access.py",
     "worker/results.py",
@@ -90,13 +90,13 @@ def test_cores_import_no_grpc_and_no_wire_messages(core):
 # What a step means and the data plane that carries it speak wire messages (they are not cores),
 # but no grpc: the step engine serves the Step RPC and the data plane alike.
 TRANSPORT_NEUTRAL = [
-    "psserver/steps.py",
-    "psserver/programs.py",
-    "psserver/metadata.py",
-    "psserver/dataplane.py",
-    "psserver/dataplane_server.py",
-    "psserver/dataplane_client.py",
-    "psserver/step_work.py",
+    "psserver/steps/engine.py",
+    "psserver/steps/programs.py",
+    "psserver/protocol/metadata.py",
+    "psserver/dataplane/frames.py",
+    "psserver/dataplane/dataplane_server.py",
+    "psserver/dataplane/dataplane_client.py",
+    "psserver/client/step_work.py",
 ]
 
 
@@ -106,7 +106,7 @@ def test_the_step_engine_and_the_data_plane_import_no_grpc(module):
     assert not any(m.split(".")[0] in {"grpc", "grpc_health"} for m in modules), f"{module} imports grpc"
 
 
-@pytest.mark.parametrize("module", ["psserver/dataplane.py", "psserver/dataplane_server.py"])
+@pytest.mark.parametrize("module", ["psserver/dataplane/frames.py", "psserver/dataplane/dataplane_server.py"])
 def test_the_data_plane_server_carries_steps_without_knowing_what_they_mean(module):
     application = {f"paramserve.psserver.{name}" for name in ("steps", "programs", "store", "servicer")}
     assert _imported_modules(ROOT / module) & application == set()
@@ -133,10 +133,10 @@ SERVER_MODULES = [
 
 
 def test_importing_the_client_loads_none_of_the_servers_modules():
-    code = "import sys, paramserve.psserver.client; print(' '.join(sorted(sys.modules)))"
+    code = "import sys, paramserve.psserver.client.ps_client; print(' '.join(sorted(sys.modules)))"
     loaded = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, cwd=ROOT)
     server_side = {f"paramserve.psserver.{name}" for name in SERVER_MODULES}
-    assert "paramserve.psserver.client" in loaded.stdout.split()
+    assert "paramserve.psserver.client.ps_client" in loaded.stdout.split()
     assert server_side & set(loaded.stdout.split()) == set()
 
 
@@ -165,7 +165,9 @@ def test_no_library_module_outgrows_one_concept():
         if not path.name.endswith(("_pb2.py", "_pb2_grpc.py", "_pb2.pyi"))
     }
     assert {path: lines for path, lines in sizes.items() if lines > MAX_MODULE_LINES} == {}
-    assert sizes["psserver/client.py"] < 600, "the client keeps layouts and the control plane; steps travel elsewhere"
+    assert sizes["psserver/client/ps_client.py"] < 600, (
+        "the client keeps layouts and the control plane; steps travel elsewhere"
+    )
 
 
 # Classes whose type says which strategy is in use: training code asks the strategy instead.
@@ -186,7 +188,7 @@ def test_training_asks_the_strategy_and_never_checks_its_type():
 
 def test_the_coordinator_declares_what_it_needs_of_a_strategy_instead_of_probing():
     """The coordinator <-> strategy <-> recovery seam is coordinator/contracts.py's Protocols."""
-    for module in ("cluster_coordinator.py", "ps_recovery.py", "checkpoint_manager.py"):
+    for module in ("cluster_coordinator.py", "recovery/ps_recovery.py", "checkpointing/checkpoint_manager.py"):
         text = (ROOT / "coordinator" / module).read_text()
         tree = ast.parse(text)
         probes = [

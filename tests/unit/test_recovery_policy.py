@@ -1,4 +1,4 @@
-"""The recovery policy's pure decisions (coordinator/recovery_policy.py): which probes make a
+"""The recovery policy's pure decisions (coordinator/recovery/recovery_policy.py): which probes make a
 parameter server suspect, what it lost, and where that is restored from."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import pathlib
 import pytest
 import torch
 
-from paramserve.coordinator.checkpoint_log import CheckpointLog
-from paramserve.coordinator.recovery_policy import (
+from paramserve.coordinator.checkpointing.checkpoint_log import CheckpointLog
+from paramserve.coordinator.recovery.recovery_policy import (
     CheckpointFacts,
     Probe,
     ProbeResult,
@@ -22,7 +22,7 @@ from paramserve.coordinator.recovery_policy import (
     lost_variables,
     plan_restore,
 )
-from paramserve.psserver.types import ShardPlacement, VariableLayout
+from paramserve.psserver.protocol.types import ShardPlacement, VariableLayout
 
 POLICY = RecoveryPolicy(misses_to_suspect=2)
 ANSWER = Probe(ProbeResult.ANSWERED, "incarnation-a")

@@ -1,13 +1,13 @@
 """Replicated parameter servers' pure decisions: a server's configuration and what it admits
-(psserver/replication.py), and the coordinator's groups, failovers and rejoins
-(coordinator/replica_groups.py); plus the Replica's forwarding against a fake backup."""
+(psserver/replication/replica.py), and the coordinator's groups, failovers and rejoins
+(coordinator/recovery/replica_groups.py); plus the Replica's forwarding against a fake backup."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from paramserve.coordinator.replica_groups import (
+from paramserve.coordinator.recovery.replica_groups import (
     GroupState,
     group_servers,
     initial_group,
@@ -15,12 +15,17 @@ from paramserve.coordinator.replica_groups import (
     rejoin_candidates,
     replica_count,
 )
-from paramserve.psserver.errors import InvalidRequestError, NotPrimaryError, ReplicaEpochError, ServerUnavailableError
-from paramserve.psserver.replica_calls import MemberState
-from paramserve.psserver.replica_config import ReplicaConfig, ReplicaRole
-from paramserve.psserver.replication import Replica, client_refusal, configure_problem, forward_refusal
-from paramserve.psserver.store import ShardPush
-from paramserve.psserver.types import ShardRef
+from paramserve.psserver.protocol.errors import (
+    InvalidRequestError,
+    NotPrimaryError,
+    ReplicaEpochError,
+    ServerUnavailableError,
+)
+from paramserve.psserver.protocol.replica_config import ReplicaConfig, ReplicaRole
+from paramserve.psserver.protocol.types import ShardRef
+from paramserve.psserver.replication.replica import Replica, client_refusal, configure_problem, forward_refusal
+from paramserve.psserver.replication.replica_calls import MemberState
+from paramserve.psserver.store.shard_store import ShardPush
 
 PRIMARY, BACKUP, STANDALONE = ReplicaRole.PRIMARY, ReplicaRole.BACKUP, ReplicaRole.STANDALONE
 
@@ -150,7 +155,7 @@ class FakeShard:
         self.ref, self.lock = ref, threading.Lock()
 
     def state(self):  # type: ignore[no-untyped-def]
-        from paramserve.psserver.types import ShardState
+        from paramserve.psserver.protocol.types import ShardState
 
         return ShardState(self.ref, (2,), 0, torch.zeros(2))
 

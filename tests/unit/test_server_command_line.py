@@ -11,7 +11,7 @@ from certificates import make_certificates, needs_openssl
 
 from paramserve.coordinator.commands import cli
 from paramserve.psserver import __main__ as ps_main
-from paramserve.psserver.command_line import resolve_address
+from paramserve.psserver.runtime.command_line import resolve_address
 from paramserve.worker import __main__ as worker_main
 
 CLUSTER = {"ps": ["127.0.0.1:7001", "127.0.0.1:7002"], "worker": ["127.0.0.1:7101"], "chief": ["127.0.0.1:7201"]}

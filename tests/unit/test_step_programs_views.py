@@ -8,10 +8,10 @@ import weakref
 
 import torch
 
-from paramserve.psserver.optimizer_spec import OptimizerSpec
-from paramserve.psserver.programs import PushSlot, StepProgram, StepPrograms
-from paramserve.psserver.store import ShardStore
-from paramserve.psserver.types import ShardRef, ShardState
+from paramserve.psserver.protocol.optimizer_spec import OptimizerSpec
+from paramserve.psserver.protocol.types import ShardRef, ShardState
+from paramserve.psserver.steps.programs import PushSlot, StepProgram, StepPrograms
+from paramserve.psserver.store.shard_store import ShardStore
 from paramserve.wire.v1 import parameter_server_pb2 as ps_pb2
 
 W, B = ShardRef("w", 0), ShardRef("b", 0)
@@ -69,7 +69,7 @@ def test_a_one_step_buffer_is_never_held_between_steps(monkeypatch):
     """A buffer over the reuse limit is made for one step (a large model's gradients or reply):
     its views kept, the server held a model-sized buffer between steps (seen as 44 MB of 133 in
     benchmarks/ps_memory.py)."""
-    from paramserve.psserver import dataplane
+    from paramserve.psserver.dataplane import frames as dataplane
 
     monkeypatch.setattr(dataplane, "REUSED_BUFFER_LIMIT", 35)
     programs, store = StepPrograms(), make_store()

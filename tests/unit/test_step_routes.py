@@ -1,4 +1,4 @@
-"""How a client's step travels (psserver/step_transport.py), as pure logic: the route each server's
+"""How a client's step travels (psserver/client/step_transport.py), as pure logic: the route each server's
 share takes, and a step's order (every data-plane request written before any reply is read, then
 the rest, and any broken share, through the retrying path under the same key). No sockets."""
 
@@ -9,12 +9,12 @@ from dataclasses import dataclass
 
 import pytest
 
-from paramserve.psserver.calls import ServerCalls
-from paramserve.psserver.dataplane import TransportError
-from paramserve.psserver.errors import VariableNotFoundError
-from paramserve.psserver.step_transport import Route, StepRouter, choose_route
-from paramserve.psserver.step_work import PushPart, ServerWork
-from paramserve.psserver.types import PushOutcome, ShardRef
+from paramserve.psserver.client.calls import ServerCalls
+from paramserve.psserver.client.step_transport import Route, StepRouter, choose_route
+from paramserve.psserver.client.step_work import PushPart, ServerWork
+from paramserve.psserver.dataplane.frames import TransportError
+from paramserve.psserver.protocol.errors import VariableNotFoundError
+from paramserve.psserver.protocol.types import PushOutcome, ShardRef
 
 MB = 1 << 20
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from paramserve.psserver.errors import (
+from paramserve.psserver.protocol.errors import (
     DtypeMismatchError,
     IndexOutOfRangeError,
     InvalidRequestError,
@@ -20,9 +20,9 @@ from paramserve.psserver.errors import (
     VariableExistsError,
     VariableNotFoundError,
 )
-from paramserve.psserver.optimizer_spec import OptimizerSpec
-from paramserve.psserver.store import ShardPush, ShardStore, StoreConfig
-from paramserve.psserver.types import PushOutcome, ShardRef, ShardState
+from paramserve.psserver.protocol.optimizer_spec import OptimizerSpec
+from paramserve.psserver.protocol.types import PushOutcome, ShardRef, ShardState
+from paramserve.psserver.store.shard_store import ShardPush, ShardStore, StoreConfig
 
 SGD = OptimizerSpec("SGD", {"lr": 0.5})
 W0, W1 = ShardRef("layers.0.weight", 0), ShardRef("layers.0.weight", 1)
@@ -490,7 +490,7 @@ def test_store_config_validation() -> None:
 
 
 def test_all_finite_fast_path_agrees_with_the_exact_scan():
-    from paramserve.psserver.shards import all_finite
+    from paramserve.psserver.store.shards import all_finite
 
     big = torch.full((1000,), 3e38)  # finite values whose float32 sum overflows to inf
     assert all_finite(big)
@@ -601,7 +601,7 @@ def test_plain_sgd_steps_are_bit_for_bit_torch_optim_sgd() -> None:
 
 
 def test_set_hyperparameters_reaches_dynamic_tables_all_or_nothing() -> None:
-    from paramserve.psserver.dynamic_types import DynamicTableConfig
+    from paramserve.psserver.dynamic.dynamic_types import DynamicTableConfig
 
     store = _store()
     table = ShardRef("table", 0)

@@ -23,7 +23,7 @@ from paramserve.coordinator.strategies import (
 from paramserve.coordinator.strategies import central_storage as central_storage_module
 from paramserve.coordinator.strategies import mirrored as mirrored_module
 from paramserve.coordinator.strategies import replicated as replicated_module
-from paramserve.psserver import devices
+from paramserve.psserver.runtime import devices
 
 CPU = torch.device("cpu")
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

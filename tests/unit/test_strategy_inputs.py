@@ -13,7 +13,7 @@ from paramserve.coordinator import (
     ShardedEmbedding,
     load_state_dict,
 )
-from paramserve.psserver.errors import CheckpointError
+from paramserve.psserver.protocol.errors import CheckpointError
 
 
 @pytest.fixture
@@ -70,7 +70,7 @@ def test_a_state_dict_that_does_not_match_changes_nothing(strategy):
 
 
 def test_the_servers_own_optimizers_are_not_taken_for_the_users(strategy):
-    from paramserve.psserver.optimizer_spec import OptimizerSpec
+    from paramserve.psserver.protocol.optimizer_spec import OptimizerSpec
 
     with strategy.scope():
         model = nn.Linear(2, 2)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paramserve.psserver.errors import InvalidRequestError
-from paramserve.psserver.streams import (
+from paramserve.psserver.protocol.errors import InvalidRequestError
+from paramserve.psserver.protocol.streams import (
     decode_chunk,
     decode_step_reply,
     decode_step_request,

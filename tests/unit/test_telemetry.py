@@ -6,9 +6,9 @@ import urllib.request
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from paramserve.coordinator.closures import Closure, ClosureQueue, ClosureState
-from paramserve.coordinator.telemetry import CheckpointRecord, CoordinatorTelemetry
-from paramserve.psserver.metrics_http import WithoutCreated, register_build_info, serve_metrics
+from paramserve.coordinator.dispatch.closures import Closure, ClosureQueue, ClosureState
+from paramserve.coordinator.status.telemetry import CheckpointRecord, CoordinatorTelemetry
+from paramserve.psserver.runtime.metrics_http import WithoutCreated, register_build_info, serve_metrics
 
 
 def sample(registry: CollectorRegistry, name: str, labels: dict[str, str] | None = None) -> float | None:

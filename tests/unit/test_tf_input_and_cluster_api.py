@@ -52,14 +52,14 @@ from paramserve.coordinator.strategies.multi_worker_cluster import (
     strategy_arguments,
 )
 from paramserve.coordinator.strategies.step_runners import distribute
-from paramserve.psserver.partition import (
+from paramserve.psserver.protocol.partition import (
     FixedShardsPartitioner,
     MaxSizePartitioner,
     MinSizePartitioner,
     Partitioner,
     shard_count,
 )
-from paramserve.psserver.tf_config import ClusterSpecError
+from paramserve.psserver.runtime.tf_config import ClusterSpecError
 from paramserve.worker.resources import (
     InputContext,
     WorkerContext,
@@ -573,7 +573,7 @@ def test_a_dataclass_batch_reaches_the_worker_device_field_by_field():
     # A GPU worker moves each batch of a per-worker dataset (nest.to_device); "meta" stands in
     # for the GPU here. ClickBatch is a frozen dataclass, as batch classes often are.
     from paramserve.coordinator import nest
-    from paramserve.coordinator.recommendation import ClickData
+    from paramserve.coordinator.demos.recommendation import ClickData
 
     batch = ClickData([10, 20], batch_size=4).batches(stream=0, count=1)[0]
     moved = nest.to_device({"batch": batch, "step": 3}, torch.device("meta"))

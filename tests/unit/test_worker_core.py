@@ -14,10 +14,10 @@ import torch
 from fake_parameter_servers import ADDRESS, FakeParameterServers
 from torch import nn
 
-from paramserve.psserver import cpus
-from paramserve.psserver.errors import InvalidRequestError
-from paramserve.psserver.optimizer_spec import OptimizerSpec
-from paramserve.psserver.types import ClusterContext
+from paramserve.psserver.protocol.errors import InvalidRequestError
+from paramserve.psserver.protocol.optimizer_spec import OptimizerSpec
+from paramserve.psserver.protocol.types import ClusterContext
+from paramserve.psserver.runtime import cpus
 from paramserve.worker.core import ClosureRequest, ResourceSpec, WorkerCore
 from paramserve.worker.resources import PerWorkerResource, ResourceMissingError, WorkerContext, resolve_resource
 from paramserve.worker.variables import (

@@ -15,7 +15,7 @@ from fake_parameter_servers import FakeParameterServers, linear_servers
 from torch import nn
 
 from paramserve.coordinator.cluster_coordinator import _iterator_factory
-from paramserve.psserver.optimizer_spec import OptimizerSpec
+from paramserve.psserver.protocol.optimizer_spec import OptimizerSpec
 from paramserve.worker.core import ClosureRequest, ResourceSpec, WorkerCore
 from paramserve.worker.resources import PerWorkerResource, WorkerContext
 from paramserve.worker.variables import (

@@ -1,0 +1,311 @@
+"""The coordinator's Prometheus metrics: what the user's program knows about its cluster.
+
+The closure queue and the dispatchers report what happens through ``CoordinatorObserver``
+(plain method calls; ``NO_OBSERVER`` ignores them); ``CoordinatorTelemetry`` is the
+observer that counts it on a registry of its own and, when given a port, serves it over
+HTTP (``psserver.metrics_http``: with ``paramserve_build_info``, without ``*_created``).
+Queue depth, worker states and the checkpoint's age are read when Prometheus scrapes, so
+nothing here polls. It also keeps ``run`` (``coordinator.cluster_status.RunLog``): each worker's
+closures and state, the recoveries, what the program reports (``report``) and the timeline of
+events, which the status page (``coordinator.status_page``) shows. Every metric's name starts
+with ``paramserve_coordinator_``:
+
+=============================================  ======================================================
+closures_scheduled_total                       closures queued by ``schedule``
+closures_finished_total{outcome}               succeeded / failed / cancelled
+closures_retried_total{code}                   calls that failed at the RPC level and went back to
+                                               the queue for another worker (gRPC status code)
+steps_total                                    steps of succeeded closures (``rate()``: steps/s)
+queued_closures, closures_in_flight            the queue's depth and what workers are running
+workers{state}                                 workers by state: up, down (probed), stopped
+worker_up{worker}                              1 up, 0 down or stopped; gone when a worker leaves
+worker_membership_changes_total{change}        workers joined / left (discovery, add/remove)
+checkpoint_age_seconds, checkpoint_step        the newest checkpoint written or restored (absent
+                                               before the first)
+ps_recoveries_total{server, result}            parameter servers restored after a restart, or
+                                               replaced by a backup (result "failed-over")
+ps_recovery_seconds                            how long each recovery or failover took (histogram)
+ps_replicas_in_sync{group}                     replicas holding a shard group's state (replicas > 1)
+ps_replica_rejoins_total                       servers copied into and made backups again
+ps_replica_resync_bytes_total                  bytes piped from primaries into rejoining backups
+ps_replica_resync_seconds                      how long each rejoin took (histogram)
+=============================================  ======================================================
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from paramserve.coordinator.checkpointing.checkpoint_log import CheckpointRecord
+from paramserve.coordinator.status.cluster_status import RunLog, check_report
+from paramserve.psserver.runtime.metrics_http import MetricsEndpoint, register_build_info, serve_metrics
+
+if TYPE_CHECKING:
+    from paramserve.coordinator.dispatch.closures import Closure
+
+__all__ = [
+    "CoordinatorTelemetry",
+    "WORKER_STATES",
+]
+
+PREFIX = "paramserve_coordinator_"
+WORKER_STATES = ("up", "down", "stopped")
+"""``WorkerState`` values of coordinator.dispatcher, as labels."""
+
+
+class CoordinatorTelemetry:
+    """The coordinator's metrics on ``registry`` (a new one by default), fed as its observer.
+
+    ``queue_depth`` / ``in_flight`` and ``checkpoint`` are read at scrape time.
+    Parameter-server recovery reports through ``parameter_server_recovering`` and
+    ``parameter_server_recovered``; the program through ``report``. ``run`` keeps all of it for
+    the status page. ``serve(host, port)`` starts the HTTP endpoint; ``close()`` stops it.
+    """
+
+    def __init__(
+        self,
+        *,
+        queue_depth: Callable[[], int],
+        in_flight: Callable[[], int],
+        checkpoint: Callable[[], CheckpointRecord | None] = lambda: None,
+        registry: CollectorRegistry | None = None,
+        clock: Callable[[], float] = time.time,
+    ):
+        self.registry = registry or CollectorRegistry()
+        register_build_info(self.registry, "coordinator")
+        self.scheduled = Counter(
+            f"{PREFIX}closures_scheduled", "Closures queued by schedule().", registry=self.registry
+        )
+        self.finished = Counter(
+            f"{PREFIX}closures_finished",
+            "Closures that reached a final state, by outcome.",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.retried = Counter(
+            f"{PREFIX}closures_retried",
+            "Calls of closures that failed at the RPC level and went back to the queue, by gRPC code.",
+            ["code"],
+            registry=self.registry,
+        )
+        self.steps = Counter(
+            f"{PREFIX}steps", "Steps of succeeded closures (rate(): steps per second).", registry=self.registry
+        )
+        self.membership = Counter(
+            f"{PREFIX}worker_membership_changes",
+            "Workers that joined or left the cluster.",
+            ["change"],
+            registry=self.registry,
+        )
+        self.ps_recoveries = Counter(
+            f"{PREFIX}ps_recoveries",
+            "Parameter servers restored after a restart, by server and result.",
+            ["server", "result"],
+            registry=self.registry,
+        )
+        self.ps_recovery_seconds = Histogram(
+            f"{PREFIX}ps_recovery_seconds",
+            "Seconds from noticing a restarted parameter server to its restore.",
+            buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
+            registry=self.registry,
+        )
+        self.replicas_in_sync_gauge = Gauge(
+            f"{PREFIX}ps_replicas_in_sync",
+            "Replicated parameter servers: replicas holding each shard group's state, its primary included.",
+            ["group"],
+            registry=self.registry,
+        )
+        self.replica_rejoins = Counter(
+            f"{PREFIX}ps_replica_rejoins", "Servers copied into and made backups again.", registry=self.registry
+        )
+        self.replica_resync_bytes = Counter(
+            f"{PREFIX}ps_replica_resync_bytes",
+            "Bytes piped from primaries into rejoining backups.",
+            registry=self.registry,
+        )
+        self.replica_resync_seconds = Histogram(
+            f"{PREFIX}ps_replica_resync_seconds",
+            "Seconds each rejoin took (the primary copying its shards while it serves).",
+            buckets=(0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 300),
+            registry=self.registry,
+        )
+        self.dense_generation = Gauge(
+            f"{PREFIX}dense_group_generation",
+            "Hybrid training (sync_dense): formations of the workers' dense all-reduce group so far.",
+            registry=self.registry,
+        )
+        self.dense_members = Gauge(
+            f"{PREFIX}dense_group_members", "Hybrid training: workers in the dense group now.", registry=self.registry
+        )
+        self.dense_rounds = Counter(
+            f"{PREFIX}dense_rounds",
+            "Hybrid training: rounds finished (every worker's call answered).",
+            registry=self.registry,
+        )
+        self.dense_breaks = Counter(
+            f"{PREFIX}dense_group_breaks",
+            "Hybrid training: rounds in which the dense group broke (a worker lost or timed out).",
+            registry=self.registry,
+        )
+        for outcome in ("succeeded", "failed", "cancelled"):  # every series from the start: rate() needs it
+            self.finished.labels(outcome)
+        for change in ("joined", "left"):
+            self.membership.labels(change)
+        Gauge(f"{PREFIX}queued_closures", "Closures waiting for a worker.", registry=self.registry).set_function(
+            queue_depth
+        )
+        Gauge(f"{PREFIX}closures_in_flight", "Closures running on workers.", registry=self.registry).set_function(
+            in_flight
+        )
+        self._workers = _WorkerStates()
+        self.registry.register(self._workers)
+        self.registry.register(_CheckpointAge(checkpoint, clock))
+        self._endpoint: MetricsEndpoint | None = None
+        self.run = RunLog(clock)
+        """What the status page shows: workers, recoveries, reports and the timeline."""
+
+    # ---------------------------------------------------------------- CoordinatorObserver
+
+    def closure_scheduled(self, closure: Closure) -> None:
+        self.scheduled.inc()
+        self.run.closure_scheduled(closure)
+
+    def closure_finished(self, closure: Closure) -> None:
+        outcome = closure.state.value
+        self.finished.labels(outcome).inc()
+        if outcome == "succeeded":
+            self.steps.inc(closure.steps)
+        self.run.closure_finished(closure)
+
+    def closure_retried(self, closure: Closure, code: str) -> None:
+        self.retried.labels(code).inc()
+        self.run.closure_retried(closure, code)
+
+    def worker_state(self, address: str, state: str | None) -> None:
+        change = self._workers.set(address, state)
+        if change is not None:
+            self.membership.labels(change).inc()
+        self.run.worker_state(address, state)
+
+    def worker_device(self, address: str, device: str) -> None:
+        self.run.worker_device(address, device)
+
+    # ---------------------------------------------------------------- the program's own figures
+
+    def report(self, step: object = None, *, loss: object = None, samples: object = None, **metrics: object) -> None:
+        """See ``ClusterCoordinator.report``; raises ValueError for a value that is not a number."""
+        self.run.report(*check_report(step, loss, samples, metrics))
+
+    # ---------------------------------------------------------------- parameter-server recovery
+
+    def parameter_server_recovering(self, server: str) -> None:
+        """Recovery of the parameter server at ``server`` starts (training pauses meanwhile)."""
+        self.run.parameter_server_recovering(server)
+
+    def parameter_server_recovered(self, server: str, result: str, seconds: float) -> None:
+        """A recovery of the parameter server at ``server`` ended with ``result`` (e.g. "restored",
+        "failed") after ``seconds``: counts it and observes its duration."""
+        self.ps_recoveries.labels(server, result).inc()
+        self.ps_recovery_seconds.observe(seconds)
+        self.run.parameter_server_recovered(server, result, seconds)
+
+    def replica_rejoined(self, group: int, member: str, copied_bytes: int, seconds: float) -> None:
+        """``member`` rejoined shard group ``group`` as a backup after ``copied_bytes`` were copied."""
+        self.replica_rejoins.inc()
+        self.replica_resync_bytes.inc(copied_bytes)
+        self.replica_resync_seconds.observe(seconds)
+        self.run.replica_rejoined(group, member, copied_bytes, seconds)
+
+    def replicas_in_sync(self, group: int, count: int) -> None:
+        """Shard group ``group`` has ``count`` replicas holding its state."""
+        self.replicas_in_sync_gauge.labels(str(group)).set(count)
+
+    # ---------------------------------------------------------------- hybrid training's dense group
+
+    def dense_group_formed(self, generation: int, members: Sequence[str]) -> None:
+        """The dense group formed anew (generation ``generation``) with ``members``."""
+        self.dense_generation.set(generation)
+        self.dense_members.set(len(members))
+        self.run.dense_group_formed(generation, members)
+
+    def dense_round_finished(self, broke: bool) -> None:
+        """A round ended; ``broke``: the group broke in it (its closures run again)."""
+        self.dense_rounds.inc()
+        if broke:
+            self.dense_breaks.inc()
+            self.run.dense_group_broke()
+
+    # ---------------------------------------------------------------- the endpoint
+
+    def serve(self, host: str, port: int) -> int:
+        """Serves the metrics at ``http://host:port/metrics`` (port 0: a free one); returns the port."""
+        if self._endpoint is None:
+            self._endpoint = serve_metrics(self.registry, host, port)
+        return self._endpoint.port
+
+    @property
+    def port(self) -> int | None:
+        """The endpoint's port, None when not serving."""
+        return self._endpoint.port if self._endpoint is not None else None
+
+    def close(self) -> None:
+        endpoint, self._endpoint = self._endpoint, None
+        if endpoint is not None:
+            endpoint.stop()
+
+
+class _WorkerStates(Collector):
+    """Each worker's last reported state: ``workers{state}`` and ``worker_up{worker}``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._states: dict[str, str] = {}
+
+    def set(self, address: str, state: str | None) -> str | None:
+        """Records the change; returns "joined" or "left" when membership changed."""
+        with self._lock:
+            known = address in self._states
+            if state is None:
+                self._states.pop(address, None)
+                return "left" if known else None
+            self._states[address] = state
+            return None if known else "joined"
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        with self._lock:
+            states = dict(self._states)
+        counts = GaugeMetricFamily(f"{PREFIX}workers", "Workers of the cluster by state.", labels=["state"])
+        for state in WORKER_STATES:
+            counts.add_metric([state], sum(1 for s in states.values() if s == state))
+        up = GaugeMetricFamily(
+            f"{PREFIX}worker_up", "1 when the worker takes closures, 0 when down or stopped.", labels=["worker"]
+        )
+        for address, state in sorted(states.items()):
+            up.add_metric([address], 1.0 if state == "up" else 0.0)
+        yield counts
+        yield up
+
+
+class _CheckpointAge(Collector):
+    """Seconds since the newest checkpoint was written, and its step (nothing before the first)."""
+
+    def __init__(self, checkpoint: Callable[[], CheckpointRecord | None], clock: Callable[[], float]):
+        self._checkpoint = checkpoint
+        self._clock = clock
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        record = self._checkpoint()
+        age = GaugeMetricFamily(f"{PREFIX}checkpoint_age_seconds", "Seconds since the newest checkpoint was written.")
+        step = GaugeMetricFamily(f"{PREFIX}checkpoint_step", "The training step of the newest checkpoint.")
+        if record is not None:
+            age.add_metric([], max(0.0, self._clock() - record.written_at))
+            step.add_metric([], record.step)
+        yield age
+        yield step

@@ -1,0 +1,33 @@
+"""Package surfaces that import their modules when a name is first used (PEP 562).
+
+Every package ``__init__`` of paramserve names its public surface here instead of importing it:
+importing a package must load neither torch nor grpc (the container health probe and ``--help``
+start in milliseconds), and a process that needs one name must not pay for its siblings.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+TYPE_CHECKING = False  # not typing's: importing typing costs the health probe ~25 ms of CPU
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping
+    from typing import Any
+
+__all__ = ["lazy_attributes"]
+
+
+def lazy_attributes(package: str, homes: Mapping[str, str]) -> Callable[[str], Any]:
+    """A module ``__getattr__`` for ``package``: ``homes`` maps each public name to the module
+    (relative to ``package``) that defines it. Raises AttributeError for any other name."""
+    namespace = importlib.import_module(package).__dict__
+
+    def attribute(name: str) -> Any:
+        home = homes.get(name)
+        if home is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(f"{package}.{home}"), name)
+        namespace[name] = value
+        return value
+
+    return attribute
