@@ -1,10 +1,15 @@
 """The worker: runs the closures a ClusterCoordinator schedules, reading and updating
 distributed variables on the parameter servers."""
 
-from paramserve.worker.dynamic_embedding import DynamicEmbedding
-from paramserve.worker.resources import PerWorkerResource, WorkerContext
-from paramserve.worker.server import WorkerConfig, build_worker
-from paramserve.worker.variables import ServerOptimizer, ShardedEmbedding, ShardedEmbeddingCollection
+from paramserve.psserver.protocol.lazy import lazy_attributes
+
+TYPE_CHECKING = False  # not typing's: a package's import stays free of it
+if TYPE_CHECKING:
+    from paramserve.worker.dynamic_embedding import DynamicEmbedding
+    from paramserve.worker.resources import PerWorkerResource, WorkerContext
+    from paramserve.worker.server import WorkerConfig, build_worker
+    from paramserve.worker.variables import ServerOptimizer, ShardedEmbedding, ShardedEmbeddingCollection
+
 
 __all__ = [
     "DynamicEmbedding",
@@ -16,3 +21,16 @@ __all__ = [
     "WorkerContext",
     "build_worker",
 ]
+
+_HOMES = {
+    "DynamicEmbedding": "dynamic_embedding",
+    "PerWorkerResource": "resources",
+    "ServerOptimizer": "variables",
+    "ShardedEmbedding": "variables",
+    "ShardedEmbeddingCollection": "variables",
+    "WorkerConfig": "server",
+    "WorkerContext": "resources",
+    "build_worker": "server",
+}
+
+__getattr__ = lazy_attributes(__name__, _HOMES)

@@ -19,14 +19,16 @@ __all__ = ["lazy_attributes"]
 
 def lazy_attributes(package: str, homes: Mapping[str, str]) -> Callable[[str], Any]:
     """A module ``__getattr__`` for ``package``: ``homes`` maps each public name to the module
-    (relative to ``package``) that defines it. Raises AttributeError for any other name."""
+    that defines it, relative to ``package`` or absolute (``paramserve....``); a name that is its
+    home's last part is that module itself (``metrics``). Raises AttributeError for any other name."""
     namespace = importlib.import_module(package).__dict__
 
     def attribute(name: str) -> Any:
         home = homes.get(name)
         if home is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        value = getattr(importlib.import_module(f"{package}.{home}"), name)
+        module = importlib.import_module(home if home.startswith("paramserve.") else f"{package}.{home}")
+        value = module if home.rpartition(".")[2] == name else getattr(module, name)
         namespace[name] = value
         return value
 
