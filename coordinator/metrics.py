@@ -126,9 +126,11 @@ class Mean(Metric):
         super().__init__(torchmetrics.MeanMetric().set_dtype(torch.float64), name, strategy)
 
 
-class _ArgmaxMatches(torchmetrics.MeanMetric):
+class ArgmaxMatches(torchmetrics.MeanMetric):
     """The fraction of examples whose argmax over the last axis equals the integer target
-    (a binary output of one column: > 0.5 against 0/1 targets)."""
+    (a binary output of one column: > 0.5 against 0/1 targets), in float64: the torchmetrics
+    metric behind ``Accuracy`` and ``fit``'s "accuracy". ``update(outputs, targets)`` raises
+    TypeError for floating-point targets of a multi-class output (see ``correct``)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -160,7 +162,7 @@ class Accuracy(Metric):
     when the targets are integers and the outputs floating point (see ``torch_order``)."""
 
     def __init__(self, name: str = "accuracy", strategy: Any = None):
-        super().__init__(_ArgmaxMatches(), name, strategy)
+        super().__init__(ArgmaxMatches(), name, strategy)
 
     @property
     def prepare(self) -> Callable[..., tuple[Any, ...]]:

@@ -250,7 +250,7 @@ class DispatchLoop:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
         dispatcher.stop(reason)
-        await dispatcher._transport.close()
+        await dispatcher.close()
 
     async def _stop_all(self) -> None:
         for dispatcher in list(self._dispatchers.values()):

@@ -446,6 +446,11 @@ class Dispatcher:
     def stop(self, reason: str) -> None:
         self._set_state(WorkerState.STOPPED, reason)
 
+    async def close(self) -> None:
+        """Closes this dispatcher's transport, its connection to the worker (once it is stopped:
+        nothing may be sent through it afterwards)."""
+        await self._transport.close()
+
     def _set_state(self, to: WorkerState, reason: str) -> None:
         if self._state is to:
             return

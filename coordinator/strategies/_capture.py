@@ -28,8 +28,7 @@ from torch import nn
 from torch.nn.modules import module as module_hooks
 
 from paramserve.coordinator.strategies._process_hooks import SharedHook
-from paramserve.coordinator.strategies._replicas import _local as _replica_local
-from paramserve.coordinator.strategies._replicas import replica_of
+from paramserve.coordinator.strategies._replicas import replica_of, replica_thread
 from paramserve.coordinator.strategies.base import Strategy
 from paramserve.psserver.protocol.optimizer_spec import building_server_optimizer
 
@@ -257,13 +256,13 @@ def _build_module_class(cls: Any) -> type:
         # so that code reaching into the model also computes on that replica's copy.
         # Outside replica threads (the common case) this is one thread-local read. This runs
         # for every attribute a module call touches: ModuleLink.target, inlined.
-        strategy = getattr(_replica_local, "strategy", None)
+        strategy = getattr(replica_thread, "strategy", None)
         if strategy is None or name[:2] == "__":
             return get(self, name)
         link = object.__getattribute__(self, "__dict__").get(LINK)
         if link is None or link.strategy is not strategy or getattr(_local, "unredirected", False):
             return get(self, name)
-        target = link.replicas[_replica_local.replica]
+        target = link.replicas[replica_thread.replica]
         if target is self:
             return get(self, name)
         return getattr(target, name)

@@ -102,20 +102,24 @@ class Rendezvous:
             raise ReplicaDeparted(f"replica {replica} cannot merge: {self._broken}")
 
 
-_local = threading.local()
+replica_thread = threading.local()
+"""While a thread runs one of a strategy's replicas (``run_replicas``): ``.strategy`` and its
+``.replica`` id; otherwise None or unset (read them with a default). Read it through
+``running_strategy`` and ``replica_of``; ``_capture``'s module redirection reads it directly,
+as it runs on every attribute access of a distributed module and must stay one thread-local read."""
 
 
 def running_strategy() -> Strategy | None:
     """The strategy whose replica this thread is running, if any."""
-    return getattr(_local, "strategy", None)
+    return getattr(replica_thread, "strategy", None)
 
 
 def replica_of(strategy: Strategy) -> int | None:
     """This thread's replica id when it is one of ``strategy``'s replica threads (a
     thread-local read: cheap enough for every attribute access of a distributed module)."""
-    if getattr(_local, "strategy", None) is not strategy:
+    if getattr(replica_thread, "strategy", None) is not strategy:
         return None
-    return _local.replica
+    return replica_thread.replica
 
 
 class ReplicaThreads:
@@ -267,7 +271,7 @@ def run_replicas(
 
     def main(replica: int) -> None:
         reason = "returned"
-        _local.strategy, _local.replica = strategy, replica
+        replica_thread.strategy, replica_thread.replica = strategy, replica
         try:
             with (
                 replica_thread_context(strategy, replica),
@@ -278,7 +282,7 @@ def run_replicas(
         except BaseException as error:
             errors[replica], reason = error, f"failed ({type(error).__name__})"
         finally:
-            _local.strategy = _local.replica = None
+            replica_thread.strategy = replica_thread.replica = None
             rendezvous.depart(replica, reason)
 
     name = type(strategy).__name__

@@ -73,7 +73,7 @@ class ReplicaContext:
     def all_reduce(self, reduce_op: ReduceOp | str, value: Any) -> Any:
         """Reduces ``value`` (a tensor or a nest of tensors) across all replicas;
         every replica gets the result. All replicas must call it."""
-        return self.strategy._replica_all_reduce(
+        return self.strategy.replica_all_reduce(
             self, ReduceOp(reduce_op) if isinstance(reduce_op, str) else reduce_op, value
         )
 
@@ -114,7 +114,7 @@ class ReplicaContext:
 
         Raises whatever ``merge_fn`` raises (the other replicas then stop with ReplicaDeparted).
         """
-        return self.strategy._merge_call(self, merge_fn, tuple(args), dict(kwargs or {}))
+        return self.strategy.replica_merge_call(self, merge_fn, tuple(args), dict(kwargs or {}))
 
     def __repr__(self) -> str:
         return f"ReplicaContext({type(self.strategy).__name__}, replica {self.replica_id_in_sync_group})"
@@ -189,8 +189,8 @@ class Strategy(abc.ABC):
             ValueError: not a per-replica value of this strategy's replicas, a scalar, or ``axis``
                 out of range.
         """
-        self._require_cross_replica("strategy.gather", "get_replica_context().all_gather(value, axis)")
-        if self._local_replicas < self.num_replicas_in_sync:  # the other components are in other processes
+        self.require_cross_replica("strategy.gather", "get_replica_context().all_gather(value, axis)")
+        if self.local_replicas < self.num_replicas_in_sync:  # the other components are in other processes
             result = self.run(lambda v: _current_context().all_gather(v, axis), args=(value,))
             return detached(nest.map_structure(lambda v: self.experimental_local_results(v)[0], result))
         return detached(nest.map_structure(lambda v: self._gather_local(v, axis), value))
@@ -199,10 +199,10 @@ class Strategy(abc.ABC):
         from paramserve.coordinator.strategies.gathering import normalized_axis
 
         parts = [torch.as_tensor(part) for part in self.experimental_local_results(value)]
-        if len(parts) != self._local_replicas:
+        if len(parts) != self.local_replicas:
             raise ValueError(
                 f"cannot gather a {type(value).__name__}: it is not a per-replica value of this strategy's "
-                f"{self._local_replicas} replicas (every replica returned the same object): gather what run returns"
+                f"{self.local_replicas} replicas (every replica returned the same object): gather what run returns"
             )
         for part in parts:
             axis = normalized_axis(part, axis, "gather")
@@ -340,68 +340,86 @@ class Strategy(abc.ABC):
         for model in [m for m, owner in list(_models.items()) if owner is self]:
             _models.pop(model, None)
 
-    # ------------------------------------------------------------------ replica plumbing
+    # ------------------------------------------------------------------ what replicas and values ask
+    # The strategies package's side of the Strategy API: ReplicaContext, SyncOnReadVariable,
+    # gathering and StrategyExtended call these, and each strategy overrides what differs.
+    # Users call ReplicaContext's and ``strategy.extended``'s methods instead.
 
-    def _replica_all_reduce(self, context: ReplicaContext, reduce_op: ReduceOp, value: Any) -> Any:
-        """Default (one replica): the value itself."""
+    def replica_all_reduce(self, context: ReplicaContext, reduce_op: ReduceOp, value: Any) -> Any:
+        """``ReplicaContext.all_reduce`` for replica ``context``: ``value`` (a nest of tensors)
+        reduced across every replica, as this replica receives it. Default (one replica): the
+        value itself."""
         return value
 
     @property
-    def _local_replicas(self) -> int:
+    def local_replicas(self) -> int:
         """How many of the replicas in sync this process holds (all of them, unless the
         strategy spans processes)."""
         return self.num_replicas_in_sync
 
-    def _local_index(self, replica_id: int) -> int:
-        """Where replica ``replica_id`` is among this process's replicas."""
+    def local_index(self, replica_id: int) -> int:
+        """Where replica ``replica_id`` is among this process's replicas (its component's index
+        in a distributed value this process holds)."""
         return replica_id
 
-    def _sum_across_processes(self, tensor: torch.Tensor) -> torch.Tensor:
+    def sum_across_processes(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` summed over the processes of the strategy (a collective where it spans
-        several; here the tensor itself)."""
+        several: every process must call it; here the tensor itself)."""
         return tensor
 
-    def _merge_call(
+    def replica_merge_call(
         self, context: ReplicaContext, merge_fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        """``ReplicaContext.merge_call`` where this process holds one replica: ``merge_fn`` on its
-        own arguments (under a multi-process strategy it may reduce across processes itself)."""
+        """``ReplicaContext.merge_call`` for replica ``context`` (its promise is that method's).
+        Default, where this process holds one replica: ``merge_fn`` on its own arguments (under
+        a multi-process strategy it may reduce across processes itself)."""
         from paramserve.coordinator.strategies.distributed_values import select_replica
 
-        with self._cross_replica():
+        with self.cross_replica_context():
             result = merge_fn(self, *args, **kwargs)
-        return select_replica(result, self._local_index(context.replica_id_in_sync_group))
+        return select_replica(result, self.local_index(context.replica_id_in_sync_group))
 
-    def _replica_all_gather(
-        self, context: ReplicaContext, tensors: list[torch.Tensor], axis: int
-    ) -> list[torch.Tensor]:
-        """``ReplicaContext.all_gather`` where this process holds one replica: each tensor goes in
-        its replica's place of a zero tensor N times longer along ``axis`` and these are summed
-        over the processes (``_sum_across_processes``), which leaves the concatenation."""
+    def replica_all_gather(self, context: ReplicaContext, tensors: list[torch.Tensor], axis: int) -> list[torch.Tensor]:
+        """``ReplicaContext.all_gather`` of ``tensors`` for replica ``context``, without its
+        gradient (``gathering.AllGather`` adds it): tensor i of every replica concatenated along
+        ``axis`` in replica order. Default, where this process holds one replica: each tensor goes
+        in its replica's place of a zero tensor N times longer along ``axis`` and these are summed
+        over the processes (``sum_across_processes``), which leaves the concatenation.
+
+        Raises:
+            ValueError: shapes that differ between the processes.
+        """
         from paramserve.coordinator.strategies.gathering import gather_by_sum
 
         return gather_by_sum(self, context.replica_id_in_sync_group, tensors, axis)
 
     def _local_replica_ids(self) -> list[int]:
         """The ids of the replicas this process holds, as its ``run`` numbers them."""
-        if self._local_replicas == self.num_replicas_in_sync:
+        if self.local_replicas == self.num_replicas_in_sync:
             return list(range(self.num_replicas_in_sync))
         ids = self.run(lambda: _current_context().replica_id_in_sync_group)  # asked of run: it alone knows
         return [int(i) for i in self.experimental_local_results(ids)]
 
-    def _current_replica(self) -> ReplicaContext | None:
-        """This thread's ReplicaContext when it runs one of this strategy's replicas (in ``run``)."""
+    def current_replica(self) -> ReplicaContext | None:
+        """This thread's ReplicaContext when it runs one of this strategy's replicas (in ``run``);
+        None elsewhere, in a merge_call's ``merge_fn`` too."""
         stack = _stack()
         if stack and stack[-1].replica is not None and stack[-1].replica.strategy is self:
             return stack[-1].replica
         return None
 
-    def _require_cross_replica(self, what: str, instead: str) -> None:
-        if self._current_replica() is not None:
+    def require_cross_replica(self, what: str, instead: str) -> None:
+        """Returns when this thread is not in one of this strategy's replicas.
+
+        Raises:
+            RuntimeError: it is (inside ``run``): the message says ``what`` is for cross-replica
+                context and to use ``instead`` there.
+        """
+        if self.current_replica() is not None:
             raise RuntimeError(f"{what} is for cross-replica context (outside run); inside run use {instead}")
 
     @contextlib.contextmanager
-    def _cross_replica(self) -> Iterator[None]:
+    def cross_replica_context(self) -> Iterator[None]:
         """This strategy's cross-replica context in this thread, even inside one of its replicas
         (a merge_call's merge_fn, an update's fn): ``get_replica_context()`` is None there."""
         _stack().append(_Entry(self, None))
@@ -411,32 +429,42 @@ class Strategy(abc.ABC):
             _stack().pop()
 
     # ------------------------------------------------------------------ what StrategyExtended asks
+    # ``strategy.extended`` answers through these (see extended.py); each strategy overrides
+    # what differs. For the strategies package: users call ``strategy.extended``'s methods.
 
-    def _worker_devices(self) -> tuple[str, ...]:
-        """The names of the devices this process's replicas compute on."""
+    def worker_devices(self) -> tuple[str, ...]:
+        """The names of the devices this process's replicas compute on
+        (``extended.worker_devices``).
+
+        Raises:
+            RuntimeError: the strategy has none here (the default strategy, as in TensorFlow).
+        """
         raise RuntimeError(
             f"{type(self).__name__} does not compute on devices it chooses in this process (TensorFlow's default "
             "strategy has no worker devices either): use a strategy with devices, e.g. OneDeviceStrategy('cpu')"
         )
 
-    def _parameter_devices(self) -> tuple[str, ...]:
-        """The names of the devices this process keeps variables on (by default: where it computes)."""
-        return self._worker_devices()
+    def parameter_devices(self) -> tuple[str, ...]:
+        """The names of the devices this process keeps variables on (``extended.parameter_devices``;
+        by default: where it computes). Raises RuntimeError where ``worker_devices`` does."""
+        return self.worker_devices()
 
-    def _refuse_colocation(self) -> str | None:
-        """Why ``extended.colocate_vars_with`` cannot hold under this strategy (None: it holds)."""
+    def colocation_refusal(self) -> str | None:
+        """Why ``extended.colocate_vars_with`` cannot hold under this strategy, as the message of
+        its NotImplementedError (None: it holds)."""
         return None
 
-    def _variable_copies(self, var: Any) -> tuple[Any, ...]:
-        """Every copy of ``var`` that an update must change, in replica order."""
+    def variable_copies(self, var: Any) -> tuple[Any, ...]:
+        """Every copy of ``var`` that ``extended.update`` must change, in replica order (by
+        default its local results: ``var`` itself for a plain value)."""
         return self.experimental_local_results(var)
 
-    def _after_update(self, var: Any) -> None:
-        """Hook: what a strategy does once ``extended.update`` has changed every copy of ``var``
+    def after_update(self, var: Any) -> None:
+        """What the strategy does once ``extended.update`` has changed every copy of ``var``
         (nothing by default)."""
         return None
 
-    def _owns_variable(self, v: Any) -> bool:
+    def owns_variable(self, v: Any) -> bool:
         """Whether ``v`` is a parameter or buffer of a module built in this strategy's scope, or a
         SyncOnReadVariable of this strategy (``extended.variable_created_in_scope``)."""
         from paramserve.coordinator.strategies.distributed_values import SyncOnReadVariable
@@ -448,13 +476,15 @@ class Strategy(abc.ABC):
         models = [model for model, owner in list(_models.items()) if owner is self]
         return any(t is v for model in models for t in (*model.parameters(), *model.buffers()))
 
-    def _value_container(self, value: Any) -> Any:
-        """The variable that ``value``, one replica's copy of it, belongs to (itself when none)."""
+    def value_container(self, value: Any) -> Any:
+        """The variable that ``value``, one replica's copy of it, belongs to (itself when none;
+        ``extended.value_container``)."""
         return value
 
-    def _reduce_to(self, reduce_op: ReduceOp, value: Any, devices: list[torch.device]) -> Any:
-        """``extended.reduce_to``: ``reduce``, then a copy on each of ``devices`` (a tensor for one
-        device, a Mirrored for several)."""
+    def reduce_to_devices(self, reduce_op: ReduceOp, value: Any, devices: list[torch.device]) -> Any:
+        """``extended.reduce_to`` once its destinations are devices: ``reduce``, then the result on
+        each of ``devices`` (a tensor for one device, a Mirrored of copies for several). Raises
+        what ``reduce`` raises (ValueError: SUM of a value that is not per-replica)."""
         from paramserve.coordinator.strategies.distributed_values import Mirrored
 
         reduced = torch.as_tensor(self.reduce(reduce_op, value))
@@ -506,14 +536,14 @@ class DefaultStrategy(SingleReplicaStrategy):
     """The no-op strategy current when no other is in scope: ``run(fn)`` simply calls fn.
     A singleton: get it with ``get_strategy()``."""
 
-    def _owns_variable(self, v: Any) -> bool:
+    def owns_variable(self, v: Any) -> bool:
         """As TensorFlow's default strategy: a variable that no other strategy created."""
         from paramserve.coordinator.strategies.distributed_values import SyncOnReadVariable
 
         if isinstance(v, SyncOnReadVariable):
             return v.strategy is self
         owners = {id(owner): owner for owner in list(_models.values())}.values()
-        return isinstance(v, torch.Tensor) and not any(owner._owns_variable(v) for owner in owners)
+        return isinstance(v, torch.Tensor) and not any(owner.owns_variable(v) for owner in owners)
 
     _instance: DefaultStrategy | None = None
     _lock = threading.Lock()

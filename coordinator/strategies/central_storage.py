@@ -24,10 +24,10 @@ from paramserve.coordinator.strategies import _capture
 from paramserve.coordinator.strategies.base import ReduceOp, get_replica_context
 from paramserve.coordinator.strategies.cross_device_ops import CrossDeviceOps, ReductionToOneDevice
 from paramserve.coordinator.strategies.replicated import (
-    _flat_params,
-    _local_devices,
-    _ReplicatedStrategy,
-    _resolve_devices,
+    ReplicatedStrategy,
+    flat_params,
+    local_devices,
+    resolve_devices,
 )
 from paramserve.psserver.runtime.devices import cuda_device_count, resolve_device
 
@@ -39,7 +39,7 @@ def default_parameter_device(compute_devices: Sequence[str], cuda_devices: int) 
     return compute_devices[0] if cuda_devices == 1 else "cpu"
 
 
-class CentralStorageStrategy(_ReplicatedStrategy):
+class CentralStorageStrategy(ReplicatedStrategy):
     """Synchronous training with each parameter stored once, on ``parameter_device``, and the
     computation replicated on ``compute_devices``.
 
@@ -64,8 +64,8 @@ class CentralStorageStrategy(_ReplicatedStrategy):
         parameter_device: str | torch.device | None = None,
         cross_device_ops: CrossDeviceOps | None = None,
     ):
-        names, resolved = _resolve_devices(
-            compute_devices if compute_devices is not None else _local_devices(), "compute_devices"
+        names, resolved = resolve_devices(
+            compute_devices if compute_devices is not None else local_devices(), "compute_devices"
         )
         if parameter_device is None:
             parameter_device = default_parameter_device(names, cuda_device_count())
@@ -88,17 +88,17 @@ class CentralStorageStrategy(_ReplicatedStrategy):
     def _before_run(self) -> None:
         self._refresh([p for root in self._roots for p in root.parameters()])
 
-    def _parameter_devices(self) -> tuple[str, ...]:
+    def parameter_devices(self) -> tuple[str, ...]:
         return (self.parameter_device_name,)
 
-    def _variable_copies(self, var: Any) -> tuple[Any, ...]:
-        """A parameter is stored once, centrally: an update changes that one (and ``_after_update``
+    def variable_copies(self, var: Any) -> tuple[Any, ...]:
+        """A parameter is stored once, centrally: an update changes that one (and ``after_update``
         refreshes the replicas' copies from it)."""
         if isinstance(var, nn.Parameter) and id(var) in self._param_replicas:
             return (var,)
-        return super()._variable_copies(var)
+        return super().variable_copies(var)
 
-    def _after_update(self, var: Any) -> None:
+    def after_update(self, var: Any) -> None:
         if isinstance(var, nn.Parameter) and id(var) in self._param_replicas:
             self._refresh([var])
 
@@ -142,20 +142,19 @@ class _CentralOptimizer:
 
     def _map_replicas(self) -> None:
         """Each central parameter the optimizer steps, and its copy on each replica."""
-        self.params = _flat_params(self.optimizer)
+        self.params = flat_params(self.optimizer)
         self.replica_params = [
-            [self.strategy._param_replicas[id(p)][r] for p in self.params]
-            for r in range(self.strategy.num_replicas_in_sync)
+            [self.strategy.replica_copies(p)[r] for p in self.params] for r in range(self.strategy.num_replicas_in_sync)
         ]
 
     def step(self, closure: Callable[[], Any] | None) -> Any:
-        replica = self.strategy._replica_id("optimizer.step()")
+        replica = self.strategy.calling_replica("optimizer.step()")
         if closure is not None:
             raise ValueError(
                 "optimizer.step(closure) is not supported under CentralStorageStrategy: compute the loss "
                 "and call backward() before optimizer.step()"
             )
-        self.strategy._merge(replica, [p.grad for p in self.replica_params[replica]], self._update)
+        self.strategy.exchange(replica, [p.grad for p in self.replica_params[replica]], self._update)
         return None
 
     def _update(self, grads: list[list[torch.Tensor | None]]) -> list[None]:
@@ -187,7 +186,7 @@ class _CentralOptimizer:
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """On the central optimizer; its parameters' replica gradients are gathered from then on."""
-        self.strategy._add_group_in_place(self.optimizer, param_group)
+        self.strategy.add_param_group_in_place(self.optimizer, param_group)
         self._map_replicas()
 
     def pickled_as(self) -> None:

@@ -115,9 +115,9 @@ class SyncOnReadVariable(DistributedValue):
         DistributedValue.__init__(variable, list(local_values))
         variable.aggregation = VariableAggregation(aggregation)
         variable.strategy = strategy or get_strategy()
-        if len(variable.values) != variable.strategy._local_replicas:
+        if len(variable.values) != variable.strategy.local_replicas:
             raise ValueError(
-                f"got {len(variable.values)} local values for {variable.strategy._local_replicas} replicas in this "
+                f"got {len(variable.values)} local values for {variable.strategy.local_replicas} replicas in this "
                 "process: pass one tensor per replica (strategy.experimental_local_results gives them)"
             )
         return variable
@@ -146,11 +146,11 @@ class SyncOnReadVariable(DistributedValue):
         if self.aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
             # Replica 0's copy, wherever it lives: the other processes add zeros.
             local = first.detach().clone() if self._holds_replica_zero() else torch.zeros_like(first)
-            return self.strategy._sum_across_processes(local).to(first.dtype)
+            return self.strategy.sum_across_processes(local).to(first.dtype)
         total = first.detach().clone()
         for copy in self.values[1:]:
             total.add_(copy.detach().to(first.device))
-        total = self.strategy._sum_across_processes(total).to(first.dtype)
+        total = self.strategy.sum_across_processes(total).to(first.dtype)
         replicas = self.strategy.num_replicas_in_sync
         if self.aggregation is VariableAggregation.MEAN:
             return total / replicas if total.is_floating_point() else total // replicas
@@ -158,7 +158,7 @@ class SyncOnReadVariable(DistributedValue):
 
     def _holds_replica_zero(self) -> bool:
         """Whether this process holds replica 0 (in a single-process strategy, always)."""
-        if self.strategy._local_replicas == self.strategy.num_replicas_in_sync:
+        if self.strategy.local_replicas == self.strategy.num_replicas_in_sync:
             return True
         return self.strategy.is_chief  # rank 0 holds replica 0
 
@@ -194,7 +194,7 @@ class SyncOnReadVariable(DistributedValue):
         context = get_replica_context()
         if context is None or context.strategy is not self.strategy:
             return None
-        return self.strategy._local_index(context.replica_id_in_sync_group)
+        return self.strategy.local_index(context.replica_id_in_sync_group)
 
 
 def _replica_devices(strategy: Strategy, fallback: torch.device) -> tuple[torch.device, ...]:
@@ -203,7 +203,7 @@ def _replica_devices(strategy: Strategy, fallback: torch.device) -> tuple[torch.
     devices = getattr(strategy, "replica_devices", None)
     if devices is not None:
         return tuple(devices)
-    return (fallback,) * strategy._local_replicas
+    return (fallback,) * strategy.local_replicas
 
 
 def regroup(per_replica: Sequence[Any], wrap: type[DistributedValue] = PerReplica) -> Any:

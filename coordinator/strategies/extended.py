@@ -3,9 +3,9 @@ beyond the Strategy API: where replicas compute and variables live, reductions t
 devices, and updates applied to every copy of a variable.
 
 Every strategy's ``extended`` is a StrategyExtended; what differs between strategies (the copies a
-variable has, how values reduce, which devices) each strategy answers itself through the hooks
-its base class declares (``Strategy._variable_copies``, ``_reduce_to``, ``_worker_devices``...),
-so this module holds only what every strategy shares.
+variable has, how values reduce, which devices) each strategy answers itself through the methods
+``Strategy`` declares for it ("what StrategyExtended asks" in base.py: ``variable_copies``,
+``reduce_to_devices``, ``worker_devices``...), so this module holds only what every strategy shares.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class StrategyExtended:
         Raises:
             RuntimeError: the strategy has none here (the default strategy, as in TensorFlow).
         """
-        return self._strategy._worker_devices()
+        return self._strategy.worker_devices()
 
     @property
     def parameter_devices(self) -> tuple[str, ...]:
@@ -71,7 +71,7 @@ class StrategyExtended:
         Raises:
             RuntimeError: the strategy has none here (the default strategy, as in TensorFlow).
         """
-        return self._strategy._parameter_devices()
+        return self._strategy.parameter_devices()
 
     # ------------------------------------------------------------------ variables
 
@@ -81,13 +81,13 @@ class StrategyExtended:
         default strategy: a variable no strategy owns. A module's variables count from the exit
         of the scope that built it (when paramserve distributes it); a tensor built outside any
         module is not a variable here: False."""
-        return self._strategy._owns_variable(v)
+        return self._strategy.owns_variable(v)
 
     def value_container(self, value: Any) -> Any:
         """The variable (or module) that ``value``, one replica's copy of it, belongs to; any
         other value is its own container. ``value`` is always among
         ``strategy.experimental_local_results(value_container(value))``."""
-        return self._strategy._value_container(value)
+        return self._strategy.value_container(value)
 
     @contextlib.contextmanager
     def colocate_vars_with(self, colocate_with_variable: Any) -> Iterator[None]:
@@ -103,10 +103,10 @@ class StrategyExtended:
                 server strategy's partitioner), which the message names.
         """
         strategy = self._strategy
-        refused = strategy._refuse_colocation()
+        refused = strategy.colocation_refusal()
         if refused is not None:
             raise NotImplementedError(refused)
-        if not strategy._owns_variable(colocate_with_variable) and not DefaultStrategy()._owns_variable(
+        if not strategy.owns_variable(colocate_with_variable) and not DefaultStrategy().owns_variable(
             colocate_with_variable
         ):
             raise ValueError(
@@ -129,11 +129,11 @@ class StrategyExtended:
             ValueError: SUM of a value that is not per-replica, or a destination that is not a device.
         """
         strategy = self._strategy
-        strategy._require_cross_replica("strategy.extended.reduce_to", "get_replica_context().all_reduce")
+        strategy.require_cross_replica("strategy.extended.reduce_to", "get_replica_context().all_reduce")
         if isinstance(value, torch.Tensor):
-            copies = strategy._variable_copies(value)
+            copies = strategy.variable_copies(value)
             value = Mirrored(copies) if len(copies) > 1 else value
-        return strategy._reduce_to(ReduceOp(reduce_op), value, destination_devices(strategy, destinations))
+        return strategy.reduce_to_devices(ReduceOp(reduce_op), value, destination_devices(strategy, destinations))
 
     def batch_reduce_to(
         self, reduce_op: ReduceOp | str, value_destination_pairs: Sequence[tuple[Any, Destinations]]
@@ -170,14 +170,14 @@ class StrategyExtended:
         """
         strategy = self._strategy
         args, kwargs = tuple(args), dict(kwargs or {})
-        context = strategy._current_replica()
+        context = strategy.current_replica()
         if context is None:
             return _update(strategy, var, fn, args, kwargs, group)
 
         def merge_fn(merging: Strategy, /, *merged_args: Any, **merged_kwargs: Any) -> Any:
             # Replica 0's closure runs (as in TensorFlow): its var, read through a module inside the
             # replica, is replica 0's copy, whose container is the variable.
-            container = merging._value_container(var)
+            container = merging.value_container(var)
             return _update(merging, container, fn, _as_mirrored(merged_args), _as_mirrored(merged_kwargs), group)
 
         return context.merge_call(merge_fn, args, kwargs)
@@ -212,7 +212,7 @@ def destination_devices(strategy: Strategy, destinations: Destinations) -> list[
     if isinstance(destinations, DistributedValue):
         return [torch.as_tensor(v).device for v in destinations.values]
     if isinstance(destinations, torch.Tensor):
-        return [torch.as_tensor(c).device for c in strategy._variable_copies(destinations)]
+        return [torch.as_tensor(c).device for c in strategy.variable_copies(destinations)]
     if (
         isinstance(destinations, Sequence)
         and destinations
@@ -229,22 +229,22 @@ def _update(
     strategy: Strategy, var: Any, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], group: bool
 ) -> Any:
     """``update`` in cross-replica context: ``fn`` on each copy, then the strategy's follow-up."""
-    if strategy.num_replicas_in_sync > 1 and not strategy._owns_variable(var):
+    if strategy.num_replicas_in_sync > 1 and not strategy.owns_variable(var):
         name = type(strategy).__name__
         raise ValueError(
             f"{name}.extended.update() changes every copy of a variable created in {name}.scope() (a parameter or "
             f"buffer of a module built there, or a SyncOnReadVariable); a {type(var).__name__} that is not one has "
             "one copy only: build it in the scope, or change it directly"
         )
-    copies = strategy._variable_copies(var)
+    copies = strategy.variable_copies(var)
     results = []
-    with torch.no_grad(), strategy._cross_replica():
+    with torch.no_grad(), strategy.cross_replica_context():
         for i, copy in enumerate(copies):
             device = copy.device if isinstance(copy, torch.Tensor) else None
             results.append(
                 fn(copy, *_for_copy(args, i, len(copies), device), **_for_copy(kwargs, i, len(copies), device))
             )
-    strategy._after_update(var)
+    strategy.after_update(var)
     merged = regroup(results, Mirrored)
     return merged if group else nest.map_structure(_per_copy, merged)
 

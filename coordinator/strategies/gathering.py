@@ -10,11 +10,11 @@ nothing of a strategy but its cross-process sum. ``AllGather`` gives either Tens
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from paramserve.coordinator.strategies.base import ReduceOp, ReplicaContext, Strategy
+from paramserve.coordinator.strategies.base import ReduceOp, ReplicaContext
 
 
 def normalized_axis(tensor: torch.Tensor, axis: int, what: str) -> int:
@@ -37,7 +37,7 @@ class AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, context: ReplicaContext, axis: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.context, ctx.axis, ctx.sizes = context, axis, [t.shape[axis] for t in tensors]
-        return tuple(context.strategy._replica_all_gather(context, list(tensors), axis))
+        return tuple(context.strategy.replica_all_gather(context, list(tensors), axis))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -75,15 +75,28 @@ def _check_concatenable(tensors: Sequence[torch.Tensor], axis: int) -> None:
         raise ValueError(f"all_gather along axis {axis} needs the same shape on every replica elsewhere, got {shapes}")
 
 
-def gather_by_sum(strategy: Strategy, replica: int, tensors: list[torch.Tensor], axis: int) -> list[torch.Tensor]:
+class ProcessSum(Protocol):
+    """What ``gather_by_sum`` needs of a strategy: how many replicas there are, here and in all,
+    and a tensor summed over its processes (every Strategy has them)."""
+
+    @property
+    def num_replicas_in_sync(self) -> int: ...
+
+    @property
+    def local_replicas(self) -> int: ...
+
+    def sum_across_processes(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
+
+def gather_by_sum(strategy: ProcessSum, replica: int, tensors: list[torch.Tensor], axis: int) -> list[torch.Tensor]:
     """All-gather where every process holds one replica: each tensor goes in place ``replica`` of
     a zero tensor N times longer along ``axis``, and the processes sum those. Every process's
     tensors must have the same shapes (checked first when there are several processes)."""
     count = strategy.num_replicas_in_sync
-    processes = count // strategy._local_replicas
+    processes = count // strategy.local_replicas
     if processes > 1:
         _check_same_shapes(strategy, tensors, processes)
-    return [_restored(strategy._sum_across_processes(_in_slot(t, axis, replica, count)), t.dtype) for t in tensors]
+    return [_restored(strategy.sum_across_processes(_in_slot(t, axis, replica, count)), t.dtype) for t in tensors]
 
 
 def _in_slot(tensor: torch.Tensor, axis: int, slot: int, slots: int) -> torch.Tensor:
@@ -101,12 +114,12 @@ def _restored(total: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return total.to(dtype) if total.dtype != dtype else total
 
 
-def _check_same_shapes(strategy: Strategy, tensors: Sequence[torch.Tensor], processes: int) -> None:
+def _check_same_shapes(strategy: ProcessSum, tensors: Sequence[torch.Tensor], processes: int) -> None:
     """Raises ValueError on every process alike when their shapes differ, instead of a hang or a
     garbled sum: one small all-reduce of x and x^2, x a hash of the process's shapes;
     N * sum(x^2) == sum(x)^2 only when every x is equal."""
     x = float(hash(tuple(tuple(t.shape) for t in tensors)) % 1_000_003)
-    sums = strategy._sum_across_processes(torch.tensor([x, x * x], dtype=torch.float64)).tolist()
+    sums = strategy.sum_across_processes(torch.tensor([x, x * x], dtype=torch.float64)).tolist()
     if processes * sums[1] != sums[0] ** 2:
         raise ValueError(
             "all_gather across processes needs the same shapes on every process: pad each process's "

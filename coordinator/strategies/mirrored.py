@@ -58,7 +58,8 @@ How (MirroredStrategy):
   ``torch.set_num_threads(max(1, C // N))`` before training is usually fastest.
 
 CentralStorageStrategy (``central_storage``) runs its replicas the same way; what it and
-MirroredStrategy share is ``replicated``'s ``_ReplicatedStrategy``.
+MirroredStrategy share is ``replicated``'s ``ReplicatedStrategy``. How the replicas' gradients
+are summed at a step is MirroredStrategy's alone, so it is here.
 """
 
 from __future__ import annotations
@@ -80,7 +81,11 @@ from paramserve.coordinator.strategies.base import (
     detached,
     get_replica_context,
 )
-from paramserve.coordinator.strategies.cross_device_ops import CrossDeviceOps
+from paramserve.coordinator.strategies.cross_device_ops import (
+    CrossDeviceOps,
+    HierarchicalCopyAllReduce,
+    ReductionToOneDevice,
+)
 from paramserve.coordinator.strategies.distributed_values import DistributedValue
 from paramserve.coordinator.strategies.input import (
     DistributedDataset,
@@ -88,13 +93,11 @@ from paramserve.coordinator.strategies.input import (
     InputOptions,
 )
 from paramserve.coordinator.strategies.replicated import (
-    _first_present,
-    _flat_params,
-    _local_devices,
-    _or_zeros,
-    _reduce_plain,
-    _ReplicatedStrategy,
-    _resolve_devices,
+    ReplicatedStrategy,
+    flat_params,
+    local_devices,
+    reduce_plain,
+    resolve_devices,
 )
 from paramserve.psserver.runtime.devices import computing_on, resolve_device
 
@@ -139,7 +142,7 @@ class OneDeviceStrategy(Strategy):
 
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
         op = ReduceOp(reduce_op)
-        return detached(nest.map_structure(lambda v: _reduce_plain(op, _single(v), axis), value))
+        return detached(nest.map_structure(lambda v: reduce_plain(op, _single(v), axis), value))
 
     def experimental_distribute_dataset(
         self, dataset: Iterable[Any], options: InputOptions | None = None
@@ -151,7 +154,7 @@ class OneDeviceStrategy(Strategy):
     ) -> DistributedDatasetsFromFunction:
         return DistributedDatasetsFromFunction(dataset_fn, [InputContext()], [self.device], options)
 
-    def _worker_devices(self) -> tuple[str, ...]:
+    def worker_devices(self) -> tuple[str, ...]:
         return (self.device_name,)
 
     def __repr__(self) -> str:
@@ -165,7 +168,7 @@ def _single(value: Any) -> Any:
 # ------------------------------------------------------------------ MirroredStrategy
 
 
-class MirroredStrategy(_ReplicatedStrategy):
+class MirroredStrategy(ReplicatedStrategy):
     """Synchronous training on several local devices, one replica (a full model copy) each.
 
     Args:
@@ -181,8 +184,9 @@ class MirroredStrategy(_ReplicatedStrategy):
     def __init__(
         self, devices: Sequence[str | torch.device] | None = None, cross_device_ops: CrossDeviceOps | None = None
     ):
-        names, resolved = _resolve_devices(devices if devices is not None else _local_devices(), "devices")
+        names, resolved = resolve_devices(devices if devices is not None else local_devices(), "devices")
         super().__init__(names, resolved, cross_device_ops)
+        self._cpu_only = all(d.type == "cpu" for d in resolved)
 
     def _adopt_module(self, root: nn.Module) -> None:
         root.to(self._devices[0])
@@ -192,13 +196,38 @@ class MirroredStrategy(_ReplicatedStrategy):
     def _adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         replicas = [optimizer]
         for r in range(1, self.num_replicas_in_sync):
-            memo: dict[int, Any] = {id(p): self._param_replicas[id(p)][r] for p in _flat_params(optimizer)}
+            memo: dict[int, Any] = {id(p): self._param_replicas[id(p)][r] for p in flat_params(optimizer)}
             replica = copy.deepcopy(optimizer, memo)
             _move_state(replica, optimizer)
             replicas.append(replica)
         self._known_optimizers.update(id(o) for o in replicas)
         self._optimizers.append(optimizer)
         _capture.link_optimizer(optimizer, _MirroredOptimizer(self, optimizer, replicas))
+
+    def _sum_gradients(self, grads: list[list[torch.Tensor | None]]) -> list[list[torch.Tensor | None]]:
+        """All-reduces (SUM) gradient i of every replica; None where no replica has one.
+        A replica without a gradient that others have contributes zeros."""
+        out: list[list[torch.Tensor | None]] = [[None] * len(grads[0]) for _ in grads]
+        present = [i for i in range(len(grads[0])) if any(g[i] is not None for g in grads)]
+        columns = [
+            [_or_zeros(g[i], _first_present(grads, i), self._devices[r]) for r, g in enumerate(grads)] for i in present
+        ]
+        for i, mirrored in zip(present, self.cross_device_ops.batch_all_reduce(ReduceOp.SUM, columns)):
+            for r in range(len(grads)):
+                out[r][i] = mirrored.values[r]
+        return out
+
+    def _sums_locally(self) -> bool:
+        """Whether gradients may be summed by each replica itself: every replica on the host
+        CPU and one of the library's cross-device ops (they all add in replica order there)."""
+        if not self._cpu_only or type(self.cross_device_ops) not in _LOCAL_SUM_OPS:
+            return False
+        where = getattr(self.cross_device_ops, "reduce_to_device", None)
+        return where is None or where.type == "cpu"
+
+
+_LOCAL_SUM_OPS = (CrossDeviceOps, ReductionToOneDevice, HierarchicalCopyAllReduce)
+"""Cross-device ops whose all-reduce of CPU tensors is a plain sum in replica order."""
 
 
 def _sum_columns(
@@ -231,9 +260,19 @@ def _sum_columns(
     return out
 
 
+def _first_present(grads: list[list[torch.Tensor | None]], i: int) -> torch.Tensor:
+    """Gradient ``i`` of the first replica that has one (some replica must)."""
+    return next(t for g in grads if (t := g[i]) is not None)
+
+
+def _or_zeros(grad: torch.Tensor | None, example: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``grad``, or zeros shaped like ``example`` on ``device`` for a replica without one."""
+    return grad if grad is not None else torch.zeros_like(example, device=device)
+
+
 def _move_state(replica: torch.optim.Optimizer, original: torch.optim.Optimizer) -> None:
     """Moves a copied optimizer's state tensors to its own parameters' devices."""
-    for p_copy, p_orig in zip(_flat_params(replica), _flat_params(original)):
+    for p_copy, p_orig in zip(flat_params(replica), flat_params(original)):
         state = replica.state.get(p_copy, {})
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and value.device == p_orig.device:
@@ -252,21 +291,21 @@ class _MirroredOptimizer:
         self.base = _capture.base_class(optimizer)
 
     def step(self, closure: Callable[[], Any] | None) -> Any:
-        replica = self.strategy._replica_id("optimizer.step()")
+        replica = self.strategy.calling_replica("optimizer.step()")
         if closure is not None:
             raise ValueError(
                 "optimizer.step(closure) is not supported under MirroredStrategy: compute the loss and "
                 "call backward() before optimizer.step()"
             )
-        params = _flat_params(self.replicas[replica])
+        params = flat_params(self.replicas[replica])
         if self.strategy._sums_locally():
             # All replicas on the host CPU: the merge only shares the gradients; then each
             # replica, in parallel, adds them up (in replica order, as the cross-device ops
             # would) into new tensors of its own: no serial sum, no copies back.
-            every = self.strategy._merge(replica, [p.grad for p in params], self._share)
-            grads = _sum_columns(every, replica, self.strategy._devices)
+            every = self.strategy.exchange(replica, [p.grad for p in params], self._share)
+            grads = _sum_columns(every, replica, self.strategy.replica_devices)
         else:
-            grads = self.strategy._merge(replica, [p.grad for p in params], self._combine)
+            grads = self.strategy.exchange(replica, [p.grad for p in params], self._combine)
         for param, grad in zip(params, grads):
             if grad is not None:
                 param.grad = grad
@@ -304,9 +343,9 @@ class _MirroredOptimizer:
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """On every replica's optimizer, each with its own copies of the group's parameters."""
-        group = self.strategy._add_group_in_place(self.optimizer, param_group)
+        group = self.strategy.add_param_group_in_place(self.optimizer, param_group)
         for r, replica in enumerate(self.replicas[1:], start=1):
-            params = [self.strategy._param_replicas[id(p)][r] for p in group["params"]]
+            params = [self.strategy.replica_copies(p)[r] for p in group["params"]]
             self.base.add_param_group(replica, {**group, "params": params})
 
     def pickled_as(self) -> None:

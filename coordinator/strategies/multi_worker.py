@@ -339,7 +339,7 @@ class MultiWorkerMirroredStrategy(Strategy):
 
     # ------------------------------------------------------------------ running
 
-    def _worker_devices(self) -> tuple[str, ...]:
+    def worker_devices(self) -> tuple[str, ...]:
         return (str(self.device),)  # this process's replica
 
     def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None) -> Any:
@@ -353,17 +353,17 @@ class MultiWorkerMirroredStrategy(Strategy):
         with self._in_replica(self._rank), computing_on(self.device):
             return fn(*args, **kwargs)
 
-    def _replica_all_reduce(self, context: ReplicaContext, reduce_op: ReduceOp, value: Any) -> Any:
+    def replica_all_reduce(self, context: ReplicaContext, reduce_op: ReduceOp, value: Any) -> Any:
         return _map_tensors(lambda t: self._all_reduce_tensor(reduce_op, t), value)
 
     @property
-    def _local_replicas(self) -> int:
+    def local_replicas(self) -> int:
         return 1  # this process's replica; the others are other processes'
 
-    def _local_index(self, replica_id: int) -> int:
+    def local_index(self, replica_id: int) -> int:
         return 0
 
-    def _sum_across_processes(self, tensor: torch.Tensor) -> torch.Tensor:
+    def sum_across_processes(self, tensor: torch.Tensor) -> torch.Tensor:
         return self._all_reduce_tensor(ReduceOp.SUM, tensor)
 
     @property

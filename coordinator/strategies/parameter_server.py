@@ -15,14 +15,12 @@ already (an earlier run with the same names) is refused unless the strategy was 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import pathlib
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,20 +37,24 @@ from paramserve.coordinator.strategies import _capture, scope_optimizers
 from paramserve.coordinator.strategies.base import DefaultStrategy, SingleReplicaStrategy, Strategy
 from paramserve.coordinator.strategies.input import InputOptions, check_per_worker
 from paramserve.coordinator.strategies.parameter_server_access import (
+    ClosureStrategy,
     CoordinatorAccess,
-    _ClosureStrategy,
-    _server_optimizer,
-    _ServerOptimizerLink,
-    check_run_name,
-    held_by_servers,
-    variables_exist_error,
+    ServerOptimizerLink,
+    server_optimizer_of,
 )
 from paramserve.coordinator.strategies.parameter_server_training import (
     METRIC_OPTIMIZER,
     ParameterServerStepRunner,
     ServerCheckpoints,
     ServerMetricState,
-    _check_training_data,
+    check_training_data,
+)
+from paramserve.coordinator.strategies.parameter_server_variables import (
+    Variable,
+    check_run_name,
+    create_on_servers,
+    held_by_servers,
+    variables_exist_error,
 )
 from paramserve.coordinator.strategies.step_runners import StepFn, StepRunner
 from paramserve.coordinator.strategies.sync_dense import SyncDense
@@ -63,7 +65,6 @@ from paramserve.psserver.protocol.optimizer_spec import OptimizerSpec
 from paramserve.psserver.protocol.partition import Partitioner
 from paramserve.psserver.protocol.types import ClusterContext, ShardPlacement, ShardState, VariableLayout
 from paramserve.psserver.runtime.security import TOKEN_ENV, check_token
-from paramserve.wire.v1 import tensor_pb2
 from paramserve.worker.dynamic_embedding import DynamicEmbedding
 from paramserve.worker.variables import (
     RefreshBeforeForward,
@@ -76,21 +77,6 @@ from paramserve.worker.variables import (
 )
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Variable:
-    """One distributed variable as the coordinator knows it."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    parameter: nn.Parameter | None = None  # dense: the coordinator's own parameter
-    table: ShardedEmbedding | None = None  # row variable: never materialised locally
-    dynamic: DynamicEmbedding | None = None  # a dynamic table: rows by id, no layout
-    optimizer: OptimizerSpec | None = None
-    checkpointed: bool = True  # a metric's state is not: checkpoints hold the model
-    replicated: bool = False  # sync_dense: on the workers, averaged by all-reduce, never on the servers
 
 
 class ParameterServerStrategy(SingleReplicaStrategy):
@@ -314,11 +300,13 @@ class ParameterServerStrategy(SingleReplicaStrategy):
 
     def metric_state(self, template: Any, name: str) -> Any:
         """The metric's state tensors as variables on the servers (see ServerMetricState)."""
-        return ServerMetricState(self, template, name)
+        return ServerMetricState(self, template, name, self._access)
 
-    def _register_metric(self, name: str, states: Mapping[str, torch.Tensor]) -> dict[str, nn.Parameter]:
-        """Variables ``[<run>/]metric.<name>[_n].<state>`` (float64, summed by an SGD step of rate 1)
-        for a metric's states; created on the servers with the next closure."""
+    def register_metric(self, name: str, states: Mapping[str, torch.Tensor]) -> dict[str, nn.Parameter]:
+        """For ServerMetricState: a metric's states as variables ``[<run>/]metric.<name>[_n].<state>``
+        (zeros, float64, summed by an SGD step of rate 1, never checkpointed), by state name;
+        created on the servers with the next closure. Raises RuntimeError once the strategy is
+        closed; once training started, VariableExistsError where creating variables would."""
         with self._lock:
             self._check_open()
             base, n = f"{self._namespace}metric.{name}", 1
@@ -405,7 +393,7 @@ class ParameterServerStrategy(SingleReplicaStrategy):
     def __reduce__(self) -> tuple[Any, tuple[()]]:
         # A step that calls strategy.run() is sent to workers with the strategy in it:
         # there it becomes the single-replica strategy of a closure, without clients or locks.
-        return _ClosureStrategy, ()
+        return ClosureStrategy, ()
 
     # ------------------------------------------------------------------ optimizer
 
@@ -442,7 +430,7 @@ class ParameterServerStrategy(SingleReplicaStrategy):
             lambda names, lr: self.set_server_hyperparameters({"lr": lr}, params=names),
         )
         self._tables_taken.update(dict.fromkeys(tables, server_optimizer))
-        _capture.link_optimizer(optimizer, _ServerOptimizerLink(server_optimizer, optimizer))
+        _capture.link_optimizer(optimizer, ServerOptimizerLink(server_optimizer, optimizer))
 
     def _variable_names(self, params: Iterable[Any] | None) -> list[str]:
         if params is None:
@@ -564,7 +552,7 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         existing = self._existing_on_servers([v.name for v in variables])
         for variable in variables:
             if variable.name not in existing:
-                self._create(variable)
+                create_on_servers(self.client, variable, self.variable_partitioner)
             self._created.add(variable.name)
         self._context = None  # workers must learn the new layouts
         log.info(
@@ -658,33 +646,6 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         force now (recovery at RecoveryPoint.ALL)."""
         CheckpointManager(self, path.parent).restore(path, keep_live_settings=True)
 
-    def _create(self, variable: Variable) -> None:
-        if variable.dynamic is not None:
-            config = dataclasses.replace(variable.dynamic.config, optimizer=variable.optimizer)
-            self.client.dynamic.create(variable.name, config)
-            return
-        if variable.table is not None:
-            table = variable.table
-            kind = table.initializer
-            a, b = (0.0, table.init_std) if kind == "normal" else (-table.init_std, table.init_std)
-            init = tensor_pb2.Initializer(kind=kind, a=a, b=b, seed=table.seed)
-            self.client.create_variable(
-                variable.name,
-                shape=variable.shape,
-                dtype=variable.dtype,
-                initializer=init,
-                optimizer=variable.optimizer,
-                partitioner=self.variable_partitioner,
-            )
-            return
-        assert variable.parameter is not None
-        self.client.create_variable(
-            variable.name,
-            variable.parameter.detach(),
-            optimizer=variable.optimizer,
-            partitioner=self.variable_partitioner,
-        )
-
     def cluster_context(self) -> ClusterContext:
         """What every closure carries so a (restarted) worker can reach the variables (creates
         the variables not yet on the servers first). Cached; built again when variables are
@@ -729,7 +690,7 @@ class ParameterServerStrategy(SingleReplicaStrategy):
     ) -> StepRunner:
         """Steps run on the workers: ``train_data`` is a dataset function each worker runs
         (``dataset_fn(ctx)`` yielding endless batches); K steps make one closure."""
-        _check_training_data(train_data, steps_per_epoch)
+        check_training_data(train_data, steps_per_epoch)
         return ParameterServerStepRunner(self, step, train_data, coordinator)
 
     def evaluation_strategy(self) -> Strategy:
@@ -740,11 +701,11 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         return ServerCheckpoints(self, directory, keep)
 
     def learning_rate(self, optimizer: Any) -> float:
-        return float(_server_optimizer(optimizer).spec_kwargs.get("lr", 0.0))
+        return float(server_optimizer_of(optimizer).spec_kwargs.get("lr", 0.0))
 
     def set_learning_rate(self, optimizer: Any, lr: float) -> None:
         """The servers apply ``lr`` to ``optimizer``'s variables from their next push."""
-        server_optimizer = _server_optimizer(optimizer)
+        server_optimizer = server_optimizer_of(optimizer)
         self.set_server_hyperparameters({"lr": lr}, params=server_optimizer.variables)
         scope_optimizers.show_rate(optimizer, server_optimizer, lr)
 
@@ -758,15 +719,15 @@ class ParameterServerStrategy(SingleReplicaStrategy):
 
     # ------------------------------------------------------------------ what StrategyExtended asks
 
-    def _worker_devices(self) -> tuple[str, ...]:
+    def worker_devices(self) -> tuple[str, ...]:
         """The workers closures run on (their addresses; each computes on its own device)."""
         return tuple(self.cluster.workers)
 
-    def _parameter_devices(self) -> tuple[str, ...]:
+    def parameter_devices(self) -> tuple[str, ...]:
         """The parameter servers the variables are partitioned over (their addresses)."""
         return tuple(self.cluster.parameter_servers)
 
-    def _refuse_colocation(self) -> str | None:
+    def colocation_refusal(self) -> str | None:
         return (
             "ParameterServerStrategy places each variable's shards with its variable_partitioner, not next to "
             "another variable: pass variable_partitioner=FixedShardsPartitioner(1) to keep every variable whole "

@@ -2,9 +2,9 @@
 
 The coordinator's own modules read and update them through CoordinatorAccess (the
 VariableAccess of the coordinator); a closure pickled to a worker carries the strategy
-as _ClosureStrategy (one replica, no clients, no locks: the worker's access does the
+as ClosureStrategy (one replica, no clients, no locks: the worker's access does the
 rest); a torch optimizer built in ``strategy.scope()`` steps through its ServerOptimizer
-(_ServerOptimizerLink, found again by _server_optimizer). They are apart from
+(ServerOptimizerLink, found again by server_optimizer_of). They are apart from
 ``parameter_server`` (the strategy that creates and owns the variables) because they
 are the strategy's faces to other code: each holds the strategy or a ServerOptimizer,
 and none of them creates variables.
@@ -20,18 +20,15 @@ from torch import nn
 
 from paramserve.coordinator.strategies import _capture
 from paramserve.coordinator.strategies.base import SingleReplicaStrategy
-from paramserve.psserver.client.ps_client import ParameterServerClient, layouts_from_infos
-from paramserve.psserver.protocol.errors import VariableExistsError
-from paramserve.psserver.protocol.types import VariableLayout
 from paramserve.worker.variables import ServerOptimizer, variable_name
 
 if TYPE_CHECKING:
     from paramserve.coordinator.strategies.parameter_server import ParameterServerStrategy
 
 
-class _ClosureStrategy(SingleReplicaStrategy):
+class ClosureStrategy(SingleReplicaStrategy):
     """What a ParameterServerStrategy is inside a closure on a worker: one replica,
-    no clients, no locks."""
+    no clients, no locks (a pickled ParameterServerStrategy unpickles as one)."""
 
 
 class CoordinatorAccess:
@@ -120,8 +117,10 @@ class CoordinatorAccess:
                     param.grad.zero_()
 
 
-class _ServerOptimizerLink:
-    """What a torch optimizer built in scope does: the ServerOptimizer's step, on the wire itself."""
+class ServerOptimizerLink:
+    """What a torch optimizer built in a ParameterServerStrategy's scope does (its ``_capture``
+    link): ``step`` and ``zero_grad`` are the ServerOptimizer's, on the wire it is that
+    ServerOptimizer, and its local state is refused (it lives on the servers)."""
 
     def __init__(self, server_optimizer: ServerOptimizer, optimizer: torch.optim.Optimizer | None = None):
         self.server_optimizer = server_optimizer
@@ -189,51 +188,19 @@ _STATE_ON_SERVERS = (
 )
 
 
-def _server_optimizer(optimizer: Any) -> ServerOptimizer:
-    """The ServerOptimizer behind ``optimizer`` (itself, or a torch optimizer built in scope)."""
+def server_optimizer_of(optimizer: Any) -> ServerOptimizer:
+    """The ServerOptimizer behind ``optimizer``: itself, or the one a torch optimizer built in
+    scope steps through.
+
+    Raises:
+        TypeError: ``optimizer`` is neither (it updates no variable of a ParameterServerStrategy).
+    """
     if isinstance(optimizer, ServerOptimizer):
         return optimizer
     link = vars(optimizer).get(_capture.LINK)
-    if isinstance(link, _ServerOptimizerLink):
+    if isinstance(link, ServerOptimizerLink):
         return link.server_optimizer
     raise TypeError(
         f"{type(optimizer).__name__} does not update this strategy's variables: use the optimizer "
         "strategy.optimizer(...) returns, or a torch optimizer built inside strategy.scope()"
     )
-
-
-def held_by_servers(
-    client: ParameterServerClient, shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]], names: Sequence[str]
-) -> dict[str, VariableLayout]:
-    """The layouts of those of ``names`` the servers hold. Raises VariableExistsError for one held
-    with another shape or dtype than ``shapes`` gives: another model's, never to be touched."""
-    layouts = {n: layout for n, layout in layouts_from_infos(client.list_shards()).items() if n in names}
-    for name, layout in layouts.items():
-        shape, dtype = shapes[name]
-        if (layout.shape, layout.dtype) != (shape, dtype):
-            raise VariableExistsError(
-                f"the servers hold it as {layout.shape} {layout.dtype}, the model builds {shape} "
-                f"{dtype}: it belongs to another model; use a new run_name for this one",
-                variable=name,
-            )
-    return layouts
-
-
-def variables_exist_error(layouts: Mapping[str, VariableLayout]) -> VariableExistsError:
-    """What a run that would create variables the servers hold already is told."""
-    return VariableExistsError(
-        f"{len(layouts)} variables of this model exist on the parameter servers already, e.g. "
-        f"{sorted(layouts)[:3]} (from an earlier run?): pass ParameterServerStrategy(run_name=...) a new "
-        "name to keep this run's variables apart, reuse_variables=True to train on from their values, or (a "
-        "restarted program) call CheckpointManager(strategy, directory).restore_or_initialize() before the "
-        "first schedule(): it restores the latest checkpoint, or starts the variables afresh without one",
-        variable=sorted(layouts)[0],
-    )
-
-
-def check_run_name(run_name: str | None) -> str | None:
-    if run_name is None:
-        return None
-    if not isinstance(run_name, str) or not run_name.strip() or run_name != run_name.strip() or "/" in run_name:
-        raise ValueError(f"run_name must be a non-empty name without '/' or surrounding spaces, got {run_name!r}")
-    return run_name

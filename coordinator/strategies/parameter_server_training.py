@@ -27,7 +27,7 @@ from paramserve.coordinator.remote_value import RemoteValue, RemoteValueState
 from paramserve.coordinator.strategies.step_runners import StepFn, add_statistics
 from paramserve.psserver.checkpoint import shard_files as checkpoint
 from paramserve.psserver.protocol.optimizer_spec import OptimizerSpec
-from paramserve.worker.variables import ServerOptimizer, current_access, variable_name
+from paramserve.worker.variables import ServerOptimizer, VariableAccess, current_access, variable_name
 
 if TYPE_CHECKING:
     from paramserve.coordinator.strategies.parameter_server import ParameterServerStrategy
@@ -49,15 +49,16 @@ class ServerMetricState:
     as references (as a model's parameters do) and the pushes go through the worker.
     """
 
-    def __init__(self, strategy: ParameterServerStrategy, template: Any, name: str):
+    def __init__(self, strategy: ParameterServerStrategy, template: Any, name: str, home: VariableAccess):
+        """``home``: how the coordinator reaches ``strategy``'s variables (its CoordinatorAccess)."""
         from paramserve.coordinator.metrics import additive_states
 
         self.template = template
         self.states = additive_states(template)
-        self.parameters = strategy._register_metric(name, {n: getattr(template, n) for n in self.states})
+        self.parameters = strategy.register_metric(name, {n: getattr(template, n) for n in self.states})
         names = [variable_name(p) or "" for p in self.parameters.values()]
         self.optimizer = ServerOptimizer(
-            names, METRIC_OPTIMIZER.name, dict(METRIC_OPTIMIZER.kwargs), home=strategy._access, owner=strategy
+            names, METRIC_OPTIMIZER.name, dict(METRIC_OPTIMIZER.kwargs), home=home, owner=strategy
         )
 
     def update(self, *args: Any, **kwargs: Any) -> None:
@@ -88,7 +89,13 @@ class ServerMetricState:
             parameter.grad = None
 
 
-def _check_training_data(train_data: Any, steps_per_epoch: int | None) -> None:
+def check_training_data(train_data: Any, steps_per_epoch: int | None) -> None:
+    """Returns when ``fit`` can train on ``train_data`` under ParameterServerStrategy.
+
+    Raises:
+        ValueError: no ``steps_per_epoch`` (the workers' datasets have no end).
+        TypeError: ``train_data`` is not a dataset function run on each worker.
+    """
     if steps_per_epoch is None:
         raise ValueError(
             "steps_per_epoch is required under ParameterServerStrategy (the workers' datasets "

@@ -1,13 +1,14 @@
-"""What MirroredStrategy and CentralStorageStrategy share: ``_ReplicatedStrategy``, the base of
+"""What MirroredStrategy and CentralStorageStrategy share: ``ReplicatedStrategy``, the base of
 the strategies that run N replicas of a model in this process, one thread each.
 
 The base captures what ``scope()`` builds and links each module to its replica copies, runs
 ``fn`` in the replica threads and their merge points, reduces results, distributes input,
 and closes; subclasses decide where variables live and what ``optimizer.step()`` does
-(``_adopt_module``, ``_adopt_optimizer``, ``_home_device``, ``_before_run``). Also here: how
-replica devices and the default cross-device ops are chosen, the gradient-summing helpers
-both optimizers use, and REPLICA_GUARDS, the process-wide module and optimizer pre-hooks
-that refuse, inside a replica, a module or optimizer not built in the strategy's scope.
+(``_adopt_module``, ``_adopt_optimizer``, ``_home_device``, ``_before_run``); their optimizers
+meet at the base's merge points (``exchange``, ``calling_replica``, ``replica_copies``,
+``add_param_group_in_place``). Also here: how replica devices and the default cross-device ops
+are chosen, and REPLICA_GUARDS, the process-wide module and optimizer pre-hooks that refuse,
+inside a replica, a module or optimizer not built in the strategy's scope.
 It is apart from ``mirrored`` and ``central_storage`` because both build on it.
 """
 
@@ -68,7 +69,13 @@ from paramserve.psserver.runtime.devices import cuda_device_count, resolve_devic
 # ------------------------------------------------------------------ devices
 
 
-def _resolve_devices(specs: Sequence[str | torch.device], what: str) -> tuple[list[str], list[torch.device]]:
+def resolve_devices(specs: Sequence[str | torch.device], what: str) -> tuple[list[str], list[torch.device]]:
+    """The replica devices ``specs`` names (argument ``what`` of a strategy): their names and
+    torch devices, in order.
+
+    Raises:
+        ValueError: not a non-empty list, a bad name, a device that does not exist here, or one listed twice.
+    """
     if isinstance(specs, (str, torch.device)) or not specs:
         raise ValueError(f"{what} must be a non-empty list of devices, e.g. ['cpu:0', 'cpu:1'], got {specs!r}")
     resolved = [resolve_device(s) for s in specs]
@@ -78,14 +85,10 @@ def _resolve_devices(specs: Sequence[str | torch.device], what: str) -> tuple[li
     return names, [device for _, device in resolved]
 
 
-def _local_devices() -> list[str]:
-    """All GPUs when there are any, else one CPU replica."""
+def local_devices() -> list[str]:
+    """The default replica devices: all GPUs when there are any, else one CPU replica."""
     count = cuda_device_count()
     return [f"cuda:{i}" for i in range(count)] or ["cpu:0"]
-
-
-_LOCAL_SUM_OPS = (CrossDeviceOps, ReductionToOneDevice, HierarchicalCopyAllReduce)
-"""Cross-device ops whose all-reduce of CPU tensors is a plain sum in replica order."""
 
 
 def _default_cross_device_ops(devices: Sequence[torch.device]) -> CrossDeviceOps:
@@ -98,7 +101,9 @@ def _default_cross_device_ops(devices: Sequence[torch.device]) -> CrossDeviceOps
     return ReductionToOneDevice()
 
 
-def _reduce_plain(op: ReduceOp, value: Any, axis: int | None) -> Any:
+def reduce_plain(op: ReduceOp, value: Any, axis: int | None) -> Any:
+    """``reduce`` of a value that is one replica's (not distributed): itself, or with ``axis``
+    its SUM or MEAN along that axis (a tensor's)."""
     if axis is None or not isinstance(value, torch.Tensor):
         return value
     return value.sum(dim=axis) if op is ReduceOp.SUM else value.mean(dim=axis)
@@ -107,15 +112,17 @@ def _reduce_plain(op: ReduceOp, value: Any, axis: int | None) -> Any:
 # ------------------------------------------------------------------ shared by Mirrored and CentralStorage
 
 
-class _ReplicatedStrategy(Strategy):
+class ReplicatedStrategy(Strategy):
     """N replicas in this process, one thread each during ``run``; subclasses decide where
-    variables live and what ``optimizer.step()`` does."""
+    variables live and what ``optimizer.step()`` does. The base of MirroredStrategy and
+    CentralStorageStrategy: its public methods beyond the Strategy API (``exchange``,
+    ``calling_replica``, ``replica_copies``, ``add_param_group_in_place``) are for their
+    optimizers, in the strategies package."""
 
     def __init__(self, names: list[str], devices: list[torch.device], cross_device_ops: CrossDeviceOps | None):
         self.device_names = tuple(names)
         self._devices = tuple(devices)
         self.cross_device_ops = cross_device_ops or _default_cross_device_ops(devices)
-        self._cpu_only = all(d.type == "cpu" for d in devices)
         self._lock = threading.Lock()  # one run at a time; guards the maps below
         self._rendezvous: Rendezvous | None = None
         self._threads = ReplicaThreads(type(self).__name__, len(devices))
@@ -201,11 +208,16 @@ class _ReplicatedStrategy(Strategy):
                 f"{type(self).__name__}.scope(): build the model inside the scope too (before the optimizer)"
             )
 
-    def _add_group_in_place(self, optimizer: torch.optim.Optimizer, param_group: dict[str, Any]) -> dict[str, Any]:
+    def add_param_group_in_place(self, optimizer: torch.optim.Optimizer, param_group: dict[str, Any]) -> dict[str, Any]:
         """``optimizer.add_param_group`` after the scope closed, on the user's optimizer itself:
         torch fills in and checks the group, then the group's parameters must be ones this
-        strategy replicates (else the group is taken back and refused). Returns the group as
-        torch stored it, for the strategy to mirror onto its replicas."""
+        strategy replicates. Returns the group as torch stored it, for the strategy's optimizer
+        to mirror onto its replicas.
+
+        Raises:
+            RuntimeError: a parameter of no module built in the scope (the group is taken back).
+            ValueError, TypeError: what torch's ``add_param_group`` raises.
+        """
         _capture.base_class(optimizer).add_param_group(optimizer, param_group)
         group = optimizer.param_groups[-1]
         strangers = [p for p in group["params"] if id(p) not in self._param_replicas]
@@ -326,23 +338,31 @@ class _ReplicatedStrategy(Strategy):
                         f"replicas: distribute it with this strategy (experimental_distribute_dataset)"
                     )
 
-    def _merge(self, replica: int, value: Any, combine: Callable[[list[Any]], Sequence[Any]]) -> Any:
+    def exchange(self, replica: int, value: Any, combine: Callable[[list[Any]], Sequence[Any]]) -> Any:
+        """A merge point inside ``run``: replica ``replica`` brings ``value`` and waits for every
+        other replica's; the last to arrive calls ``combine`` on all of them, in replica order, and
+        each replica gets its element of the result. Every replica must call it, in the same order.
+
+        Raises:
+            RuntimeError: called outside ``run``.
+            ReplicaDeparted: another replica finished or failed without reaching this point, or
+                ``combine`` failed in another replica's thread (in the replica that ran it, its
+                error itself).
+        """
         rendezvous = self._rendezvous
         if rendezvous is None:
             raise RuntimeError(f"merge points only exist inside {type(self).__name__}.run(...)")
         return rendezvous.exchange(replica, value, combine)
 
-    def _replica_all_reduce(self, context: ReplicaContext, reduce_op: ReduceOp, value: Any) -> Any:
-        return self._merge(
+    def replica_all_reduce(self, context: ReplicaContext, reduce_op: ReduceOp, value: Any) -> Any:
+        return self.exchange(
             context.replica_id_in_sync_group, value, lambda nests: self._all_reduce_nests(reduce_op, nests)
         )
 
-    def _replica_all_gather(
-        self, context: ReplicaContext, tensors: list[torch.Tensor], axis: int
-    ) -> list[torch.Tensor]:
-        return self._merge(context.replica_id_in_sync_group, tensors, lambda lists: concatenate_replicas(lists, axis))
+    def replica_all_gather(self, context: ReplicaContext, tensors: list[torch.Tensor], axis: int) -> list[torch.Tensor]:
+        return self.exchange(context.replica_id_in_sync_group, tensors, lambda lists: concatenate_replicas(lists, axis))
 
-    def _merge_call(
+    def replica_merge_call(
         self, context: ReplicaContext, merge_fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         """A merge point: the last replica to arrive runs replica 0's ``merge_fn`` (as TensorFlow
@@ -357,11 +377,11 @@ class _ReplicatedStrategy(Strategy):
                     "merge_call got a different number of arguments (or other keyword names) from each replica: "
                     "every replica must pass the same structure"
                 )
-            with self._cross_replica(), _capture.unredirected():
+            with self.cross_replica_context(), _capture.unredirected():
                 result = per_replica[0][0](self, *merged[0], **merged[1])
             return [select_replica(result, r) for r in range(len(per_replica))]
 
-        return self._merge(context.replica_id_in_sync_group, (merge_fn, args, kwargs), combine)
+        return self.exchange(context.replica_id_in_sync_group, (merge_fn, args, kwargs), combine)
 
     def _all_reduce_nests(self, op: ReduceOp, nests: list[Any]) -> list[Any]:
         flats = [[torch.as_tensor(leaf) for leaf in nest.flatten(n)] for n in nests]
@@ -369,28 +389,13 @@ class _ReplicatedStrategy(Strategy):
         per_replica = [[m.values[r] for m in reduced] for r in range(len(nests))]
         return [_rebuild_like(structure, leaves) for structure, leaves in zip(nests, per_replica)]
 
-    def _sum_gradients(self, grads: list[list[torch.Tensor | None]]) -> list[list[torch.Tensor | None]]:
-        """All-reduces (SUM) gradient i of every replica; None where no replica has one.
-        A replica without a gradient that others have contributes zeros."""
-        out: list[list[torch.Tensor | None]] = [[None] * len(grads[0]) for _ in grads]
-        present = [i for i in range(len(grads[0])) if any(g[i] is not None for g in grads)]
-        columns = [
-            [_or_zeros(g[i], _first_present(grads, i), self._devices[r]) for r, g in enumerate(grads)] for i in present
-        ]
-        for i, mirrored in zip(present, self.cross_device_ops.batch_all_reduce(ReduceOp.SUM, columns)):
-            for r in range(len(grads)):
-                out[r][i] = mirrored.values[r]
-        return out
+    def calling_replica(self, what: str) -> int:
+        """The id of the replica whose thread calls ``what`` (an optimizer's ``step()``), which
+        must run inside this strategy's ``run``.
 
-    def _sums_locally(self) -> bool:
-        """Whether gradients may be summed by each replica itself: every replica on the host
-        CPU and one of the library's cross-device ops (they all add in replica order there)."""
-        if not self._cpu_only or type(self.cross_device_ops) not in _LOCAL_SUM_OPS:
-            return False
-        where = getattr(self.cross_device_ops, "reduce_to_device", None)
-        return where is None or where.type == "cpu"
-
-    def _replica_id(self, what: str) -> int:
+        Raises:
+            RuntimeError: called elsewhere (the message says where ``what`` belongs).
+        """
         context = get_replica_context()
         if context is None or context.strategy is not self:
             raise RuntimeError(
@@ -420,7 +425,7 @@ class _ReplicatedStrategy(Strategy):
                     f"cannot SUM {type(value).__name__}, which is not a per-replica value (every replica returned "
                     "the same object): reduce the PerReplica values strategy.run returns"
                 )
-            return _reduce_plain(op, value, axis)
+            return reduce_plain(op, value, axis)
         parts = [torch.as_tensor(v) for v in value.values]
         if axis is None:
             return self.cross_device_ops.reduce(op, parts, "cpu")
@@ -438,6 +443,11 @@ class _ReplicatedStrategy(Strategy):
             return self._param_replicas[id(value)]
         return super().experimental_local_results(value)
 
+    def replica_copies(self, tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Each replica's copy of ``tensor``, a parameter or buffer of a module this strategy
+        distributed, in replica order. Raises KeyError for any other tensor."""
+        return self._param_replicas[id(tensor)]
+
     def experimental_distribute_values_from_function(self, value_fn: Callable[[ValueContext], Any]) -> PerReplica:
         """A PerReplica whose component r is ``value_fn(ValueContext(r, N))``, its tensors moved to
         replica r's device (as TensorFlow builds each under the replica's device)."""
@@ -446,18 +456,18 @@ class _ReplicatedStrategy(Strategy):
 
     # ------------------------------------------------------------------ what StrategyExtended asks
 
-    def _worker_devices(self) -> tuple[str, ...]:
+    def worker_devices(self) -> tuple[str, ...]:
         return self.device_names
 
-    def _owns_variable(self, v: Any) -> bool:
+    def owns_variable(self, v: Any) -> bool:
         if isinstance(v, torch.Tensor) and (id(v) in self._param_replicas or id(v) in self._containers):
             return True
-        return super()._owns_variable(v)
+        return super().owns_variable(v)
 
-    def _value_container(self, value: Any) -> Any:
+    def value_container(self, value: Any) -> Any:
         return self._containers.get(id(value), value)
 
-    def _reduce_to(self, reduce_op: ReduceOp, value: Any, devices: list[torch.device]) -> Any:
+    def reduce_to_devices(self, reduce_op: ReduceOp, value: Any, devices: list[torch.device]) -> Any:
         """Through the cross-device ops, straight to ``devices``."""
         destination: torch.device | list[torch.device] = devices[0] if len(devices) == 1 else devices
         if isinstance(value, DistributedValue):
@@ -534,28 +544,19 @@ def _rebuild_like(structure: Any, leaves: list[Any]) -> Any:
     return nest.map_structure(lambda _: next(it), structure)
 
 
-def _flat_params(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
+def flat_params(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
+    """Every parameter ``optimizer`` steps, group after group."""
     return [p for group in optimizer.param_groups for p in group["params"]]
-
-
-def _first_present(grads: list[list[torch.Tensor | None]], i: int) -> torch.Tensor:
-    """Gradient ``i`` of the first replica that has one (some replica must)."""
-    return next(t for g in grads if (t := g[i]) is not None)
-
-
-def _or_zeros(grad: torch.Tensor | None, example: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``grad``, or zeros shaped like ``example`` on ``device`` for a replica without one."""
-    return grad if grad is not None else torch.zeros_like(example, device=device)
 
 
 # ------------------------------------------------------------------ process-wide guards
 
 
-def _replicated_strategy() -> _ReplicatedStrategy | None:
+def _replicated_strategy() -> ReplicatedStrategy | None:
     if running_strategy() is None:  # the common case, every module call of the process: stay cheap
         return None
     context = get_replica_context()
-    if context is None or not isinstance(context.strategy, _ReplicatedStrategy):
+    if context is None or not isinstance(context.strategy, ReplicatedStrategy):
         return None
     return context.strategy
 

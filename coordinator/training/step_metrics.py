@@ -21,8 +21,8 @@ import torchmetrics
 from torch import Tensor
 
 from paramserve.coordinator.metrics import (
+    ArgmaxMatches,
     Metric,
-    _ArgmaxMatches,
     additive_states,
     flatten_states,
     load_states,
@@ -111,7 +111,7 @@ def _one(name: str | None, metric: Any) -> StepMetric:
                 f"unknown metric {metric!r}: use 'accuracy', a paramserve.coordinator.metrics "
                 "metric, a torchmetrics metric or a function"
             )
-        return StepMetric(name or "accuracy", _ArgmaxMatches(), _same)
+        return StepMetric(name or "accuracy", ArgmaxMatches(), _same)
     if isinstance(metric, Metric):
         return StepMetric(name or metric.name, metric.template, metric.prepare)
     if isinstance(metric, torchmetrics.Metric):

@@ -355,13 +355,13 @@ class _OneReplicaOfTwoProcesses(SingleReplicaStrategy):
         return 2
 
     @property
-    def _local_replicas(self) -> int:
+    def local_replicas(self) -> int:
         return 1
 
-    def _local_index(self, replica_id: int) -> int:
+    def local_index(self, replica_id: int) -> int:
         return 0
 
-    def _sum_across_processes(self, tensor: torch.Tensor) -> torch.Tensor:
+    def sum_across_processes(self, tensor: torch.Tensor) -> torch.Tensor:
         return self.bus.sum(self.rank, tensor)
 
     def run(self, fn, args=(), kwargs=None):
