@@ -302,9 +302,9 @@ class Strategy(abc.ABC):
             group["lr"] = lr
 
     def metric_state(self, template: Any, name: str) -> Any:
-        """Where a metric built under this strategy keeps its state (a ``metrics.MetricState``
+        """Where a metric built under this strategy keeps its state (a ``metric_states.MetricState``
         over a copy of the torchmetrics metric ``template``): here one copy in this process."""
-        from paramserve.coordinator.metrics import LocalMetricState
+        from paramserve.coordinator.strategies.metric_states import LocalMetricState
 
         return LocalMetricState(template)
 

@@ -79,7 +79,7 @@ from paramserve.coordinator.strategies.multi_worker_cluster import (
 from paramserve.psserver.runtime.devices import computing_on, cuda_device_count
 
 if TYPE_CHECKING:
-    from paramserve.coordinator.metrics import LocalMetricState
+    from paramserve.coordinator.strategies.metric_states import LocalMetricState
 
 __all__ = ["MultiWorkerMirroredStrategy"]
 
@@ -442,7 +442,7 @@ class MultiWorkerMirroredStrategy(Strategy):
     def metric_state(self, template: Any, name: str) -> Any:
         """A copy in this process; reading it gathers every process's copy over this strategy's
         group (torchmetrics' own synchronisation: a collective, every process reads it)."""
-        from paramserve.coordinator.metrics import LocalMetricState
+        from paramserve.coordinator.strategies.metric_states import LocalMetricState
 
         state = LocalMetricState(template, process_group=self._live_group)
         self._metric_states.add(state)

@@ -51,7 +51,7 @@ class ServerMetricState:
 
     def __init__(self, strategy: ParameterServerStrategy, template: Any, name: str, home: VariableAccess):
         """``home``: how the coordinator reaches ``strategy``'s variables (its CoordinatorAccess)."""
-        from paramserve.coordinator.metrics import additive_states
+        from paramserve.coordinator.strategies.metric_states import additive_states
 
         self.template = template
         self.states = additive_states(template)
@@ -67,7 +67,7 @@ class ServerMetricState:
         self._push({n: getattr(batch, n) for n in self.states}, sign=-1.0)
 
     def merged(self) -> Any:
-        from paramserve.coordinator.metrics import load_states
+        from paramserve.coordinator.strategies.metric_states import load_states
 
         self._refresh()
         metric = copy.deepcopy(self.template)

@@ -477,7 +477,7 @@ class ReplicatedStrategy(Strategy):
 
     def metric_state(self, template: Any, name: str) -> Any:
         """A copy per replica, merged when read (metrics are SyncOnRead, as in tf.distribute)."""
-        from paramserve.coordinator.metrics import PerReplicaMetricState
+        from paramserve.coordinator.strategies.metric_states import PerReplicaMetricState
 
         def replica_id() -> int | None:
             context = get_replica_context()

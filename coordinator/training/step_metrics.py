@@ -20,9 +20,8 @@ import torch
 import torchmetrics
 from torch import Tensor
 
-from paramserve.coordinator.metrics import (
-    ArgmaxMatches,
-    Metric,
+from paramserve.coordinator.metrics import ArgmaxMatches, Metric
+from paramserve.coordinator.strategies.metric_states import (
     additive_states,
     flatten_states,
     load_states,

@@ -17,7 +17,7 @@ LAYERS = ("psserver", "coordinator", "worker")
 
 # ---------------------------------------------------------------- where a module belongs
 
-COORDINATOR_BASE = {"errors", "nest", "cluster", "cluster_resolver", "remote_value", "metrics"}
+COORDINATOR_BASE = {"errors", "nest", "cluster", "cluster_resolver", "remote_value"}
 """The coordinator's vocabulary: modules that import nothing of the coordinator outside this set."""
 COORDINATOR_FACADE = {"cluster_coordinator", "contracts"}
 COORDINATOR_TOP = {"__init__", "local_cluster", "sidecar_evaluator"}
@@ -46,9 +46,11 @@ COORDINATOR_RULE: dict[str, set[str]] = {
     "recovery": {"base", "dispatch", "checkpointing"},
     "facade": {"base", "dispatch", "checkpointing", "status", "recovery"},
     "strategies": {"base", "dispatch", "checkpointing", "status", "recovery", "facade"},
-    "training": {"base", "dispatch", "checkpointing", "status", "recovery", "facade", "strategies"},
+    "metrics": {"base", "dispatch", "checkpointing", "status", "recovery", "facade", "strategies"},
+    "training": {"base", "dispatch", "checkpointing", "status", "recovery", "facade", "strategies", "metrics"},
 }
-"""coordinator package -> the coordinator packages it may import; ``top``, ``demos`` and
+"""coordinator package -> the coordinator packages it may import (``metrics``, the user's metric
+objects, sits on the strategies: a metric's state lives where its strategy says); ``top``, ``demos`` and
 ``commands`` (the entry points) may import every one."""
 
 
@@ -81,6 +83,8 @@ def package_of(module: str) -> tuple[str, str]:
         return "coordinator", "base"
     if name in COORDINATOR_FACADE:
         return "coordinator", "facade"
+    if name == "metrics":
+        return "coordinator", "metrics"
     return "coordinator", "top"
 
 
@@ -225,6 +229,7 @@ def test_layout_is_folders_not_prefixes():
 LIBRARY_PRIVATES = {
     "torch._foreach_add_": "torch's multi-tensor kernels have no public name; the optimizer's fast path",
     "torch._foreach_copy_": "the same, for the step engine's copies",
+    "torch._foreach_add": "the same, for MirroredStrategy's sum of replica gradients",
     "atexit._run_exitfuncs": "a zygote child runs its exit hooks before os._exit (it never returns to the interpreter)",
     "Point._fields": "namedtuple's documented field list (underscored to avoid field clashes)",
     "dist.ProcessGroupGloo._Options": "gloo's timeout option has no public constructor",

@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from paramserve.coordinator import metrics
 from paramserve.coordinator.commands.demo import MLP, digits_split
-from paramserve.coordinator.strategies import MirroredStrategy, OneDeviceStrategy, get_strategy
+from paramserve.coordinator.strategies import MirroredStrategy, OneDeviceStrategy, get_strategy, metric_states
 from paramserve.coordinator.training.fit import evaluate, fit
 
 LOSS = nn.CrossEntropyLoss(reduction="none")
@@ -118,13 +118,13 @@ def test_metrics_whose_state_does_not_add_up_are_refused_with_the_fix():
 
 
 def test_torchmetrics_still_says_how_each_state_merges():
-    """metrics.additive_states reads torchmetrics' private ``_reductions`` (no public accessor):
+    """metric_states.additive_states reads torchmetrics' private ``_reductions`` (no public accessor):
     a release that drops or renames it must fail here, not as a wrong sum in training."""
     from torchmetrics.utilities.data import dim_zero_sum
 
     for metric in (torchmetrics.MeanMetric(), torchmetrics.classification.BinaryAUROC(thresholds=10)):
         assert set(metric._reductions) == set(metric.metric_state)
-        assert all(metric._reductions[name] is dim_zero_sum for name in metrics.additive_states(metric))
+        assert all(metric._reductions[name] is dim_zero_sum for name in metric_states.additive_states(metric))
 
 
 def test_keras_argument_order_gives_the_same_auc_and_accuracy():
