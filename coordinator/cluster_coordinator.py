@@ -45,7 +45,7 @@ from paramserve.coordinator.recovery.recovery_policy import RecoveryPolicy
 from paramserve.coordinator.remote_value import RemoteValue, fetch_structure
 from paramserve.coordinator.status.cluster_status import status_key
 from paramserve.coordinator.status.status_page import ServerProber, StatusPage, StatusSources, check_status_exposure
-from paramserve.coordinator.status.telemetry import CoordinatorTelemetry
+from paramserve.coordinator.status.telemetry import CoordinatorTelemetry, register_queue_gauges
 from paramserve.psserver.protocol import convert
 from paramserve.psserver.protocol.errors import ConfigurationError
 from paramserve.psserver.protocol.types import ClusterContext
@@ -139,29 +139,20 @@ def _status_page(
     return StatusPage(sources, key=status_key(strategy.token) if strategy.token else None)
 
 
-def _stop_dispatch(
-    queue: ClosureQueue,
-    pool: DispatchLoop,
-    timeout: float,
-    recovery: ParameterServerRecovery | None = None,
-    discovery: WorkerDiscovery | None = None,
-    telemetry: CoordinatorTelemetry | None = None,
-    status: StatusPage | None = None,
-) -> int:
+def _stop_dispatch(runtime: _Runtime, timeout: float) -> int:
     """Stops the status page, recovering servers and discovering workers, closes the queue
     (cancelling what waits), stops the dispatch thread and the metrics endpoint; returns how
     many queued closures were cancelled."""
-    if status is not None and not status.stop(timeout):
+    if runtime.status is not None and not runtime.status.stop(timeout):
         log.error("the status page's threads still run after %ss", timeout)
-    if recovery is not None:
-        recovery.stop(timeout)
-    if discovery is not None and not discovery.stop(timeout):
+    if runtime.recovery is not None:
+        runtime.recovery.stop(timeout)
+    if runtime.discovery is not None and not runtime.discovery.stop(timeout):
         log.error("the discovery thread still runs after %ss", timeout)
-    cancelled = queue.close(CoordinatorClosedError("the ClusterCoordinator was shut down"))
-    if not pool.stop(timeout):
+    cancelled = runtime.queue.close(CoordinatorClosedError("the ClusterCoordinator was shut down"))
+    if not runtime.pool.stop(timeout):
         log.error("the dispatch thread still runs after %ss", timeout)
-    if telemetry is not None:
-        telemetry.close()
+    runtime.telemetry.close()
     return cancelled
 
 
@@ -178,6 +169,70 @@ def _dense_rounds(strategy: CoordinatedStrategy, telemetry: CoordinatorTelemetry
         timeout=sync_dense.timeout,
         observer=telemetry,
     )
+
+
+@dataclass(frozen=True)
+class _Runtime:
+    """What a ClusterCoordinator runs on, each part given the others it needs when it is built
+    (``build``). It holds the queue, the loop and the strategy's parts, never the coordinator,
+    so the coordinator's finalizer may hold it."""
+
+    telemetry: CoordinatorTelemetry
+    queue: ClosureQueue
+    specs: ResourceSpecs
+    context: _ContextSource
+    recovery: ParameterServerRecovery | None
+    """Recovers failed parameter servers (None: recovery is off, or the strategy has none)."""
+    dense: DenseRounds | None
+    pool: DispatchLoop
+    discovery: WorkerDiscovery | None
+    status: StatusPage | None
+
+    @classmethod
+    def build(
+        cls,
+        strategy: CoordinatedStrategy,
+        config: CoordinatorConfig,
+        recoverable: RecoverableVariables | None,
+        *,
+        transport_factory: Callable[[str], WorkerTransport] | None,
+        resolver: Resolver,
+        status_page: bool,
+    ) -> _Runtime:
+        """The runtime of a coordinator for ``strategy``; starts the dispatch thread (its loop
+        waits for workers: ``ClusterCoordinator`` adds them), nothing else."""
+        telemetry = CoordinatorTelemetry.build(checkpoint=_latest_checkpoint_of(recoverable))
+        queue = ClosureQueue(config.max_queued, observer=telemetry)
+        register_queue_gauges(
+            telemetry.registry, queue_depth=lambda: queue.num_queued, in_flight=lambda: queue.num_in_flight
+        )
+        recovery = None
+        if config.recovery.enabled and recoverable is not None:
+            recovery = ParameterServerRecovery(recoverable, queue=queue, policy=config.recovery, observer=telemetry)
+        dense = _dense_rounds(strategy, telemetry)
+        specs, context = ResourceSpecs(), _ContextSource(strategy.cluster_context)
+        token, tls, max_bytes = strategy.token, strategy.tls, config.max_message_bytes
+        pool = DispatchLoop(
+            queue=queue,
+            specs=specs,
+            policy=config.policy,
+            transport_factory=transport_factory or (lambda address: GrpcTransport(address, token, max_bytes, tls)),
+            cluster_context=context,
+            max_value_age=strategy.max_value_age,
+            overlap_pushes=strategy.overlap_pushes,
+            max_batch=config.max_batch,
+            batch_seconds=config.batch_seconds,
+            on_server_failure=recovery.report if recovery is not None else None,
+            observer=telemetry,
+            dense=dense,
+        )
+        service = strategy.cluster.worker_service
+        discovery = None
+        if service is not None:
+            static = frozenset(strategy.cluster.workers)
+            discovery = WorkerDiscovery(service, pool, resolver=resolver, policy=config.discovery, static=static)
+        status = _status_page(queue, telemetry, recoverable, strategy) if status_page else None
+        return cls(telemetry, queue, specs, context, recovery, dense, pool, discovery, status)
 
 
 class ClusterCoordinator:
@@ -209,86 +264,53 @@ class ClusterCoordinator:
         status_host: str = "127.0.0.1",
     ):
         self.strategy = strategy
-        self.config = config or CoordinatorConfig()
+        self.config = config = config or CoordinatorConfig()
         self._closed = False
         self._lock = threading.Lock()
-        token, tls, max_bytes = strategy.token, strategy.tls, self.config.max_message_bytes
-        _check_workers_authenticate(strategy.cluster.workers, token=token, tls=tls, insecure=self.config.insecure)
+        _check_workers_authenticate(
+            strategy.cluster.workers, token=strategy.token, tls=strategy.tls, insecure=config.insecure
+        )
         if status_port is not None:
-            check_status_exposure(status_host, token)
+            check_status_exposure(status_host, strategy.token)
         recoverable = strategy.attach_coordinator(self)
-        # The telemetry's callbacks hold the queue and the strategy's checkpoint log, never the
-        # coordinator (see the finalizer below).
-        self.telemetry = CoordinatorTelemetry(
-            queue_depth=lambda: queue.num_queued,
-            in_flight=lambda: queue.num_in_flight,
-            checkpoint=_latest_checkpoint_of(recoverable),
+        runtime = _Runtime.build(
+            strategy,
+            config,
+            recoverable,
+            transport_factory=transport_factory,
+            resolver=resolver,
+            status_page=status_port is not None,
         )
-        self._queue = queue = ClosureQueue(self.config.max_queued, observer=self.telemetry)
-        self._specs = ResourceSpecs()
-        self._context = _ContextSource(strategy.cluster_context)
-        self.recovery: ParameterServerRecovery | None = None
+        self.telemetry = runtime.telemetry
+        self.recovery = runtime.recovery
         """Recovers failed parameter servers (None: recovery is off, or the strategy has none)."""
-        if self.config.recovery.enabled and recoverable is not None:
-            self.recovery = ParameterServerRecovery(recoverable, queue=self._queue, policy=self.config.recovery)
-        self._dense = _dense_rounds(strategy, self.telemetry)
-        self._pool = DispatchLoop(
-            queue=self._queue,
-            specs=self._specs,
-            policy=self.config.policy,
-            transport_factory=transport_factory or (lambda address: GrpcTransport(address, token, max_bytes, tls)),
-            cluster_context=self._context,
-            max_value_age=strategy.max_value_age,
-            overlap_pushes=strategy.overlap_pushes,
-            max_batch=self.config.max_batch,
-            batch_seconds=self.config.batch_seconds,
-            on_server_failure=self.recovery.report if self.recovery is not None else None,
-            observer=self.telemetry,
-            dense=self._dense,
-        )
-        sync_dense = strategy.sync_dense
-        if self._dense is not None and sync_dense is not None:
-            sync_dense.rounds_done = self._dense.rounds_done
-            sync_dense.read_state = self._pool.read_dense_state
-        if self.recovery is not None:
-            self.recovery.observer = self.telemetry
-            self.recovery.start(self._pool)
-        self._discovery: WorkerDiscovery | None = None
-        if strategy.cluster.worker_service is not None:
-            self._discovery = WorkerDiscovery(
-                strategy.cluster.worker_service,
-                self._pool,
-                resolver=resolver,
-                policy=self.config.discovery,
-                static=frozenset(strategy.cluster.workers),
-            )
-        self._status: StatusPage | None = None
-        if status_port is not None:
-            self._status = _status_page(self._queue, self.telemetry, recoverable, strategy)
+        self._queue, self._specs, self._context = runtime.queue, runtime.specs, runtime.context
+        self._pool, self._discovery, self._status = runtime.pool, runtime.discovery, runtime.status
         # Dropped without shutdown() (or alive at interpreter exit): the dispatch thread stops.
-        # The callback holds the queue, the loop, recovery, discovery and the status page, never the
-        # coordinator itself.
-        self._finalizer = weakref.finalize(
-            self,
-            _stop_dispatch,
-            self._queue,
-            self._pool,
-            self.config.shutdown_timeout,
-            self.recovery,
-            self._discovery,
-            self.telemetry,
-            self._status,
-        )
-        for address in strategy.cluster.workers:
-            self._pool.add_worker(address)
-        if self._discovery is not None:
-            self._discovery.step()  # the workers running now join before the first schedule()
-            self._discovery.start()
+        # The callback holds the runtime, never the coordinator itself.
+        self._runtime = runtime
+        self._finalizer = weakref.finalize(self, _stop_dispatch, runtime, config.shutdown_timeout)
+        self._start(metrics_host, metrics_port, status_host, status_port)
+
+    def _start(self, metrics_host: str, metrics_port: int | None, status_host: str, status_port: int | None) -> None:
+        """Connects the strategy's dense variables to the rounds, starts recovery, adds the
+        workers (those of a worker service before the first schedule()), then serves the
+        metrics and the status page."""
+        runtime, sync_dense = self._runtime, self.strategy.sync_dense
+        if runtime.dense is not None and sync_dense is not None:
+            sync_dense.rounds.connect(runtime.dense, runtime.pool.read_dense_state)
+        if runtime.recovery is not None:
+            runtime.recovery.start(runtime.pool)
+        for address in self.strategy.cluster.workers:
+            runtime.pool.add_worker(address)
+        if runtime.discovery is not None:
+            runtime.discovery.step()  # the workers running now join before the first schedule()
+            runtime.discovery.start()
         if metrics_port is not None:
-            self.telemetry.serve(metrics_host, metrics_port)
-        if self._status is not None:
+            runtime.telemetry.serve(metrics_host, metrics_port)
+        if runtime.status is not None:
             try:
-                self._status.start(status_host, status_port or 0)
+                runtime.status.start(status_host, status_port or 0)
             except BaseException:
                 self.shutdown()
                 raise
@@ -443,15 +465,7 @@ class ClusterCoordinator:
                 return
             self._closed = True
         self._finalizer.detach()
-        cancelled = _stop_dispatch(
-            self._queue,
-            self._pool,
-            self.config.shutdown_timeout,
-            self.recovery,
-            self._discovery,
-            self.telemetry,
-            self._status,
-        )
+        cancelled = _stop_dispatch(self._runtime, self.config.shutdown_timeout)
         log.info("coordinator shut down (%d queued closures cancelled)", cancelled)
 
     def paused(self, timeout: float | None = None) -> contextlib.AbstractContextManager[None]:

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from paramserve.coordinator.cluster import ClusterSpec
-from paramserve.coordinator.dispatch.dense_rounds import DenseSettings
+from paramserve.coordinator.dispatch.dense_rounds import DenseRoundsLink, DenseSettings
 from paramserve.coordinator.recovery.ps_recovery import RecoverableVariables
 from paramserve.psserver.protocol.types import ClusterContext
 from paramserve.psserver.runtime.security import ClientTls
@@ -61,10 +61,11 @@ class DenseReplication(Protocol):
     """Seconds a collective waits for the slowest worker before the group is broken."""
     rendezvous_host: str | None
     """The coordinator's host as the workers reach it (None: chosen from the workers' addresses)."""
-    rounds_done: Callable[[], int]
-    """Set by the coordinator: rounds finished so far."""
-    read_state: Callable[[float], bytes] | None
-    """Set by the coordinator: reads the workers' dense state between rounds."""
+
+    @property
+    def rounds(self) -> DenseRoundsLink:
+        """Where the coordinator connects its rounds: how the variables learn of rounds
+        finished and read the workers' dense state between them."""
 
     def settings(self) -> DenseSettings:
         """The replicated variables, their optimizer and the state epoch, for the next round."""

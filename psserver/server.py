@@ -25,7 +25,7 @@ from paramserve.psserver.replication.replica_forwarder import ForwarderSettings,
 from paramserve.psserver.runtime.error_boundary import boundary_error
 from paramserve.psserver.runtime.security import ClientTls, TlsConfig
 from paramserve.psserver.runtime.serving import DEFAULT_MAX_CONNECTIONS, GrpcService, RunningService, ensure_descriptors
-from paramserve.psserver.servicer import ParameterServerServicer, ServicerLimits, generic_handler
+from paramserve.psserver.servicer import DataPlaneListing, ParameterServerServicer, ServicerLimits, generic_handler
 from paramserve.psserver.steps.engine import DEFAULT_MAX_PULL_BYTES, DEFAULT_MAX_PUSH_BYTES, StepEngine
 from paramserve.psserver.steps.programs import StepPrograms
 from paramserve.psserver.store.optimizer import warm_up
@@ -192,26 +192,17 @@ def build_server(config: ServerConfig, registry: CollectorRegistry | None = None
         authenticated=bool(config.token),
     )
     store_config = replace(config.store, dynamic_block_bytes=block_bytes_within(limits.shard_limit()))
-    store = ShardStore(store_config, observer=PushMetrics(registry))
-    steps = StepEngine(store, limits.step_limits())
-    settings = ForwarderSettings(config.token, config.replica_tls, max_message_bytes=config.max_message_bytes)
-    cannot_forward = (
-        "this server serves TLS but has no CA bundle to verify its backups with: start it with --replica-tls-ca "
-        "(and --replica-tls-cert/--replica-tls-key where the servers require client certificates)"
-        if config.tls is not None and config.replica_tls is None
-        else None
-    )
-    replica = Replica(lambda address: GrpcForwarder(address, settings), cannot_forward)
-    store.replication = replica
-    steps.admit_client = replica.admit_client
-    steps.admit_forwarded = replica.admit_forwarded
-    servicer = ParameterServerServicer(store, steps, config.chunk_bytes, limits, replica)
+    replica = build_replica(config)
+    store = ShardStore(store_config, observer=PushMetrics(registry), replication=replica)
+    steps = StepEngine(store, replica, limits.step_limits())
+    listing = DataPlaneListing()
+    servicer = ParameterServerServicer(store, steps, config.chunk_bytes, limits, replica, listing)
     registry.register(ShardVersions(store))
     registry.register(DynamicTableMetrics(store))
     service = GrpcService.for_config(
         config, handlers=[generic_handler(servicer)], service_names=[SERVICE_NAME], registry=registry, role="ps"
     )
-    data_plane = None if config.data_port is None else start_data_plane(config, steps, servicer, service)
+    data_plane = None if config.data_port is None else start_data_plane(config, steps, listing, service)
     try:
         return ParameterServer(config, store, service.start(), registry, data_plane)
     except BaseException:
@@ -220,17 +211,30 @@ def build_server(config: ServerConfig, registry: CollectorRegistry | None = None
         raise
 
 
+def build_replica(config: ServerConfig) -> Replica:
+    """This server's place in its shard group (standalone until the coordinator configures it),
+    forwarding a primary's writes over gRPC as the config says to reach its backups."""
+    settings = ForwarderSettings(config.token, config.replica_tls, max_message_bytes=config.max_message_bytes)
+    cannot_forward = (
+        "this server serves TLS but has no CA bundle to verify its backups with: start it with --replica-tls-ca "
+        "(and --replica-tls-cert/--replica-tls-key where the servers require client certificates)"
+        if config.tls is not None and config.replica_tls is None
+        else None
+    )
+    return Replica(lambda address: GrpcForwarder(address, settings), cannot_forward)
+
+
 DATA_PLANE_HEALTH = "paramserve.DataPlane"
 """The health service name of the data plane: NOT_SERVING while it cannot accept connections
 (clients then take the Step RPC, which the server's own health covers)."""
 
 
 def start_data_plane(
-    config: ServerConfig, steps: StepEngine, servicer: ParameterServerServicer, service: GrpcService
+    config: ServerConfig, steps: StepEngine, listing: DataPlaneListing, service: GrpcService
 ) -> DataPlaneServer[StepPrograms]:
     """The step data plane beside the gRPC server: same host, token, TLS and message limit, the
-    same step engine (each connection's state: its step programs); ``servicer`` then tells
-    clients its port. Raises ConfigurationError when its port cannot be bound."""
+    same step engine (each connection's state: its step programs); ``listing`` (the servicer's)
+    then tells clients its port. Raises ConfigurationError when its port cannot be bound."""
     assert config.data_port is not None
     metrics = service.metrics
     refused = Counter(
@@ -265,11 +269,13 @@ def start_data_plane(
             f"cannot serve the data plane on {config.host}:{config.data_port}: {err.strerror or err}; choose "
             "another --data-port (0 picks a free one)"
         ) from None
-    servicer.data_plane = ps_pb2.DataPlaneInfo(
-        port=data_plane.port,
-        max_frame_bytes=config.max_message_bytes,
-        local_socket=data_plane.local_socket,
-        server_pid=os.getpid(),
-        server_uid=os.getuid(),
+    listing.publish(
+        ps_pb2.DataPlaneInfo(
+            port=data_plane.port,
+            max_frame_bytes=config.max_message_bytes,
+            local_socket=data_plane.local_socket,
+            server_pid=os.getpid(),
+            server_uid=os.getuid(),
+        )
     )
     return data_plane.start()

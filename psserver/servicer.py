@@ -84,12 +84,38 @@ def half_the_memory() -> int:
         return 1 << 34
 
 
+class DataPlaneListing:
+    """Where clients find this server's step data plane: what GetDataPlane answers. Given both
+    to the servicer and to whoever starts the data plane (psserver/server.py), which is built
+    after the gRPC service it reports its health and metrics to, and so after the servicer:
+    it ``publish``es its address once it is bound. Until then, and on a server without a data
+    plane, it lists none (port 0), and clients step over gRPC."""
+
+    def __init__(self) -> None:
+        self._info = ps_pb2.DataPlaneInfo()
+
+    def publish(self, info: ps_pb2.DataPlaneInfo) -> None:
+        self._info = info
+
+    @property
+    def info(self) -> ps_pb2.DataPlaneInfo:
+        return self._info
+
+
 class ParameterServerServicer:
     """Serves one ShardStore, its steps through ``steps`` (the engine the data plane shares).
-    ``chunk_bytes`` bounds each outgoing chunk's data; ``limits`` what one request may ask."""
+    ``chunk_bytes`` bounds each outgoing chunk's data; ``limits`` what one request may ask;
+    ``replica`` is this server's place in its shard group; ``data_plane`` lists the step data
+    plane's address for GetDataPlane."""
 
     def __init__(
-        self, store: ShardStore, steps: StepEngine, chunk_bytes: int, limits: ServicerLimits, replica: Replica
+        self,
+        store: ShardStore,
+        steps: StepEngine,
+        chunk_bytes: int,
+        limits: ServicerLimits,
+        replica: Replica,
+        data_plane: DataPlaneListing,
     ):
         self._store = store
         self._replica = replica
@@ -98,8 +124,7 @@ class ParameterServerServicer:
         self._limits = limits
         self._shard_limit = limits.shard_limit()
         self._root = checkpoint_root(limits.checkpoint_root) if limits.checkpoint_root is not None else None
-        self.data_plane = ps_pb2.DataPlaneInfo()
-        """What GetDataPlane answers: set by whoever starts the data plane (port 0: none)."""
+        self._data_plane = data_plane
 
     # -- creation
 
@@ -197,7 +222,7 @@ class ParameterServerServicer:
     @unary_boundary
     def GetDataPlane(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
         parse(ps_pb2.GetDataPlaneRequest, raw)
-        return self.data_plane.SerializeToString()
+        return self._data_plane.info.SerializeToString()
 
     @unary_boundary
     def SetHyperparameters(self, raw: bytes, context: grpc.ServicerContext) -> bytes:

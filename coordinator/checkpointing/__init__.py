@@ -15,11 +15,13 @@ if TYPE_CHECKING:
         load_state_dict,
         state_dict,
     )
+    from paramserve.coordinator.checkpointing.checkpointed_variables import CheckpointedVariables
 
 __all__ = [
     "CheckpointLog",
     "CheckpointManager",
     "CheckpointRecord",
+    "CheckpointedVariables",
     "export_state_dict",
     "load_state_dict",
     "state_dict",
@@ -29,6 +31,7 @@ _HOMES = {
     "CheckpointLog": "checkpoint_log",
     "CheckpointManager": "checkpoint_manager",
     "CheckpointRecord": "checkpoint_log",
+    "CheckpointedVariables": "checkpointed_variables",
     "export_state_dict": "checkpoint_manager",
     "load_state_dict": "checkpoint_manager",
     "state_dict": "checkpoint_manager",

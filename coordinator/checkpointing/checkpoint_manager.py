@@ -30,11 +30,12 @@ import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
+from paramserve.coordinator.checkpointing.checkpointed_variables import CheckpointedVariables
 from paramserve.coordinator.checkpointing.dense_checkpoint import (
     DENSE_EXTRA_KEY,
     read_checkpoint_state,
@@ -47,9 +48,6 @@ from paramserve.psserver.dynamic.dynamic_types import DynamicSaveMark, DynamicSh
 from paramserve.psserver.protocol.errors import CheckpointBaseMissingError, CheckpointError, ParamServeError
 from paramserve.psserver.protocol.types import ShardRef, ShardState, VariableLayout
 from paramserve.psserver.runtime.atomic_files import atomic_torch_save
-
-if TYPE_CHECKING:
-    from paramserve.coordinator.strategies.parameter_server import ParameterServerStrategy
 
 log = logging.getLogger(__name__)
 STEP_KEY = "step"
@@ -110,7 +108,7 @@ class CheckpointManager:
 
     def __init__(
         self,
-        strategy: ParameterServerStrategy,
+        strategy: CheckpointedVariables,
         directory: str | os.PathLike[str],
         *,
         max_to_keep: int = 3,
@@ -403,7 +401,7 @@ def _check_compatible(manifest: checkpoint.Manifest, layouts: Mapping[str, Any],
 # ------------------------------------------------------------------ plain torch state_dicts
 
 
-def state_dict(strategy: ParameterServerStrategy, module: nn.Module | None = None) -> dict[str, torch.Tensor]:
+def state_dict(strategy: CheckpointedVariables, module: nn.Module | None = None) -> dict[str, torch.Tensor]:
     """The current values of a model's variables as a plain torch state_dict, keyed
     as ``module.state_dict()`` is (buffers come from the coordinator's module).
     ShardedEmbedding tables appear as ``<name>.weight``, as an nn.Embedding would."""
@@ -427,7 +425,7 @@ def state_dict(strategy: ParameterServerStrategy, module: nn.Module | None = Non
 
 
 def export_state_dict(
-    strategy: ParameterServerStrategy, path: str | os.PathLike[str], module: nn.Module | None = None
+    strategy: CheckpointedVariables, path: str | os.PathLike[str], module: nn.Module | None = None
 ) -> pathlib.Path:
     """Writes ``state_dict(strategy, module)`` atomically to ``path`` with torch.save:
     ``Net().load_state_dict(torch.load(path, weights_only=True))`` needs no paramserve."""
@@ -435,7 +433,7 @@ def export_state_dict(
 
 
 def load_state_dict(
-    strategy: ParameterServerStrategy, values: Mapping[str, torch.Tensor], module: nn.Module | None = None
+    strategy: CheckpointedVariables, values: Mapping[str, torch.Tensor], module: nn.Module | None = None
 ) -> None:
     """Sets a model's variables from a plain state_dict (e.g. pretrained weights) before
     training starts. Everything is checked first; on any mismatch nothing changes."""
@@ -465,7 +463,7 @@ def load_state_dict(
     root.load_state_dict(values)
 
 
-def _root(strategy: ParameterServerStrategy, module: nn.Module | None) -> tuple[str, nn.Module]:
+def _root(strategy: CheckpointedVariables, module: nn.Module | None) -> tuple[str, nn.Module]:
     roots = strategy.roots
     if module is None:
         if len(roots) != 1:

@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 __all__ = [
     "DenseObserver",
     "DenseRounds",
+    "DenseRoundsLink",
     "DenseSettings",
     "default_rendezvous_host",
     "plan_generation",
@@ -188,6 +189,46 @@ class DenseRounds:
 
     def close(self) -> None:
         self._store = None
+
+
+class DenseRoundsLink:
+    """How the strategy's replicated dense variables (strategies/sync_dense.py: ``SyncDense``,
+    built with the strategy, before any coordinator) follow the rounds of the coordinator that
+    runs them: the SyncDense holds one from the start, and each ClusterCoordinator made for the
+    strategy, which finds it there, ``connect``s its rounds and its dispatch loop to it when it
+    is built (the last one made is the one followed). Until one does, no round has finished and
+    the workers' state cannot be read. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._rounds: DenseRounds | None = None
+        self._read_state: Callable[[float], bytes] | None = None
+
+    def connect(self, rounds: DenseRounds, read_state: Callable[[float], bytes]) -> None:
+        """A coordinator's ``rounds``, and ``read_state(timeout)``: its dispatch loop reading the
+        workers' dense state between rounds (``DispatchLoop.read_dense_state``)."""
+        with self._lock:
+            self._rounds, self._read_state = rounds, read_state
+
+    @property
+    def connected(self) -> bool:
+        with self._lock:
+            return self._rounds is not None
+
+    def rounds_done(self) -> int:
+        """Rounds the connected coordinator finished so far (0 before one is connected)."""
+        with self._lock:
+            rounds = self._rounds
+        return rounds.rounds_done() if rounds is not None else 0
+
+    def read_state(self, timeout: float) -> bytes:
+        """The dense state as a worker of the group holds it (``DispatchLoop.read_dense_state``);
+        RuntimeError before a coordinator is connected."""
+        with self._lock:
+            read = self._read_state
+        if read is None:
+            raise RuntimeError("no ClusterCoordinator runs this strategy's dense rounds yet")
+        return read(timeout)
 
 
 def _host_of(address: str) -> str:

@@ -104,7 +104,8 @@ class RecoveryOutcome:
 
 
 class ParameterServerRecovery:
-    """Watches the parameter servers of ``variables`` and recovers the ones that fail (see the module)."""
+    """Watches the parameter servers of ``variables`` and recovers the ones that fail (see the
+    module), telling ``observer`` (the coordinator's telemetry) of each recovery."""
 
     def __init__(
         self,
@@ -112,14 +113,14 @@ class ParameterServerRecovery:
         *,
         queue: ClosureQueue,
         policy: RecoveryPolicy,
-        observer: RecoveryObserver | None = None,
+        observer: RecoveryObserver,
         clock: Callable[[], float] = time.monotonic,
     ):
         self._variables = variables
         self._loop: DispatchLoop | None = None
         self._queue = queue
         self._policy = policy
-        self.observer = observer
+        self._observer = observer
         self._clock = clock
         self._addresses = tuple(variables.client.addresses)
         self._watches = [ServerWatch() for _ in self._addresses]
@@ -264,8 +265,7 @@ class ParameterServerRecovery:
             return
         address = self._addresses[server]
         log.warning("recovering parameter server %s: training paused", address)
-        if self.observer is not None:
-            self.observer.parameter_server_recovering(address)
+        self._observer.parameter_server_recovering(address)
         try:
             with self._variables.state_change():
                 outcome = self._recover_paused(server)
@@ -275,8 +275,7 @@ class ParameterServerRecovery:
             )
         except Unrecoverable as exc:
             outcome = self._give_up(server, exc)
-        if self.observer is not None:
-            self.observer.parameter_server_recovered(address, outcome.result, outcome.seconds)
+        self._observer.parameter_server_recovered(address, outcome.result, outcome.seconds)
 
     # ---------------------------------------------------------------- replicated groups
 
@@ -308,20 +307,18 @@ class ParameterServerRecovery:
             outcome = RecoveryOutcome(old, result, self._clock() - start)
             self.recoveries.append(outcome)  # before training resumes: whoever sees it go on sees this
         self.loop.release_server_hold()
-        if plan.changed and self.observer is not None:
-            self.observer.parameter_server_recovered(old, outcome.result, outcome.seconds)
-            self.observer.replicas_in_sync(group, 1 + len(plan.state.in_sync))
+        if plan.changed:
+            self._observer.parameter_server_recovered(old, outcome.result, outcome.seconds)
+            self._observer.replicas_in_sync(group, 1 + len(plan.state.in_sync))
 
     def _recover_checkpointed(self, group: int) -> None:
         address = self._addresses[group]
-        if self.observer is not None:
-            self.observer.parameter_server_recovering(address)
+        self._observer.parameter_server_recovering(address)
         try:
             outcome = self._recover_paused(group)
         except Unrecoverable as exc:
             outcome = self._give_up(group, exc)
-        if self.observer is not None:
-            self.observer.parameter_server_recovered(address, outcome.result, outcome.seconds)
+        self._observer.parameter_server_recovered(address, outcome.result, outcome.seconds)
 
     def _rejoin(self, group: int) -> None:
         """Starts a thread that has the primary copy its shards into the members of ``group``
@@ -345,11 +342,10 @@ class ParameterServerRecovery:
         finally:
             with self._cond:
                 self._rejoining.pop(group, None)
-        if self.observer is not None:
-            for rejoined in done:
-                self.observer.replica_rejoined(group, rejoined.member, rejoined.bytes, rejoined.seconds)
-            if done:
-                self.observer.replicas_in_sync(group, 1 + len(groups.states()[group].in_sync))
+        for rejoined in done:
+            self._observer.replica_rejoined(group, rejoined.member, rejoined.bytes, rejoined.seconds)
+        if done:
+            self._observer.replicas_in_sync(group, 1 + len(groups.states()[group].in_sync))
 
     def _moved(self) -> None:
         """The group's primary changed: the strategy's client and context follow."""

@@ -51,8 +51,9 @@ if TYPE_CHECKING:
     from paramserve.coordinator.dispatch.closures import Closure
 
 __all__ = [
-    "CoordinatorTelemetry",
     "WORKER_STATES",
+    "CoordinatorTelemetry",
+    "register_queue_gauges",
 ]
 
 PREFIX = "paramserve_coordinator_"
@@ -60,10 +61,126 @@ WORKER_STATES = ("up", "down", "stopped")
 """``WorkerState`` values of coordinator.dispatcher, as labels."""
 
 
-class CoordinatorTelemetry:
-    """The coordinator's metrics on ``registry`` (a new one by default), fed as its observer.
+class _ClosureMetrics:
+    """Closures scheduled, finished (by outcome), retried (by gRPC code), and their steps."""
 
-    ``queue_depth`` / ``in_flight`` and ``checkpoint`` are read at scrape time.
+    def __init__(self, registry: CollectorRegistry):
+        self.scheduled = Counter(f"{PREFIX}closures_scheduled", "Closures queued by schedule().", registry=registry)
+        self.finished = Counter(
+            f"{PREFIX}closures_finished",
+            "Closures that reached a final state, by outcome.",
+            ["outcome"],
+            registry=registry,
+        )
+        self.retried = Counter(
+            f"{PREFIX}closures_retried",
+            "Calls of closures that failed at the RPC level and went back to the queue, by gRPC code.",
+            ["code"],
+            registry=registry,
+        )
+        self.steps = Counter(
+            f"{PREFIX}steps", "Steps of succeeded closures (rate(): steps per second).", registry=registry
+        )
+        for outcome in ("succeeded", "failed", "cancelled"):  # every series from the start: rate() needs it
+            self.finished.labels(outcome)
+
+
+class _WorkerMetrics:
+    """Workers by state (read at scrape time) and the membership changes."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.membership = Counter(
+            f"{PREFIX}worker_membership_changes",
+            "Workers that joined or left the cluster.",
+            ["change"],
+            registry=registry,
+        )
+        for change in ("joined", "left"):
+            self.membership.labels(change)
+        self.states = _WorkerStates()
+        registry.register(self.states)
+
+    def set(self, address: str, state: str | None) -> None:
+        change = self.states.set(address, state)
+        if change is not None:
+            self.membership.labels(change).inc()
+
+
+class _RecoveryMetrics:
+    """Parameter-server recoveries and, with replicas, the groups in sync and the rejoins."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.recoveries = Counter(
+            f"{PREFIX}ps_recoveries",
+            "Parameter servers restored after a restart, by server and result.",
+            ["server", "result"],
+            registry=registry,
+        )
+        self.recovery_seconds = Histogram(
+            f"{PREFIX}ps_recovery_seconds",
+            "Seconds from noticing a restarted parameter server to its restore.",
+            buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
+            registry=registry,
+        )
+        self.replicas_in_sync = Gauge(
+            f"{PREFIX}ps_replicas_in_sync",
+            "Replicated parameter servers: replicas holding each shard group's state, its primary included.",
+            ["group"],
+            registry=registry,
+        )
+        self.rejoins = Counter(
+            f"{PREFIX}ps_replica_rejoins", "Servers copied into and made backups again.", registry=registry
+        )
+        self.resync_bytes = Counter(
+            f"{PREFIX}ps_replica_resync_bytes",
+            "Bytes piped from primaries into rejoining backups.",
+            registry=registry,
+        )
+        self.resync_seconds = Histogram(
+            f"{PREFIX}ps_replica_resync_seconds",
+            "Seconds each rejoin took (the primary copying its shards while it serves).",
+            buckets=(0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 300),
+            registry=registry,
+        )
+
+
+class _DenseMetrics:
+    """Hybrid training's dense group: its generation, members, rounds and breaks."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.generation = Gauge(
+            f"{PREFIX}dense_group_generation",
+            "Hybrid training (sync_dense): formations of the workers' dense all-reduce group so far.",
+            registry=registry,
+        )
+        self.members = Gauge(
+            f"{PREFIX}dense_group_members", "Hybrid training: workers in the dense group now.", registry=registry
+        )
+        self.rounds = Counter(
+            f"{PREFIX}dense_rounds",
+            "Hybrid training: rounds finished (every worker's call answered).",
+            registry=registry,
+        )
+        self.breaks = Counter(
+            f"{PREFIX}dense_group_breaks",
+            "Hybrid training: rounds in which the dense group broke (a worker lost or timed out).",
+            registry=registry,
+        )
+
+
+def register_queue_gauges(
+    registry: CollectorRegistry, *, queue_depth: Callable[[], int], in_flight: Callable[[], int]
+) -> None:
+    """``queued_closures`` and ``closures_in_flight`` on ``registry``, read at scrape time. Apart
+    from CoordinatorTelemetry: the closure queue reports to the telemetry, so it is built after
+    it, and its gauges join the registry both share once it exists."""
+    Gauge(f"{PREFIX}queued_closures", "Closures waiting for a worker.", registry=registry).set_function(queue_depth)
+    Gauge(f"{PREFIX}closures_in_flight", "Closures running on workers.", registry=registry).set_function(in_flight)
+
+
+class CoordinatorTelemetry:
+    """The coordinator's metrics on ``registry``, fed as its observer; ``build`` makes one.
+
     Parameter-server recovery reports through ``parameter_server_recovering`` and
     ``parameter_server_recovered``; the program through ``report``. ``run`` keeps all of it for
     the status page. ``serve(host, port)`` starts the HTTP endpoint; ``close()`` stops it.
@@ -72,126 +189,65 @@ class CoordinatorTelemetry:
     def __init__(
         self,
         *,
-        queue_depth: Callable[[], int],
-        in_flight: Callable[[], int],
+        registry: CollectorRegistry,
+        closures: _ClosureMetrics,
+        workers: _WorkerMetrics,
+        recovery: _RecoveryMetrics,
+        dense: _DenseMetrics,
+        run: RunLog,
+    ):
+        self.registry = registry
+        self._closures = closures
+        self._workers = workers
+        self._recovery = recovery
+        self._dense = dense
+        self._endpoint: MetricsEndpoint | None = None
+        self.run = run
+        """What the status page shows: workers, recoveries, reports and the timeline."""
+
+    @classmethod
+    def build(
+        cls,
+        *,
         checkpoint: Callable[[], CheckpointRecord | None] = lambda: None,
         registry: CollectorRegistry | None = None,
         clock: Callable[[], float] = time.time,
-    ):
-        self.registry = registry or CollectorRegistry()
-        register_build_info(self.registry, "coordinator")
-        self.scheduled = Counter(
-            f"{PREFIX}closures_scheduled", "Closures queued by schedule().", registry=self.registry
+    ) -> CoordinatorTelemetry:
+        """Telemetry on ``registry`` (a new one by default), with ``paramserve_build_info``;
+        ``checkpoint`` (the newest one) is read at scrape time. The queue's gauges are
+        ``register_queue_gauges``'."""
+        registry = registry or CollectorRegistry()
+        register_build_info(registry, "coordinator")
+        telemetry = cls(
+            registry=registry,
+            closures=_ClosureMetrics(registry),
+            workers=_WorkerMetrics(registry),
+            recovery=_RecoveryMetrics(registry),
+            dense=_DenseMetrics(registry),
+            run=RunLog(clock),
         )
-        self.finished = Counter(
-            f"{PREFIX}closures_finished",
-            "Closures that reached a final state, by outcome.",
-            ["outcome"],
-            registry=self.registry,
-        )
-        self.retried = Counter(
-            f"{PREFIX}closures_retried",
-            "Calls of closures that failed at the RPC level and went back to the queue, by gRPC code.",
-            ["code"],
-            registry=self.registry,
-        )
-        self.steps = Counter(
-            f"{PREFIX}steps", "Steps of succeeded closures (rate(): steps per second).", registry=self.registry
-        )
-        self.membership = Counter(
-            f"{PREFIX}worker_membership_changes",
-            "Workers that joined or left the cluster.",
-            ["change"],
-            registry=self.registry,
-        )
-        self.ps_recoveries = Counter(
-            f"{PREFIX}ps_recoveries",
-            "Parameter servers restored after a restart, by server and result.",
-            ["server", "result"],
-            registry=self.registry,
-        )
-        self.ps_recovery_seconds = Histogram(
-            f"{PREFIX}ps_recovery_seconds",
-            "Seconds from noticing a restarted parameter server to its restore.",
-            buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
-            registry=self.registry,
-        )
-        self.replicas_in_sync_gauge = Gauge(
-            f"{PREFIX}ps_replicas_in_sync",
-            "Replicated parameter servers: replicas holding each shard group's state, its primary included.",
-            ["group"],
-            registry=self.registry,
-        )
-        self.replica_rejoins = Counter(
-            f"{PREFIX}ps_replica_rejoins", "Servers copied into and made backups again.", registry=self.registry
-        )
-        self.replica_resync_bytes = Counter(
-            f"{PREFIX}ps_replica_resync_bytes",
-            "Bytes piped from primaries into rejoining backups.",
-            registry=self.registry,
-        )
-        self.replica_resync_seconds = Histogram(
-            f"{PREFIX}ps_replica_resync_seconds",
-            "Seconds each rejoin took (the primary copying its shards while it serves).",
-            buckets=(0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 300),
-            registry=self.registry,
-        )
-        self.dense_generation = Gauge(
-            f"{PREFIX}dense_group_generation",
-            "Hybrid training (sync_dense): formations of the workers' dense all-reduce group so far.",
-            registry=self.registry,
-        )
-        self.dense_members = Gauge(
-            f"{PREFIX}dense_group_members", "Hybrid training: workers in the dense group now.", registry=self.registry
-        )
-        self.dense_rounds = Counter(
-            f"{PREFIX}dense_rounds",
-            "Hybrid training: rounds finished (every worker's call answered).",
-            registry=self.registry,
-        )
-        self.dense_breaks = Counter(
-            f"{PREFIX}dense_group_breaks",
-            "Hybrid training: rounds in which the dense group broke (a worker lost or timed out).",
-            registry=self.registry,
-        )
-        for outcome in ("succeeded", "failed", "cancelled"):  # every series from the start: rate() needs it
-            self.finished.labels(outcome)
-        for change in ("joined", "left"):
-            self.membership.labels(change)
-        Gauge(f"{PREFIX}queued_closures", "Closures waiting for a worker.", registry=self.registry).set_function(
-            queue_depth
-        )
-        Gauge(f"{PREFIX}closures_in_flight", "Closures running on workers.", registry=self.registry).set_function(
-            in_flight
-        )
-        self._workers = _WorkerStates()
-        self.registry.register(self._workers)
-        self.registry.register(_CheckpointAge(checkpoint, clock))
-        self._endpoint: MetricsEndpoint | None = None
-        self.run = RunLog(clock)
-        """What the status page shows: workers, recoveries, reports and the timeline."""
+        registry.register(_CheckpointAge(checkpoint, clock))
+        return telemetry
 
     # ---------------------------------------------------------------- CoordinatorObserver
 
     def closure_scheduled(self, closure: Closure) -> None:
-        self.scheduled.inc()
+        self._closures.scheduled.inc()
         self.run.closure_scheduled(closure)
 
     def closure_finished(self, closure: Closure) -> None:
         outcome = closure.state.value
-        self.finished.labels(outcome).inc()
+        self._closures.finished.labels(outcome).inc()
         if outcome == "succeeded":
-            self.steps.inc(closure.steps)
+            self._closures.steps.inc(closure.steps)
         self.run.closure_finished(closure)
 
     def closure_retried(self, closure: Closure, code: str) -> None:
-        self.retried.labels(code).inc()
+        self._closures.retried.labels(code).inc()
         self.run.closure_retried(closure, code)
 
     def worker_state(self, address: str, state: str | None) -> None:
-        change = self._workers.set(address, state)
-        if change is not None:
-            self.membership.labels(change).inc()
+        self._workers.set(address, state)
         self.run.worker_state(address, state)
 
     def worker_device(self, address: str, device: str) -> None:
@@ -212,34 +268,34 @@ class CoordinatorTelemetry:
     def parameter_server_recovered(self, server: str, result: str, seconds: float) -> None:
         """A recovery of the parameter server at ``server`` ended with ``result`` (e.g. "restored",
         "failed") after ``seconds``: counts it and observes its duration."""
-        self.ps_recoveries.labels(server, result).inc()
-        self.ps_recovery_seconds.observe(seconds)
+        self._recovery.recoveries.labels(server, result).inc()
+        self._recovery.recovery_seconds.observe(seconds)
         self.run.parameter_server_recovered(server, result, seconds)
 
     def replica_rejoined(self, group: int, member: str, copied_bytes: int, seconds: float) -> None:
         """``member`` rejoined shard group ``group`` as a backup after ``copied_bytes`` were copied."""
-        self.replica_rejoins.inc()
-        self.replica_resync_bytes.inc(copied_bytes)
-        self.replica_resync_seconds.observe(seconds)
+        self._recovery.rejoins.inc()
+        self._recovery.resync_bytes.inc(copied_bytes)
+        self._recovery.resync_seconds.observe(seconds)
         self.run.replica_rejoined(group, member, copied_bytes, seconds)
 
     def replicas_in_sync(self, group: int, count: int) -> None:
         """Shard group ``group`` has ``count`` replicas holding its state."""
-        self.replicas_in_sync_gauge.labels(str(group)).set(count)
+        self._recovery.replicas_in_sync.labels(str(group)).set(count)
 
     # ---------------------------------------------------------------- hybrid training's dense group
 
     def dense_group_formed(self, generation: int, members: Sequence[str]) -> None:
         """The dense group formed anew (generation ``generation``) with ``members``."""
-        self.dense_generation.set(generation)
-        self.dense_members.set(len(members))
+        self._dense.generation.set(generation)
+        self._dense.members.set(len(members))
         self.run.dense_group_formed(generation, members)
 
     def dense_round_finished(self, broke: bool) -> None:
         """A round ended; ``broke``: the group broke in it (its closures run again)."""
-        self.dense_rounds.inc()
+        self._dense.rounds.inc()
         if broke:
-            self.dense_breaks.inc()
+            self._dense.breaks.inc()
             self.run.dense_group_broke()
 
     # ---------------------------------------------------------------- the endpoint

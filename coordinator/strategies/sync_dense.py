@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import io
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from paramserve.coordinator.dispatch.dense_rounds import DenseSettings
+from paramserve.coordinator.dispatch.dense_rounds import DenseRoundsLink, DenseSettings
 from paramserve.psserver.protocol.optimizer_spec import OptimizerSpec
 from paramserve.worker.variables import SettleBeforeForward, variable_name
 
@@ -61,8 +61,9 @@ class SyncDense:
         """The latest state (values, optimizer state, version, applied keys) read from the
         workers or restored: what a worker without state of the epoch starts from."""
         self._read_at = 0  # rounds_done when the workers' state was last read
-        self.rounds_done: Callable[[], int] = lambda: 0
-        self.read_state: Callable[[float], bytes] | None = None
+        self.rounds = DenseRoundsLink()
+        """The rounds of the coordinator that runs this strategy: each ClusterCoordinator made
+        for it connects its own when it is built."""
 
     # ------------------------------------------------------------ what the rounds ask
 
@@ -135,9 +136,9 @@ class SyncDense:
         it now, read at most once per round finished; the restored state while no worker holds
         one of this epoch; None before any (the coordinator's values are the state)."""
         with self._lock:
-            done = self.rounds_done()
-            if self.read_state is not None and done != self._read_at:
-                raw = self.read_state(READ_TIMEOUT)
+            done = self.rounds.rounds_done()
+            if self.rounds.connected and done != self._read_at:
+                raw = self.rounds.read_state(READ_TIMEOUT)
                 self._read_at = done
                 if raw:
                     self._known = torch.load(io.BytesIO(raw), weights_only=True)
@@ -159,7 +160,7 @@ class SyncDense:
                 self._parameter(name).copy_(value)
             self._known = {**state, "values": values}
             self._epoch += 1
-            self._read_at = self.rounds_done()
+            self._read_at = self.rounds.rounds_done()
 
     def _coordinators_state(self) -> dict[str, Any]:
         """The coordinator's values as a state no step was applied to (before training)."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -41,7 +41,7 @@ from paramserve.psserver.store.shard_store import Pulled, ShardPush, ShardStore
 from paramserve.wire.v1 import parameter_server_pb2 as ps_pb2
 from paramserve.wire.v1 import tensor_pb2
 
-__all__ = ["DEFAULT_MAX_PULL_BYTES", "DEFAULT_MAX_PUSH_BYTES", "StepEngine", "StepLimits", "reads_of"]
+__all__ = ["DEFAULT_MAX_PULL_BYTES", "DEFAULT_MAX_PUSH_BYTES", "Admission", "StepEngine", "StepLimits", "reads_of"]
 
 _Reply = TypeVar("_Reply")
 
@@ -64,16 +64,27 @@ class StepLimits:
     """Largest reply sent as one message (a Step's or a data-plane step's reads): the send limit."""
 
 
-class StepEngine:
-    """Runs steps on one ShardStore for every transport. Thread-safe as the store is."""
+class Admission(Protocol):
+    """Who may run a step on this server now: its place in its shard group
+    (psserver/replication/replica.py: ``Replica``, which a standalone server has too)."""
 
-    def __init__(self, store: ShardStore, limits: StepLimits | None = None):
+    def admit_client(self) -> None:
+        """Raises (NotPrimaryError) when this server serves no client now: a backup, or a
+        primary that stopped serving them."""
+
+    def admit_forwarded(self, epoch: int) -> None:
+        """Raises (ReplicaEpochError) unless this server is a backup at ``epoch``, the epoch a
+        step forwarded by its primary carries."""
+
+
+class StepEngine:
+    """Runs steps on one ShardStore for every transport, each admitted first by ``admission``
+    (a client's step, or one a primary forwarded). Thread-safe as the store is."""
+
+    def __init__(self, store: ShardStore, admission: Admission, limits: StepLimits | None = None):
         self._store = store
+        self._admission = admission
         self._limits = limits or StepLimits()
-        self.admit_client: Callable[[], None] = lambda: None
-        """Raises when this server serves no client now (a replica: psserver/replication/replica.py)."""
-        self.admit_forwarded: Callable[[int], None] = _not_replicated
-        """Raises unless this server is a backup at the epoch a forwarded step carries."""
 
     # -- the ways a step arrives
 
@@ -120,9 +131,9 @@ class StepEngine:
 
     def _admit(self, plan: ps_pb2.StepPlan) -> None:
         if plan.replica_epoch:
-            self.admit_forwarded(int(plan.replica_epoch))
+            self._admission.admit_forwarded(int(plan.replica_epoch))
         else:
-            self.admit_client()
+            self._admission.admit_client()
 
     def push(self, parts: Iterable[tuple[tensor_pb2.PartHeader, torch.Tensor]], key: str) -> list[ps_pb2.PushResult]:
         """A Push stream's parts (each received into ``allocate_push``'s buffer), applied as one push."""
@@ -363,10 +374,6 @@ class StepEngine:
             offset = push.num_indices * 8
         values = tensor_from_bytes(payload, push.values, offset)
         return ShardPush(ref=ref, values=values, rows=rows, base_version=int(push.base_version))
-
-
-def _not_replicated(epoch: int) -> None:
-    raise InvalidRequestError(f"a step forwarded at replica epoch {epoch} reached a server that is not replicated")
 
 
 def reads_of(items: Sequence[ps_pb2.PullItem]) -> list[Read]:

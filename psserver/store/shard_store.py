@@ -55,7 +55,16 @@ from paramserve.psserver.store.shards import (
 
 _R = TypeVar("_R")
 
-__all__ = ["PreparedStep", "Pulled", "PushObserver", "ShardPush", "ShardStore", "StoreConfig"]
+__all__ = [
+    "UNREPLICATED",
+    "PreparedStep",
+    "Pulled",
+    "PushObserver",
+    "ReplicationSink",
+    "ShardPush",
+    "ShardStore",
+    "StoreConfig",
+]
 
 
 @dataclass(frozen=True)
@@ -193,12 +202,25 @@ class _Unreplicated:
         pass
 
 
-class ShardStore:
-    """All shards of one parameter server. Thread-safe."""
+UNREPLICATED: ReplicationSink = _Unreplicated()
+"""The sink of a store no replicated server holds (a test's, a tool's): it forwards nothing."""
 
-    def __init__(self, config: StoreConfig | None = None, observer: PushObserver | None = None):
+
+class ShardStore:
+    """All shards of one parameter server. Thread-safe. ``replication`` is told of every write
+    (psserver/replication/replica.py: a server's ``Replica``, whose backups apply it too when it
+    is a primary); a store of no server is ``UNREPLICATED``."""
+
+    def __init__(
+        self,
+        config: StoreConfig | None = None,
+        observer: PushObserver | None = None,
+        *,
+        replication: ReplicationSink = UNREPLICATED,
+    ):
         self._config = config or StoreConfig()
         self._observer = observer
+        self._replication = replication
         self._shards: dict[ShardRef, Shard] = {}
         self._shards_lock = threading.Lock()
         self._grouped = GroupedSteps()
@@ -213,8 +235,6 @@ class ShardStore:
         """Bumped by every create, replace or delete of shards: a PreparedStep of another
         catalog version may hold shards that are gone (prepare it again). Not the cluster
         context's ``generation``, which counts restores across the cluster."""
-        self.replication: ReplicationSink = _Unreplicated()
-        """Told of every write (psserver/replication/replica.py): a primary's backups apply it too."""
         self.incarnation = uuid.uuid4().hex
         """Names this store: a server process that restarts holds a new, empty one, and the
         coordinator tells a restart (state lost) from a pause by this changing."""
@@ -243,7 +263,7 @@ class ShardStore:
                 if existing is None:
                     self._shards[shard.ref] = shard
                     self.catalog_version += 1
-        self.replication.shards_written(
+        self._replication.shards_written(
             lambda: [(existing or shard).export() for shard, existing in zip(built, kept)], False
         )
         return [(existing or shard).info() for shard, existing in zip(built, kept)]
@@ -271,7 +291,7 @@ class ShardStore:
                 self._shards[shard.ref] = shard
             self.catalog_version += 1
         self._grouped.clear()  # groups hold the replaced shards' tensors
-        self.replication.shards_written(lambda: [shard.export() for shard in built], True)
+        self._replication.shards_written(lambda: [shard.export() for shard in built], True)
         return [shard.info() for shard in built]
 
     def _keep_or_conflict(self, shard: Shard) -> Shard | None:
@@ -312,7 +332,7 @@ class ShardStore:
     def create_dynamic(self, ref: ShardRef, num_shards: int, config: DynamicTableConfig) -> None:
         """Creates this server's shard of a dynamic table (a retry of an identical create keeps
         it); VariableExistsError when a variable of that name, or other settings, exists."""
-        self.replication.refuse_dynamic(ref.variable)
+        self._replication.refuse_dynamic(ref.variable)
         with self._shards_lock:
             if any(existing.variable == ref.variable for existing in self._shards):
                 raise VariableExistsError(
@@ -332,7 +352,7 @@ class ShardStore:
             self.catalog_version += 1
         self._grouped.clear()  # groups hold the deleted shards' tensors
         if refs:
-            self.replication.variable_deleted(variable)
+            self._replication.variable_deleted(variable)
         return len(refs)
 
     def shards(self) -> list[Shard]:
@@ -639,7 +659,7 @@ class ShardStore:
                 shard.version += 1
                 shard.window.record(key)
                 outcomes[shard.ref] = PushOutcome(shard.ref, True, shard.version, staleness)
-            replicated = self.replication.pushed([push for _, push, _ in fresh], key)  # under the locks: in order
+            replicated = self._replication.pushed([push for _, push, _ in fresh], key)  # under the locks: in order
         replicated()  # acknowledged only once every backup applied it
         return [outcomes[shard.ref] for shard, _ in plan]
 
@@ -735,7 +755,7 @@ class ShardStore:
                 shard.optimizer.set_hyperparameters(values)  # type: ignore[union-attr]
             changed = [variable for variable, shards, _ in changes if shards]
             if changed:  # one forward for all of them (None: every variable)
-                self.replication.hyperparameters_set(changed, values)
+                self._replication.hyperparameters_set(changed, values)
         for _, _, tables in changes:  # validated above, so this cannot fail halfway
             for table, config in tables:
                 table.reconfigure(config)

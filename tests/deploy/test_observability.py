@@ -17,7 +17,7 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from paramserve.coordinator.status.telemetry import CoordinatorTelemetry
+from paramserve.coordinator.status.telemetry import CoordinatorTelemetry, register_queue_gauges
 from paramserve.psserver.server import ServerConfig, build_server
 from paramserve.worker.server import WorkerConfig, build_worker
 
@@ -40,7 +40,7 @@ def endpoints() -> Iterator[dict[str, str]]:
     """A parameter server, a worker and a coordinator's telemetry, each serving /metrics."""
     ps = build_server(ServerConfig(host="127.0.0.1", port=0, metrics_port=0))
     worker = build_worker(WorkerConfig(host="127.0.0.1", port=0, metrics_port=0))
-    telemetry = CoordinatorTelemetry(queue_depth=lambda: 0, in_flight=lambda: 0)
+    telemetry = CoordinatorTelemetry.build()
     try:
         yield {
             "ps": f"http://127.0.0.1:{ps.metrics_port}/metrics",
@@ -59,7 +59,9 @@ def families() -> dict[str, str]:
     ps = build_server(ServerConfig(host="127.0.0.1", port=0), registry=registries[0])
     worker = build_worker(WorkerConfig(host="127.0.0.1", port=0), registry=registries[1])
     try:
-        registries.append(CoordinatorTelemetry(queue_depth=lambda: 0, in_flight=lambda: 0).registry)
+        coordinator = CoordinatorTelemetry.build().registry
+        register_queue_gauges(coordinator, queue_depth=lambda: 0, in_flight=lambda: 0)
+        registries.append(coordinator)
         return {family.name: family.type for registry in registries for family in registry.collect()}
     finally:
         worker.stop(grace=0)

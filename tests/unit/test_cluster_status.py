@@ -161,7 +161,7 @@ def test_the_timeline_is_bounded_and_counts_what_it_dropped():
 
 def test_parameter_server_recoveries_and_checkpoints_reach_the_timeline_and_the_server_rows():
     clock = Clock()
-    telemetry = CoordinatorTelemetry(queue_depth=lambda: 0, in_flight=lambda: 0, clock=clock)
+    telemetry = CoordinatorTelemetry.build(clock=clock)
     telemetry.parameter_server_recovering("ps:1")
     assert telemetry.run.view().servers["ps:1"].recovering
     rates = ServerRates()
@@ -188,7 +188,7 @@ def test_parameter_server_recoveries_and_checkpoints_reach_the_timeline_and_the_
 
 
 def test_reports_keep_what_they_leave_out_and_take_tensors():
-    telemetry = CoordinatorTelemetry(queue_depth=lambda: 0, in_flight=lambda: 0, clock=Clock())
+    telemetry = CoordinatorTelemetry.build(clock=Clock())
     telemetry.report(10, loss=torch.tensor(0.5), samples=640, accuracy=0.75)
     telemetry.report(20, auc=torch.tensor([0.9]))
     report = telemetry.run.view().report
@@ -593,7 +593,7 @@ def test_no_number_of_the_status_is_infinite():
 
 def test_the_page_shows_where_each_worker_computes_and_each_servers_memory():
     clock = Clock()
-    telemetry = CoordinatorTelemetry(queue_depth=lambda: 0, in_flight=lambda: 0, clock=clock)
+    telemetry = CoordinatorTelemetry.build(clock=clock)
     telemetry.worker_state("w:1", "up")
     telemetry.worker_state("w:2", "up")
     telemetry.worker_device("w:1", "cuda:0")

@@ -977,6 +977,45 @@ def test_a_dropped_coordinator_stops_its_dispatch_thread():
     assert len(dispatch_threads()) == before, "weakref.finalize stopped each dropped coordinator's thread"
 
 
+class _DenseStub:
+    """Hybrid training's dense variables as a coordinator finds them on its strategy."""
+
+    timeout = 5.0
+    rendezvous_host = "127.0.0.1"
+
+    def __init__(self) -> None:
+        from paramserve.coordinator.dispatch.dense_rounds import DenseRoundsLink
+
+        self.rounds = DenseRoundsLink()
+
+    def settings(self):
+        from paramserve.coordinator.dispatch.dense_rounds import DenseSettings
+
+        return DenseSettings((), b"", 0)
+
+    def initial_state(self):
+        return b""
+
+
+def test_a_coordinator_connects_its_dense_rounds_to_the_strategy_when_it_is_built():
+    from paramserve.coordinator.cluster_coordinator import ClusterCoordinator
+
+    strategy = _StubStrategy()
+    strategy.sync_dense = _DenseStub()
+    assert not strategy.sync_dense.rounds.connected
+    with ClusterCoordinator(strategy, transport_factory=lambda address: _HealthyTransport()):
+        assert strategy.sync_dense.rounds.connected
+        assert strategy.sync_dense.rounds.rounds_done() == 0
+
+
+def test_parameter_server_recovery_cannot_be_built_without_its_observer():
+    from paramserve.coordinator.recovery.ps_recovery import ParameterServerRecovery
+    from paramserve.coordinator.recovery.recovery_policy import RecoveryPolicy
+
+    with pytest.raises(TypeError, match="observer"):
+        ParameterServerRecovery(object(), queue=ClosureQueue(1), policy=RecoveryPolicy())  # type: ignore[call-arg]
+
+
 def test_a_dispatcher_tells_where_its_worker_computes_once_and_again_when_it_changes():
     devices: list[tuple[str, str]] = []
 

@@ -3,13 +3,22 @@ the header travels in the all-reduce, how a round is shared and when the group f
 
 from __future__ import annotations
 
+import io
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from paramserve.coordinator.dispatch.batching import ROUND_FACTOR, BatchSizer
-from paramserve.coordinator.dispatch.dense_rounds import default_rendezvous_host, plan_generation, round_shares
+from paramserve.coordinator.dispatch.dense_rounds import (
+    DenseRounds,
+    DenseRoundsLink,
+    DenseSettings,
+    default_rendezvous_host,
+    plan_generation,
+    round_shares,
+)
 from paramserve.coordinator.dispatch.failures import Action, FailurePolicy, decide_on_closure_error
 from paramserve.worker.dense_group import (
     HEADER_SLOT,
@@ -156,3 +165,30 @@ def test_a_broken_group_requeues_the_closure_until_attempts_run_out() -> None:
         ClosureFailure(type="builtins.ValueError"), resends=0, known_resources=(), policy=policy
     )
     assert user_error.action is Action.RAISE
+
+
+def test_the_dense_variables_follow_the_rounds_of_the_coordinator_connected_to_their_link() -> None:
+    from paramserve.coordinator.strategies.sync_dense import SyncDense
+
+    sync = SyncDense(SimpleNamespace(variables={}), timeout=5.0, rendezvous_host=None)  # type: ignore[arg-type]
+    assert isinstance(sync.rounds, DenseRoundsLink) and not sync.rounds.connected
+    assert sync.rounds.rounds_done() == 0
+    assert sync.current_state() is None, "no coordinator: nothing is read from the workers"
+    with pytest.raises(RuntimeError, match="ClusterCoordinator"):
+        sync.rounds.read_state(1.0)
+
+    saved = io.BytesIO()
+    torch.save({"version": 3, "values": {}, "optimizer": None, "applied": []}, saved)
+    reads: list[float] = []
+
+    def read_state(timeout: float) -> bytes:
+        reads.append(timeout)
+        return saved.getvalue()
+
+    rounds = DenseRounds(lambda: DenseSettings((), b"", 0), lambda: b"", rendezvous_host="127.0.0.1", timeout=5)
+    sync.rounds.connect(rounds, read_state)
+    assert sync.current_state() is None and reads == [], "no round finished yet: nothing new to read"
+    rounds.round_finished()
+    state = sync.current_state()
+    assert state is not None and state["version"] == 3
+    assert sync.current_state() is state and len(reads) == 1, "read at most once per round finished"

@@ -208,6 +208,17 @@ def test_the_coordinator_declares_what_it_needs_of_a_strategy_instead_of_probing
         assert local_imports == [], f"a function-level import hides an import cycle: {local_imports}"
 
 
+def test_checkpointing_declares_what_it_needs_of_a_strategy_and_imports_none():
+    """Checkpointing sits below the strategies: CheckpointedVariables is its side of the seam."""
+    offenders = [
+        f"{path.relative_to(ROOT)} imports {module}"
+        for path in (ROOT / "coordinator" / "checkpointing").rglob("*.py")
+        for module in _imported_modules(path)
+        if module.startswith("paramserve.coordinator.strategies")
+    ]
+    assert offenders == []
+
+
 def test_servicer_implements_every_rpc_of_the_proto():
     from paramserve.psserver import servicer
     from paramserve.wire.v1 import parameter_server_pb2

@@ -7,7 +7,7 @@ import urllib.request
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from paramserve.coordinator.dispatch.closures import Closure, ClosureQueue, ClosureState
-from paramserve.coordinator.status.telemetry import CheckpointRecord, CoordinatorTelemetry
+from paramserve.coordinator.status.telemetry import CheckpointRecord, CoordinatorTelemetry, register_queue_gauges
 from paramserve.psserver.runtime.metrics_http import WithoutCreated, register_build_info, serve_metrics
 
 
@@ -16,8 +16,9 @@ def sample(registry: CollectorRegistry, name: str, labels: dict[str, str] | None
 
 
 def telemetry(**overrides: object) -> CoordinatorTelemetry:
-    options: dict[str, object] = {"queue_depth": lambda: 3, "in_flight": lambda: 2, **overrides}
-    return CoordinatorTelemetry(**options)  # type: ignore[arg-type]
+    built = CoordinatorTelemetry.build(**overrides)  # type: ignore[arg-type]
+    register_queue_gauges(built.registry, queue_depth=lambda: 3, in_flight=lambda: 2)
+    return built
 
 
 def test_closures_are_counted_through_the_queue() -> None:
@@ -39,6 +40,19 @@ def test_closures_are_counted_through_the_queue() -> None:
     assert sample(r, "paramserve_coordinator_closures_in_flight") == 2
     assert closures[2].state is ClosureState.CANCELLED
     assert sample(r, "paramserve_coordinator_closures_finished_total", {"outcome": "cancelled"}) >= 1
+
+
+def test_the_queue_gauges_join_the_registry_the_telemetry_is_built_on() -> None:
+    registry = CollectorRegistry()
+    t = CoordinatorTelemetry.build(registry=registry)
+    assert t.registry is registry
+    assert sample(registry, "paramserve_coordinator_queued_closures") is None, "the queue's own, registered apart"
+    queue = ClosureQueue(10, observer=t)
+    register_queue_gauges(registry, queue_depth=lambda: queue.num_queued, in_flight=lambda: queue.num_in_flight)
+    queue.put(Closure("step", b""), timeout=1.0)
+    assert sample(registry, "paramserve_coordinator_queued_closures") == 1
+    assert sample(registry, "paramserve_coordinator_closures_in_flight") == 0
+    assert sample(registry, "paramserve_coordinator_closures_scheduled_total") == 1
 
 
 def test_workers_by_state_and_membership_changes() -> None:
