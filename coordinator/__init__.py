@@ -56,8 +56,8 @@ from paramserve.psserver.protocol.partition import (
     Partitioner,
 )
 from paramserve.worker.dynamic_embedding import DynamicEmbedding
+from paramserve.worker.layers import ShardedEmbedding, ShardedEmbeddingCollection
 from paramserve.worker.resources import experimental_get_current_worker_index
-from paramserve.worker.variables import ShardedEmbedding, ShardedEmbeddingCollection
 
 if TYPE_CHECKING:
     from paramserve.coordinator import metrics

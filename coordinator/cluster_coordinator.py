@@ -50,8 +50,8 @@ from paramserve.psserver.protocol import convert
 from paramserve.psserver.protocol.errors import ConfigurationError
 from paramserve.psserver.protocol.types import ClusterContext
 from paramserve.psserver.runtime.security import ClientTls, unauthenticated_workers
+from paramserve.worker.closure_pickling import dumps_closure
 from paramserve.worker.resources import PerWorkerResource, WorkerContext
-from paramserve.worker.variables import dumps_closure
 
 __all__ = [
     "ClusterCoordinator",

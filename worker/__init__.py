@@ -2,9 +2,9 @@
 distributed variables on the parameter servers."""
 
 from paramserve.worker.dynamic_embedding import DynamicEmbedding
+from paramserve.worker.layers import ServerOptimizer, ShardedEmbedding, ShardedEmbeddingCollection
 from paramserve.worker.resources import PerWorkerResource, WorkerContext
 from paramserve.worker.server import WorkerConfig, build_worker
-from paramserve.worker.variables import ServerOptimizer, ShardedEmbedding, ShardedEmbeddingCollection
 
 __all__ = [
     "DynamicEmbedding",

@@ -65,7 +65,7 @@ from paramserve.psserver.protocol.types import ClusterContext, ShardPlacement, S
 from paramserve.psserver.runtime.security import TOKEN_ENV, check_token
 from paramserve.wire.v1 import tensor_pb2
 from paramserve.worker.dynamic_embedding import DynamicEmbedding
-from paramserve.worker.variables import (
+from paramserve.worker.layers import (
     RefreshBeforeForward,
     ServerOptimizer,
     ShardedEmbedding,

@@ -23,7 +23,7 @@ from paramserve.coordinator.strategies.base import SingleReplicaStrategy
 from paramserve.psserver.client.ps_client import ParameterServerClient, layouts_from_infos
 from paramserve.psserver.protocol.errors import VariableExistsError
 from paramserve.psserver.protocol.types import VariableLayout
-from paramserve.worker.variables import ServerOptimizer, variable_name
+from paramserve.worker.layers import ServerOptimizer, variable_name
 
 if TYPE_CHECKING:
     from paramserve.coordinator.strategies.parameter_server import ParameterServerStrategy

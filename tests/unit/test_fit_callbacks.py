@@ -333,7 +333,7 @@ def test_tensorboard_writes_event_files(digits, tmp_path):
 
 
 def test_a_server_optimizer_without_its_strategy_names_the_fix(digits):
-    from paramserve.worker.variables import ServerOptimizer
+    from paramserve.worker.layers import ServerOptimizer
 
     model, _ = model_and_optimizer()
     with pytest.raises(ValueError, match="strategy="):

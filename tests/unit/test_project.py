@@ -75,7 +75,8 @@ CORES = [
     "worker/core.py",
     "worker/closure_access.py",
     "worker/results.py",
-    "worker/variables.py",
+    "worker/closure_pickling.py",
+    "worker/layers.py",
     "worker/resources.py",
 ]
 
