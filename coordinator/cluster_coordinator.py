@@ -141,7 +141,7 @@ def _status_page(
 
 def _stop_dispatch(
     queue: ClosureQueue,
-    pool: DispatchLoop,
+    dispatch_loop: DispatchLoop,
     timeout: float,
     recovery: ParameterServerRecovery | None = None,
     discovery: WorkerDiscovery | None = None,
@@ -158,7 +158,7 @@ def _stop_dispatch(
     if discovery is not None and not discovery.stop(timeout):
         log.error("the discovery thread still runs after %ss", timeout)
     cancelled = queue.close(CoordinatorClosedError("the ClusterCoordinator was shut down"))
-    if not pool.stop(timeout):
+    if not dispatch_loop.stop(timeout):
         log.error("the dispatch thread still runs after %ss", timeout)
     if telemetry is not None:
         telemetry.close()
@@ -232,7 +232,7 @@ class ClusterCoordinator:
         if self.config.recovery.enabled and recoverable is not None:
             self.recovery = ParameterServerRecovery(recoverable, queue=self._queue, policy=self.config.recovery)
         self._dense = _dense_rounds(strategy, self.telemetry)
-        self._pool = DispatchLoop(
+        self._dispatch_loop = DispatchLoop(
             queue=self._queue,
             specs=self._specs,
             policy=self.config.policy,
@@ -249,15 +249,15 @@ class ClusterCoordinator:
         sync_dense = strategy.sync_dense
         if self._dense is not None and sync_dense is not None:
             sync_dense.rounds_done = self._dense.rounds_done
-            sync_dense.read_state = self._pool.read_dense_state
+            sync_dense.read_state = self._dispatch_loop.read_dense_state
         if self.recovery is not None:
             self.recovery.observer = self.telemetry
-            self.recovery.start(self._pool)
+            self.recovery.start(self._dispatch_loop)
         self._discovery: WorkerDiscovery | None = None
         if strategy.cluster.worker_service is not None:
             self._discovery = WorkerDiscovery(
                 strategy.cluster.worker_service,
-                self._pool,
+                self._dispatch_loop,
                 resolver=resolver,
                 policy=self.config.discovery,
                 static=frozenset(strategy.cluster.workers),
@@ -272,7 +272,7 @@ class ClusterCoordinator:
             self,
             _stop_dispatch,
             self._queue,
-            self._pool,
+            self._dispatch_loop,
             self.config.shutdown_timeout,
             self.recovery,
             self._discovery,
@@ -280,7 +280,7 @@ class ClusterCoordinator:
             self._status,
         )
         for address in strategy.cluster.workers:
-            self._pool.add_worker(address)
+            self._dispatch_loop.add_worker(address)
         if self._discovery is not None:
             self._discovery.step()  # the workers running now join before the first schedule()
             self._discovery.start()
@@ -395,21 +395,21 @@ class ClusterCoordinator:
         _check_workers_authenticate(
             [address], token=self.strategy.token, tls=self.strategy.tls, insecure=self.config.insecure
         )
-        self._pool.add_worker(address, probe_first=True)
+        self._dispatch_loop.add_worker(address, probe_first=True)
 
     def remove_worker(self, address: str, timeout: float | None = None) -> None:
         """Stops giving the worker at ``address`` closures; the ones it runs go back to the front
         of the queue under their ids (their pushes are applied once). Raises KeyError for a worker
         that is not part of the cluster."""
         self._check_open()
-        self._pool.remove_worker(address, timeout)
+        self._dispatch_loop.remove_worker(address, timeout)
 
     # ---------------------------------------------------------------- lifecycle
 
     @property
     def num_workers(self) -> int:
         """Workers in the cluster now (listed ones, and those a worker service gave)."""
-        return self._pool.num_workers()
+        return self._dispatch_loop.num_workers()
 
     @property
     def metrics_port(self) -> int | None:
@@ -445,7 +445,7 @@ class ClusterCoordinator:
         self._finalizer.detach()
         cancelled = _stop_dispatch(
             self._queue,
-            self._pool,
+            self._dispatch_loop,
             self.config.shutdown_timeout,
             self.recovery,
             self._discovery,
@@ -458,7 +458,7 @@ class ClusterCoordinator:
         """Inside, no closure runs on any worker: dispatch pauses and entering waits for the
         closures running to finish (see DispatchLoop.paused). For checkpoints and restores,
         which then see every finished closure's pushes whole."""
-        return self._pool.paused(timeout)
+        return self._dispatch_loop.paused(timeout)
 
     def parameter_servers_settled(self, timeout: float | None = None) -> bool:
         """Waits until no parameter server is suspected or being recovered (at once without
@@ -516,7 +516,7 @@ class ClusterCoordinator:
         back (and so cancelled: the error is still pending) or finished first."""
         if self._queue.num_in_flight == 0:
             return
-        asked = self._pool.cancel_running(self.config.policy.probe_timeout)
+        asked = self._dispatch_loop.cancel_running(self.config.policy.probe_timeout)
         log.info("a closure failed: cancelling the %d closures running before raising its error", asked)
         while not self._queue.wait_settled(self._wait_slice(deadline)):
             if deadline is not None and time.monotonic() >= deadline:
