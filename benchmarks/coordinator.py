@@ -78,7 +78,7 @@ from paramserve.coordinator import (
     LocalCluster,
     ParameterServerStrategy,
 )
-from paramserve.worker.variables import dumps_closure
+from paramserve.worker.closure_pickling import dumps_closure
 
 LR = 0.01
 METRICS = (

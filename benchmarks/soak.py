@@ -26,7 +26,7 @@ import torch
 from _common import Result, memory_mb, print_report, worker_environment
 
 from paramserve.coordinator import ClusterCoordinator
-from paramserve.coordinator.commands.demo import MLP, train_step, worker_batches
+from paramserve.coordinator.demos.digits import MLP, train_step, worker_batches
 from paramserve.coordinator.local_cluster import LocalCluster
 from paramserve.coordinator.strategies.parameter_server import ParameterServerStrategy
 

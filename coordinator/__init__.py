@@ -57,8 +57,8 @@ if TYPE_CHECKING:
         Partitioner,
     )
     from paramserve.worker.dynamic_embedding import DynamicEmbedding
+    from paramserve.worker.layers import ShardedEmbedding, ShardedEmbeddingCollection
     from paramserve.worker.resources import experimental_get_current_worker_index
-    from paramserve.worker.variables import ShardedEmbedding, ShardedEmbeddingCollection
 
 
 __all__ = [
@@ -145,8 +145,8 @@ _HOMES = {
     "ReduceOp": "strategies",
     "RemoteValue": "remote_value",
     "RemoteValueState": "remote_value",
-    "ShardedEmbedding": "paramserve.worker.variables",
-    "ShardedEmbeddingCollection": "paramserve.worker.variables",
+    "ShardedEmbedding": "paramserve.worker.layers",
+    "ShardedEmbeddingCollection": "paramserve.worker.layers",
     "SidecarEvaluator": "sidecar_evaluator",
     "SimpleClusterResolver": "cluster_resolver",
     "TFConfigClusterResolver": "cluster_resolver",

@@ -50,8 +50,8 @@ from paramserve.psserver.protocol import convert
 from paramserve.psserver.protocol.errors import ConfigurationError
 from paramserve.psserver.protocol.types import ClusterContext
 from paramserve.psserver.runtime.security import ClientTls, unauthenticated_workers
+from paramserve.worker.closure_pickling import dumps_closure
 from paramserve.worker.resources import PerWorkerResource, WorkerContext
-from paramserve.worker.variables import dumps_closure
 
 __all__ = [
     "ClusterCoordinator",
@@ -150,7 +150,7 @@ def _stop_dispatch(runtime: _Runtime, timeout: float) -> int:
     if runtime.discovery is not None and not runtime.discovery.stop(timeout):
         log.error("the discovery thread still runs after %ss", timeout)
     cancelled = runtime.queue.close(CoordinatorClosedError("the ClusterCoordinator was shut down"))
-    if not runtime.pool.stop(timeout):
+    if not runtime.dispatch_loop.stop(timeout):
         log.error("the dispatch thread still runs after %ss", timeout)
     runtime.telemetry.close()
     return cancelled
@@ -184,7 +184,7 @@ class _Runtime:
     recovery: ParameterServerRecovery | None
     """Recovers failed parameter servers (None: recovery is off, or the strategy has none)."""
     dense: DenseRounds | None
-    pool: DispatchLoop
+    dispatch_loop: DispatchLoop
     discovery: WorkerDiscovery | None
     status: StatusPage | None
 
@@ -212,7 +212,7 @@ class _Runtime:
         dense = _dense_rounds(strategy, telemetry)
         specs, context = ResourceSpecs(), _ContextSource(strategy.cluster_context)
         token, tls, max_bytes = strategy.token, strategy.tls, config.max_message_bytes
-        pool = DispatchLoop(
+        dispatch_loop = DispatchLoop(
             queue=queue,
             specs=specs,
             policy=config.policy,
@@ -230,9 +230,11 @@ class _Runtime:
         discovery = None
         if service is not None:
             static = frozenset(strategy.cluster.workers)
-            discovery = WorkerDiscovery(service, pool, resolver=resolver, policy=config.discovery, static=static)
+            discovery = WorkerDiscovery(
+                service, dispatch_loop, resolver=resolver, policy=config.discovery, static=static
+            )
         status = _status_page(queue, telemetry, recoverable, strategy) if status_page else None
-        return cls(telemetry, queue, specs, context, recovery, dense, pool, discovery, status)
+        return cls(telemetry, queue, specs, context, recovery, dense, dispatch_loop, discovery, status)
 
 
 class ClusterCoordinator:
@@ -285,7 +287,7 @@ class ClusterCoordinator:
         self.recovery = runtime.recovery
         """Recovers failed parameter servers (None: recovery is off, or the strategy has none)."""
         self._queue, self._specs, self._context = runtime.queue, runtime.specs, runtime.context
-        self._pool, self._discovery, self._status = runtime.pool, runtime.discovery, runtime.status
+        self._dispatch_loop, self._discovery, self._status = runtime.dispatch_loop, runtime.discovery, runtime.status
         # Dropped without shutdown() (or alive at interpreter exit): the dispatch thread stops.
         # The callback holds the runtime, never the coordinator itself.
         self._runtime = runtime
@@ -298,11 +300,11 @@ class ClusterCoordinator:
         metrics and the status page."""
         runtime, sync_dense = self._runtime, self.strategy.sync_dense
         if runtime.dense is not None and sync_dense is not None:
-            sync_dense.rounds.connect(runtime.dense, runtime.pool.read_dense_state)
+            sync_dense.rounds.connect(runtime.dense, runtime.dispatch_loop.read_dense_state)
         if runtime.recovery is not None:
-            runtime.recovery.start(runtime.pool)
+            runtime.recovery.start(runtime.dispatch_loop)
         for address in self.strategy.cluster.workers:
-            runtime.pool.add_worker(address)
+            runtime.dispatch_loop.add_worker(address)
         if runtime.discovery is not None:
             runtime.discovery.step()  # the workers running now join before the first schedule()
             runtime.discovery.start()
@@ -417,21 +419,21 @@ class ClusterCoordinator:
         _check_workers_authenticate(
             [address], token=self.strategy.token, tls=self.strategy.tls, insecure=self.config.insecure
         )
-        self._pool.add_worker(address, probe_first=True)
+        self._dispatch_loop.add_worker(address, probe_first=True)
 
     def remove_worker(self, address: str, timeout: float | None = None) -> None:
         """Stops giving the worker at ``address`` closures; the ones it runs go back to the front
         of the queue under their ids (their pushes are applied once). Raises KeyError for a worker
         that is not part of the cluster."""
         self._check_open()
-        self._pool.remove_worker(address, timeout)
+        self._dispatch_loop.remove_worker(address, timeout)
 
     # ---------------------------------------------------------------- lifecycle
 
     @property
     def num_workers(self) -> int:
         """Workers in the cluster now (listed ones, and those a worker service gave)."""
-        return self._pool.num_workers()
+        return self._dispatch_loop.num_workers()
 
     @property
     def metrics_port(self) -> int | None:
@@ -472,7 +474,7 @@ class ClusterCoordinator:
         """Inside, no closure runs on any worker: dispatch pauses and entering waits for the
         closures running to finish (see DispatchLoop.paused). For checkpoints and restores,
         which then see every finished closure's pushes whole."""
-        return self._pool.paused(timeout)
+        return self._dispatch_loop.paused(timeout)
 
     def parameter_servers_settled(self, timeout: float | None = None) -> bool:
         """Waits until no parameter server is suspected or being recovered (at once without
@@ -530,7 +532,7 @@ class ClusterCoordinator:
         back (and so cancelled: the error is still pending) or finished first."""
         if self._queue.num_in_flight == 0:
             return
-        asked = self._pool.cancel_running(self.config.policy.probe_timeout)
+        asked = self._dispatch_loop.cancel_running(self.config.policy.probe_timeout)
         log.info("a closure failed: cancelling the %d closures running before raising its error", asked)
         while not self._queue.wait_settled(self._wait_slice(deadline)):
             if deadline is not None and time.monotonic() >= deadline:

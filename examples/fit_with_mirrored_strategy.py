@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from paramserve.coordinator import MirroredStrategy, callbacks, evaluate, fit, latest_checkpoint
-from paramserve.coordinator.commands.demo import digits_split
+from paramserve.coordinator.demos.digits import digits_split
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:

@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from paramserve.coordinator import MultiWorkerMirroredStrategy, callbacks, evaluate, fit
-from paramserve.coordinator.commands.demo import digits_split
+from paramserve.coordinator.demos.digits import digits_split
 from paramserve.coordinator.strategies import CommunicationOptions
 
 KILLED_ENV = "EXAMPLE_KILL_AT_EPOCH"

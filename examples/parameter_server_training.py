@@ -45,7 +45,7 @@ from paramserve.coordinator import (
     fit,
     metrics,
 )
-from paramserve.coordinator.commands.demo import digits_split
+from paramserve.coordinator.demos.digits import digits_split
 
 # ------------------------------------------------------------------ the cluster
 

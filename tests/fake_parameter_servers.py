@@ -29,7 +29,7 @@ from paramserve.psserver.protocol.types import (
     VariableLayout,
 )
 from paramserve.psserver.store.shard_store import ShardPush, ShardStore
-from paramserve.worker.variables import RefreshBeforeForward, ServerOptimizer, mark_variable
+from paramserve.worker.layers import RefreshBeforeForward, ServerOptimizer, mark_variable
 
 ADDRESS = "fake-ps:1"
 

@@ -6,9 +6,9 @@ from paramserve.psserver.protocol.lazy import lazy_attributes
 TYPE_CHECKING = False  # not typing's: a package's import stays free of it
 if TYPE_CHECKING:
     from paramserve.worker.dynamic_embedding import DynamicEmbedding
+    from paramserve.worker.layers import ServerOptimizer, ShardedEmbedding, ShardedEmbeddingCollection
     from paramserve.worker.resources import PerWorkerResource, WorkerContext
     from paramserve.worker.server import WorkerConfig, build_worker
-    from paramserve.worker.variables import ServerOptimizer, ShardedEmbedding, ShardedEmbeddingCollection
 
 
 __all__ = [
@@ -25,9 +25,9 @@ __all__ = [
 _HOMES = {
     "DynamicEmbedding": "dynamic_embedding",
     "PerWorkerResource": "resources",
-    "ServerOptimizer": "variables",
-    "ShardedEmbedding": "variables",
-    "ShardedEmbeddingCollection": "variables",
+    "ServerOptimizer": "layers",
+    "ShardedEmbedding": "layers",
+    "ShardedEmbeddingCollection": "layers",
     "WorkerConfig": "server",
     "WorkerContext": "resources",
     "build_worker": "server",

@@ -2,7 +2,7 @@
 
 ``LocalVariables`` holds the worker-wide ``nn.Parameter`` of each distributed variable on the
 worker's device and knows which are fresh; ``ClosureAccess`` is the ``VariableAccess``
-(worker.variables) of one closure execution: it pulls what the closure uses, looks up
+(worker.layers) of one closure execution: it pulls what the closure uses, looks up
 embedding rows and pushes gradients with keys derived from the closure id, so a retried closure
 never updates a variable twice. ``VariableClient`` is what they need of the parameter servers.
 
@@ -32,10 +32,10 @@ from paramserve.psserver.protocol.types import (
     UniqueRows,
     VariableLayout,
 )
+from paramserve.worker.layers import mark_variable, variable_name
 from paramserve.worker.pipeline import PushPipeline
 from paramserve.worker.results import ClosureCancelled
 from paramserve.worker.transfers import HostTransfers, Transfers
-from paramserve.worker.variables import mark_variable, variable_name
 
 # ---------------------------------------------------------------- the parameter servers
 

@@ -30,7 +30,9 @@ from paramserve.psserver.protocol.errors import InvalidRequestError
 from paramserve.psserver.protocol.types import ClusterContext
 from paramserve.psserver.runtime.devices import CPU, computing_on
 from paramserve.worker.closure_access import ClientFactory, ClosureAccess, LocalVariables, VariableClient
+from paramserve.worker.closure_pickling import loads_closure
 from paramserve.worker.dense_group import DenseReplicas, DenseRound
+from paramserve.worker.layers import using_access
 from paramserve.worker.pipeline import PushPipeline
 from paramserve.worker.resources import (
     ResourceMissingError,
@@ -41,7 +43,6 @@ from paramserve.worker.resources import (
 )
 from paramserve.worker.results import ClosureCancelled, ClosureFailure, GroupFailed, closure_failure, dumps_value
 from paramserve.worker.transfers import transfers_for
-from paramserve.worker.variables import loads_closure, using_access
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ class ResourceSpec:
 class ClosureRequest:
     closure_id: str
     payload: bytes
-    """cloudpickle (variables.dumps_closure) of (function, args, kwargs)."""
+    """cloudpickle (closure_pickling.dumps_closure) of (function, args, kwargs)."""
     attempt: int = 0
     function_name: str = ""
     resources: tuple[ResourceSpec, ...] = ()

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from paramserve.psserver.dynamic.dynamic_types import DynamicTableConfig
-from paramserve.worker.variables import VariableAccess, active_registry, current_access
+from paramserve.worker.layers import VariableAccess, active_registry, current_access
 
 __all__ = ["DynamicEmbedding"]
 

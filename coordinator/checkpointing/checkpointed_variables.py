@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from paramserve.psserver.protocol.optimizer_spec import OptimizerSpec
     from paramserve.psserver.protocol.types import ShardState, VariableLayout
     from paramserve.worker.dynamic_embedding import DynamicEmbedding
-    from paramserve.worker.variables import ShardedEmbedding
+    from paramserve.worker.layers import ShardedEmbedding
 
 __all__ = ["CheckpointedDense", "CheckpointedVariable", "CheckpointedVariables", "RecoveryControl"]
 

@@ -28,7 +28,7 @@ from paramserve.psserver.runtime.command_line import LOG_LEVELS
 
 def digits_test_batches(batch_size: int = 128) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """The demo's evaluation data: the digits test split."""
-    from paramserve.coordinator.commands.demo import digits_split
+    from paramserve.coordinator.demos.digits import digits_split
 
     _, _, x_test, y_test = digits_split()
     return iter([(x_test[i : i + batch_size], y_test[i : i + batch_size]) for i in range(0, len(x_test), batch_size)])
@@ -56,7 +56,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     )
     parser.add_argument(
         "--model",
-        default="paramserve.coordinator.commands.demo:MLP",
+        default="paramserve.coordinator.demos.digits:MLP",
         help="package.module:function returning the model to load checkpoints into (default: %(default)s)",
     )
     parser.add_argument(

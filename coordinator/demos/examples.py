@@ -51,7 +51,7 @@ def make_strategy(name: str) -> Any:
 
 def batches(context) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:  # type: ignore[no-untyped-def]
     """This input pipeline's endless share of the training set, in per-replica batches."""
-    from paramserve.coordinator.commands.demo import digits_split
+    from paramserve.coordinator.demos.digits import digits_split
 
     x_train, y_train, _, _ = digits_split()
     batch = context.get_per_replica_batch_size(GLOBAL_BATCH)
@@ -67,7 +67,7 @@ def batches(context) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:  # type: ig
 
 def main(argv: list[str] | None = None) -> int:
     from paramserve.coordinator import fit
-    from paramserve.coordinator.commands.demo import MLP, digits_split
+    from paramserve.coordinator.demos.digits import MLP, digits_split
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--strategy", choices=STRATEGIES, default="default")

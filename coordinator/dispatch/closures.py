@@ -133,7 +133,7 @@ class ClosureQueue:
         self._max = max_queued
         self._observer = observer
         self._cond = threading.Condition()
-        self._queue: collections.deque[Closure] = collections.deque()
+        self._queued: collections.deque[Closure] = collections.deque()
         self._in_flight: dict[str, tuple[Closure, str]] = {}
         self._error: ClosureError | None = None
         self._closed: CoordinatorClosedError | None = None
@@ -156,7 +156,7 @@ class ClosureQueue:
         deadline, CoordinatorClosedError after ``close()``.
         """
         with self._cond:
-            ready = self._cond.wait_for(lambda: self._closed or self._error or len(self._queue) < self._max, timeout)
+            ready = self._cond.wait_for(lambda: self._closed or self._error or len(self._queued) < self._max, timeout)
             if self._closed is not None:
                 raise self._closed
             if self._error is not None:
@@ -164,11 +164,11 @@ class ClosureQueue:
                 return False
             if not ready:
                 raise TimeoutError(
-                    f"could not schedule {closure.name}: {len(self._queue)} closures are already queued "
+                    f"could not schedule {closure.name}: {len(self._queued)} closures are already queued "
                     f"(the limit) and none finished within {timeout:g}s; are the workers alive?"
                 )
             closure.read_generation = self._read_generation
-            self._queue.append(closure)
+            self._queued.append(closure)
             self._observer.closure_scheduled(closure)
             self._cond.notify_all()
         self._waker()
@@ -188,7 +188,7 @@ class ClosureQueue:
                 if reason is not None:
                     self._cancel(closure, reason)
                 else:
-                    self._queue.appendleft(closure)
+                    self._queued.appendleft(closure)
             self._cond.notify_all()
         self._waker()
 
@@ -199,8 +199,8 @@ class ClosureQueue:
         none once closed. Never blocks."""
         with self._cond:
             taken: list[Closure] = []
-            while self._queue and self._closed is None and len(taken) < limit:
-                closure = self._queue.popleft()
+            while self._queued and self._closed is None and len(taken) < limit:
+                closure = self._queued.popleft()
                 closure.transition(ClosureState.RUNNING)
                 closure.worker = worker
                 self._in_flight[closure.closure_id] = (closure, worker)
@@ -309,7 +309,7 @@ class ClosureQueue:
     @property
     def num_queued(self) -> int:
         with self._cond:
-            return len(self._queue)
+            return len(self._queued)
 
     @property
     def num_in_flight(self) -> int:
@@ -328,16 +328,16 @@ class ClosureQueue:
     # ---------------------------------------------------------------- internals (lock held)
 
     def _idle(self) -> bool:
-        return not self._queue and not self._in_flight
+        return not self._queued and not self._in_flight
 
     def _leave_flight(self, closure: Closure) -> None:
         if self._in_flight.pop(closure.closure_id, None) is None:
             raise InvalidTransitionError(f"{closure.name} is not in flight")
 
     def _cancel_queued(self, reason: BaseException) -> int:
-        count = len(self._queue)
-        while self._queue:
-            self._cancel(self._queue.popleft(), reason)
+        count = len(self._queued)
+        while self._queued:
+            self._cancel(self._queued.popleft(), reason)
         return count
 
     def _cancel(self, closure: Closure, reason: BaseException) -> None:

@@ -142,7 +142,7 @@ class DenseRounds:
         host = f"[{self._host}]" if ":" in self._host else self._host
         return f"{host}:{self._store.port}"
 
-    def rounds(self, members: Sequence[str]) -> list[DenseRound]:
+    def member_rounds(self, members: Sequence[str]) -> list[DenseRound]:
         """Each member's part of the next round (members: worker addresses, in rank order),
         forming a new generation when needed."""
         settings = self._settings()

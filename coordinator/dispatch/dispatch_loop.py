@@ -89,12 +89,12 @@ class DispatchLoop:
         self._cluster_context = cluster_context
         self._max_value_age = max_value_age
         self._overlap_pushes = overlap_pushes
-        self._loop = asyncio.new_event_loop()
+        self._event_loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._serve, name=THREAD_NAME, daemon=True)
         self._dispatchers: dict[str, Dispatcher] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._free: collections.deque[Dispatcher] = collections.deque()
-        self._running: set[asyncio.Task[Any]] = set()  # calls carrying closures (not probes)
+        self._closure_calls: set[asyncio.Task[Any]] = set()  # calls carrying closures (not probes)
         self._drained: asyncio.Event | None = None  # set while none runs; made on the loop
         self._holds = 0
         self._stopped = False
@@ -132,7 +132,7 @@ class DispatchLoop:
                 self._call(self._stop_all(), timeout)
             except (concurrent.futures.TimeoutError, RuntimeError):
                 log.error("the dispatch loop did not stop its workers within %ss", timeout)
-            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._event_loop.call_soon_threadsafe(self._event_loop.stop)
         self._thread.join(timeout)
         if self._dense is not None and not self._thread.is_alive():
             self._dense.close()
@@ -175,16 +175,16 @@ class DispatchLoop:
             return self._call(self._read_dense(timeout), timeout)
 
     def _wake(self) -> None:
-        if not self._stopped and not self._loop.is_closed():
+        if not self._stopped and not self._event_loop.is_closed():
             try:
-                self._loop.call_soon_threadsafe(self._assign)
+                self._event_loop.call_soon_threadsafe(self._assign)
             except RuntimeError:  # the loop closed meanwhile
                 pass
 
     def _call(self, coroutine: Coroutine[Any, Any, _T], timeout: float | None = None) -> _T:
         if threading.current_thread() is self._thread:
             raise RuntimeError("a DispatchLoop method was called from its own thread")
-        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._event_loop)
         try:
             return future.result(timeout)
         except concurrent.futures.TimeoutError:
@@ -194,12 +194,12 @@ class DispatchLoop:
     # ---------------------------------------------------------------- on the loop
 
     def _serve(self) -> None:
-        asyncio.set_event_loop(self._loop)
+        asyncio.set_event_loop(self._event_loop)
         try:
-            self._loop.run_forever()
+            self._event_loop.run_forever()
         finally:
-            self._loop.run_until_complete(self._loop.shutdown_asyncgens())
-            self._loop.close()
+            self._event_loop.run_until_complete(self._event_loop.shutdown_asyncgens())
+            self._event_loop.close()
 
     async def _add(self, address: str, probe_first: bool = False) -> Dispatcher:
         if self._stopped:
@@ -285,7 +285,7 @@ class DispatchLoop:
     async def _wait_drained(self) -> None:
         if self._drained is None:
             self._drained = asyncio.Event()
-        if not self._running:
+        if not self._closure_calls:
             self._drained.set()
         await self._drained.wait()
 
@@ -333,16 +333,16 @@ class DispatchLoop:
         if not any(batches):
             return
         try:
-            rounds = self._dense.rounds([d.address for d in members])
+            member_rounds = self._dense.member_rounds([d.address for d in members])
         except Exception as exc:  # the user's setup (e.g. dense variables without an optimizer)
             self._fail_round(batches, exc)
             return
         longest = max(len(batch) for batch in batches)
         self._round = set()
-        for dispatcher, batch, dense in zip(members, batches, rounds):
+        for dispatcher, batch, member_round in zip(members, batches, member_rounds):
             self._free.remove(dispatcher)
             self._round.add(
-                self._start(dispatcher, self._in_round(dispatcher, batch, dense, longest), carries_closures=True)
+                self._start(dispatcher, self._in_round(dispatcher, batch, member_round, longest), carries_closures=True)
             )
 
     def _fail_round(self, batches: list[list[Closure]], exc: Exception) -> None:
@@ -359,17 +359,19 @@ class DispatchLoop:
         )
         self._queue.fail(closures[0], error, not_run=closures[1:])
 
-    async def _in_round(self, dispatcher: Dispatcher, batch: list[Closure], dense: DenseRound, longest: int) -> None:
-        if await dispatcher.run_round(batch, dense, longest) and self._dense is not None:
+    async def _in_round(
+        self, dispatcher: Dispatcher, batch: list[Closure], member_round: DenseRound, longest: int
+    ) -> None:
+        if await dispatcher.run_round(batch, member_round, longest) and self._dense is not None:
             self._dense.broke()
 
     def _start(
         self, dispatcher: Dispatcher, work: Coroutine[Any, Any, Any], *, carries_closures: bool = False
     ) -> asyncio.Task[Any]:
-        task = self._loop.create_task(work)
+        task = self._event_loop.create_task(work)
         self._tasks[dispatcher.address] = task
         if carries_closures:
-            self._running.add(task)
+            self._closure_calls.add(task)
             if self._drained is not None:
                 self._drained.clear()
         task.add_done_callback(lambda done: self._finished(dispatcher, done))
@@ -378,15 +380,15 @@ class DispatchLoop:
     def _finished(self, dispatcher: Dispatcher, task: asyncio.Task[Any]) -> None:
         if self._tasks.get(dispatcher.address) is task:
             del self._tasks[dispatcher.address]
-        self._running.discard(task)
+        self._closure_calls.discard(task)
         if self._round is not None and task in self._round:
             self._round.discard(task)
             if not self._round:
                 self._round = None
                 assert self._dense is not None
                 self._dense.round_finished()
-                self._loop.call_soon(self._assign)  # the next round, whatever became of this member
-        if not self._running and self._drained is not None:
+                self._event_loop.call_soon(self._assign)  # the next round, whatever became of this member
+        if not self._closure_calls and self._drained is not None:
             self._drained.set()
         if task.cancelled() or self._stopped or dispatcher.address not in self._dispatchers:
             return

@@ -145,8 +145,8 @@ class Dispatcher:
         # starts DOWN, so the health probe, not a closure's attempt, finds out when it serves.
         self._state = WorkerState.DOWN if probe_first else WorkerState.UP
         self._joining = probe_first  # until it first serves: probed often, not with backoff
-        self._held: frozenset[str] = frozenset()
-        self._running: list[Closure] = []  # the closures of the call in progress, not settled yet
+        self._resources_held: frozenset[str] = frozenset()
+        self._closures_in_call: list[Closure] = []  # the closures of the call in progress, not settled yet
         self._cluster_held = ""  # fingerprint of the cluster context the worker is known to hold
         self._incarnation: str | None = None
         self._device = ""  # where the worker computes, as its last reply said
@@ -169,7 +169,7 @@ class Dispatcher:
         went back to the queue. If cancelled (the worker is removed or the coordinator stops),
         the closures not finished go back to the queue: not the worker's fault."""
         pending = list(batch)
-        self._running = pending
+        self._closures_in_call = pending
         force: frozenset[str] = frozenset()
         try:
             while pending:
@@ -191,13 +191,13 @@ class Dispatcher:
                     pending = []
                     return
                 pending, force = self._on_results(pending, request, response)
-                self._running = pending
+                self._closures_in_call = pending
         finally:
-            self._running = []
+            self._closures_in_call = []
             if pending:  # cancelled mid-call
                 self._queue.put_back(pending)
 
-    async def run_round(self, batch: Sequence[Closure], dense: DenseRound, longest: int) -> bool:
+    async def run_round(self, batch: Sequence[Closure], member_round: DenseRound, longest: int) -> bool:
         """This worker's call in a hybrid-training round (coordinator.dense_rounds): one call,
         sent even without closures (the member takes part in the others' steps). Closures that
         need something resent, or that the group's breaking stopped, go back to the queue for a
@@ -205,10 +205,10 @@ class Dispatcher:
         group broke (a member failed mid-round): the next round forms it anew. ``longest``: the
         most closures any member got (the call lasts as long as the slowest member)."""
         pending = list(batch)
-        self._running = pending
+        self._closures_in_call = pending
         try:
             request = self._request(pending, self._force)
-            request.dense.CopyFrom(dense_round_to_proto(dense))
+            request.dense.CopyFrom(dense_round_to_proto(member_round))
             deadline = self._policy.closure_timeout * max(1, longest)
             sent = time.perf_counter()
             try:
@@ -227,7 +227,7 @@ class Dispatcher:
             pending, self._force = self._on_results(pending, request, response)
             return response.group_failed
         finally:
-            self._running = []
+            self._closures_in_call = []
             if pending:  # to resend, not answered, or cancelled mid-call: a later round runs them
                 self._queue.put_back(pending)
 
@@ -243,7 +243,7 @@ class Dispatcher:
         next push or step; the call answers them as cancelled, and ``run`` puts them back to a
         queue that cancels them). Returns how many it was asked to cancel. A worker that does
         not answer is left alone: its call fails and its closures are put back all the same."""
-        ids = [closure.closure_id for closure in self._running]
+        ids = [closure.closure_id for closure in self._closures_in_call]
         if not ids:
             return 0
         try:
@@ -263,7 +263,7 @@ class Dispatcher:
         context = self._cluster_context()
         needed = set(force) | set().union(*(c.resource_ids for c in batch))
         # The worker creates what the batch needs before its first closure.
-        resources = self._specs.specs(needed - self._held)
+        resources = self._specs.specs(needed - self._resources_held)
         requests = [
             ClosureRequest(
                 closure_id=closure.closure_id,
@@ -335,7 +335,7 @@ class Dispatcher:
         """Tracks which resources this worker incarnation holds."""
         previous = self._incarnation
         self._incarnation = result.worker_incarnation
-        self._held = frozenset(result.resources_held)
+        self._resources_held = frozenset(result.resources_held)
         if result.device and result.device != self._device:
             self._device = result.device
             self._observer.worker_device(self.address, result.device)
@@ -413,7 +413,7 @@ class Dispatcher:
     # ---------------------------------------------------------------- membership
 
     def _mark_down(self, reason: str) -> None:
-        self._held = frozenset()  # it may come back as a new process holding nothing
+        self._resources_held = frozenset()  # it may come back as a new process holding nothing
         self._cluster_held = ""
         self._set_state(WorkerState.DOWN, reason)
 

@@ -84,12 +84,12 @@ class GrpcTransport:
         self._tls = tls
         self._options = channel_options(max_message_bytes)
         self._channel: grpc.aio.Channel | None = None
-        self._call: Any = None
+        self._run_closures_rpc: Any = None
 
     def _open(self) -> grpc.aio.Channel:
         if self._channel is None:
             self._channel = open_aio_channel(self.address, self._tls, self._options)
-            self._call = self._channel.unary_unary(
+            self._run_closures_rpc = self._channel.unary_unary(
                 RUN_CLOSURES_METHOD,
                 request_serializer=worker_pb2.RunClosuresRequest.SerializeToString,
                 response_deserializer=None,  # raw bytes: the signature covers them
@@ -105,7 +105,7 @@ class GrpcTransport:
         if self._token:
             metadata.append(bearer_metadata(self._token))
         try:
-            call = self._call(request, timeout=timeout, metadata=metadata)
+            call = self._run_closures_rpc(request, timeout=timeout, metadata=metadata)
             raw = await call
             trailers = dict(await call.trailing_metadata() or ())
         except grpc.aio.AioRpcError as err:

@@ -26,6 +26,12 @@ the thread ``paramserve-ps-recovery``:
    resumes: the closures put back run again. Their pushes keep their idempotency keys,
    so a push a surviving server applied before the failure is not applied twice.
 
+Recovery thinks in shard groups, numbered as the client numbers its servers (the shards are placed
+over the groups): replicated (``ps_replicas`` > 1), a group is a primary and its backups
+(coordinator/recovery/replica_groups.py) and a failure is first met by a failover; unreplicated,
+each server is a group of one, restored as described above. Here ``group`` is always such a
+number, and a ``server`` always an address.
+
 A server that does not come back, or that lost variables no whole checkpoint holds, fails
 the queued closures with ParameterServerUnavailableError (raised by the next ``schedule`` or
 ``join``), naming what to do; the server stays watched, and its next restart is recovered.
@@ -63,8 +69,7 @@ from paramserve.coordinator.recovery.recovery_policy import (
     plan_restore,
 )
 from paramserve.coordinator.recovery.replica_groups import ParameterServers
-from paramserve.psserver.checkpoint import dynamic_checkpoint
-from paramserve.psserver.checkpoint import shard_files as checkpoint
+from paramserve.psserver.checkpoint import dynamic_checkpoint, shard_files
 from paramserve.psserver.client.ps_client import ParameterServerClient
 from paramserve.psserver.dynamic.dynamic_types import DynamicShardState, rehash
 from paramserve.psserver.protocol.errors import CheckpointError, ParamServeError
@@ -117,16 +122,17 @@ class ParameterServerRecovery:
         clock: Callable[[], float] = time.monotonic,
     ):
         self._variables = variables
-        self._loop: DispatchLoop | None = None
+        self._dispatch_loop: DispatchLoop | None = None
         self._queue = queue
         self._policy = policy
         self._observer = observer
         self._clock = clock
-        self._addresses = tuple(variables.client.addresses)
-        self._watches = [ServerWatch() for _ in self._addresses]
-        self._suspects: set[int] = set()
-        self._rejoins: set[int] = set()  # replicated groups with a member to copy into
-        self._rejoining: dict[int, threading.Thread] = {}  # groups whose copy runs now, and its thread
+        self._primaries = tuple(variables.client.addresses)
+        """The address serving each group: its primary (in a group of one, the server)."""
+        self._watches = [ServerWatch() for _ in self._primaries]  # each group's primary, unreplicated
+        self._suspect_groups: set[int] = set()
+        self._groups_to_rejoin: set[int] = set()  # replicated groups with a member to copy into
+        self._rejoin_copies: dict[int, threading.Thread] = {}  # groups whose copy runs now, and its thread
         self._recovering = False
         self._cond = threading.Condition()
         self._wake = threading.Event()
@@ -135,9 +141,9 @@ class ParameterServerRecovery:
         """Every recovery's outcome, in order."""
         self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
 
-    def start(self, loop: DispatchLoop) -> None:
-        """Starts watching; recoveries pause and resume ``loop``."""
-        self._loop = loop
+    def start(self, dispatch_loop: DispatchLoop) -> None:
+        """Starts watching; recoveries pause and resume ``dispatch_loop``."""
+        self._dispatch_loop = dispatch_loop
         self._thread.start()
 
     # ---------------------------------------------------------------- from any thread
@@ -145,22 +151,27 @@ class ParameterServerRecovery:
     def report(self, server: str) -> None:
         """A closure (or a checkpoint's export) failed because of parameter server ``server``
         (its address; another string: every server is suspect). Never blocks."""
-        groups = self._variables.servers.groups
-        group = groups.group_of(server) if groups is not None else None
+        group = self._group_of(server)
         with self._cond:
             if group is not None:
-                self._suspects.add(group)
-            elif server in self._addresses:
-                self._suspects.add(self._addresses.index(server))
+                self._suspect_groups.add(group)
             else:  # e.g. "unknown": the worker could not tell which
-                self._suspects.update(range(len(self._addresses)))
+                self._suspect_groups.update(range(len(self._primaries)))
             self._cond.notify_all()
         self._wake.set()
+
+    def _group_of(self, server: str) -> int | None:
+        """The group whose member (replicated) or primary ``server`` is; None: no group's."""
+        groups = self._variables.servers.groups
+        group = groups.group_of(server) if groups is not None else None
+        if group is None and server in self._primaries:
+            group = self._primaries.index(server)
+        return group
 
     def settled(self, timeout: float | None = None) -> bool:
         """Waits until no server is suspected or being recovered; False at the timeout."""
         with self._cond:
-            return self._cond.wait_for(lambda: not self._suspects and not self._recovering, timeout)
+            return self._cond.wait_for(lambda: not self._suspect_groups and not self._recovering, timeout)
 
     def stop(self, timeout: float | None = None) -> None:
         """Stops the recovery thread and waits (up to ``timeout`` each) for it and for the copies
@@ -170,17 +181,17 @@ class ParameterServerRecovery:
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
         with self._cond:
-            copies = list(self._rejoining.values())
+            copies = list(self._rejoin_copies.values())
         for copy in copies:
             copy.join(timeout)
         with self._cond:
-            self._suspects.clear()
+            self._suspect_groups.clear()
             self._cond.notify_all()
 
     @property
-    def loop(self) -> DispatchLoop:
-        assert self._loop is not None, "start() first"
-        return self._loop
+    def dispatch_loop(self) -> DispatchLoop:
+        assert self._dispatch_loop is not None, "start() first"
+        return self._dispatch_loop
 
     # ---------------------------------------------------------------- the recovery thread
 
@@ -192,11 +203,11 @@ class ParameterServerRecovery:
                 return
             try:
                 self._probe_all()
-                for server in self._take_suspects():
+                for group in self._take_suspect_groups():
                     if self._stopped.is_set():
                         return
-                    self._recover(server)
-                for group in self._take_rejoins():
+                    self._recover(group)
+                for group in self._take_groups_to_rejoin():
                     if self._stopped.is_set():
                         return
                     self._rejoin(group)
@@ -207,74 +218,75 @@ class ParameterServerRecovery:
                     self._recovering = False
                     self._cond.notify_all()
 
-    def _take_suspects(self) -> list[int]:
+    def _take_suspect_groups(self) -> list[int]:
         with self._cond:
-            suspects = sorted(self._suspects)
+            suspects = sorted(self._suspect_groups)
             self._recovering = bool(suspects)
-            self._suspects.clear()
+            self._suspect_groups.clear()
             return suspects
 
-    def _take_rejoins(self) -> list[int]:
+    def _take_groups_to_rejoin(self) -> list[int]:
         with self._cond:
-            rejoins = sorted(self._rejoins)
-            self._rejoins.clear()
+            rejoins = sorted(self._groups_to_rejoin)
+            self._groups_to_rejoin.clear()
             return rejoins
 
     def _probe_all(self) -> None:
-        """Suspects the servers whose probe says they restarted or are lost."""
+        """Suspects the groups whose probe says their server restarted or is lost (replicated: whose
+        replicas changed), and notes the replicated groups with a member to rejoin."""
         if not self._variables.materialized:
             return
         groups = self._variables.servers.groups
         if groups is not None:
             failing, rejoining = groups.needs_check()
             with self._cond:
-                self._suspects.update(failing)
-                self._rejoins.update(rejoining)
+                self._suspect_groups.update(failing)
+                self._groups_to_rejoin.update(rejoining)
             return
-        for server in range(len(self._addresses)):
-            probe = self._probe(server)
-            self._watches[server], verdict = judge_probe(self._watches[server], probe, self._clock(), self._policy)
+        for group in range(len(self._primaries)):
+            probe = self._probe(group)
+            self._watches[group], verdict = judge_probe(self._watches[group], probe, self._clock(), self._policy)
             if verdict.suspect:
-                log.warning("parameter server %s is suspect: %s", self._addresses[server], verdict.reason)
+                log.warning("parameter server %s is suspect: %s", self._primaries[group], verdict.reason)
                 with self._cond:
-                    self._suspects.add(server)
+                    self._suspect_groups.add(group)
             elif probe.result is ProbeResult.BUSY:
-                log.info("parameter server %s: %s", self._addresses[server], verdict.reason)
+                log.info("parameter server %s: %s", self._primaries[group], verdict.reason)
 
-    def _probe(self, server: int) -> Probe:
-        """One probe of ``server``. Until it has answered once, the probe also lists its shards:
-        a server restarted between the variables' creation and the monitor's first answer would
-        otherwise have its new, empty incarnation adopted as the one to watch, and never be
+    def _probe(self, group: int) -> Probe:
+        """One probe of ``group``'s server. Until it has answered once, the probe also lists its
+        shards: a server restarted between the variables' creation and the monitor's first answer
+        would otherwise have its new, empty incarnation adopted as the one to watch, and never be
         suspected while no closure needs it."""
-        first = not self._watches[server].incarnation
-        found = self._variables.client.probe(server, self._policy.probe_timeout, shards=first)
+        first = not self._watches[group].incarnation
+        found = self._variables.client.probe(group, self._policy.probe_timeout, shards=first)
         if found.incarnation is None:
             return Probe(ProbeResult.BUSY if found.reachable else ProbeResult.UNREACHABLE)
         missing = 0
         if first:
             try:
-                lost, tables = self._lost_on(server, found.shards)
+                lost, tables = self._lost_on(group, found.shards)
             except ParamServeError:  # gone again since it answered: a miss, its baseline still unset
                 return Probe(ProbeResult.UNREACHABLE)
             missing = len(lost) + len(tables)
         return Probe(ProbeResult.ANSWERED, found.incarnation, missing)
 
-    def _recover(self, server: int) -> None:
+    def _recover(self, group: int) -> None:
         if self._variables.servers.groups is not None:
-            self._fail_over(server)
+            self._fail_over(group)
             return
-        address = self._addresses[server]
+        address = self._primaries[group]
         log.warning("recovering parameter server %s: training paused", address)
         self._observer.parameter_server_recovering(address)
         try:
             with self._variables.state_change():
-                outcome = self._recover_paused(server)
+                outcome = self._recover_paused(group)
         except TimeoutError:
             outcome = self._give_up(
-                server, Unrecoverable(f"closures still ran {self._policy.replacement_timeout:g}s after it failed")
+                group, Unrecoverable(f"closures still ran {self._policy.replacement_timeout:g}s after it failed")
             )
         except Unrecoverable as exc:
-            outcome = self._give_up(server, exc)
+            outcome = self._give_up(group, exc)
         self._observer.parameter_server_recovered(address, outcome.result, outcome.seconds)
 
     # ---------------------------------------------------------------- replicated groups
@@ -286,7 +298,7 @@ class ParameterServerRecovery:
         groups = self._variables.servers.groups
         assert groups is not None
         start = self._clock()
-        old = self._addresses[group]
+        old = self._primaries[group]
         try:
             with self._variables.state_change():
                 plan = groups.check(group)
@@ -300,19 +312,19 @@ class ParameterServerRecovery:
         except (ParamServeError, TimeoutError) as exc:
             log.warning("parameter-server group %d: failover not done yet (%s); trying again", group, exc)
             with self._cond:
-                self._suspects.add(group)  # the next round of the thread tries again
+                self._suspect_groups.add(group)  # the next round of the thread tries again
             return
         if plan.changed:
-            result = "failed-over" if self._addresses[group] != old else "replica-lost"
+            result = "failed-over" if self._primaries[group] != old else "replica-lost"
             outcome = RecoveryOutcome(old, result, self._clock() - start)
             self.recoveries.append(outcome)  # before training resumes: whoever sees it go on sees this
-        self.loop.release_server_hold()
+        self.dispatch_loop.release_server_hold()
         if plan.changed:
             self._observer.parameter_server_recovered(old, outcome.result, outcome.seconds)
             self._observer.replicas_in_sync(group, 1 + len(plan.state.in_sync))
 
     def _recover_checkpointed(self, group: int) -> None:
-        address = self._addresses[group]
+        address = self._primaries[group]
         self._observer.parameter_server_recovering(address)
         try:
             outcome = self._recover_paused(group)
@@ -325,10 +337,10 @@ class ParameterServerRecovery:
         that came back, while training goes on (coordinator/recovery/replica_groups.py:
         ``ReplicaGroups.rejoin``): a large copy must not hold up this thread's failovers."""
         with self._cond:
-            if group in self._rejoining or self._stopped.is_set():
+            if group in self._rejoin_copies or self._stopped.is_set():
                 return
             copy = threading.Thread(target=self._copy_into, args=(group,), name=f"{THREAD_NAME}-rejoin", daemon=True)
-            self._rejoining[group] = copy
+            self._rejoin_copies[group] = copy
             copy.start()  # under the lock: stop() never joins a thread not started
 
     def _copy_into(self, group: int) -> None:
@@ -341,7 +353,7 @@ class ParameterServerRecovery:
             return
         finally:
             with self._cond:
-                self._rejoining.pop(group, None)
+                self._rejoin_copies.pop(group, None)
         for rejoined in done:
             self._observer.replica_rejoined(group, rejoined.member, rejoined.bytes, rejoined.seconds)
         if done:
@@ -350,10 +362,10 @@ class ParameterServerRecovery:
     def _moved(self) -> None:
         """The group's primary changed: the strategy's client and context follow."""
         self._variables.servers_moved()
-        self._addresses = tuple(self._variables.client.addresses)
+        self._primaries = tuple(self._variables.client.addresses)
 
-    def _give_up(self, server: int, exc: Unrecoverable) -> RecoveryOutcome:
-        address = self._addresses[server]
+    def _give_up(self, group: int, exc: Unrecoverable) -> RecoveryOutcome:
+        address = self._primaries[group]
         log.error("parameter server %s was not recovered: %s", address, exc)
         outcome = RecoveryOutcome(address, "failed", 0.0)
         self.recoveries.append(outcome)  # before the error: whoever sees it sees this too
@@ -364,25 +376,25 @@ class ParameterServerRecovery:
                 message=str(exc),
             )
         )
-        self.loop.release_server_hold()
+        self.dispatch_loop.release_server_hold()
         return outcome
 
-    def _recover_paused(self, server: int) -> RecoveryOutcome:
-        address = self._addresses[server]
-        with self.loop.paused(self._policy.replacement_timeout):
-            incarnation, infos = self._wait_for(server)
+    def _recover_paused(self, group: int) -> RecoveryOutcome:
+        address = self._primaries[group]
+        with self.dispatch_loop.paused(self._policy.replacement_timeout):
+            incarnation, infos = self._wait_for(group)
             answered = self._clock()
-            lost, tables = self._lost_on(server, infos)
+            lost, tables = self._lost_on(group, infos)
             plan = self._plan([*lost, *tables])
             log.warning("parameter server %s answers (incarnation %s): %s", address, incarnation[:8], plan.reason)
-            self._execute(server, lost, plan)
-            self._restore_tables(server, tables, plan)
-            self._watches[server] = ServerWatch(incarnation)
+            self._execute(group, lost, plan)
+            self._restore_tables(group, tables, plan)
+            self._watches[group] = ServerWatch(incarnation)
             with self._cond:  # what closures reported meanwhile was this failure
-                self._suspects.discard(server)
+                self._suspect_groups.discard(group)
             outcome = RecoveryOutcome(address, "intact" if plan.point is None else "restored", self._clock() - answered)
             self.recoveries.append(outcome)  # before training resumes: whoever sees it go on sees this
-            self.loop.release_server_hold()
+            self.dispatch_loop.release_server_hold()
         log.warning(
             "parameter server %s recovered (%s) in %.2fs after it answered: training resumes",
             address,
@@ -391,10 +403,10 @@ class ParameterServerRecovery:
         )
         return outcome
 
-    def _wait_for(self, server: int) -> tuple[str, list[ShardInfo]]:
+    def _wait_for(self, group: int) -> tuple[str, list[ShardInfo]]:
         deadline = self._clock() + self._policy.replacement_timeout
         while not self._stopped.is_set():
-            found = self._variables.client.probe(server, self._policy.probe_timeout, shards=True)
+            found = self._variables.client.probe(group, self._policy.probe_timeout, shards=True)
             if found.incarnation is not None:
                 return found.incarnation, found.shards
             if self._clock() >= deadline:
@@ -405,25 +417,25 @@ class ParameterServerRecovery:
             self._stopped.wait(self._policy.poll_interval)
         raise Unrecoverable("the coordinator shut down while waiting for it")
 
-    def _lost_on(self, server: int, infos: Sequence[ShardInfo]) -> tuple[dict[str, VariableLayout], list[str]]:
-        """What ``server`` lacks of what was placed on it: the variables missing from the shards it
-        listed (``infos``), and the dynamic tables it does not hold."""
-        lost = lost_variables(server, {info.ref for info in infos}, self._variables.created_layouts())
-        return lost, self._lost_tables(server)
+    def _lost_on(self, group: int, infos: Sequence[ShardInfo]) -> tuple[dict[str, VariableLayout], list[str]]:
+        """What ``group``'s server lacks of what was placed on the group: the variables missing from
+        the shards it listed (``infos``), and the dynamic tables it does not hold."""
+        lost = lost_variables(group, {info.ref for info in infos}, self._variables.created_layouts())
+        return lost, self._lost_tables(group)
 
-    def _lost_tables(self, server: int) -> list[str]:
+    def _lost_tables(self, group: int) -> list[str]:
         created = self._variables.created_dynamic_tables()
         if not created:
             return []
-        held = self._variables.client.dynamic.stats([server]).get(server, [])
+        held = self._variables.client.dynamic.stats([group]).get(group, [])
         return lost_tables({stats.ref.variable for stats in held}, created)
 
     def _plan(self, lost: Sequence[str]) -> RestorePlan:
         keys = {name: self._variables.checkpoint_key(name) for name in lost}
-        facts = [_facts(path) for path in self._variables.checkpoints.candidates(checkpoint.list_checkpoints)]
+        facts = [_facts(path) for path in self._variables.checkpoints.candidates(shard_files.list_checkpoints)]
         return plan_restore(lost, keys, facts, self._policy.recovery_point)
 
-    def _execute(self, server: int, lost: Mapping[str, VariableLayout], plan: RestorePlan) -> None:
+    def _execute(self, group: int, lost: Mapping[str, VariableLayout], plan: RestorePlan) -> None:
         if plan.point is None:
             return
         if plan.point is RecoveryPoint.ALL and plan.checkpoint is not None:
@@ -435,59 +447,59 @@ class ParameterServerRecovery:
             self._lost_state(name, layout, shard, plan.checkpoint)
             for name, layout in lost.items()
             for shard in layout.shards
-            if shard.server == server
+            if shard.server == group  # a shard's server is the client's: its group
         ]
-        self._variables.restore_states({server: states}, dict(lost))
+        self._variables.restore_states({group: states}, dict(lost))
 
-    def _restore_tables(self, server: int, tables: Sequence[str], plan: RestorePlan) -> None:
-        """Makes the server's shards of the dynamic tables it lost the checkpoint's, stepping with
+    def _restore_tables(self, group: int, tables: Sequence[str], plan: RestorePlan) -> None:
+        """Makes the group's shards of the dynamic tables it lost the checkpoint's, stepping with
         the optimizer settings in force now (at RecoveryPoint.ALL, ``restore_checkpoint`` did,
         with every other server's)."""
         if not tables or plan.checkpoint is None or plan.point is not RecoveryPoint.LOST_SHARDS:
             return
         try:
-            states = _table_shards(plan.checkpoint, server, self._addresses, tables, self._variables.checkpoint_key)
+            states = _table_shards(plan.checkpoint, group, len(self._primaries), tables, self._variables.checkpoint_key)
         except CheckpointError as exc:
             raise Unrecoverable(f"its dynamic tables cannot be read from {plan.checkpoint}: {exc}") from exc
         live = [state.with_optimizer(self._variables.live_optimizer(state.ref.variable)) for state in states]
-        self._variables.restore_dynamic({server: live})
+        self._variables.restore_dynamic({group: live})
 
     def _lost_state(self, name: str, layout: VariableLayout, shard: ShardPlacement, path: Path | None) -> ShardState:
         key = self._variables.checkpoint_key(name)
         if key is None or path is None:
             return self._variables.initial_state(name, layout, shard)
         rows = shard.num_rows if layout.shape else 1
-        state = checkpoint.load_rows(path, key, shard.row_start, rows, layout.ref(shard))
+        state = shard_files.load_rows(path, key, shard.row_start, rows, layout.ref(shard))
         live = self._variables.live_optimizer(name)
         return dataclasses.replace(state, optimizer=live) if live is not None else state
 
 
 def _facts(path: Path) -> CheckpointFacts:
     """What a checkpoint candidate holds, for ``plan_restore``."""
-    if not checkpoint.is_whole(path):
+    if not shard_files.is_whole(path):
         return CheckpointFacts(path, whole=False)
-    manifest = checkpoint.read_manifest(path)
+    manifest = shard_files.read_manifest(path)
     held = [*manifest.variables, *dynamic_checkpoint.table_names(manifest.extra)]
     return CheckpointFacts(path, whole=True, variables=frozenset(held))
 
 
 def _table_shards(
     path: Path,
-    server: int,
-    addresses: Sequence[str],
+    group: int,
+    num_groups: int,
     tables: Sequence[str],
     key_of: Callable[[str], str | None],
 ) -> list[DynamicShardState]:
-    """Server ``server``'s shard of each of ``tables`` as checkpoint ``path`` holds them (its
-    chain of deltas applied), laid out for ``addresses``' servers; CheckpointError when unreadable."""
+    """Group ``group``'s shard of each of ``tables`` as checkpoint ``path`` holds them (its chain
+    of deltas applied), laid out for ``num_groups`` groups; CheckpointError when unreadable."""
     keys = {name: key for name in tables if (key := key_of(name)) is not None}
-    saved = dynamic_checkpoint.read_tables(path, checkpoint.read_manifest(path).extra, set(keys.values()))
+    saved = dynamic_checkpoint.read_tables(path, shard_files.read_manifest(path).extra, set(keys.values()))
     states = []
     for name, key in keys.items():
         if key not in saved:
             raise CheckpointError(f"it does not hold dynamic table {key!r}")
-        mine = next(state for state in rehash(saved[key], len(addresses)) if state.ref.shard == server)
-        states.append(dataclasses.replace(mine, ref=ShardRef(name, server)))
+        mine = next(state for state in rehash(saved[key], num_groups) if state.ref.shard == group)
+        states.append(dataclasses.replace(mine, ref=ShardRef(name, group)))
     return states
 
 
@@ -530,7 +542,8 @@ class RecoverableVariables(Protocol):
     def restore_states(
         self, states_by_server: Mapping[int, Sequence[ShardState]], layouts: Mapping[str, VariableLayout]
     ) -> None:
-        """Makes those shards exactly ``states_by_server`` on the servers; workers drop their values."""
+        """Makes those shards exactly ``states_by_server`` on the servers (keyed by the client's index
+        of a server: recovery passes a group's number, its primary's index); workers drop their values."""
 
     def restore_checkpoint(self, path: pathlib.Path) -> None:
         """Rolls every variable back to checkpoint ``path`` (RecoveryPoint.ALL), keeping the
@@ -541,7 +554,8 @@ class RecoverableVariables(Protocol):
         server holds one shard of each)."""
 
     def restore_dynamic(self, states_by_server: Mapping[int, Sequence[DynamicShardState]]) -> None:
-        """Makes those dynamic tables' shards exactly ``states_by_server`` on those servers."""
+        """Makes those dynamic tables' shards exactly ``states_by_server`` on those servers (keyed as
+        for ``restore_states``)."""
 
     def state_change(self) -> contextlib.AbstractContextManager[None]:
         """Held while a checkpoint is taken or a server restored: the two never overlap."""

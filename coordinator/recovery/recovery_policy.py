@@ -146,13 +146,14 @@ def judge_probe(watch: ServerWatch, probe: Probe, now: float, policy: RecoveryPo
 
 
 def lost_variables(
-    server: int, held: Collection[ShardRef], layouts: Mapping[str, VariableLayout]
+    group: int, held: Collection[ShardRef], layouts: Mapping[str, VariableLayout]
 ) -> dict[str, VariableLayout]:
-    """The variables with a shard placed on ``server`` that it does not hold (``held``)."""
+    """The variables with a shard placed on shard group ``group`` that its server does not hold
+    (``held``). A shard's ``server`` is its group (an unreplicated cluster's groups are one server each)."""
     return {
         name: layout
         for name, layout in layouts.items()
-        if any(shard.server == server and layout.ref(shard) not in held for shard in layout.shards)
+        if any(shard.server == group and layout.ref(shard) not in held for shard in layout.shards)
     }
 
 

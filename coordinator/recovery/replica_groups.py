@@ -203,8 +203,8 @@ class ReplicaGroups:
     """The groups of a replicated cluster and the calls that change them. Thread-safe (one
     change at a time)."""
 
-    def __init__(self, groups: Sequence[Sequence[str]], calls: ReplicaCalls, *, probe_timeout: float = 0.5):
-        self._members = [tuple(members) for members in groups]
+    def __init__(self, members_by_group: Sequence[Sequence[str]], calls: ReplicaCalls, *, probe_timeout: float = 0.5):
+        self._members = [tuple(members) for members in members_by_group]
         self._calls = calls
         self._probe_timeout = probe_timeout
         self._lock = threading.RLock()

@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from paramserve.coordinator import nest
+from paramserve.worker.layers import steps_elsewhere
 from paramserve.worker.resources import InputContext
-from paramserve.worker.variables import steps_elsewhere
 
 if TYPE_CHECKING:
     from paramserve.coordinator.cluster_resolver import ClusterResolver

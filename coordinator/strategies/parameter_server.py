@@ -66,7 +66,7 @@ from paramserve.psserver.protocol.partition import Partitioner
 from paramserve.psserver.protocol.types import ClusterContext, ShardPlacement, ShardState, VariableLayout
 from paramserve.psserver.runtime.security import TOKEN_ENV, check_token
 from paramserve.worker.dynamic_embedding import DynamicEmbedding
-from paramserve.worker.variables import (
+from paramserve.worker.layers import (
     RefreshBeforeForward,
     ServerOptimizer,
     ShardedEmbedding,

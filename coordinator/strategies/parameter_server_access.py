@@ -20,7 +20,7 @@ from torch import nn
 
 from paramserve.coordinator.strategies import _capture
 from paramserve.coordinator.strategies.base import SingleReplicaStrategy
-from paramserve.worker.variables import ServerOptimizer, variable_name
+from paramserve.worker.layers import ServerOptimizer, variable_name
 
 if TYPE_CHECKING:
     from paramserve.coordinator.strategies.parameter_server import ParameterServerStrategy

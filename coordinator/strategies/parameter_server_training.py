@@ -27,7 +27,7 @@ from paramserve.coordinator.remote_value import RemoteValue, RemoteValueState
 from paramserve.coordinator.strategies.step_runners import StepFn, add_statistics
 from paramserve.psserver.checkpoint import shard_files as checkpoint
 from paramserve.psserver.protocol.optimizer_spec import OptimizerSpec
-from paramserve.worker.variables import ServerOptimizer, VariableAccess, current_access, variable_name
+from paramserve.worker.layers import ServerOptimizer, VariableAccess, current_access, variable_name
 
 if TYPE_CHECKING:
     from paramserve.coordinator.strategies.parameter_server import ParameterServerStrategy

@@ -24,7 +24,7 @@ from paramserve.psserver.protocol.partition import Partitioner
 from paramserve.psserver.protocol.types import VariableLayout
 from paramserve.wire.v1 import tensor_pb2
 from paramserve.worker.dynamic_embedding import DynamicEmbedding
-from paramserve.worker.variables import ShardedEmbedding
+from paramserve.worker.layers import ShardedEmbedding
 
 
 @dataclass

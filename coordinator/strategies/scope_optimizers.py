@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from paramserve.worker.dynamic_embedding import DynamicEmbedding
-from paramserve.worker.variables import ServerOptimizer, ShardedEmbedding
+from paramserve.worker.layers import ServerOptimizer, ShardedEmbedding
 
 __all__ = [
     "LOCAL_ONLY_OPTIONS",

@@ -25,7 +25,7 @@ from torch.utils.hooks import RemovableHandle
 
 from paramserve.coordinator.dispatch.dense_rounds import DenseRoundsLink, DenseSettings
 from paramserve.psserver.protocol.optimizer_spec import OptimizerSpec
-from paramserve.worker.variables import SettleBeforeForward, variable_name
+from paramserve.worker.layers import SettleBeforeForward, variable_name
 
 if TYPE_CHECKING:
     from paramserve.coordinator.strategies.parameter_server import ParameterServerStrategy

@@ -32,7 +32,7 @@ import torch
 
 from paramserve.coordinator.checkpointing.checkpoint_manager import CheckpointManager
 from paramserve.coordinator.cluster_coordinator import ClusterCoordinator, CoordinatorConfig
-from paramserve.coordinator.commands.demo import MLP, digits_split, train_step, worker_batches
+from paramserve.coordinator.demos.digits import MLP, digits_split, train_step, worker_batches
 from paramserve.coordinator.recovery.recovery_policy import RecoveryPolicy
 from paramserve.coordinator.strategies.parameter_server import ParameterServerStrategy
 from paramserve.psserver.checkpoint import shard_files as checkpoint
@@ -287,7 +287,7 @@ sys.path.insert(0, {tests!r})
 import cloudpickle, torch
 from test_operations import build, accuracy, CHUNK, STEPS, FINE_TUNE_FROM_CHUNK, FINE_TUNE_LR
 from paramserve.coordinator import CheckpointManager, ClusterCoordinator, ClusterSpec
-from paramserve.coordinator.commands.demo import train_step, worker_batches
+from paramserve.coordinator.demos.digits import train_step, worker_batches
 
 spec = ClusterSpec(parameter_servers=tuple(sys.argv[1].split(",")), workers=tuple(sys.argv[2].split(",")))
 strategy, model, optimizer = build(spec)

@@ -13,7 +13,7 @@ import torch
 
 from paramserve.coordinator.checkpointing.checkpoint_manager import CheckpointManager
 from paramserve.coordinator.cluster_coordinator import ClusterCoordinator, CoordinatorConfig
-from paramserve.coordinator.commands.demo import MLP, digits_split, train_step, worker_batches
+from paramserve.coordinator.demos.digits import MLP, digits_split, train_step, worker_batches
 from paramserve.coordinator.errors import ParameterServerUnavailableError
 from paramserve.coordinator.recovery.recovery_policy import RecoveryPoint, RecoveryPolicy
 from paramserve.coordinator.strategies.parameter_server import ParameterServerStrategy

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from paramserve.coordinator.cluster_coordinator import ClusterCoordinator
-from paramserve.coordinator.commands.demo import MLP, digits_split, train_step, worker_batches
+from paramserve.coordinator.demos.digits import MLP, digits_split, train_step, worker_batches
 from paramserve.coordinator.strategies.parameter_server import ParameterServerStrategy
 from paramserve.psserver.client.calls import CallOptions, Stub
 from paramserve.psserver.protocol.partition import FixedShardsPartitioner

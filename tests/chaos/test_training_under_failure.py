@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from paramserve.coordinator.cluster_coordinator import ClusterCoordinator
-from paramserve.coordinator.commands.demo import MLP, train_step, worker_batches
+from paramserve.coordinator.demos.digits import MLP, train_step, worker_batches
 from paramserve.coordinator.remote_value import RemoteValueState
 from paramserve.coordinator.strategies.parameter_server import ParameterServerStrategy
 from paramserve.psserver.protocol.partition import FixedShardsPartitioner

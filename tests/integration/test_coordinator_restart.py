@@ -32,7 +32,7 @@ DEADLINE = 240.0
 
 
 def build():
-    from paramserve.coordinator.commands.demo import MLP
+    from paramserve.coordinator.demos.digits import MLP
     from paramserve.coordinator.strategies.parameter_server import ParameterServerStrategy
     from paramserve.psserver.protocol.partition import FixedShardsPartitioner
 
@@ -46,7 +46,7 @@ def build():
 def custom_loop(checkpoint_dir: str) -> None:
     """The README's recipe."""
     from paramserve.coordinator import CheckpointManager, ClusterCoordinator
-    from paramserve.coordinator.commands.demo import train_step, worker_batches
+    from paramserve.coordinator.demos.digits import train_step, worker_batches
 
     strategy, model, optimizer = build()
     manager = CheckpointManager(strategy, checkpoint_dir)
@@ -65,7 +65,7 @@ def custom_loop(checkpoint_dir: str) -> None:
 
 
 def keras_fit(checkpoint_dir: str) -> None:
-    from paramserve.coordinator.commands.demo import worker_batches
+    from paramserve.coordinator.demos.digits import worker_batches
     from paramserve.coordinator.training.callbacks import BackupAndRestore, Callback
     from paramserve.coordinator.training.fit import fit
 

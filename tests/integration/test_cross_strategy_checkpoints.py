@@ -13,7 +13,7 @@ from paramserve.coordinator import (
     export_state_dict,
     load_state_dict,
 )
-from paramserve.coordinator.commands.demo import MLP, digits_split, train_step, worker_batches
+from paramserve.coordinator.demos.digits import MLP, digits_split, train_step, worker_batches
 from paramserve.coordinator.strategies import compute_average_loss
 
 

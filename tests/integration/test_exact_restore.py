@@ -11,7 +11,7 @@ import torch
 
 from paramserve.coordinator.checkpointing.checkpoint_manager import CheckpointManager
 from paramserve.coordinator.cluster_coordinator import ClusterCoordinator
-from paramserve.coordinator.commands.demo import MLP, train_step, worker_batches
+from paramserve.coordinator.demos.digits import MLP, train_step, worker_batches
 from paramserve.coordinator.strategies.parameter_server import ParameterServerStrategy
 from paramserve.psserver.checkpoint import shard_files as checkpoint
 from paramserve.psserver.protocol.errors import CheckpointError

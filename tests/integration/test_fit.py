@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from paramserve.coordinator.checkpointing.checkpoint_manager import CheckpointManager
-from paramserve.coordinator.commands.demo import MLP, digits_split, worker_batches
+from paramserve.coordinator.demos.digits import MLP, digits_split, worker_batches
 from paramserve.coordinator.strategies.parameter_server import ParameterServerStrategy
 from paramserve.coordinator.training.callbacks import (
     BackupAndRestore,

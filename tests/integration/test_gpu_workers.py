@@ -14,7 +14,7 @@ import torch
 
 from paramserve.coordinator import ShardedEmbeddingCollection
 from paramserve.coordinator.cluster_coordinator import ClusterCoordinator
-from paramserve.coordinator.commands.demo import MLP, digits_split, train_step, worker_batches
+from paramserve.coordinator.demos.digits import MLP, digits_split, train_step, worker_batches
 from paramserve.coordinator.demos.recommendation import DLRM, ClickData, WorkerClicks, train_clicks
 from paramserve.coordinator.strategies.parameter_server import ParameterServerStrategy
 from paramserve.psserver.protocol.partition import FixedShardsPartitioner

@@ -14,7 +14,7 @@ from torch import nn
 from paramserve.coordinator import metrics
 from paramserve.coordinator.checkpointing.checkpoint_manager import CheckpointManager
 from paramserve.coordinator.cluster_coordinator import ClusterCoordinator
-from paramserve.coordinator.commands.demo import MLP, digits_split, worker_batches
+from paramserve.coordinator.demos.digits import MLP, digits_split, worker_batches
 from paramserve.coordinator.strategies.parameter_server import ParameterServerStrategy
 from paramserve.coordinator.training.fit import fit
 

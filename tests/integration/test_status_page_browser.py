@@ -25,7 +25,7 @@ from torch import nn
 
 from paramserve.coordinator.checkpointing.checkpoint_manager import CheckpointManager
 from paramserve.coordinator.cluster_coordinator import ClusterCoordinator
-from paramserve.coordinator.commands.demo import MLP, worker_batches
+from paramserve.coordinator.demos.digits import MLP, worker_batches
 from paramserve.coordinator.status.cluster_status import RunLog
 from paramserve.coordinator.status.status_page import StatusPage, StatusSources
 from paramserve.coordinator.strategies.parameter_server import ParameterServerStrategy

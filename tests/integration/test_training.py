@@ -14,7 +14,7 @@ from paramserve.coordinator.checkpointing.checkpoint_manager import (
     state_dict,
 )
 from paramserve.coordinator.cluster_coordinator import ClusterCoordinator
-from paramserve.coordinator.commands.demo import MLP, digits_split, train_step, worker_batches
+from paramserve.coordinator.demos.digits import MLP, digits_split, train_step, worker_batches
 from paramserve.coordinator.strategies.parameter_server import ParameterServerStrategy
 from paramserve.psserver.protocol.partition import FixedShardsPartitioner
 
@@ -104,7 +104,7 @@ def test_exported_state_dict_loads_into_a_plain_model_without_paramserve(start_c
 
     script = (
         "import sys, torch\n"
-        "from paramserve.coordinator.commands.demo import MLP\n"
+        "from paramserve.coordinator.demos.digits import MLP\n"
         "model = MLP(32)\n"
         f"model.load_state_dict(torch.load({str(path)!r}, weights_only=True))\n"
         f"torch.save(model(torch.load({str(tmp_path / 'x.pt')!r})).detach(), {str(tmp_path / 'y.pt')!r})\n"

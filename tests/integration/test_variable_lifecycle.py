@@ -12,7 +12,7 @@ from torch import nn
 
 from paramserve.coordinator.checkpointing.checkpoint_manager import CheckpointManager, export_state_dict, state_dict
 from paramserve.coordinator.cluster_coordinator import ClusterCoordinator
-from paramserve.coordinator.commands.demo import MLP, train_step, worker_batches
+from paramserve.coordinator.demos.digits import MLP, train_step, worker_batches
 from paramserve.coordinator.strategies.parameter_server import ParameterServerStrategy
 from paramserve.psserver.protocol.errors import VariableExistsError
 

@@ -21,7 +21,7 @@ from network_hosts import wait_for
 
 from paramserve.coordinator.cluster import ClusterSpec
 from paramserve.coordinator.cluster_coordinator import ClusterCoordinator
-from paramserve.coordinator.commands.demo import MLP, train_step, worker_batches
+from paramserve.coordinator.demos.digits import MLP, train_step, worker_batches
 from paramserve.coordinator.strategies.parameter_server import ParameterServerStrategy
 from paramserve.psserver.client.calls import CallOptions, Stub
 from paramserve.psserver.protocol.partition import FixedShardsPartitioner

@@ -22,7 +22,7 @@ import pytest
 import torch
 from network_hosts import NetworkHosts, paramserve, wait_for
 
-from paramserve.coordinator.commands.demo import MLP, digits_split
+from paramserve.coordinator.demos.digits import MLP, digits_split
 from paramserve.psserver.checkpoint import shard_files as checkpoint
 from paramserve.psserver.protocol.types import ShardRef
 

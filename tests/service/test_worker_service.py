@@ -16,11 +16,12 @@ from paramserve.psserver.protocol.partition import FixedShardsPartitioner
 from paramserve.psserver.protocol.types import ClusterContext
 from paramserve.psserver.runtime.security import bearer_metadata
 from paramserve.wire.v1 import cluster_pb2, worker_pb2, worker_pb2_grpc
+from paramserve.worker.closure_pickling import dumps_closure
 from paramserve.worker.core import ClosureRequest
+from paramserve.worker.layers import ServerOptimizer, mark_variable
 from paramserve.worker.messages import outcome_from_proto, request_to_proto
 from paramserve.worker.server import WorkerConfig, build_worker
 from paramserve.worker.servicer import SERVICE_NAME
-from paramserve.worker.variables import ServerOptimizer, dumps_closure, mark_variable
 
 SGD = OptimizerSpec("SGD", {"lr": 0.5})
 TOKEN = "worker-secret"

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from paramserve.coordinator.commands.demo import MLP, digits_split
+from paramserve.coordinator.demos.digits import MLP, digits_split
 from paramserve.coordinator.training.callbacks import (
     BackupAndRestore,
     Callback,
@@ -333,7 +333,7 @@ def test_tensorboard_writes_event_files(digits, tmp_path):
 
 
 def test_a_server_optimizer_without_its_strategy_names_the_fix(digits):
-    from paramserve.worker.variables import ServerOptimizer
+    from paramserve.worker.layers import ServerOptimizer
 
     model, _ = model_and_optimizer()
     with pytest.raises(ValueError, match="strategy="):

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from paramserve.coordinator.commands.demo import MLP, digits_split
+from paramserve.coordinator.demos.digits import MLP, digits_split
 from paramserve.coordinator.strategies import get_strategy
 from paramserve.coordinator.training.callbacks import (
     Callback,

@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from paramserve.coordinator import metrics
-from paramserve.coordinator.commands.demo import MLP, digits_split
+from paramserve.coordinator.demos.digits import MLP, digits_split
 from paramserve.coordinator.strategies import MirroredStrategy, OneDeviceStrategy, get_strategy, metric_states
 from paramserve.coordinator.training.fit import evaluate, fit
 

@@ -16,7 +16,7 @@ from paramserve.coordinator import ParameterServerStrategy, ShardedEmbedding
 from paramserve.coordinator.strategies.scope_optimizers import RateWatchingGroup, declarations, tables_of_whole_models
 from paramserve.coordinator.strategies.sync_dense import dense_groups
 from paramserve.psserver.protocol.optimizer_spec import OptimizerSpec
-from paramserve.worker.variables import dumps_closure
+from paramserve.worker.closure_pickling import dumps_closure
 
 
 @pytest.fixture

@@ -14,10 +14,11 @@ import torch
 from torch import nn
 
 from paramserve.psserver.protocol.types import PendingExchange, PullResult, PushSummary
+from paramserve.worker.closure_pickling import dumps_closure
 from paramserve.worker.core import ClosureOutcome, ClosureRequest, blame_failed_push
+from paramserve.worker.layers import ServerOptimizer
 from paramserve.worker.pipeline import EarlierPushFailed, PushPipeline
 from paramserve.worker.results import ClosureFailure
-from paramserve.worker.variables import ServerOptimizer, dumps_closure
 
 LR = 0.5
 

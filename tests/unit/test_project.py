@@ -75,7 +75,8 @@ CORES = [
     "worker/core.py",
     "worker/closure_access.py",
     "worker/results.py",
-    "worker/variables.py",
+    "worker/closure_pickling.py",
+    "worker/layers.py",
     "worker/resources.py",
 ]
 
@@ -138,6 +139,20 @@ def test_importing_the_client_loads_none_of_the_servers_modules():
     server_side = {f"paramserve.psserver.{name}" for name in SERVER_MODULES}
     assert "paramserve.psserver.client.ps_client" in loaded.stdout.split()
     assert server_side & set(loaded.stdout.split()) == set()
+
+
+def test_the_demos_package_names_what_it_shares_and_imports_it_when_first_used():
+    """The digits classifier lives in coordinator/demos/digits.py (the ``demo`` command only runs
+    it); the package's import adds none of its modules to what ``paramserve.coordinator`` loads."""
+    code = "import sys, paramserve.coordinator.demos; print(' '.join(sorted(sys.modules)))"
+    loaded = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, cwd=ROOT)
+    assert "paramserve.coordinator.demos" in loaded.stdout.split()
+    assert not [m for m in loaded.stdout.split() if m.startswith("paramserve.coordinator.demos.")]
+    import paramserve.coordinator.demos as demos
+    from paramserve.coordinator.demos.digits import MLP, worker_batches
+
+    assert sorted(demos.__all__) == sorted(demos._HOMES)
+    assert (demos.MLP, demos.worker_batches) == (MLP, worker_batches)
 
 
 # Every service has its core, servicer, server factory, errors and __main__: those names recur by design.

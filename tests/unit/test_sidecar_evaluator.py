@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from paramserve.coordinator.commands.demo import MLP, digits_split
+from paramserve.coordinator.demos.digits import MLP, digits_split
 from paramserve.coordinator.sidecar_evaluator import SidecarEvaluator
 from paramserve.coordinator.training.callbacks import ModelCheckpoint
 from paramserve.coordinator.training.fit import evaluate, fit

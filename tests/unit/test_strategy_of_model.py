@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from paramserve.coordinator.commands.demo import MLP, digits_split
+from paramserve.coordinator.demos.digits import MLP, digits_split
 from paramserve.coordinator.strategies import (
     MirroredStrategy,
     MultiWorkerMirroredStrategy,

@@ -18,16 +18,16 @@ from paramserve.psserver.protocol.errors import InvalidRequestError
 from paramserve.psserver.protocol.optimizer_spec import OptimizerSpec
 from paramserve.psserver.protocol.types import ClusterContext
 from paramserve.psserver.runtime import cpus
+from paramserve.worker.closure_pickling import dumps_closure
 from paramserve.worker.core import ClosureRequest, ResourceSpec, WorkerCore
-from paramserve.worker.resources import PerWorkerResource, ResourceMissingError, WorkerContext, resolve_resource
-from paramserve.worker.variables import (
+from paramserve.worker.layers import (
     RefreshBeforeForward,
     ServerOptimizer,
     ShardedEmbedding,
     ShardedEmbeddingCollection,
-    dumps_closure,
     mark_variable,
 )
+from paramserve.worker.resources import PerWorkerResource, ResourceMissingError, WorkerContext, resolve_resource
 
 LR = 0.5
 SGD = OptimizerSpec("SGD", {"lr": LR})

@@ -16,15 +16,10 @@ from torch import nn
 
 from paramserve.coordinator.cluster_coordinator import _iterator_factory
 from paramserve.psserver.protocol.optimizer_spec import OptimizerSpec
+from paramserve.worker.closure_pickling import dumps_closure
 from paramserve.worker.core import ClosureRequest, ResourceSpec, WorkerCore
+from paramserve.worker.layers import RefreshBeforeForward, ServerOptimizer, ShardedEmbedding, mark_variable
 from paramserve.worker.resources import PerWorkerResource, WorkerContext
-from paramserve.worker.variables import (
-    RefreshBeforeForward,
-    ServerOptimizer,
-    ShardedEmbedding,
-    dumps_closure,
-    mark_variable,
-)
 
 LR = 0.5
 SGD = OptimizerSpec("SGD", {"lr": LR})
