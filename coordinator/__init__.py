@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from paramserve.coordinator.strategies.parameter_server import ParameterServerStrategy
     from paramserve.coordinator.training import callbacks
     from paramserve.coordinator.training.callbacks import latest_checkpoint
-    from paramserve.coordinator.training.fit import evaluate, fit, predict
+    from paramserve.coordinator.training.loops import evaluate, fit, predict
     from paramserve.psserver.protocol.partition import (
         FixedShardsPartitioner,
         MaxSizePartitioner,
@@ -150,20 +150,20 @@ _HOMES = {
     "SidecarEvaluator": "sidecar_evaluator",
     "SimpleClusterResolver": "cluster_resolver",
     "TFConfigClusterResolver": "cluster_resolver",
-    "callbacks": "training.callbacks",
     "compute_average_loss": "strategies",
-    "evaluate": "training.fit",
+    "evaluate": "training.loops",
     "experimental_get_current_worker_index": "paramserve.worker.resources",
     "experimental_set_strategy": "strategies",
     "export_state_dict": "checkpointing.checkpoint_manager",
-    "fit": "training.fit",
+    "fit": "training.loops",
     "get_strategy": "strategies",
     "latest_checkpoint": "training.callbacks",
     "load_checkpoint_weights": "sidecar_evaluator",
     "load_state_dict": "checkpointing.checkpoint_manager",
-    "metrics": "metrics",
-    "predict": "training.fit",
+    "predict": "training.loops",
     "state_dict": "checkpointing.checkpoint_manager",
 }
 
-__getattr__ = lazy_attributes(__name__, _HOMES)
+_MODULES = {"callbacks": "training.callbacks", "metrics": "metrics"}
+
+__getattr__ = lazy_attributes(__name__, _HOMES, _MODULES)

@@ -26,7 +26,7 @@ Where the state lives:
 
 ``fit`` takes the same objects (or torchmetrics metrics, names, functions) in
 ``metrics=``; it sums their states through the step statistics it already
-reduces (``training/fit.py``), so it needs states that add up too.
+reduces (``training/loops.py``), so it needs states that add up too.
 """
 
 from __future__ import annotations

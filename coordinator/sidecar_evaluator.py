@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from paramserve.coordinator.training.callbacks import summary_writer, write_epoch_logs
-from paramserve.coordinator.training.fit import evaluate
+from paramserve.coordinator.training.loops import evaluate
 from paramserve.psserver.checkpoint import shard_files as server_checkpoint
 from paramserve.psserver.protocol.types import ShardRef
 

@@ -17,18 +17,22 @@ if TYPE_CHECKING:
 __all__ = ["lazy_attributes"]
 
 
-def lazy_attributes(package: str, homes: Mapping[str, str]) -> Callable[[str], Any]:
+def lazy_attributes(
+    package: str, homes: Mapping[str, str], modules: Mapping[str, str] | None = None
+) -> Callable[[str], Any]:
     """A module ``__getattr__`` for ``package``: ``homes`` maps each public name to the module
-    that defines it, relative to ``package`` or absolute (``paramserve....``); a name that is its
-    home's last part is that module itself (``metrics``). Raises AttributeError for any other name."""
+    that defines it, ``modules`` each public name that is a module itself to that module, both
+    relative to ``package`` or absolute (``paramserve....``). Raises AttributeError for any other
+    name."""
+    submodules = dict(modules or {})
     namespace = importlib.import_module(package).__dict__
 
     def attribute(name: str) -> Any:
-        home = homes.get(name)
+        home = homes.get(name, submodules.get(name))
         if home is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
         module = importlib.import_module(home if home.startswith("paramserve.") else f"{package}.{home}")
-        value = module if home.rpartition(".")[2] == name else getattr(module, name)
+        value = module if name in submodules else getattr(module, name)
         namespace[name] = value
         return value
 

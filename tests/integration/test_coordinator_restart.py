@@ -67,7 +67,7 @@ def custom_loop(checkpoint_dir: str) -> None:
 def keras_fit(checkpoint_dir: str) -> None:
     from paramserve.coordinator.demos.digits import worker_batches
     from paramserve.coordinator.training.callbacks import BackupAndRestore, Callback
-    from paramserve.coordinator.training.fit import fit
+    from paramserve.coordinator.training.loops import fit
 
     class Report(Callback):
         def on_train_begin(self, logs=None):

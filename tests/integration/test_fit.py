@@ -33,7 +33,7 @@ from paramserve.coordinator.training.callbacks import (
     ModelCheckpoint,
     latest_checkpoint,
 )
-from paramserve.coordinator.training.fit import evaluate, fit, predict
+from paramserve.coordinator.training.loops import evaluate, fit, predict
 from paramserve.psserver.protocol.partition import FixedShardsPartitioner
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import the test module

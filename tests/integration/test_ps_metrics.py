@@ -16,7 +16,7 @@ from paramserve.coordinator.checkpointing.checkpoint_manager import CheckpointMa
 from paramserve.coordinator.cluster_coordinator import ClusterCoordinator
 from paramserve.coordinator.demos.digits import MLP, digits_split, worker_batches
 from paramserve.coordinator.strategies.parameter_server import ParameterServerStrategy
-from paramserve.coordinator.training.fit import fit
+from paramserve.coordinator.training.loops import fit
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import test modules
 

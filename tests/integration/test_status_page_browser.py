@@ -30,7 +30,7 @@ from paramserve.coordinator.status.cluster_status import RunLog
 from paramserve.coordinator.status.status_page import StatusPage, StatusSources
 from paramserve.coordinator.strategies.parameter_server import ParameterServerStrategy
 from paramserve.coordinator.training.callbacks import Callback
-from paramserve.coordinator.training.fit import fit
+from paramserve.coordinator.training.loops import fit
 from tests.browser import Browser, find_chromium
 
 TOKEN = "status-page-browser-token-0123"

@@ -21,7 +21,7 @@ from paramserve.coordinator.training.callbacks import (
     TensorBoard,
     improved,
 )
-from paramserve.coordinator.training.fit import evaluate, fit, predict
+from paramserve.coordinator.training.loops import evaluate, fit, predict
 from paramserve.coordinator.training.step_metrics import resolve_metrics
 
 LOSS = nn.CrossEntropyLoss(reduction="none")
@@ -411,7 +411,7 @@ class ReportingRunner:
 
 def test_fit_reports_its_step_loss_and_examples_so_far_after_every_execution_and_epoch():
     from paramserve.coordinator.training.callbacks import TrainingState
-    from paramserve.coordinator.training.fit import Loop, train
+    from paramserve.coordinator.training.loops import Loop, train
 
     runner = ReportingRunner()
     model = nn.Linear(2, 2)

@@ -19,7 +19,7 @@ from paramserve.coordinator.training.callbacks import (
     TrainingState,
     latest_checkpoint,
 )
-from paramserve.coordinator.training.fit import evaluate, fit
+from paramserve.coordinator.training.loops import evaluate, fit
 
 LOSS = nn.CrossEntropyLoss(reduction="none")
 

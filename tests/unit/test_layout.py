@@ -9,6 +9,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import textwrap
 
 import tomllib
 
@@ -203,13 +204,27 @@ def test_importing_any_package_loads_neither_torch_nor_grpc():
     assert {package: loaded for package, loaded in heavy.items() if loaded != "[]"} == {}
 
 
-def test_every_name_a_package_promises_exists():
-    code = (
-        "import importlib, sys\n"
-        "for name in sys.argv[1:]:\n"
-        "    package = importlib.import_module(name)\n"
-        "    for attribute in getattr(package, '__all__', []):\n"
-        "        getattr(package, attribute)\n"
+def test_every_name_a_package_promises_is_its_homes():
+    """Each lazily named attribute is the object its home module defines (a function named like
+    its module, ``training.loops``, is the function), and each named module is that module."""
+    code = textwrap.dedent(
+        """
+        import importlib, sys, types
+
+        def home(package, path):
+            return importlib.import_module(path if path.startswith("paramserve.") else f"{package}.{path}")
+
+        for name in sys.argv[1:]:
+            package = importlib.import_module(name)
+            homes, modules = getattr(package, "_HOMES", {}), getattr(package, "_MODULES", {})
+            for attribute in getattr(package, "__all__", []):
+                value = getattr(package, attribute)
+                if attribute in modules:
+                    assert value is home(name, modules[attribute]), (name, attribute)
+                elif attribute in homes:
+                    assert value is getattr(home(name, homes[attribute]), attribute), (name, attribute)
+                assert attribute in modules or not isinstance(value, types.ModuleType), (name, attribute)
+        """
     )
     subprocess.run([sys.executable, "-c", code, *_packages()], check=True, cwd=ROOT, timeout=120)
 

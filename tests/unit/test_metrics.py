@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from paramserve.coordinator import metrics
 from paramserve.coordinator.demos.digits import MLP, digits_split
 from paramserve.coordinator.strategies import MirroredStrategy, OneDeviceStrategy, get_strategy, metric_states
-from paramserve.coordinator.training.fit import evaluate, fit
+from paramserve.coordinator.training.loops import evaluate, fit
 
 LOSS = nn.CrossEntropyLoss(reduction="none")
 

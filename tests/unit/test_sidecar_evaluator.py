@@ -12,7 +12,7 @@ from torch import nn
 from paramserve.coordinator.demos.digits import MLP, digits_split
 from paramserve.coordinator.sidecar_evaluator import SidecarEvaluator
 from paramserve.coordinator.training.callbacks import ModelCheckpoint
-from paramserve.coordinator.training.fit import evaluate, fit
+from paramserve.coordinator.training.loops import evaluate, fit
 
 LOSS = nn.CrossEntropyLoss(reduction="none")
 

@@ -17,7 +17,7 @@ from paramserve.coordinator.strategies import (
 )
 from paramserve.coordinator.strategies.multi_worker_cluster import Rendezvous
 from paramserve.coordinator.training.callbacks import Callback
-from paramserve.coordinator.training.fit import evaluate, fit, predict
+from paramserve.coordinator.training.loops import evaluate, fit, predict
 
 LOSS = nn.CrossEntropyLoss(reduction="none")
 
