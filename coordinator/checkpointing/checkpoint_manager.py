@@ -10,7 +10,10 @@ did not restart during it, and a save never overlaps a parameter server's recove
 save has it recovered and exports again. A restore lays the variables out for the
 *current* servers and partitioner, cuts each new shard from the saved rows, optimizer
 slots included (so a checkpoint from 2 servers restores onto 3), and replaces the
-servers' shards exactly (ReplaceShards), live or fresh.
+servers' shards exactly (ReplaceShards), live or fresh. Everything a restore reads is checked
+first (each file confined to its checkpoint and matching its SHA-256, every tensor against the
+model's layout, each delta against the chain it extends, each shard as a server would check it),
+so a checkpoint that does not fit raises CheckpointError before any server or worker changes.
 
 Dynamic tables may be saved incrementally (``full_every`` > 1): between full saves, a save
 holds only the rows changed since the save before it and the ids evicted since
@@ -32,12 +35,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import cloudpickle
 import torch
 from torch import nn
 
 from paramserve.coordinator.checkpointing.checkpointed_variables import CheckpointedVariables
 from paramserve.coordinator.checkpointing.dense_checkpoint import (
     DENSE_EXTRA_KEY,
+    check_dense_state,
     read_checkpoint_state,
     write_checkpoint_state,
 )
@@ -46,6 +51,7 @@ from paramserve.psserver.checkpoint import shard_files as checkpoint
 from paramserve.psserver.checkpoint.dynamic_chain import SaveDecision, SavedLink, decide_save, next_link
 from paramserve.psserver.dynamic.dynamic_types import DynamicSaveMark, DynamicShardState, rehash
 from paramserve.psserver.protocol.errors import CheckpointBaseMissingError, CheckpointError, ParamServeError
+from paramserve.psserver.protocol.optimizer_spec import OptimizerSpec
 from paramserve.psserver.protocol.types import ShardRef, ShardState, VariableLayout
 from paramserve.psserver.runtime.atomic_files import atomic_torch_save
 
@@ -290,9 +296,10 @@ class CheckpointManager:
                 f"{'is' if len(missing) == 1 else 'are'} gone or not whole: restore a checkpoint whose bases are "
                 "all there (a full save, or a later one), and never delete a checkpoint that a kept one needs"
             )
-        if not checkpoint.is_whole(resolved):
+        problem = checkpoint.why_not_whole(resolved)
+        if problem is not None:
             raise CheckpointError(
-                f"checkpoint {resolved} is not whole (shards or files are missing): restore another "
+                f"checkpoint {resolved} is not whole ({problem}): restore another "
                 f"one, e.g. the latest whole one of {resolved.parent}"
             )
         checkpoint.sweep_leftovers(resolved.parent)  # what interrupted saves left beside it
@@ -311,12 +318,12 @@ class CheckpointManager:
                 rows = shard.num_rows if layout.shape else 1
                 state = checkpoint.load_rows(resolved, keys[name], shard.row_start, rows, layout.ref(shard))
                 states[shard.server].append(dataclasses.replace(state, optimizer=live) if live is not None else state)
-        with self.strategy.quiesced(), self.strategy.state_change():
+        with self.strategy.quiesced(), self.strategy.state_change():  # everything was checked: now apply
             self.strategy.restore_states(dict(states), layouts)
-            if dense is not None and self.strategy.sync_dense is not None:
-                self.strategy.sync_dense.restore(dense, keys)
             if tables:
                 self.strategy.restore_dynamic(tables)
+            if dense is not None and self.strategy.sync_dense is not None:  # last: it cannot fail
+                self.strategy.sync_dense.restore(dense, keys)
             self._last = None  # the servers' shards are new: the next save is full
         self.strategy.materialize()  # variables the checkpoint does not hold (none, once checked)
         step = int(manifest.extra.get(STEP_KEY, 0))
@@ -327,21 +334,38 @@ class CheckpointManager:
     def _dense_state(self, path: pathlib.Path, manifest: checkpoint.Manifest) -> dict[str, Any] | None:
         """sync_dense: the replicated variables' state the checkpoint holds (named by checkpoint
         key). Raises CheckpointError when it lacks one of them (a checkpoint written without
-        sync_dense) or its file is damaged; a strategy without sync_dense ignores it."""
+        sync_dense), its file is damaged, or a value or optimizer slot is not of the shape and
+        dtype the model's variable has; a strategy without sync_dense ignores it."""
         sync_dense = self.strategy.sync_dense
         if sync_dense is None or not sync_dense.names():
             return None
         entry = manifest.extra.get(DENSE_EXTRA_KEY)
-        try:
-            if not entry:
-                raise ValueError(f"checkpoint {path} holds no replicated dense variables (written without sync_dense?)")
-            state = read_checkpoint_state(path, entry)
-        except ValueError as exc:
-            raise CheckpointError(f"{exc}: restore a checkpoint written by a strategy built like this one") from exc
-        missing = [n for n in sync_dense.names() if (self.strategy.checkpoint_key(n) or n) not in state["values"]]
+        if not isinstance(entry, Mapping) or not entry:
+            raise CheckpointError(
+                f"checkpoint {path} holds no replicated dense variables (written without sync_dense?): restore a "
+                "checkpoint written by a strategy built like this one"
+            )
+        state = read_checkpoint_state(path, entry)
+        key = {name: self.strategy.checkpoint_key(name) or name for name in sync_dense.names()}
+        missing = [name for name in sync_dense.names() if key[name] not in state["values"]]
         if missing:
             raise CheckpointError(f"checkpoint {path} holds no state of the dense variables {missing[:3]}")
+        parameters = {key[name]: self.strategy.variables[name].parameter for name in sync_dense.names()}
+        check_dense_state(path, state, {k: p for k, p in parameters.items() if p is not None}, self._dense_groups(key))
         return state
+
+    def _dense_groups(self, key: Mapping[str, str]) -> list[tuple[list[str], OptimizerSpec]] | None:
+        """The workers' param groups (checkpoint keys, optimizer) as the next round gives them;
+        None while the dense variables have no optimizer (the workers then keep none)."""
+        assert self.strategy.sync_dense is not None
+        try:
+            settings = self.strategy.sync_dense.settings()
+        except RuntimeError:
+            return None
+        if not settings.optimizer:
+            return None
+        cls, groups = cloudpickle.loads(settings.optimizer)  # the coordinator's own settings
+        return [([key[name] for name in names], OptimizerSpec(cls.__name__, dict(kwargs))) for names, kwargs in groups]
 
     def _dynamic_states(
         self, path: pathlib.Path, manifest: checkpoint.Manifest, keys: Mapping[str, str], keep_live_settings: bool
@@ -366,8 +390,9 @@ class CheckpointManager:
                 )
             live = self.strategy.live_optimizer(name) if keep_live_settings else None
             for state in rehash(saved[key], servers):
-                state = dataclasses.replace(state, ref=ShardRef(name, state.ref.shard))
-                states[state.ref.shard].append(state.with_optimizer(live))
+                state = dataclasses.replace(state, ref=ShardRef(name, state.ref.shard)).with_optimizer(live)
+                dynamic_checkpoint.check_restorable(state, path)
+                states[state.ref.shard].append(state)
         return dict(states)
 
 

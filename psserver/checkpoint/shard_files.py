@@ -5,7 +5,8 @@ Layout of a checkpoint root::
     root/
       LATEST                  name of the newest complete checkpoint
       ckpt-00000001/
-        manifest.json         variables, their shards' row ranges, files, versions; `extra`
+        manifest.json         variables, their shards' row ranges, files (with their SHA-256),
+                              versions; `extra`
         0000-layers.0.weight.shard-0.pt   torch.save({"value", "slots", "applied_keys"})
         ...
 
@@ -20,7 +21,9 @@ touching a save in progress.
 
 Restores are by rows, not by saved shard: :func:`load_rows` assembles any row
 range of a variable from whichever saved shards overlap it, so a checkpoint
-written by two servers restores onto three.
+written by two servers restores onto three. It reads only files that integrity.py
+lets it (confined, hashed) and checks every tensor as a server would, raising
+CheckpointError before its caller changes anything.
 
 A checkpoint may *need* older ones of its root (the manifest's ``needs``: an incremental
 checkpoint of dynamic tables holds only what changed since them). It is whole only while they
@@ -48,6 +51,7 @@ from urllib.parse import quote
 import torch
 from torch import Tensor
 
+from paramserve.psserver.checkpoint import integrity
 from paramserve.psserver.protocol.errors import (
     CheckpointBaseMissingError,
     CheckpointError,
@@ -63,7 +67,7 @@ from paramserve.psserver.runtime.atomic_files import (
     fsync_dir,
     write_new_file,
 )
-from paramserve.psserver.store.shards import check_state
+from paramserve.psserver.store.shards import check_restorable, check_state
 
 __all__ = [
     "FORMAT_VERSION",
@@ -74,11 +78,13 @@ __all__ = [
     "delete_checkpoints",
     "sweep_leftovers",
     "gaps",
+    "is_base",
     "is_whole",
     "missing_bases",
     "latest_checkpoint",
     "list_checkpoints",
     "resolve",
+    "why_not_whole",
     "read_manifest",
     "variables",
     "load_rows",
@@ -106,6 +112,8 @@ class SavedShard:
     num_rows: int
     file: str
     version: int
+    sha256: str | None = None
+    """The file's SHA-256 (None: a checkpoint written before files were hashed)."""
 
     @property
     def row_stop(self) -> int:
@@ -134,6 +142,8 @@ class Manifest:
     extra: Mapping[str, Any]
     needs: tuple[str, ...] = ()
     """Older checkpoints of the same root (names) this one cannot be restored without."""
+    hashed: bool = False
+    """Whether every file it names carries its SHA-256 (False: written before files were hashed)."""
 
 
 # ---------------------------------------------------------------------------
@@ -194,7 +204,7 @@ def _file_name(index: int, variable: str, shard: int) -> str:
     return f"{index:04d}-{quote(variable, safe='')[:100]}.shard-{shard}.pt"
 
 
-def _variable_manifest(group: list[ShardState], files: list[str]) -> dict[str, Any]:
+def _variable_manifest(group: list[ShardState], files: list[tuple[str, str]]) -> dict[str, Any]:
     first = group[0]
     optimizer = first.optimizer
     return {
@@ -208,8 +218,9 @@ def _variable_manifest(group: list[ShardState], files: list[str]) -> dict[str, A
                 "num_rows": _rows_of(state),
                 "file": file,
                 "version": int(state.version),
+                integrity.HASH_KEY: digest,
             }
-            for state, file in zip(group, files)
+            for state, (file, digest) in zip(group, files)
         ],
     }
 
@@ -233,25 +244,31 @@ def _compact(tensor: Tensor) -> Tensor:
     return tensor.clone(memory_format=torch.contiguous_format)
 
 
-def _write_shard(path: Path, state: ShardState) -> None:
+def _write_shard(path: Path, state: ShardState) -> str:
+    """Writes one shard's file; returns its SHA-256."""
     payload = {
         "value": _compact(state.value),
         "slots": {name: _compact(slot) for name, slot in state.slots.items()},
         "applied_keys": [str(key) for key in state.applied_keys],
     }
-    write_new_file(path, lambda file: torch.save(payload, file))
+    return integrity.write_hashed(path, lambda file: torch.save(payload, file))
 
 
 def _write_contents(
     directory: Path, groups: dict[str, list[ShardState]], extra: dict[str, Any], needs: Sequence[str]
 ) -> None:
-    manifest: dict[str, Any] = {"format": FORMAT, "format_version": FORMAT_VERSION, "extra": extra, "variables": {}}
+    manifest: dict[str, Any] = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        integrity.INTEGRITY_KEY: integrity.INTEGRITY,
+        "extra": extra,
+        "variables": {},
+    }
     if needs:
         manifest["needs"] = list(needs)
     for index, (name, group) in enumerate(groups.items()):
-        files = [_file_name(index, name, state.ref.shard) for state in group]
-        for state, file in zip(group, files):
-            _write_shard(directory / file, state)
+        names = [_file_name(index, name, state.ref.shard) for state in group]
+        files = [(file, _write_shard(directory / file, state)) for state, file in zip(group, names)]
         manifest["variables"][name] = _variable_manifest(group, files)
     text = json.dumps(manifest, indent=1, sort_keys=True).encode()
     write_new_file(directory / MANIFEST, lambda file: file.write(text))
@@ -262,7 +279,7 @@ def _checkpoint_numbers(root: Path) -> dict[int, Path]:
     numbers: dict[int, Path] = {}
     for child in root.iterdir() if root.is_dir() else ():
         match = _CHECKPOINT_NAME.match(child.name)
-        if match and child.is_dir():
+        if match and child.is_dir() and not child.is_symlink():  # a save renames a real directory
             numbers[int(match.group(1))] = child
     return numbers
 
@@ -455,7 +472,7 @@ def latest_checkpoint(root: Path) -> Path | None:
         name = (root / LATEST).read_text().strip()
     except OSError:
         name = ""
-    if _CHECKPOINT_NAME.match(name) and is_whole(root / name):
+    if _CHECKPOINT_NAME.match(name) and not (root / name).is_symlink() and is_whole(root / name):
         return root / name
     whole = list_checkpoints(root)
     return whole[-1] if whole else None
@@ -475,30 +492,46 @@ def missing_bases(path: Path) -> list[str]:
         manifest = read_manifest(Path(path))
     except CheckpointError:
         return []
-    own = _CHECKPOINT_NAME.match(manifest.path.name)
-    return [
-        name
-        for name in manifest.needs
-        if not (
-            (match := _CHECKPOINT_NAME.match(name))
-            and own is not None
-            and int(match.group(1)) < int(own.group(1))
-            and _whole_alone(manifest.path.parent / name)
-        )
-    ]
+    return [name for name in manifest.needs if not is_base(manifest.path, name)]
+
+
+def is_base(path: Path, name: str) -> bool:
+    """Whether ``name`` names a whole checkpoint that the checkpoint at ``path`` may need: an
+    older sibling ``ckpt-<N>`` (a real directory beside it, not a symbolic link)."""
+    own, match = _CHECKPOINT_NAME.match(path.name), _CHECKPOINT_NAME.match(name)
+    base = path.parent / name
+    return bool(
+        own and match and int(match.group(1)) < int(own.group(1)) and not base.is_symlink() and _whole_alone(base)
+    )
+
+
+def why_not_whole(path: Path) -> str | None:
+    """Why the checkpoint at ``path`` cannot be restored whole (None: it can), naming the file
+    or the rows: ``is_whole``'s checks, with the reason of the first that fails."""
+    problem = _problem_alone(Path(path))
+    if problem is None and (missing := missing_bases(Path(path))):
+        problem = f"it needs {', '.join(missing)}, gone or not whole"
+    return problem
 
 
 def _whole_alone(path: Path) -> bool:
+    return _problem_alone(path) is None
+
+
+def _problem_alone(path: Path) -> str | None:
     try:
         manifest = read_manifest(path)
-    except CheckpointError:
-        return False
+    except CheckpointError as error:
+        return str(error)
     if manifest.path != path:
-        return False
-    return all(
-        not gaps(entry) and all((manifest.path / saved.file).is_file() for saved in entry.shards)
-        for entry in manifest.variables.values()
-    )
+        return f"{path} holds no {MANIFEST}"
+    for name, entry in manifest.variables.items():
+        if gaps(entry):
+            return f"variable {name!r}: rows {gaps(entry)} are missing or doubled"
+        for saved in entry.shards:
+            if (problem := integrity.file_problem(manifest.path, saved.file)) is not None:
+                return problem
+    return None
 
 
 def gaps(entry: VariableEntry) -> list[tuple[int, int]]:
@@ -527,30 +560,36 @@ def resolve(path: Path) -> Path:
         return path
     found = latest_checkpoint(path) if path.is_dir() else None
     if found is None:
+        newest = max(_checkpoint_numbers(path).items(), default=None)
+        why = f" (the newest, {newest[1].name}, is not whole: {why_not_whole(newest[1])})" if newest else ""
         raise CheckpointError(
-            f"{path} is not a checkpoint: it has no {MANIFEST} and no complete ckpt-NNNNNNNN/ directory; "
+            f"{path} is not a checkpoint: it has no {MANIFEST} and no complete ckpt-NNNNNNNN/ directory{why}; "
             f"{_WHAT_A_CHECKPOINT_IS}"
         )
     return found
 
 
-def _parse_shard(raw: Mapping[str, Any]) -> SavedShard:
+def _parse_shard(raw: Mapping[str, Any], hashed: bool) -> SavedShard:
+    digest = raw.get(integrity.HASH_KEY)
+    if hashed and not isinstance(digest, str):
+        raise ValueError(f"shard file {raw.get('file')!r} has no SHA-256, though the manifest hashes its files")
     return SavedShard(
         shard=int(raw["shard"]),
         row_start=int(raw["row_start"]),
         num_rows=int(raw["num_rows"]),
-        file=str(raw["file"]),
+        file=raw["file"],  # checked where it is read (integrity.file_problem)
         version=int(raw["version"]),
+        sha256=digest if hashed else None,
     )
 
 
-def _parse_variable(raw: Mapping[str, Any]) -> VariableEntry:
+def _parse_variable(raw: Mapping[str, Any], hashed: bool) -> VariableEntry:
     optimizer = raw["optimizer"]
     return VariableEntry(
         variable_shape=tuple(int(dim) for dim in raw["variable_shape"]),
         dtype=dtype_from_name(raw["dtype"]),
         optimizer=None if optimizer is None else OptimizerSpec(optimizer["name"], optimizer["kwargs"]),
-        shards=tuple(sorted((_parse_shard(shard) for shard in raw["shards"]), key=lambda s: s.row_start)),
+        shards=tuple(sorted((_parse_shard(shard, hashed) for shard in raw["shards"]), key=lambda s: s.row_start)),
     )
 
 
@@ -558,15 +597,20 @@ def read_manifest(path: Path) -> Manifest:
     """The manifest of the checkpoint at ``path`` (or of the latest one under the root ``path``)."""
     path = resolve(path)
     try:
-        raw = json.loads((path / MANIFEST).read_text())
+        raw = json.loads(integrity.read_bytes(path, MANIFEST, "manifest"))
         if raw.get("format") != FORMAT or raw.get("format_version") != FORMAT_VERSION:
             raise CheckpointError(
                 f"{path / MANIFEST} has format {raw.get('format')!r} version {raw.get('format_version')!r}; "
                 f"this version of paramserve reads {FORMAT!r} version {FORMAT_VERSION}"
             )
-        entries = {str(name): _parse_variable(entry) for name, entry in raw["variables"].items()}
+        hashed = raw.get(integrity.INTEGRITY_KEY) is not None
+        if hashed and raw[integrity.INTEGRITY_KEY] != integrity.INTEGRITY:
+            raise CheckpointError(
+                f"{path / MANIFEST} hashes its files with {raw[integrity.INTEGRITY_KEY]!r}, not sha256"
+            )
+        entries = {str(name): _parse_variable(entry, hashed) for name, entry in raw["variables"].items()}
         needs = tuple(str(name) for name in raw.get("needs") or ())
-        return Manifest(path, FORMAT_VERSION, entries, dict(raw.get("extra") or {}), needs)
+        return Manifest(path, FORMAT_VERSION, entries, dict(raw.get("extra") or {}), needs, hashed)
     except CheckpointError:
         raise
     except RecursionError:  # a hostile manifest nested too deeply for the JSON reader
@@ -619,15 +663,22 @@ def _expected_shape(entry: VariableEntry, saved: SavedShard) -> tuple[int, ...]:
     return (saved.num_rows, *entry.variable_shape[1:]) if entry.variable_shape else ()
 
 
-def _load_shard_file(path: Path, entry: VariableEntry, saved: SavedShard) -> Mapping[str, Any]:
-    try:
-        contents = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as exc:  # torch raises many types for a damaged file
-        raise CheckpointError(f"cannot read shard file {path}: {exc}") from None
-    value = contents.get("value") if isinstance(contents, dict) else None
-    slots = contents.get("slots") if isinstance(contents, dict) else None
-    if not isinstance(value, Tensor) or not isinstance(slots, dict):
-        raise CheckpointError(f"shard file {path} holds no value and slots; it is not a paramserve shard file")
+def _load_shard_file(manifest: Manifest, entry: VariableEntry, saved: SavedShard) -> Mapping[str, Any]:
+    """A saved shard's file once it is confined, matches its hash and holds what the manifest says."""
+    path = manifest.path / str(saved.file)
+    if saved.sha256 is None:
+        integrity.warn_unhashed(manifest.path)
+    contents = integrity.load_file(manifest.path, saved.file, saved.sha256, "shard file")
+    contents = contents if isinstance(contents, dict) else {}
+    value, slots, keys = contents.get("value"), contents.get("slots"), contents.get("applied_keys", [])
+    if not (
+        isinstance(value, Tensor)
+        and isinstance(slots, dict)
+        and all(isinstance(k, str) and isinstance(v, Tensor) for k, v in slots.items())
+        and isinstance(keys, list)
+        and all(isinstance(key, str) for key in keys)
+    ):
+        raise CheckpointError(f"shard file {path} holds no value, slots and keys; it is not a paramserve shard file")
     if value.dtype != entry.dtype or tuple(value.shape) != _expected_shape(entry, saved):
         raise CheckpointError(
             f"shard file {path} holds a {value.dtype} tensor of shape {tuple(value.shape)}; the manifest says "
@@ -716,10 +767,10 @@ def load_rows(path: Path, variable: str, row_start: int, num_rows: int, ref: Sha
         )
     _check_range(entry, row_start, num_rows, variable)
     pieces = [
-        _Piece(saved, lo, hi, _load_shard_file(manifest.path / saved.file, entry, saved))
+        _Piece(saved, lo, hi, _load_shard_file(manifest, entry, saved))
         for saved, lo, hi in _cover(entry, row_start, row_start + num_rows, variable)
     ]
-    return ShardState(
+    state = ShardState(
         ref=ref,
         variable_shape=entry.variable_shape,
         row_start=row_start,
@@ -729,3 +780,10 @@ def load_rows(path: Path, variable: str, row_start: int, num_rows: int, ref: Sha
         version=max((p.saved.version for p in pieces), default=0),
         applied_keys=_merge_keys(pieces),
     )
+    try:  # what a server checks before it takes a shard: a restore then fails on none of them
+        check_restorable(state)
+    except ParamServeError as error:
+        raise CheckpointError(
+            f"checkpoint {manifest.path} cannot be restored: {error.message}", variable=variable
+        ) from None
+    return state

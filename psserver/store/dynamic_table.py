@@ -80,7 +80,7 @@ from paramserve.psserver.store.idempotency import IdempotencyWindow
 from paramserve.psserver.store.optimizer import row_state, same_state_layout, step_gathered, updated_spec
 from paramserve.psserver.store.shards import about, all_finite
 
-__all__ = ["DynamicShard", "DynamicTables", "PushSettings"]
+__all__ = ["DynamicShard", "DynamicTables", "PushSettings", "check_restorable"]
 
 _SHARED_DEFAULT_ID = -(1 << 63)
 """The id whose initial row is a table's shared default row ("shared")."""
@@ -448,16 +448,8 @@ class DynamicShard:
     def from_state(cls, state: DynamicShardState, idempotency_capacity: int, now: float) -> DynamicShard:
         """The shard ``state`` describes, exactly (rows, slots, steps, version, window); its rows
         count as updated at ``now`` for ``ttl_seconds``. Raises before building anything."""
-        if state.delta:
-            raise InvalidRequestError(
-                "a delta holds only the rows changed since an earlier export: apply it to its base first",
-                variable=state.ref.variable,
-            )
-        shard = cls(state.ref, state.num_shards, state.config, idempotency_capacity)
-        shard._check_state(state)
+        shard = cls._checked(state, idempotency_capacity)
         n = state.ids.numel()
-        if shard.max_rows is not None and n > shard.max_rows:
-            raise InvalidRequestError(f"{n} rows do not fit the table's cap of {shard.max_rows} rows on a server")
         slots = shard._arena.allocate(n)
         shard._arena.scatter("value", slots, state.values)
         for key, value in state.slots.items():
@@ -471,6 +463,21 @@ class DynamicShard:
         shard.shared = {key: value.clone() for key, value in state.shared.items()} or shard.shared
         shard.version = int(state.version)
         shard.window = IdempotencyWindow.from_keys(state.applied_keys, idempotency_capacity)
+        return shard
+
+    @classmethod
+    def _checked(cls, state: DynamicShardState, idempotency_capacity: int) -> DynamicShard:
+        """An empty shard for ``state`` once ``state`` fits it (raises otherwise): no rows stored."""
+        if state.delta:
+            raise InvalidRequestError(
+                "a delta holds only the rows changed since an earlier export: apply it to its base first",
+                variable=state.ref.variable,
+            )
+        shard = cls(state.ref, state.num_shards, state.config, idempotency_capacity)
+        shard._check_state(state)
+        n = state.ids.numel()
+        if shard.max_rows is not None and n > shard.max_rows:
+            raise InvalidRequestError(f"{n} rows do not fit the table's cap of {shard.max_rows} rows on a server")
         return shard
 
     def _check_state(self, state: DynamicShardState) -> None:
@@ -493,6 +500,12 @@ class DynamicShard:
                 )
         if state.updated.dtype != torch.int64 or tuple(state.updated.shape) != (n,):
             raise ShapeMismatchError(f"updated must be ({n},) int64, got {tuple(state.updated.shape)}")
+
+
+def check_restorable(state: DynamicShardState) -> None:
+    """Raises as ``DynamicTables.replace`` would for ``state``, storing none of its rows: a
+    restore checks every shard this way before any server takes one."""
+    DynamicShard._checked(state, 1)
 
 
 @dataclass(frozen=True)

@@ -67,7 +67,7 @@ from paramserve.psserver.protocol.optimizer_spec import (
 )
 from paramserve.psserver.protocol.tensors import strictly_increasing
 
-__all__ = ["GroupedSteps", "ShardOptimizer", "warm_up"]
+__all__ = ["GroupedSteps", "ShardOptimizer", "check_optimizer", "check_slots", "warm_up"]
 
 
 @dataclass(frozen=True)
@@ -138,6 +138,15 @@ def check_slots(spec: OptimizerSpec, value: Tensor, slots: Mapping[str, Tensor])
         )
     for key, slot in slots.items():
         _check_slot(key, slot, layout[key], value)
+
+
+def check_optimizer(spec: OptimizerSpec, value: Tensor, slots: Mapping[str, Tensor]) -> None:
+    """Raises as ShardOptimizer(spec, value, slots) would, building nothing of the shard's size:
+    a bad spec, a value it cannot update, or slots that are not the state it keeps."""
+    spec.validate()
+    _check_floating(value)
+    _layout_for(spec, value)  # a trial step on a scratch tensor: settings torch checks only when stepping
+    check_slots(spec, value, slots)
 
 
 def _check_floating(value: Tensor) -> None:
@@ -291,10 +300,7 @@ class ShardOptimizer:
         DtypeMismatchError or ShapeMismatchError for a bad spec, dtype or slots. ``copy_slots``:
         False when the caller hands the slots over (nobody else holds them): they are kept as
         they are instead of copied."""
-        spec.validate()
-        _check_floating(value)
-        _layout_for(spec, value)  # a trial step on a scratch tensor: settings torch checks only when stepping
-        check_slots(spec, value, slots or {})
+        check_optimizer(spec, value, slots or {})
         self._spec = spec
         # Parameter shares value's storage: step() updates the shard itself.
         self._param = torch.nn.Parameter(value.detach(), requires_grad=True)

@@ -33,7 +33,7 @@ from paramserve.psserver.protocol.optimizer_spec import OptimizerSpec
 from paramserve.psserver.protocol.tensors import DTYPE_NAMES, check_shape, dtype_name
 from paramserve.psserver.protocol.types import ShardInfo, ShardRef, ShardState
 from paramserve.psserver.store.idempotency import IdempotencyWindow
-from paramserve.psserver.store.optimizer import ShardOptimizer
+from paramserve.psserver.store.optimizer import ShardOptimizer, check_optimizer
 
 __all__ = [
     "Shard",
@@ -43,6 +43,7 @@ __all__ = [
     "build_shard",
     "check_finite",
     "check_replaceable",
+    "check_restorable",
     "check_rows",
     "check_state",
     "check_variables_agree",
@@ -188,23 +189,33 @@ def check_state(state: ShardState) -> None:
         _check_history(state)
 
 
+def check_restorable(state: ShardState) -> None:
+    """Raises as ``build_shard`` would for ``state``, copying and building nothing: a restore
+    checks every shard this way before any server takes one."""
+    check_state(state)
+    with about(state.ref.variable):
+        if state.optimizer is None:
+            if state.slots:
+                raise InvalidRequestError("optimizer slots were given for a variable without an optimizer")
+            return
+        if not isinstance(state.optimizer, OptimizerSpec):
+            raise InvalidRequestError(f"optimizer must be an OptimizerSpec, got {type(state.optimizer).__name__}")
+        check_optimizer(state.optimizer, state.value, state.slots)
+
+
 def build_shard(state: ShardState, capacity: int, *, owned: bool = False) -> Shard:
     """A validated shard of ``state``; raises without side effects. The store owns its tensors:
     a caller's buffer may be read-only or reused, so it is copied, unless ``owned`` says the
     tensors are the store's to keep (received or filled for this request, held by no one else):
     then a shard takes them as they are, so creating or restoring it needs no second copy."""
-    check_state(state)
+    check_restorable(state)
     with about(state.ref.variable):
         if owned and state.value.is_contiguous():
             value = state.value.detach()
         else:
             value = state.value.detach().clone(memory_format=torch.contiguous_format)
         if state.optimizer is None:
-            if state.slots:
-                raise InvalidRequestError("optimizer slots were given for a variable without an optimizer")
             return Shard(state, value, None, capacity)
-        if not isinstance(state.optimizer, OptimizerSpec):
-            raise InvalidRequestError(f"optimizer must be an OptimizerSpec, got {type(state.optimizer).__name__}")
         return Shard(state, value, ShardOptimizer(state.optimizer, value, state.slots, copy_slots=not owned), capacity)
 
 
