@@ -253,9 +253,10 @@ class ParameterServerServicer:
         largest = config.largest_allocation(block_bytes_within(self._shard_limit))
         if largest > self._shard_limit:
             raise MessageTooLargeError(
-                f"a shard of this dynamic table would allocate about {largest} bytes at once "
-                f"(its dim, block_rows, or admission sketch: admission_width, else 4 x max_rows); this server's "
-                f"limit is {self._shard_limit} (--max-shard-bytes)",
+                f"a shard of this dynamic table would allocate about {largest} bytes at once (an arena block: "
+                "dim x block_rows; the admission sketch: admission_width, else 4 x max_rows; or the id index of "
+                f"its most rows: max_rows, max_bytes); this server's limit is {self._shard_limit} "
+                "(--max-shard-bytes): lower those settings, use more servers, or raise the limit",
                 variable=variable,
             )
 
