@@ -1,6 +1,6 @@
 """Issue 43: what one request may make a parameter server allocate is counted, and refused, before
 it is allocated, against a real server process: a dynamic table's every allocation (its list of
-freed slots and its id index at ``max_rows`` included)."""
+freed slots and its id index at ``max_rows`` included), and the rows a lookup gathers."""
 
 from __future__ import annotations
 
@@ -15,8 +15,10 @@ import grpc
 import pytest
 import torch
 
+from paramserve.psserver.client.ps_client import ClientConfig, ParameterServerClient
 from paramserve.psserver.dynamic import dynamic_wire
 from paramserve.psserver.dynamic.dynamic_types import DynamicShardState, DynamicTableConfig
+from paramserve.psserver.protocol.errors import MessageTooLargeError
 from paramserve.psserver.protocol.metadata import SERVICE_NAME
 from paramserve.psserver.protocol.optimizer_spec import OptimizerSpec
 from paramserve.psserver.protocol.streams import encode_parts
@@ -139,3 +141,22 @@ def test_a_max_rows_whose_index_passes_the_shard_limit_is_refused_naming_it(serv
     assert "--max-shard-bytes" in details and "max_rows" in details, details
     server.call("CreateDynamicTable", create_request("fits", 1 << 20))  # 16 MiB of index: made
     assert "wide" not in server.tables() and "fits" in server.tables()
+
+
+def test_a_lookup_over_the_message_limit_is_refused_and_a_normal_one_served(server):
+    """Issue 43: a lookup's rows are gathered whole before they stream, so one 6M-id lookup made
+    a server hold a 384 MB reply (1.0-1.1 GB at the peak) for a 48 MB request. The rows one
+    request reads are bounded as a message is (--max-message-bytes)."""
+    client = ParameterServerClient([server.address], ClientConfig(call_timeout=30.0, retry_deadline=30.0))
+    try:
+        dim = 64  # 256 bytes a row: 20,000 rows are 5 MB, over the 4 MiB limit
+        client.dynamic.create("lookups", DynamicTableConfig(dim=dim, optimizer=SGD, initializer="zeros"))
+        shape = {"lookups": (dim, torch.float32)}
+        with pytest.raises(MessageTooLargeError, match="--max-message-bytes") as caught:
+            client.pull_unique_rows({"lookups": torch.arange(20_000)}, dynamic=shape)
+        assert "split the lookup" in str(caught.value)
+        found, _ = client.pull_unique_rows({"lookups": torch.arange(1000)}, dynamic=shape)
+        assert found["lookups"].rows.shape == (1000, dim)
+    finally:
+        client.close()
+    assert server.process.poll() is None
