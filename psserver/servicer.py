@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -179,14 +179,17 @@ class ParameterServerServicer:
 
     def _pulled_chunks(
         self, index: int, item: ps_pb2.PullItem, rows: torch.Tensor | None, chunk_bytes: int
-    ) -> list[bytes]:
-        """One item's chunks. A whole shard is cut into chunks under its lock: the
-        chunks are the consistent snapshot, with no clone in between."""
+    ) -> Iterable[bytes]:
+        """One item's chunks. Rows are gathered into a copy, cut into chunks as the stream
+        sends them (the reply is held once, not twice). A whole shard is cut into chunks under
+        its lock: the chunks are the consistent snapshot, with no clone in between."""
         ref = convert.ref_from_proto(item.ref)
         if rows is not None:
             pulled = self._store.pull_rows(ref, rows)
             return _pulled_part_chunks(index, pulled.value, pulled.version, chunk_bytes)
-        return self._store.read(ref, lambda value, version: _pulled_part_chunks(index, value, version, chunk_bytes))
+        return self._store.read(
+            ref, lambda value, version: list(_pulled_part_chunks(index, value, version, chunk_bytes))
+        )
 
     @stream_boundary
     def ExportShards(self, raw: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
@@ -278,9 +281,10 @@ class ParameterServerServicer:
         largest = config.largest_allocation(block_bytes_within(self._shard_limit))
         if largest > self._shard_limit:
             raise MessageTooLargeError(
-                f"a shard of this dynamic table would allocate about {largest} bytes at once "
-                f"(its dim, block_rows, or admission sketch: admission_width, else 4 x max_rows); this server's "
-                f"limit is {self._shard_limit} (--max-shard-bytes)",
+                f"a shard of this dynamic table would allocate about {largest} bytes at once (an arena block: "
+                "dim x block_rows; the admission sketch: admission_width, else 4 x max_rows; or the id index of "
+                f"its most rows: max_rows, max_bytes); this server's limit is {self._shard_limit} "
+                "(--max-shard-bytes): lower those settings, use more servers, or raise the limit",
                 variable=variable,
             )
 
@@ -418,9 +422,9 @@ def _preview(value: object) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _pulled_part_chunks(index: int, value: torch.Tensor, version: int, chunk_bytes: int) -> list[bytes]:
+def _pulled_part_chunks(index: int, value: torch.Tensor, version: int, chunk_bytes: int) -> Iterator[bytes]:
     part = tensor_pb2.PulledPart(item=index, meta=meta_of(value), version=version)
-    return list(encode_parts([(tensor_pb2.PartHeader(pulled=part), [tensor_payload(value)])], chunk_bytes))
+    return encode_parts([(tensor_pb2.PartHeader(pulled=part), [tensor_payload(value)])], chunk_bytes)
 
 
 def _shards_response(infos: Sequence[ShardInfo]) -> bytes:

@@ -11,16 +11,20 @@ What no client can do to it, authenticated or not (ARCHITECTURE.md, "Trust model
   logged, counted and retried with backoff; out of descriptors, a reserved one is given up to
   accept and shed the waiting connection, so the backlog drains. Only ``stop()`` ends it. While
   it keeps failing, ``on_health(False)`` says so.
-- **hold a slot without authenticating**: the handshake has HANDSHAKE_SECONDS in all (TLS
-  included), and connections in it have a budget of their own (``max_pending``): when a new
-  one needs a slot, the oldest still in its handshake is dropped.
+- **hold a slot without authenticating**: the handshake has HANDSHAKE_SECONDS in all from
+  ``accept``, TLS included (its handshake runs under a socket timeout of what is left, and the
+  object the reaper closes is always the one that owns the descriptor), and connections in it
+  have a budget of their own (``max_pending``): when a new one needs a slot, the oldest still in
+  its handshake is dropped.
 - **hold buffers with a stalled frame**: a frame must arrive within FRAME_SECONDS (plus a
   second per MIN_FRAME_BYTES_PER_SECOND of payload); a STEP header is at most
   MAX_STEP_HEADER_BYTES; a connection keeps at most two reused buffers of REUSED_BUFFER_LIMIT.
 
 One thread, ``paramserve-dataplane-reaper``, enforces the deadlines by closing the sockets
-whose time is up. Every refusal is counted by reason (``on_refused``) and logged at most once
-per reason every LOG_EVERY_SECONDS.
+whose time is up. Every refusal (a deadline, an eviction, a failed TLS handshake, a refused
+credential, a frame that is none or not allowed there, an oversized one, a full server) is
+counted once by reason (``on_refused``) and logged at most once per reason every
+LOG_EVERY_SECONDS, with the count of those left out since.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from paramserve.psserver.dataplane.frames import (
     REUSED_BUFFER_LIMIT,
     FrameKind,
     FrameReader,
+    FramingError,
     TransportError,
     close_socket,
     error_header,
@@ -104,10 +109,14 @@ class _Phase(enum.Enum):
 @dataclass(eq=False)
 class _Connection:
     sock: socket.socket
+    """The object that owns the descriptor (the SSLSocket once TLS wraps it): replaced, and
+    closed by other threads, only under the server's lock."""
     peer: str
     phase: _Phase
     deadline: float | None
     """When the reaper closes it (monotonic seconds); None: no deadline (idle or stepping)."""
+    refused: bool = False
+    """Refused by the server, and counted (once: when this was set)."""
 
 
 class DataPlaneServer(Generic[_State]):
@@ -184,12 +193,12 @@ class DataPlaneServer(Generic[_State]):
         for listener in self._listeners:
             close_socket(listener)
         for connection in idle:
-            close_socket(connection.sock)
+            self._close(connection)
         with self._lock:
             self._lock.wait_for(lambda: not any(c.phase is _Phase.STEPPING for c in self._connections), timeout=grace)
-            remaining = [c.sock for c in self._connections]
-        for sock in remaining:
-            close_socket(sock)
+            remaining = list(self._connections)
+        for connection in remaining:
+            self._close(connection)
         if self._reserve is not None:
             os.close(self._reserve)
             self._reserve = None
@@ -256,8 +265,9 @@ class DataPlaneServer(Generic[_State]):
                 self._connections.add(connection)
                 self._handshaking[connection] = None
         if evicted is not None:
-            self._refused("handshake_evicted", f"dropped {evicted.peer}, still in its handshake, for a new connection")
-            close_socket(evicted.sock)
+            self._drop(
+                evicted, "handshake_evicted", f"dropped {evicted.peer}, still in its handshake, for a new connection"
+            )
         if connection not in self._connections:
             if not self._closed:
                 self._refused(
@@ -279,7 +289,10 @@ class DataPlaneServer(Generic[_State]):
         try:
             tune(sock)
             if self._tls is not None:
-                sock = self._wrap(connection)
+                wrapped = self._wrap(connection)
+                if wrapped is None:
+                    return
+                sock = wrapped
             reader = FrameReader(sock)
             if not self._handshake(connection, sock, reader):
                 return
@@ -300,21 +313,49 @@ class DataPlaneServer(Generic[_State]):
                 finally:
                     self._enter(connection, _Phase.IDLE, None)
         except MessageTooLargeError as err:
-            self._refused("oversized_frame", f"{connection.peer}: {err.message}")
+            self._count_once(connection, "oversized_frame", f"{connection.peer}: {err.message}")
             _try_send_error(sock, err)  # the frame was not read: the stream cannot go on
+        except FramingError as err:  # no reply: a peer that sends no frames would not read one
+            self._drop(connection, err.reason, f"dropped {connection.peer}: {err}")
         except (OSError, TransportError):
-            pass  # the client went away, broke the framing, or ran out of time: drop it
+            pass  # the client went away, or the reaper closed it (and counted why): drop it
         except Exception:  # a bug here must not take the server down: logged, and the connection dropped
             log.exception("data plane: connection failed")
         finally:
             self._forget(connection)
 
-    def _wrap(self, connection: _Connection) -> socket.socket:
+    def _wrap(self, connection: _Connection) -> ssl.SSLSocket | None:
+        """The connection's TLS handshake, within what is left of its deadline; None (and the
+        connection dropped, and counted unless the peer just went away) when it fails."""
         assert self._tls is not None
-        wrapped = self._tls.wrap_socket(connection.sock, server_side=True)  # within the handshake's deadline
         with self._lock:
+            if connection.refused:
+                return None
+            # wrap_socket moves the descriptor to the SSLSocket and detaches the plain socket:
+            # swapped under the lock, so whoever closes the connection closes the owner.
+            wrapped = self._tls.wrap_socket(connection.sock, server_side=True, do_handshake_on_connect=False)
             connection.sock = wrapped
-        return wrapped
+            left = connection.deadline - time.monotonic() if connection.deadline is not None else 0.0
+        try:
+            if left <= 0:
+                raise TimeoutError("no time left")
+            wrapped.settimeout(left)  # one deadline for the whole handshake, however it trickles in
+            wrapped.do_handshake()
+            wrapped.settimeout(None)
+            return wrapped
+        except TimeoutError:
+            self._drop(
+                connection, "handshake_timeout", f"dropped {connection.peer}: its TLS handshake ran past its deadline"
+            )
+        except (ssl.SSLEOFError, ConnectionError):
+            pass  # the peer went away (or was dropped, and counted, by another thread)
+        except ssl.SSLError as err:
+            self._drop(
+                connection, "tls_failed", f"refused {connection.peer}: its TLS handshake failed: {err.reason or err}"
+            )
+        except OSError:
+            pass  # closed by another thread, which counted why
+        return None
 
     def _handshake(self, connection: _Connection, sock: socket.socket, reader: FrameReader) -> bool:
         """HELLO, CHALLENGE, PROOF, WELCOME (security.DataPlaneKey); without a token, an empty HELLO
@@ -345,7 +386,7 @@ class DataPlaneServer(Generic[_State]):
         return True
 
     def _refuse_handshake(self, sock: socket.socket, connection: _Connection, reason: str, what: str) -> bool:
-        self._refused(reason, f"refused {connection.peer}: {what}")
+        self._count_once(connection, reason, f"refused {connection.peer}: {what}")
         _try_send_error(sock, AuthenticationError(f"a data-plane connection carried {what}"))
         return False
 
@@ -387,27 +428,58 @@ class DataPlaneServer(Generic[_State]):
                 connection.deadline += seconds
 
     def _forget(self, connection: _Connection) -> None:
-        close_socket(connection.sock)
         with self._lock:
+            close_socket(connection.sock)
             self._connections.discard(connection)
             self._handshaking.pop(connection, None)
             self._lock.notify_all()
 
+    def _close(self, connection: _Connection) -> None:
+        """Closes ``connection``'s socket, waking its thread: under the lock, so it is the object
+        that owns the descriptor (``_wrap`` swaps it), never a detached one. Quick: a shutdown
+        and a close, neither of which blocks."""
+        with self._lock:
+            close_socket(connection.sock)
+
+    def _drop(self, connection: _Connection, reason: str, message: str) -> None:
+        """Closes ``connection`` for a refusal, counted and logged once however many threads
+        find a reason (the reaper, an evicting accept, its own thread), before the peer can see
+        the close."""
+        self._count_once(connection, reason, message)
+        self._close(connection)
+
+    def _count_once(self, connection: _Connection, reason: str, message: str) -> None:
+        """Counts and logs ``connection``'s refusal unless another thread did. Its deadline
+        stays: a refusal blocked sending its ERROR frame is still closed by the reaper."""
+        with self._lock:
+            first = not connection.refused
+            connection.refused = True
+            self._handshaking.pop(connection, None)  # no longer the evictor's to drop
+        if first:
+            self._refused(reason, message)
+
     def _reap(self) -> None:
-        """Closes the connections whose handshake or frame is past its deadline."""
+        """Closes the connections whose handshake or frame is past its deadline; counts each
+        once (one already refused for another reason is closed, not counted again)."""
         while not self._closing.wait(REAP_EVERY_SECONDS):
             now = time.monotonic()
             with self._lock:
-                late = [c for c in self._connections if c.deadline is not None and c.deadline <= now]
-            for connection in late:
-                reason = "handshake_timeout" if connection.phase is _Phase.HANDSHAKE else "frame_timeout"
-                self._refused(reason, f"dropped {connection.peer}: its {connection.phase.value} ran past its deadline")
-                close_socket(connection.sock)
+                late = [
+                    (c, c.phase, c.refused) for c in self._connections if c.deadline is not None and c.deadline <= now
+                ]
+                for connection, _, _ in late:
+                    connection.refused = True
+                    self._handshaking.pop(connection, None)
+            for connection, phase, refused in late:
+                if not refused:
+                    reason = "handshake_timeout" if phase is _Phase.HANDSHAKE else "frame_timeout"
+                    self._refused(reason, f"dropped {connection.peer}: its {phase.value} ran past its deadline")
+                self._close(connection)
 
     def _refused(self, reason: str, message: str) -> None:
         if self._on_refused is not None:
             self._on_refused(reason)
-        self._log.warning(reason, "data plane: %s", message)
+        self._log.warning(reason, "data plane: %s [%s]", message, reason)
 
     def _set_health(self, healthy: bool) -> None:
         if healthy != self._healthy:

@@ -63,6 +63,7 @@ __all__ = [
     "PREFIX",
     "FrameKind",
     "FrameReader",
+    "FramingError",
     "Prefix",
     "TransportError",
     "close_socket",
@@ -125,6 +126,16 @@ class TransportError(ConnectionError):
     unknown. Safe to retry on a new connection with the same idempotency key."""
 
 
+class FramingError(TransportError):
+    """The peer broke the framing: bytes that are no frame (``malformed_frame``), or a frame of a
+    kind not allowed there (``unexpected_frame``, e.g. a STEP before the handshake). ``reason``
+    is that name, a server's refusal reason (``paramserve_dataplane_refused_total``)."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
 @dataclass(frozen=True)
 class Prefix:
     kind: FrameKind
@@ -178,18 +189,18 @@ class FrameReader:
         self, max_header: int, max_payload: int, allowed: Callable[[FrameKind], bool]
     ) -> tuple[Prefix, memoryview]:
         """The next frame's prefix and header (valid until the next call). Raises TransportError
-        for a closed connection or broken framing and MessageTooLargeError for a frame over the
-        limits (nothing allocated for it)."""
+        for a closed connection, FramingError (a TransportError) for broken framing, and
+        MessageTooLargeError for a frame over the limits (nothing allocated for it)."""
         receive_exact(self._sock, memoryview(self._prefix))
         magic, kind, header_bytes, payload_bytes = PREFIX.unpack(self._prefix)
         if magic != MAGIC:
-            raise TransportError(f"not a paramserve data-plane frame (starts with {bytes(magic)!r})")
+            raise FramingError("malformed_frame", f"not a paramserve data-plane frame (starts with {bytes(magic)!r})")
         try:
             frame_kind = FrameKind(kind)
         except ValueError:
-            raise TransportError(f"unknown data-plane frame kind {kind}") from None
+            raise FramingError("malformed_frame", f"unknown data-plane frame kind {kind}") from None
         if not allowed(frame_kind):
-            raise TransportError(f"unexpected {frame_kind.name} frame")
+            raise FramingError("unexpected_frame", f"unexpected {frame_kind.name} frame")
         if header_bytes > max_header or payload_bytes > max_payload:
             raise MessageTooLargeError(
                 f"a {frame_kind.name} frame of {header_bytes} + {payload_bytes} bytes is over this data plane's "

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "MAX_ROWS",
     "AdmissionFilter",
     "DeletionLog",
     "IdIndex",
@@ -146,8 +147,16 @@ class IdIndex:
     EMPTY = -1
     DELETED = -2
     BUCKET_BYTES = 12
+    KEY_BYTES = 8
+    """A bucket's key: the largest of its two tensors is ``KEY_BYTES`` a bucket."""
 
     REBUILT_LOAD = 0.5
+
+    @classmethod
+    def buckets_for(cls, ids: int) -> int:
+        """The buckets a rebuild for ``ids`` live ids makes: the most an index holding at most
+        that many grows to (without ``max_capacity``)."""
+        return _power_of_two(max(16, math.ceil(ids / cls.REBUILT_LOAD)))
 
     def __init__(self, capacity: int = 1024, max_load: float = 0.75, max_capacity: int | None = None):
         if not self.REBUILT_LOAD < max_load < 1.0:
@@ -277,7 +286,7 @@ class IdIndex:
         live = self._slots >= 0
         ids, slots = self._keys[live], self._slots[live]
         del live
-        capacity = _power_of_two(max(16, math.ceil((self.live + extra) / self.REBUILT_LOAD)))
+        capacity = self.buckets_for(self.live + extra)
         if self.max_capacity is not None and capacity > self.max_capacity:
             capacity = self.max_capacity
             if self.live + extra > self.max_load * capacity:
@@ -311,6 +320,9 @@ def _power_of_two(n: int) -> int:
 
 
 # ---------------------------------------------------------------- the arena
+
+MAX_ROWS = 1 << 31
+"""The most rows one shard holds: its index keeps each row's arena slot as an int32."""
 
 
 class RowArena:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from paramserve.psserver.dynamic.dynamic_rows import DELETION_LOG_MIN_IDS, IdIndex, owner_of
+from paramserve.psserver.dynamic.dynamic_rows import DELETION_LOG_MIN_IDS, MAX_ROWS, IdIndex, owner_of
 from paramserve.psserver.protocol.errors import DtypeMismatchError, InvalidRequestError
 from paramserve.psserver.protocol.optimizer_spec import OptimizerSpec
 from paramserve.psserver.protocol.types import ShardRef
@@ -54,6 +54,8 @@ WORKING_BYTES_PER_ROW = 17
 """The temporaries of the largest operation over every row, per row: a least-recently-used pick
 (each slot's last use copied, a flag, and a masked copy: 8 + 1 + 8); an in-place rebuild of the
 index takes less (each live id and slot, 12, and a flag a bucket, at most 4 buckets a row)."""
+LEAST_BYTES_PER_ROW = FREE_LIST_BYTES_PER_ROW + DELETION_LOG_BYTES_PER_ROW + WORKING_BYTES_PER_ROW
+"""What ``max_bytes`` counts for a row at the least, whatever its columns (``capacity``)."""
 
 
 @dataclass(frozen=True)
@@ -98,24 +100,44 @@ class DynamicTableConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise InvalidRequestError(f"{name} must be a positive int or None, got {value!r}")
+        if self.max_rows is not None and self.max_rows > MAX_ROWS:
+            raise InvalidRequestError(
+                f"max_rows={self.max_rows} is more rows than a server's shard can index (at most {MAX_ROWS}, 2^31: "
+                "a row's slot is an int32); max_rows counts one server's rows: cap it at most that, and spread a "
+                "larger table over more servers"
+            )
         if self.ttl_seconds is not None and not (self.ttl_seconds > 0 and math.isfinite(self.ttl_seconds)):
             raise InvalidRequestError(f"ttl_seconds must be positive, got {self.ttl_seconds!r}")
         if self.optimizer is not None:
             self.optimizer.validate()
 
     def largest_allocation(self, block_bytes: int = ARENA_BLOCK_COLUMN_BYTES) -> int:
-        """About the most bytes one allocation of a shard of this table takes (an upper bound:
-        a column of an arena block at 8 bytes a value, or the sighting sketch), known before
-        any is made: a server refuses a table whose allocation would pass its shard limit.
+        """About the most bytes one allocation of a shard of this table takes, known before any
+        is made: a server refuses a table whose allocation would pass its shard limit. An upper
+        bound over a column of an arena block (8 bytes a value), the sighting sketch, and what
+        grows with the rows up to the cap (``row_cap``): the arena's list of freed slots (made
+        whole with the shard) and the id index's keys at the most buckets it grows to.
         ``block_bytes``: the server's default block (``block_bytes_within``)."""
         row = self.dim * 8
+        cap = self.row_cap()
         block = self.arena_block_rows(row, block_bytes)
-        if self.max_rows is not None:
-            block = min(block, self.max_rows)
+        if cap is not None:
+            block = min(block, cap)
         sketch = 0
         if self.admit_after > 1:
             sketch = 8 * (self.admission_width or (4 * self.max_rows if self.max_rows else 1 << 20))
-        return max(row * block, sketch)
+        per_row = 0
+        if cap is not None:
+            per_row = max(FREE_LIST_BYTES_PER_ROW * cap, IdIndex.KEY_BYTES * IdIndex.buckets_for(cap))
+        return max(row * block, sketch, per_row)
+
+    def row_cap(self) -> int | None:
+        """At most the rows a shard of this table holds, from its settings alone: ``max_rows``,
+        and what ``max_bytes`` leaves room for at the least a row may count (``capacity`` tells
+        the exact number once the row's columns are known); None: no bound."""
+        if self.max_bytes is None:
+            return self.max_rows
+        return min(self.max_rows or MAX_ROWS, self.max_bytes // LEAST_BYTES_PER_ROW)
 
     def arena_block_rows(self, widest_row_bytes: int, block_bytes: int = ARENA_BLOCK_COLUMN_BYTES) -> int:
         """Rows per arena block: ``block_rows``, else as many as fill ``block_bytes`` (the
@@ -140,7 +162,7 @@ class DynamicTableConfig:
         buckets = 16
         while IdIndex.BUCKET_BYTES * buckets < self.max_bytes:
             room = (self.max_bytes - fixed - IdIndex.BUCKET_BYTES * buckets) // per_row
-            rows = min(room, int(buckets * IdIndex.REBUILT_LOAD), self.max_rows or room)
+            rows = min(room, int(buckets * IdIndex.REBUILT_LOAD), self.max_rows or MAX_ROWS)
             if rows > best[0]:
                 best = (rows, buckets)
             buckets *= 2

@@ -61,7 +61,9 @@ class StepLimits:
     max_push_bytes: int = DEFAULT_MAX_PUSH_BYTES
     max_pull_bytes: int = DEFAULT_MAX_PULL_BYTES
     max_reply_bytes: int = 64 << 20
-    """Largest reply sent as one message (a Step's or a data-plane step's reads): the send limit."""
+    """Largest reply sent as one message (a Step's or a data-plane step's reads): the send limit;
+    also the most bytes of rows one Pull stream reads, which the server gathers whole before it
+    streams them (``--max-message-bytes``)."""
 
 
 class Admission(Protocol):
@@ -154,8 +156,19 @@ class StepEngine:
         return byte_buffer(expected)
 
     def check_pull(self, reads: Sequence[Read]) -> None:
-        """Refuses, before reading anything, a Pull stream whose reads pass ``max_pull_bytes``."""
-        self._check_read_bytes(reads, self._limits.max_pull_bytes, "--max-pull-bytes")
+        """Refuses, before reading anything, a Pull stream whose reads pass ``max_pull_bytes``, or
+        whose reads of rows pass ``max_reply_bytes``: rows (a lookup) are gathered into a copy in
+        the server's memory before they stream, so they are bounded as one message is, and a
+        small request cannot make the server hold a reply many times its size."""
+        sizes = self._read_sizes(reads)
+        self._refuse_over(sum(sizes), self._limits.max_pull_bytes, "--max-pull-bytes")
+        rows = sum(size for size, (_, wanted) in zip(sizes, reads) if wanted is not None)
+        if rows > self._limits.max_reply_bytes:
+            raise MessageTooLargeError(
+                f"the rows this request reads add up to {rows} bytes, which a server gathers whole before it "
+                f"sends them; this server gathers at most {self._limits.max_reply_bytes} per request "
+                "(--max-message-bytes): split the lookup into requests of fewer ids, or raise the limit"
+            )
 
     # -- a plain step
 
@@ -302,8 +315,15 @@ class StepEngine:
 
     def _check_read_bytes(self, reads: Sequence[Read], limit: int, flag: str) -> None:
         """Refuses, before reading anything, a request whose reply would pass ``limit`` bytes."""
+        self._refuse_over(sum(self._read_sizes(reads)), limit, flag)
+
+    def _read_sizes(self, reads: Sequence[Read]) -> list[int]:
+        """The bytes each read returns, once the reads are checked (reading nothing)."""
         self._store.check_reads(reads)
-        total = sum(self._store.rows_nbytes(ref, None if rows is None else rows.numel()) for ref, rows in reads)
+        return [self._store.rows_nbytes(ref, None if rows is None else rows.numel()) for ref, rows in reads]
+
+    @staticmethod
+    def _refuse_over(total: int, limit: int, flag: str) -> None:
         if total > limit:
             raise MessageTooLargeError(
                 f"the reads of this request add up to {total} bytes; this server sends at most {limit} per "

@@ -445,10 +445,17 @@ class DynamicShard:
             return True
 
     @classmethod
-    def from_state(cls, state: DynamicShardState, idempotency_capacity: int, now: float) -> DynamicShard:
+    def from_state(
+        cls,
+        state: DynamicShardState,
+        idempotency_capacity: int,
+        now: float,
+        block_bytes: int = ARENA_BLOCK_COLUMN_BYTES,
+    ) -> DynamicShard:
         """The shard ``state`` describes, exactly (rows, slots, steps, version, window); its rows
-        count as updated at ``now`` for ``ttl_seconds``. Raises before building anything."""
-        shard = cls._checked(state, idempotency_capacity)
+        count as updated at ``now`` for ``ttl_seconds``; ``block_bytes`` as for a new shard (the
+        server's, which its limit on one allocation counted). Raises before building anything."""
+        shard = cls._checked(state, idempotency_capacity, block_bytes)
         n = state.ids.numel()
         slots = shard._arena.allocate(n)
         shard._arena.scatter("value", slots, state.values)
@@ -466,14 +473,16 @@ class DynamicShard:
         return shard
 
     @classmethod
-    def _checked(cls, state: DynamicShardState, idempotency_capacity: int) -> DynamicShard:
+    def _checked(
+        cls, state: DynamicShardState, idempotency_capacity: int, block_bytes: int = ARENA_BLOCK_COLUMN_BYTES
+    ) -> DynamicShard:
         """An empty shard for ``state`` once ``state`` fits it (raises otherwise): no rows stored."""
         if state.delta:
             raise InvalidRequestError(
                 "a delta holds only the rows changed since an earlier export: apply it to its base first",
                 variable=state.ref.variable,
             )
-        shard = cls(state.ref, state.num_shards, state.config, idempotency_capacity)
+        shard = cls(state.ref, state.num_shards, state.config, idempotency_capacity, block_bytes)
         shard._check_state(state)
         n = state.ids.numel()
         if shard.max_rows is not None and n > shard.max_rows:
@@ -578,7 +587,7 @@ class DynamicTables:
     def replace(self, states: Sequence[DynamicShardState]) -> list[DynamicStats]:
         """Makes the shards of ``states`` exactly those (a restore), all or nothing."""
         now = self.clock()
-        built = [DynamicShard.from_state(state, self._capacity, now) for state in states]
+        built = [DynamicShard.from_state(state, self._capacity, now, self._block_bytes) for state in states]
         with self._lock:
             for variable in {shard.ref.variable for shard in built}:
                 for ref in [ref for ref in self._shards if ref.variable == variable]:

@@ -9,7 +9,9 @@ import errno
 import json
 import logging
 import os
+import select
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -32,11 +34,12 @@ from test_dataplane_transport import (
 )
 
 from paramserve.psserver.dataplane import dataplane_client, dataplane_server
-from paramserve.psserver.dataplane.frames import PREFIX, FrameKind
+from paramserve.psserver.dataplane.frames import MAGIC, PREFIX, FrameKind
 from paramserve.psserver.protocol.errors import AuthenticationError, InvalidRequestError
-from paramserve.psserver.runtime.security import DataPlaneKey, new_handshake_nonce
+from paramserve.psserver.runtime.security import DataPlaneKey, TlsConfig, new_handshake_nonce
 from paramserve.psserver.server import DATA_PLANE_HEALTH
 from paramserve.wire.v1 import parameter_server_pb2 as ps_pb2
+from tests.certificates import Certificates, make_certificates, needs_openssl
 
 DEADLINE = 20.0
 
@@ -468,3 +471,166 @@ def test_refusals_are_counted_by_reason_and_logged_at_a_bounded_rate(start_ps, c
     wait_until(lambda: refused(server, "wrong_credential") == 30, "every refusal counted")
     lines = [r for r in caplog.records if "wrong credential" in r.getMessage()]
     assert 1 <= len(lines) <= 2, [r.getMessage() for r in lines]
+
+
+def test_framing_attacks_are_refused_counted_by_reason_and_logged(start_ps, clients, caplog):
+    """Issue 43: a frame before the handshake, a second HELLO, or bytes that are no frame were
+    dropped without a count or a line."""
+    server = start_ps(token=TOKEN)
+    caplog.set_level(logging.WARNING, logger="paramserve.psserver.dataplane.dataplane_server")
+    attacks = [
+        (frame(FrameKind.STEP, b"a plan"), "unexpected_frame"),  # a STEP before HELLO
+        (frame(FrameKind.PROOF, b"\0" * 32), "unexpected_frame"),  # a PROOF before HELLO
+        (b"GET / HTTP/1.1\r\nHost: paramserve\r\n\r\n", "malformed_frame"),  # not a frame
+        (PREFIX.pack(MAGIC, 99, 0, 0), "malformed_frame"),  # a kind that does not exist
+    ]
+    for data, _ in attacks:
+        for _ in range(3):
+            with connect(server) as sock:
+                sock.sendall(data)
+                assert closed_by_peer(sock)
+    with authenticated(server) as sock:
+        sock.sendall(frame(FrameKind.HELLO, new_handshake_nonce()))  # a second HELLO
+        assert closed_by_peer(sock)
+    counts = {"unexpected_frame": 7, "malformed_frame": 6}
+    wait_until(lambda: all(refused(server, reason) == n for reason, n in counts.items()), f"counted: {counts}")
+    for reason in counts:
+        lines = [r.getMessage() for r in caplog.records if r.getMessage().endswith(f"[{reason}]")]
+        assert 1 <= len(lines) <= 2, lines  # at most one a reason every LOG_EVERY_SECONDS
+    still_serves(server, clients, TOKEN)
+
+
+# ---------------------------------------------------------------- TLS: the same deadline and budget
+
+SLACK = 2.0
+"""How late past a deadline a close may come: the reaper wakes every 0.25 s, on a shared machine."""
+
+
+@pytest.fixture(scope="module")
+def certificates(tmp_path_factory: pytest.TempPathFactory) -> Certificates:
+    return make_certificates(tmp_path_factory.mktemp("certificates"))
+
+
+def start_tls(start_ps, certificates: Certificates, mutual: bool, **overrides: object):  # type: ignore[no-untyped-def]
+    tls = TlsConfig(certificates.cert, certificates.key, certificates.ca if mutual else None)
+    return start_ps(token=TOKEN, tls=tls, **overrides)
+
+
+def tls_clients(clients, certificates: Certificates):  # type: ignore[no-untyped-def]
+    def make(addresses: list[str], **overrides: object):  # type: ignore[no-untyped-def]
+        return clients(
+            addresses,
+            tls_root_certificates=certificates.ca,
+            tls_cert_chain=certificates.cert,
+            tls_private_key=certificates.key,
+            **overrides,
+        )
+
+    return make
+
+
+def closed_within(sock: socket.socket, seconds: float) -> float | None:
+    """Seconds until the server closed ``sock`` (a TLS server sends nothing before the client's
+    whole hello); None when it was still open ``seconds`` later."""
+    started = time.monotonic()
+    if not select.select([sock], [], [], seconds)[0]:
+        return None
+    return time.monotonic() - started if closed_by_peer(sock) else None
+
+
+def client_hello(certificates: Certificates) -> bytes:
+    """The first flight of a real TLS client: its ClientHello."""
+    context = ssl.create_default_context(cafile=str(certificates.ca))
+    tls = context.wrap_bio(ssl.MemoryBIO(), outgoing := ssl.MemoryBIO(), server_hostname="localhost")
+    with pytest.raises(ssl.SSLWantReadError):
+        tls.do_handshake()
+    return outgoing.read()
+
+
+def trickle(sock: socket.socket, data: bytes, every: float, seconds: float) -> float | None:
+    """Sends ``data`` a byte every ``every`` seconds until the server closes ``sock``: the seconds
+    that took, None when it was still open ``seconds`` later (or had the whole of ``data``)."""
+    started = time.monotonic()
+    for byte in data:
+        if time.monotonic() - started > seconds:
+            return None
+        try:
+            sock.sendall(bytes([byte]))
+        except OSError:
+            return time.monotonic() - started
+        if select.select([sock], [], [], every)[0]:  # readable: closed (nothing else comes before the hello)
+            return time.monotonic() - started if closed_by_peer(sock) else None
+    return None
+
+
+@needs_openssl
+@pytest.mark.parametrize("mutual", [False, True], ids=["tls", "mutual-tls"])
+def test_silent_tls_connections_are_closed_at_the_handshakes_deadline_and_counted_once(
+    start_ps, clients, certificates, monkeypatch, mutual
+):
+    """Issue 43: silent TLS connections were open 24 s later, each holding a thread and a slot,
+    and the reaper counted each again every 0.25 s: ``wrap_socket`` had moved the descriptor to
+    an object the reaper never saw."""
+    monkeypatch.setattr(dataplane_server, "HANDSHAKE_SECONDS", 1.0)
+    server = start_tls(start_ps, certificates, mutual)
+    silent = [connect(server) for _ in range(3)]
+    for sock in silent:
+        assert closed_within(sock, 1.0 + SLACK) is not None, "a silent TLS connection outlived its deadline"
+        sock.close()
+    wait_until(lambda: server.data_plane.connections == 0, "their threads and slots given back", SLACK)
+    wait_until(lambda: refused(server, "handshake_timeout") == 3, "each counted")
+    with connect(server) as late:  # another deadline passes: the reaper runs four rounds meanwhile
+        assert closed_within(late, 1.0 + SLACK) is not None
+    wait_until(lambda: refused(server, "handshake_timeout") == 4, "the last one counted")
+    assert refused(server, "handshake_timeout") == 4, "none counted twice"
+    before = steps_on_data_plane(server)
+    still_serves(server, tls_clients(clients, certificates), TOKEN)
+    assert steps_on_data_plane(server) == before + 1, "over TLS on the data plane"
+
+
+@needs_openssl
+@pytest.mark.parametrize("mutual", [False, True], ids=["tls", "mutual-tls"])
+def test_a_trickled_tls_handshake_is_closed_at_its_deadline(start_ps, certificates, monkeypatch, mutual):
+    """Issue 43: a ClientHello a byte at a time held its connection for as long as it trickled."""
+    monkeypatch.setattr(dataplane_server, "HANDSHAKE_SECONDS", 1.0)
+    server = start_tls(start_ps, certificates, mutual)
+    with connect(server) as sock:
+        took = trickle(sock, client_hello(certificates), every=0.05, seconds=1.0 + SLACK)
+    assert took is not None, "a trickled TLS handshake outlived its deadline"
+    assert took >= 0.8, f"closed after {took:.2f}s, before its deadline"
+    wait_until(lambda: server.data_plane.connections == 0, "its thread and slot given back", SLACK)
+    wait_until(lambda: refused(server, "handshake_timeout") == 1, "counted")
+
+
+@needs_openssl
+@pytest.mark.parametrize("mutual", [False, True], ids=["tls", "mutual-tls"])
+def test_tls_connections_still_in_their_handshake_are_evicted_for_newcomers(start_ps, clients, certificates, mutual):
+    """Issue 43: the evictor closed a detached socket, so an evicted TLS connection kept its
+    thread and its slot until its peer left."""
+    server = start_tls(start_ps, certificates, mutual, max_connections=8)  # 2 may be in their handshake
+    first = connect(server)
+    wait_until(lambda: server.data_plane.handshaking == 1, "the first in its handshake")
+    others = [connect(server) for _ in range(2)]
+    assert closed_within(first, SLACK) is not None, "the oldest handshake was not dropped for a newcomer"
+    assert refused(server, "handshake_evicted") >= 1
+    before = steps_on_data_plane(server)
+    still_serves(server, tls_clients(clients, certificates), TOKEN)
+    assert steps_on_data_plane(server) == before + 1, "over TLS on the data plane, admitted at once"
+    for sock in [first, *others]:
+        sock.close()
+
+
+@needs_openssl
+def test_a_failed_tls_handshake_is_counted(start_ps, certificates):
+    server = start_tls(start_ps, certificates, mutual=True)
+    with connect(server) as sock:
+        sock.sendall(frame(FrameKind.HELLO, new_handshake_nonce()))  # plaintext on a TLS port
+        assert closed_by_peer(sock)
+    context = ssl.create_default_context(cafile=str(certificates.ca))  # TLS, but no client certificate
+    with connect(server) as sock:
+        try:
+            with context.wrap_socket(sock, server_hostname="localhost") as tls:
+                assert tls.recv(1) == b""
+        except OSError:
+            pass  # refused: the server's alert
+    wait_until(lambda: refused(server, "tls_failed") == 2, "both counted")

@@ -10,6 +10,7 @@ import torch
 
 from paramserve.psserver.dynamic.dynamic_rows import (
     DELETION_LOG_MIN_IDS,
+    MAX_ROWS,
     AdmissionFilter,
     IdIndex,
     RowArena,
@@ -395,3 +396,34 @@ def test_the_largest_allocation_is_known_before_any_is_made():
     assert DynamicTableConfig(dim=16, max_rows=5).largest_allocation() == 16 * 8 * 5
     assert DynamicTableConfig(dim=1, admit_after=2, max_rows=1 << 30).largest_allocation() == 8 * 4 * (1 << 30)
     assert DynamicTableConfig(dim=1, admit_after=2, admission_width=7, block_rows=3).largest_allocation() == 8 * 7
+
+
+def test_every_allocation_that_grows_with_the_rows_is_counted_at_the_cap():
+    """Issue 43: the arena's list of freed slots (8 bytes a row, made with the shard) and the id
+    index (8-byte keys, up to twice the rows rounded up to a power of two) were not counted."""
+    assert DynamicTableConfig(dim=4, max_rows=1 << 25).largest_allocation() == 8 * (1 << 26)
+    assert DynamicTableConfig(dim=1, max_rows=3000).largest_allocation() == 8 * 8192  # the index, not a block
+    capped = DynamicTableConfig(dim=4, max_bytes=1 << 30)  # no max_rows: max_bytes bounds the rows
+    assert capped.row_cap() == (1 << 30) // 29 and capped.largest_allocation() == 8 * IdIndex.buckets_for(
+        capped.row_cap()
+    )
+    assert DynamicTableConfig(dim=4).row_cap() is None
+    table = shard(dim=1, max_rows=3000)
+    table.lookup(torch.arange(3000), now=0.0)  # full: the index at its largest
+    assert table.stats().live_rows == 3000
+    assert table._index.capacity * IdIndex.KEY_BYTES <= table.config.largest_allocation()
+
+
+def test_a_max_rows_no_shard_can_index_is_invalid():
+    DynamicTableConfig(dim=1, max_rows=MAX_ROWS).validate()
+    for rows in (MAX_ROWS + 1, 1 << 40, 1 << 62):
+        with pytest.raises(InvalidRequestError, match="max_rows"):
+            DynamicTableConfig(dim=1, max_rows=rows).validate()
+
+
+def test_a_restored_shard_has_the_servers_blocks():
+    small = 1 << 20  # a server started with --max-shard-bytes 1 MiB
+    table = shard(dim=16)
+    table.lookup(torch.arange(10), now=0.0)
+    restored = DynamicShard.from_state(table.export(), 16, now=0.0, block_bytes=small)
+    assert restored._arena.block_rows * 16 * 4 <= small
