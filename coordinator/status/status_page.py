@@ -16,8 +16,10 @@ run:
 Threads, all named and stopped by ``stop()`` (``ClusterCoordinator.shutdown``):
 ``paramserve-status`` samples the run once a ``interval`` (the charts' history, bounded; the
 parameter servers' shards and versions, probed with a deadline; new checkpoints),
-``paramserve-status-http`` accepts connections, and at most ``MAX_REQUESTS`` threads
-``paramserve-status-request_N`` answer them.
+``paramserve-status-http`` does every connection's I/O (``page_server.PageServer``: bounded
+connections, a deadline for each request and reply, descriptors kept for the coordinator), and
+``PageLimits.answer_threads`` threads ``paramserve-status-request_N`` turn whole requests into
+replies (the standard library's ``BaseHTTPRequestHandler``, on the request's bytes).
 
 Exposure: loopback by default. With the cluster's token every request must present the page's
 key (``status_key``: derived from the token, read-only, so the address with ``?key=`` that
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import hmac
 import http.server
+import io
 import logging
 import math
 import os
@@ -40,7 +43,6 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
-from concurrent import futures
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -58,6 +60,7 @@ from paramserve.coordinator.status.cluster_status import (
     resume,
     status_key,
 )
+from paramserve.coordinator.status.page_server import PageLimits, PageServer
 from paramserve.coordinator.status.status_history import History, Sample
 from paramserve.coordinator.status.status_html import CONTENT_SECURITY_POLICY, render_page
 from paramserve.psserver.checkpoint import shard_files as checkpoint
@@ -68,6 +71,7 @@ from paramserve.psserver.runtime.channels import channel_options, open_channel
 from paramserve.psserver.runtime.security import is_loopback
 
 __all__ = [
+    "PageLimits",
     "SAMPLER_THREAD",
     "SERVER_THREAD",
     "StatusPage",
@@ -83,10 +87,6 @@ log = logging.getLogger(__name__)
 SAMPLER_THREAD = "paramserve-status"
 SERVER_THREAD = "paramserve-status-http"
 REQUEST_THREADS = "paramserve-status-request"
-MAX_REQUESTS = 4
-"""Requests answered at once; more wait for the listen backlog."""
-REQUEST_SECONDS = 10.0
-"""A connection that sends nothing for this long is dropped."""
 PROBE_EVERY = 5
 """The servers are probed at every this many samples (their rows change slowly; a probe costs
 the coordinator a ListShards call per server). Recoveries show at once: recovery reports them."""
@@ -184,8 +184,12 @@ class StatusPage:
         probe_every: int = PROBE_EVERY,
         history: int = 600,
         clock: Callable[[], float] = time.time,
+        limits: PageLimits | None = None,
     ):
+        """``limits``: what readers may hold of the page (connections, deadlines; default
+        ``PageLimits()``, see ``page_server``)."""
         self._sources = sources
+        self._limits = limits or PageLimits()
         self._key = key
         self._interval = interval
         self._probe_every = probe_every
@@ -197,7 +201,7 @@ class StatusPage:
         self._lock = threading.Lock()  # the rates and the CPU accounting
         self._checkpoint: CheckpointRecord | None = None
         self._stopped = threading.Event()
-        self._server: _Server | None = None
+        self._server: PageServer | None = None
         self._threads: list[threading.Thread] = []
         self._serving_cpu = 0.0
         self._sampling_cpu = 0.0
@@ -208,15 +212,19 @@ class StatusPage:
 
     def start(self, host: str, port: int) -> int:
         """Listens on ``host:port`` (0: a free port) and starts the threads; returns the port."""
-        self._server = _Server((host, port), self)
-        self.host, self.port = host, int(self._server.server_address[1])
-        sampler = threading.Thread(target=self._sample_forever, name=SAMPLER_THREAD, daemon=True)
-        server = threading.Thread(
-            target=self._server.serve_forever, kwargs={"poll_interval": 0.2}, name=SERVER_THREAD, daemon=True
+        self._server = PageServer(
+            (host, port),
+            self._answer,
+            self._limits,
+            thread_name=SERVER_THREAD,
+            request_threads=REQUEST_THREADS,
+            on_cpu=self.count_serving,
         )
-        self._threads = [sampler, server]
-        for thread in self._threads:
-            thread.start()
+        self.host, self.port = host, self._server.port
+        sampler = threading.Thread(target=self._sample_forever, name=SAMPLER_THREAD, daemon=True)
+        self._threads = [sampler]
+        sampler.start()
+        self._server.start()
         log.info("status page at %s", self.url)
         return self.port
 
@@ -233,14 +241,17 @@ class StatusPage:
         """Stops serving and sampling and joins every thread; True when none is left."""
         self._stopped.set()
         server, self._server = self._server, None
-        if server is not None:
-            server.shutdown()
-            server.server_close()
+        served = server.stop(timeout) if server is not None else True
         for thread in self._threads:
             thread.join(timeout)
         if self._sources.probe_servers is not None:
             self._sources.probe_servers.close()
-        return not any(thread.is_alive() for thread in self._threads)
+        return served and not any(thread.is_alive() for thread in self._threads)
+
+    def dropped(self) -> dict[str, int]:
+        """Connections the page dropped and the times it paused accepting, by reason
+        (``page_server.PageServer.counts``)."""
+        return self._server.counts() if self._server is not None else {}
 
     @property
     def cpu_seconds(self) -> tuple[float, float]:
@@ -349,6 +360,10 @@ class StatusPage:
         """What the page's script appends to ``status.json`` (the key, when there is one)."""
         return f"?key={self._key}" if self._key else ""
 
+    def _answer(self, request: bytes, peer: Any) -> bytes:
+        """One whole request's reply (on a request thread of the ``PageServer``)."""
+        return _Exchange(request, peer, self).reply
+
 
 def _since(values: list[str]) -> Cursor:
     """The one ``since`` of a request's query (CursorError for none or several)."""
@@ -368,44 +383,38 @@ def _directory_bytes(path: pathlib.Path) -> int:
     return total
 
 
-class _Server(http.server.HTTPServer):
-    """An HTTP server whose requests are answered by a small pool of named threads."""
-
-    def __init__(self, address: tuple[str, int], page: StatusPage):
-        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
-        self.page = page
-        self._pool = futures.ThreadPoolExecutor(MAX_REQUESTS, thread_name_prefix=REQUEST_THREADS)
-        super().__init__(address, _Handler)
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        self._pool.submit(self._answer, request, client_address)
-
-    def _answer(self, request: Any, client_address: Any) -> None:
-        started = time.thread_time()
-        try:
-            self.finish_request(request, client_address)
-        except Exception:
-            self.handle_error(request, client_address)
-        finally:
-            self.shutdown_request(request)
-            self.page.count_serving(time.thread_time() - started)
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        log.debug("status page: a request from %s failed", client_address, exc_info=True)
-
-    def server_close(self) -> None:
-        super().server_close()
-        self._pool.shutdown(wait=True, cancel_futures=True)
+_NO_SERVER: Any = None
+"""What ``_Exchange`` gives as its server: ``BaseHTTPRequestHandler`` never reads it."""
+_NO_SOCKET: Any = None
+"""What ``_Exchange`` gives as its connection: it reads the request's bytes instead."""
 
 
-class _Handler(http.server.BaseHTTPRequestHandler):
-    server: _Server
-    timeout = REQUEST_SECONDS
+class _Exchange(http.server.BaseHTTPRequestHandler):
+    """One request answered from its bytes: the standard library parses it and writes the reply
+    into ``reply`` (the ``PageServer`` moves the bytes, so no socket is touched here)."""
+
     server_version = "paramserve-status"
     sys_version = ""
 
+    def __init__(self, request: bytes, peer: Any, page: StatusPage):
+        self.page = page
+        self._written = io.BytesIO()
+        self._request = request
+        self.reply = b""
+        super().__init__(_NO_SOCKET, peer, _NO_SERVER)
+
+    def setup(self) -> None:
+        self.rfile = io.BytesIO(self._request)
+        self.wfile = self._written
+
+    def handle(self) -> None:
+        self.handle_one_request()  # one request per connection: the page speaks HTTP/1.0
+
+    def finish(self) -> None:
+        self.reply = self._written.getvalue()
+
     def do_GET(self) -> None:
-        page = self.server.page
+        page = self.page
         url = urllib.parse.urlsplit(self.path)
         if url.path not in ("/", "/index.html", "/status.json"):
             self._send(404, "text/plain; charset=utf-8", b"not found: the page is / and its data /status.json\n")

@@ -119,6 +119,14 @@ def test_bad_requests_get_404_or_405_and_the_page_keeps_serving(page, method, pa
     assert get(page, f"/status.json?key={status_key(TOKEN)}")[0] == 200
 
 
+def test_a_request_over_the_size_limit_is_413_and_the_page_keeps_serving(page):
+    with socket.create_connection(("127.0.0.1", page.port), timeout=10) as raw:
+        raw.sendall(b"GET /" + b"a" * 16380)  # 16,385 bytes and no end of the headers yet: refused
+        reply = b"".join(iter(lambda: raw.recv(4096), b""))
+    assert reply.startswith(b"HTTP/1.0 413 ")
+    assert get(page, f"/status.json?key={status_key(TOKEN)}")[0] == 200
+
+
 def test_a_reader_with_a_cursor_gets_only_what_it_lacks(page):
     key = status_key(TOKEN)
     assert page.probes.calls.acquire(timeout=10) and page.probes.calls.acquire(timeout=10)
