@@ -5,8 +5,8 @@ Checked: it learns; every worker's replica and the coordinator's view are the sa
 worker killed (SIGKILL) or stopped (SIGTERM) mid-training leaves the group formed anew and no
 closure lost; a worker killed while a group forms costs the others seconds, not the rendezvous
 timeout; a changed learning rate reaches the workers; a checkpoint holds the dense state and
-restores it exactly, onto the workers too; a replicated table's primary killed mid-training fails
-over with every push applied exactly once."""
+restores it exactly, onto the workers too, and the sidecar evaluator reads its dense layers; a
+replicated table's primary killed mid-training fails over with every push applied exactly once."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from paramserve.coordinator import (
     ShardedEmbeddingCollection,
 )
 from paramserve.coordinator.demos.recommendation import DLRM, ClickData, WorkerClicks, auc, train_clicks
+from paramserve.coordinator.sidecar_evaluator import load_checkpoint_weights
 from paramserve.psserver.client.calls import CallOptions, Stub
 from paramserve.psserver.runtime.channels import channel_options, open_channel
 
@@ -207,6 +208,29 @@ def test_a_worker_killed_while_the_group_forms_costs_the_others_seconds_not_the_
     assert_same(first, second)
     survivors = [p for p in cluster.processes if p.role == "worker" and p.index != 2]
     assert any("was given up" in p.log_path.read_text(errors="replace") for p in survivors)
+
+
+def test_the_sidecar_evaluator_reads_a_hybrid_checkpoints_dense_layers_exactly(start_cluster, tmp_path):
+    cluster = start_cluster(num_ps=2, num_workers=2)
+    strategy, model, optimizer = build(cluster)
+    manager = CheckpointManager(strategy, tmp_path / "ckpt")
+    with ClusterCoordinator(strategy) as coordinator:
+        batches = iter(coordinator.create_per_worker_dataset(WorkerClicks(TABLE_ROWS, count=50)))
+        for _ in range(20):
+            coordinator.schedule(train_clicks, args=(batches, model, optimizer))
+        coordinator.join()
+        path = manager.save(step=20)
+        saved = strategy.model_weights(model)
+    strategy.close()
+
+    torch.manual_seed(1)  # the evaluator's own copy, of the class that trained, other initial values
+    fresh = DLRM(TABLE_ROWS, embeddings=ShardedEmbeddingCollection)
+    weights, step = load_checkpoint_weights(path, fresh)
+
+    assert step == 20
+    assert weights.keys() == fresh.state_dict().keys() == {n for n in saved if n.startswith(("bottom.", "top."))}
+    for name, value in weights.items():
+        assert torch.equal(value, saved[name]), name
 
 
 def test_a_restarted_worker_and_a_new_one_join_with_the_groups_state(start_cluster):
