@@ -168,6 +168,7 @@ def _dense_rounds(strategy: CoordinatedStrategy, telemetry: CoordinatorTelemetry
         rendezvous_host=host,
         timeout=sync_dense.timeout,
         observer=telemetry,
+        token=strategy.token,
     )
 
 

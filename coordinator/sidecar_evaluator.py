@@ -12,7 +12,9 @@ or ``paramserve evaluator --checkpoint-dir ckpts --every 30 --log-dir logs``.
 It reads every checkpoint form training writes: ModelCheckpoint's torch files (weights
 only, or ``{"model": ...}`` training state), and parameter-server checkpoints
 (CheckpointManager's ``ckpt-N`` directories, or ModelCheckpoint's directories of them),
-whose variables it reads straight from the files (no server is needed). It needs no
+whose variables it reads straight from the files (no server is needed), hybrid training's
+dense layers (``sync_dense``) from the checkpoint's ``dense_state.pt``, checked against the
+SHA-256 its manifest names. It needs no
 strategy: evaluation runs in this process. Summaries go to ``log_dir/validation`` as
 ``epoch_<name>`` at the checkpoint's epoch (its step when it has no epoch), the run and
 tags fit's TensorBoard callback uses for validation.
@@ -31,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from paramserve.coordinator.checkpointing.dense_checkpoint import DENSE_EXTRA_KEY, read_checkpoint_state
 from paramserve.coordinator.training.callbacks import summary_writer, write_epoch_logs
 from paramserve.coordinator.training.loops import evaluate
 from paramserve.psserver.checkpoint import shard_files as server_checkpoint
@@ -190,7 +193,8 @@ def find_checkpoints(directory: pathlib.Path) -> list[pathlib.Path]:
 
 def load_checkpoint_weights(path: pathlib.Path, model: nn.Module) -> tuple[dict[str, torch.Tensor], int]:
     """The model weights a checkpoint holds, keyed as ``model.state_dict()``, and its epoch
-    (else its step, else 0)."""
+    (else its step, else 0). A hybrid checkpoint's dense layers come from its dense state file;
+    ValueError when that file is missing or is not the one its manifest names (damaged)."""
     if path.is_file():
         saved: dict[str, Any] = torch.load(path, weights_only=True)
         if "model" in saved:
@@ -202,6 +206,8 @@ def load_checkpoint_weights(path: pathlib.Path, model: nn.Module) -> tuple[dict[
         for name, entry in manifest.variables.items()
     }
     extra = manifest.extra
+    if DENSE_EXTRA_KEY in extra:  # hybrid training: the replicated layers live beside the shards
+        values.update(read_checkpoint_state(manifest.path, extra[DENSE_EXTRA_KEY])["values"])
     return _as_state_dict(values, model), int(extra.get("epoch", extra.get("step", 0)) or 0)
 
 

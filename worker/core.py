@@ -142,6 +142,7 @@ class WorkerCore:
     ``client_factory`` makes the client of a cluster's parameter servers (the server
     passes one building ParameterServerClient; unit tests pass an in-memory fake).
     ``device``: where closures compute (the CPU, or a CUDA GPU: ``paramserve worker --device``).
+    ``token``: the cluster's, which hybrid training's rendezvous store asks members to prove.
     Raises ValueError for another kind of device.
     """
 
@@ -150,6 +151,7 @@ class WorkerCore:
         client_factory: ClientFactory,
         observer: ClosureObserver | None = None,
         device: torch.device = CPU,
+        token: str | None = None,
     ):
         self._client_factory = client_factory
         self.incarnation = uuid.uuid4().hex
@@ -160,7 +162,7 @@ class WorkerCore:
         self._state_lock = threading.Lock()
         self._resources: dict[str, object] = {}
         self._variables = LocalVariables(transfers_for(device))
-        self._dense = DenseReplicas(self._variables)
+        self._dense = DenseReplicas(self._variables, token)
         self._clients: OrderedDict[tuple[tuple[str, ...], float], VariableClient] = OrderedDict()
         self._closures_run = 0
         self._cluster = ClusterContext()

@@ -21,10 +21,13 @@ dense step was applied (its worker died before answering) contributes zeros for 
 and its table push is a duplicate the servers drop: the retry changes nothing twice.
 
 Forming a group (``begin_round`` with a new generation) builds a gloo process group on the
-coordinator's rendezvous store, under a prefix of its own; when every member computes on a GPU
-of its own (``step_backend``: told apart by the GPUs' UUIDs, which two processes sharing one GPU
-both report) the steps' all-reduce runs on an NCCL group beside it, on the GPUs, and gloo keeps
-the rest (the state exchange, CPU bytes). Then it makes the members' states equal:
+coordinator's rendezvous store (worker/rendezvous_store.py: a namespace per generation, opened
+with the cluster's token; the coordinator gives a generation up when a member is lost while it
+forms, and the others' rendezvous ends at once instead of at the group's timeout); when every
+member computes on a GPU of its own (``step_backend``: told apart by the GPUs' UUIDs, which two
+processes sharing one GPU both report) the steps' all-reduce runs on an NCCL group beside it, on
+the GPUs, and gloo keeps the rest (the state exchange, CPU bytes). Then it makes the members'
+states equal:
 a member without state of the current epoch starts from the latest state the coordinator
 knows, and the member that applied the most steps sends its state to the others. A collective that fails (a
 member died: its sockets close; or it hung past the group's timeout) raises ``GroupFailed``; the
@@ -41,7 +44,7 @@ import logging
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Container, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
@@ -65,7 +68,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from paramserve.psserver.runtime.security import rendezvous_key
 from paramserve.worker.closure_access import LocalVariables
+from paramserve.worker.rendezvous_store import RendezvousStore
 from paramserve.worker.results import GroupFailed
 
 log = logging.getLogger(__name__)
@@ -92,6 +97,8 @@ class GroupSpec:
     store_address: str
     host: str
     timeout: float
+    store_secret: bytes = field(default=b"", repr=False)
+    """The store's session secret: with the cluster's token, the key this member proves to it."""
 
 
 @dataclass(frozen=True)
@@ -277,10 +284,12 @@ class DenseReplicas:
     """This worker's replicas of the dense variables, their optimizer, and its group membership.
 
     Worker-wide, like LocalVariables, whose parameters it updates: a closure's module resolves
-    a replicated variable to the same ``nn.Parameter`` every time, and it is never pulled."""
+    a replicated variable to the same ``nn.Parameter`` every time, and it is never pulled.
+    ``token``: the cluster's, which the coordinator's rendezvous store asks members to prove."""
 
-    def __init__(self, variables: LocalVariables):
+    def __init__(self, variables: LocalVariables, token: str | None = None):
         self._variables = variables
+        self._token = token
         self._names: tuple[str, ...] = ()
         self._optimizer: torch.optim.Optimizer | None = None
         self._optimizer_spec = b""
@@ -293,7 +302,7 @@ class DenseReplicas:
         self._group: Any = None  # a ProcessGroupGloo
         self._step_group: Any = None  # the steps' exchange: the gloo group or an NCCL one
         self._step_device = torch.device("cpu")
-        self._store: Any = None
+        self._store: RendezvousStore | None = None
         self._spec: GroupSpec | None = None
         self._broken = False
         self._pending: _PendingStep | None = None
@@ -375,18 +384,18 @@ class DenseReplicas:
         self._leave()
         host, port = store_endpoint(spec.store_address)
         timeout = datetime.timedelta(seconds=spec.timeout)
+        key = rendezvous_key(self._token, spec.store_secret)
         try:
-            self._store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+            self._store = RendezvousStore(host, port, key=key, generation=spec.generation, timeout=spec.timeout)
             options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
             options._timeout = timeout
             options._devices = [dist.ProcessGroupGloo.create_device(hostname=spec.host)]
-            prefixed = dist.PrefixStore(f"dense/{spec.generation}/", self._store)
-            self._group = dist.ProcessGroupGloo(prefixed, spec.rank, spec.world_size, options)
+            self._group = dist.ProcessGroupGloo(self._store, spec.rank, spec.world_size, options)
             self._spec, self._broken = spec, False
             self._step_group, self._step_device = self._group, torch.device("cpu")
             backend = step_backend(self._all_gather(torch.tensor(self._device_entry())).tolist())
             if backend == "nccl":
-                self._step_group = _nccl_group(dist.PrefixStore(f"dense/{spec.generation}/nccl/", self._store), spec)
+                self._step_group = _nccl_group(dist.PrefixStore("nccl/", self._store), spec)
                 self._step_device = self._variables.device
         except (RuntimeError, GroupFailed) as exc:
             self._leave()
@@ -414,8 +423,11 @@ class DenseReplicas:
                 self._step_group.abort()  # a group whose peer died must not block the next one
             except (RuntimeError, AttributeError):
                 pass
-        self._group, self._store, self._spec, self._pending = None, None, None, None
+        self._group, self._spec, self._pending = None, None, None
         self._step_group, self._step_device = None, torch.device("cpu")
+        store, self._store = self._store, None  # after the groups that use it
+        if store is not None:
+            store.close()
 
     def _synchronize(self) -> None:
         """Makes every member's state the one of the member that applied the most steps."""

@@ -157,7 +157,9 @@ def build_worker(config: WorkerConfig, registry: CollectorRegistry | None = None
     if config.torch_threads is not None:
         torch.set_num_threads(config.torch_threads)
     registry = registry or CollectorRegistry()
-    core = WorkerCore(parameter_server_clients(config), observer=ClosureMetrics(registry), device=config.device)
+    core = WorkerCore(
+        parameter_server_clients(config), observer=ClosureMetrics(registry), device=config.device, token=config.token
+    )
     service = GrpcService.for_config(
         config,
         handlers=[generic_handler(WorkerServicer(core))],

@@ -40,12 +40,28 @@ class CheckpointedVariable(Protocol):
     def replicated(self) -> bool:
         """Hybrid training: on the workers, never on the servers."""
 
+    @property
+    def parameter(self) -> nn.Parameter | None:
+        """A dense variable's parameter in the coordinator's model (None for a table)."""
+
+
+class DenseOptimizer(Protocol):
+    """Of the dense rounds' settings (dispatch's ``DenseSettings``), what a restore checks the
+    saved optimizer state against."""
+
+    @property
+    def optimizer(self) -> bytes:
+        """cloudpickle of (torch.optim class, [(variable names, keyword arguments)])."""
+
 
 class CheckpointedDense(Protocol):
     """Hybrid training's replicated dense variables (strategies/sync_dense.py: ``SyncDense``)."""
 
     def names(self) -> tuple[str, ...]:
         """The replicated variables."""
+
+    def settings(self) -> DenseOptimizer:
+        """What the next round gives the workers (its optimizer); RuntimeError before there is one."""
 
     def refresh(self) -> None:
         """Makes the coordinator's parameters hold the workers' current values."""

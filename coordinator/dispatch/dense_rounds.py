@@ -13,8 +13,12 @@ The group is formed anew (a new *generation*) when its membership changes (a wor
 came back or joined) or a round broke it (a member died mid-collective or timed out): the
 closures of a broken round go back to the queue, and the members left form the next
 generation, synchronising their state from the member that applied the most steps. The
-rendezvous store of every generation is one ``torch.distributed.TCPStore`` the coordinator
-hosts, under a prefix per generation.
+rendezvous store of every generation is one ``RendezvousServer`` the coordinator hosts
+(coordinator/dispatch/rendezvous_server.py): listening on the rendezvous host only, answering
+members that prove the cluster's token, a namespace per generation. A member whose call fails
+(it died, or was removed) gives the generation up there at once: the others, waiting in its
+rendezvous for the lost member, fail within milliseconds instead of the group's timeout, and the
+next round forms without it.
 
 The pure decisions (``round_shares``, ``plan_generation``) have unit tests; ``DenseRounds``
 holds the state they act on.
@@ -22,7 +26,6 @@ holds the state they act on.
 
 from __future__ import annotations
 
-import datetime
 import ipaddress
 import logging
 import socket
@@ -31,8 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-import torch.distributed as dist
-
+from paramserve.coordinator.dispatch.rendezvous_server import RendezvousServer
 from paramserve.worker.dense_group import DenseRound, GroupSpec
 
 log = logging.getLogger(__name__)
@@ -108,7 +110,7 @@ def _is_loopback(host: str) -> bool:
 class DenseRounds:
     """The coordinator's side of the dense group: its store, its generations, each member's
     part of a round. Called on the dispatch loop's thread, except ``read_request`` and
-    ``rounds_done`` (any thread)."""
+    ``rounds_done`` (any thread). ``token``: the cluster's; the store's members prove it."""
 
     def __init__(
         self,
@@ -118,13 +120,15 @@ class DenseRounds:
         rendezvous_host: str,
         timeout: float,
         observer: DenseObserver | None = None,
+        token: str | None = None,
     ):
         self._observer: DenseObserver = observer or _NoDenseObserver()
         self._settings = settings
         self._initial_state = initial_state
         self._host = rendezvous_host
+        self._token = token
         self.timeout = float(timeout)
-        self._store: dist.TCPStore | None = None
+        self._store: RendezvousServer | None = None
         self._members: tuple[str, ...] | None = None
         self._generation = 0
         self._broken = False
@@ -132,15 +136,24 @@ class DenseRounds:
         self._lock = threading.Lock()
         self._rounds_done = 0
 
+    def store(self) -> RendezvousServer:
+        """The rendezvous store, hosted on the rendezvous host at the first call."""
+        if self._store is None:
+            self._store = RendezvousServer(self._host, token=self._token)
+            bound = self._store.bound[0]
+            log.info("dense group's rendezvous store on %s (bound to %s)", self._store.address, bound)
+            if _is_loopback(bound) and not _is_loopback(self._host):
+                log.warning(
+                    "rendezvous host %s is %s on this machine: workers elsewhere cannot reach the dense group's "
+                    "store there; give ParameterServerStrategy(rendezvous_host=) this machine's address",
+                    self._host,
+                    bound,
+                )
+        return self._store
+
     def store_address(self) -> str:
         """The store's ``host:port``, hosting it first."""
-        if self._store is None:
-            self._store = dist.TCPStore(
-                self._host, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=self.timeout)
-            )
-            log.info("dense group's rendezvous store on %s:%d", self._host, self._store.port)
-        host = f"[{self._host}]" if ":" in self._host else self._host
-        return f"{host}:{self._store.port}"
+        return self.store().address
 
     def member_rounds(self, members: Sequence[str]) -> list[DenseRound]:
         """Each member's part of the next round (members: worker addresses, in rank order),
@@ -149,16 +162,19 @@ class DenseRounds:
         broken = self._broken or settings.state_epoch != self._epoch_formed
         generation = plan_generation(self._members, members, broken, self._generation)
         initial = b""
+        store = self.store()
         if generation != self._generation or self._members is None:
             self._generation, self._members, self._broken = generation, tuple(members), False
             self._epoch_formed = settings.state_epoch
             initial = self._initial_state()
+            store.retire_below(generation)
             log.info("dense group %d forms with %d workers: %s", generation, len(members), ", ".join(members))
             self._observer.dense_group_formed(generation, members)
-        store = self.store_address()
         return [
             DenseRound(
-                group=GroupSpec(generation, rank, len(members), store, _host_of(address), self.timeout),
+                group=GroupSpec(
+                    generation, rank, len(members), store.address, _host_of(address), self.timeout, store.session
+                ),
                 variables=settings.variables,
                 optimizer=settings.optimizer,
                 state_epoch=settings.state_epoch,
@@ -167,9 +183,13 @@ class DenseRounds:
             for rank, address in enumerate(members)
         ]
 
-    def broke(self) -> None:
-        """A round broke the group: the next round forms it anew."""
+    def broke(self, reason: str = "a round broke it") -> None:
+        """A round broke the group (``reason``: which member, how): the next round forms it anew,
+        and the store gives the current generation up now, so that members still in its
+        rendezvous (waiting for one that will not come) fail at once."""
         self._broken = True
+        if self._store is not None and self._members is not None:
+            self._store.abort(self._generation, reason)
 
     def round_finished(self) -> None:
         with self._lock:
@@ -188,7 +208,10 @@ class DenseRounds:
         return DenseRound(group, settings.variables, settings.optimizer, settings.state_epoch, read_state=True)
 
     def close(self) -> None:
-        self._store = None
+        """Stops the store (members waiting in it fail at once)."""
+        store, self._store = self._store, None
+        if store is not None and not store.stop():
+            log.error("the dense group's rendezvous store did not stop")
 
 
 class DenseRoundsLink:

@@ -362,8 +362,17 @@ class DispatchLoop:
     async def _in_round(
         self, dispatcher: Dispatcher, batch: list[Closure], member_round: DenseRound, longest: int
     ) -> None:
-        if await dispatcher.run_round(batch, member_round, longest) and self._dense is not None:
-            self._dense.broke()
+        """One member's call of the round. A call that fails (the worker died: its call fails at
+        once), or a member removed mid-round, breaks the group, and gives its generation up at
+        once: members still in its rendezvous stop waiting for one that will not come."""
+        try:
+            broke = await dispatcher.run_round(batch, member_round, longest)
+        except asyncio.CancelledError:
+            if self._dense is not None:
+                self._dense.broke(f"worker {dispatcher.address} left during the round")
+            raise
+        if broke and self._dense is not None:
+            self._dense.broke(f"the round broke at worker {dispatcher.address}")
 
     def _start(
         self, dispatcher: Dispatcher, work: Coroutine[Any, Any, Any], *, carries_closures: bool = False

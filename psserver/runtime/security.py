@@ -17,6 +17,8 @@
   (``TlsConfig``, its files checked before serving by ``tls_files_problem``); what a client
   verifies servers with and presents (``ClientTls``).
 - **Checkpoint paths.** Save and Restore stay inside the server's checkpoint root.
+- **The dense group's rendezvous store.** Members prove they hold a key derived from the token
+  and the store's session secret (``rendezvous_key``) before it answers them.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ __all__ = [
     "reply_is_signed",
     "reply_key",
     "reply_signature",
+    "rendezvous_key",
     "tls_files_problem",
     "unauthenticated_workers",
     "writable_directory",
@@ -191,6 +194,22 @@ class DataPlaneKey:
 
     def _proof(self, side: bytes, client_nonce: bytes, server_nonce: bytes) -> bytes:
         return hmac.new(self.key, side + b"\0" + client_nonce + server_nonce, hashlib.sha256).digest()
+
+
+_RENDEZVOUS_CONTEXT = b"paramserve/v1/dense-rendezvous"
+RENDEZVOUS_SESSION_BYTES = 32
+
+
+def rendezvous_key(token: str | None, session: bytes) -> DataPlaneKey:
+    """The key of hybrid training's rendezvous store (coordinator/dispatch/rendezvous_server.py):
+    the store and each member prove it to the other with the data plane's handshake before the
+    store answers anything. Derived from the cluster's token, never sent, and from ``session``, the
+    store's random secret, which the coordinator sends members in each round (the DenseGroup
+    message): so a process at a worker's address that receives a round without holding the token
+    still cannot join, a cluster without a token still has a store only its members can use, and
+    nothing learnt from one coordinator's store opens the next one's."""
+    base = hmac.new(token.encode(), _RENDEZVOUS_CONTEXT, hashlib.sha256).digest() if token else b""
+    return DataPlaneKey(hmac.new(session, _RENDEZVOUS_CONTEXT + b"\0" + base, hashlib.sha256).digest())
 
 
 def new_handshake_nonce() -> bytes:

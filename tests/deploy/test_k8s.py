@@ -164,3 +164,39 @@ def test_the_replicated_overlay_runs_four_servers_in_groups_of_two() -> None:
     assert values["PARAMSERVE_PS"] == ",".join(f"ps-{i}.ps:5000" for i in range(ps["spec"]["replicas"]))
     groups = group_servers(values["PARAMSERVE_PS"].split(","), replica_count(None, values))
     assert len(groups) == 2 and all(len(group) == 2 for group in groups)
+
+
+EPHEMERAL = (32768, 60999)
+"""Linux's default net.ipv4.ip_local_port_range: where gloo's pairs and the rendezvous store listen."""
+
+
+def pods_named(peer: dict[str, Any]) -> str:
+    """The job's pods a policy's peer admits (only pod selectors by name: no namespace, no CIDR)."""
+    assert set(peer) == {"podSelector"}, peer
+    return str(peer["podSelector"]["matchLabels"]["app.kubernetes.io/name"])
+
+
+def test_network_policies_admit_only_the_jobs_pods_to_the_workers_and_the_rendezvous_store() -> None:
+    """Hybrid training's gloo connections are unauthenticated (ARCHITECTURE.md, "Trust model"): the
+    workers' ports and the coordinator's store admit only this job's pods; metrics and the status
+    page stay open to Prometheus and port-forwards."""
+    worker, coordinator = by_kind("NetworkPolicy", "worker-ingress"), by_kind("NetworkPolicy", "coordinator-ingress")
+    for policy, pods in ((worker, by_kind("Deployment", "worker")), (coordinator, by_kind("Job", "coordinator"))):
+        assert policy["spec"]["policyTypes"] == ["Ingress"]
+        assert policy["spec"]["podSelector"]["matchLabels"] == pods["spec"]["template"]["metadata"]["labels"]
+
+    def admitted(policy: dict[str, Any]) -> dict[tuple[Any, Any], set[str] | None]:
+        """(port, endPort) -> the pods admitted to it (None: anyone)."""
+        rules: dict[tuple[Any, Any], set[str] | None] = {}
+        for rule in policy["spec"]["ingress"]:
+            for port in rule["ports"]:
+                assert port["protocol"] == "TCP"
+                rules[(port["port"], port.get("endPort"))] = (
+                    {pods_named(peer) for peer in rule["from"]} if "from" in rule else None
+                )
+        return rules
+
+    assert admitted(worker) == {("grpc", None): {"coordinator"}, EPHEMERAL: {"worker"}, ("metrics", None): None}
+    assert admitted(coordinator) == {EPHEMERAL: {"worker"}, ("metrics", None): None, ("status", None): None}
+    named = {p["name"] for _, _, c in containers() for p in c.get("ports", [])}
+    assert {"grpc", "metrics", "status"} <= named  # the policies' named ports exist

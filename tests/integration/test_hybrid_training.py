@@ -3,15 +3,17 @@ workers and all-reduced every step, the tables on the parameter servers.
 
 Checked: it learns; every worker's replica and the coordinator's view are the same values; a
 worker killed (SIGKILL) or stopped (SIGTERM) mid-training leaves the group formed anew and no
-closure lost; a changed learning rate reaches the workers; a checkpoint holds the dense state
-and restores it exactly, onto the workers too; a replicated table's primary killed mid-training
-fails over with every push applied exactly once."""
+closure lost; a worker killed while a group forms costs the others seconds, not the rendezvous
+timeout; a changed learning rate reaches the workers; a checkpoint holds the dense state and
+restores it exactly, onto the workers too, and the sidecar evaluator reads its dense layers; a
+replicated table's primary killed mid-training fails over with every push applied exactly once."""
 
 from __future__ import annotations
 
 import os
 import signal
 import sys
+import time
 
 import cloudpickle
 import torch
@@ -24,6 +26,7 @@ from paramserve.coordinator import (
     ShardedEmbeddingCollection,
 )
 from paramserve.coordinator.demos.recommendation import DLRM, ClickData, WorkerClicks, auc, train_clicks
+from paramserve.coordinator.sidecar_evaluator import load_checkpoint_weights
 from paramserve.psserver.client.calls import CallOptions, Stub
 from paramserve.psserver.runtime.channels import channel_options, open_channel
 
@@ -174,6 +177,60 @@ def test_a_checkpoint_holds_the_dense_state_and_restores_it_exactly_onto_the_wor
     for replica in on_workers:
         for name, value in replica.items():
             assert torch.equal(value, saved[name]), name
+
+
+def test_a_worker_killed_while_the_group_forms_costs_the_others_seconds_not_the_timeout(start_cluster, tmp_path):
+    """The rendezvous timeout is 60 s. A worker is SIGKILLed between rounds and a restore makes the
+    next round form a new generation with it still a member: its call fails at once, the
+    coordinator gives the generation up in its store, and the two others, waiting there for the
+    dead worker's address, re-form without it and train on within seconds."""
+    cluster = start_cluster(num_ps=2, num_workers=3)
+    strategy, model, optimizer = build(cluster, dense_group_timeout=60.0)
+    manager = CheckpointManager(strategy, tmp_path / "ckpt")
+    with ClusterCoordinator(strategy) as coordinator:
+        batches = iter(coordinator.create_per_worker_dataset(WorkerClicks(TABLE_ROWS, count=100)))
+        for _ in range(30):
+            coordinator.schedule(train_clicks, args=(batches, model, optimizer))
+        coordinator.join(timeout=120)
+        path = manager.save(step=30)
+        with coordinator.paused(timeout=60):
+            cluster.kill_worker(2)  # idle: neither the others nor the coordinator notice yet
+            manager.restore(path)  # a new dense epoch: the next round forms a new generation
+        started = time.monotonic()
+        after = [coordinator.schedule(train_clicks, args=(batches, model, optimizer)) for _ in range(30)]
+        coordinator.join(timeout=45)  # raises TimeoutError where the survivors wait out the 60 s
+        elapsed = time.monotonic() - started
+        first, second = replicas(coordinator, model, 2)
+    strategy.close()
+
+    assert elapsed < 15.0, elapsed
+    assert len([float(v.fetch()) for v in after]) == 30
+    assert_same(first, second)
+    survivors = [p for p in cluster.processes if p.role == "worker" and p.index != 2]
+    assert any("was given up" in p.log_path.read_text(errors="replace") for p in survivors)
+
+
+def test_the_sidecar_evaluator_reads_a_hybrid_checkpoints_dense_layers_exactly(start_cluster, tmp_path):
+    cluster = start_cluster(num_ps=2, num_workers=2)
+    strategy, model, optimizer = build(cluster)
+    manager = CheckpointManager(strategy, tmp_path / "ckpt")
+    with ClusterCoordinator(strategy) as coordinator:
+        batches = iter(coordinator.create_per_worker_dataset(WorkerClicks(TABLE_ROWS, count=50)))
+        for _ in range(20):
+            coordinator.schedule(train_clicks, args=(batches, model, optimizer))
+        coordinator.join()
+        path = manager.save(step=20)
+        saved = strategy.model_weights(model)
+    strategy.close()
+
+    torch.manual_seed(1)  # the evaluator's own copy, of the class that trained, other initial values
+    fresh = DLRM(TABLE_ROWS, embeddings=ShardedEmbeddingCollection)
+    weights, step = load_checkpoint_weights(path, fresh)
+
+    assert step == 20
+    assert weights.keys() == fresh.state_dict().keys() == {n for n in saved if n.startswith(("bottom.", "top."))}
+    for name, value in weights.items():
+        assert torch.equal(value, saved[name]), name
 
 
 def test_a_restarted_worker_and_a_new_one_join_with_the_groups_state(start_cluster):

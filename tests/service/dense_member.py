@@ -2,7 +2,8 @@
 
     python dense_member.py '<json plan>'
 
-The plan: ``store`` (host:port of the test's TCPStore), ``initial`` (name -> list of floats),
+The plan: ``store`` (host:port of the test's rendezvous store), ``secret`` (its session secret,
+hex), ``token`` (the cluster's), ``initial`` (name -> list of floats),
 ``lr`` (SGD), ``rounds``: each ``{"generation", "rank", "world", "steps": [[key, gradient], ...],
 "die_after": n}`` (``die_after``: the process exits abruptly after n steps). Prints one JSON
 line: each round's outcome (``ok`` or the error's type and message), the final values and the
@@ -28,14 +29,17 @@ from paramserve.worker.results import GroupFailed
 def main(plan: dict) -> None:
     torch.set_num_threads(1)
     variables = LocalVariables()
-    replicas = DenseReplicas(variables)
+    replicas = DenseReplicas(variables, plan["token"])
     initial = {name: torch.tensor(values) for name, values in plan["initial"].items()}
     buffer = io.BytesIO()
     torch.save({"version": 0, "values": initial, "optimizer": None, "applied": []}, buffer)
     optimizer = cloudpickle.dumps((torch.optim.SGD, [(tuple(sorted(initial)), {"lr": plan["lr"]})]))
     outcomes = []
     for round_ in plan["rounds"]:
-        spec = GroupSpec(round_["generation"], round_["rank"], round_["world"], plan["store"], "127.0.0.1", 20.0)
+        secret = bytes.fromhex(plan["secret"])
+        spec = GroupSpec(
+            round_["generation"], round_["rank"], round_["world"], plan["store"], "127.0.0.1", 20.0, secret
+        )
         dense = DenseRound(spec, tuple(sorted(initial)), optimizer, 0, buffer.getvalue())
         started = time.monotonic()
         try:

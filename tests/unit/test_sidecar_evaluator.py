@@ -65,3 +65,51 @@ def test_run_stops_on_request_and_after_max_evaluations(tmp_path):
     stop.set()
     thread.join(timeout=30)
     assert not thread.is_alive() and waiting.evaluations == []
+
+
+class Hybrid(nn.Module):
+    """A table on the parameter servers and dense layers replicated on the workers (sync_dense)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Embedding(6, 3)
+        self.top = nn.Linear(3, 2)
+
+
+def write_hybrid_checkpoint(root, model: Hybrid):
+    """A checkpoint as CheckpointManager writes one under sync_dense: the table's shards, the dense
+    layers in dense_state.pt (named as the servers name variables), its hash in the manifest."""
+    from paramserve.coordinator.checkpointing.dense_checkpoint import DENSE_EXTRA_KEY, write_checkpoint_state
+    from paramserve.psserver.checkpoint.shard_files import save_checkpoint
+    from paramserve.psserver.protocol.types import ShardRef, ShardState
+
+    table = model.table.weight.detach().clone()
+    dense = {f"hybrid.top.{name}": value.detach().clone() for name, value in model.top.named_parameters()}
+    state = {"version": 3, "values": dense, "optimizer": None, "applied": []}
+    return save_checkpoint(
+        root,
+        [ShardState(ShardRef("hybrid.table", 0), tuple(table.shape), 0, table)],
+        extra={"step": 7},
+        add_files=lambda staged: {DENSE_EXTRA_KEY: write_checkpoint_state(staged, state)},
+    )
+
+
+def test_a_hybrid_checkpoints_dense_layers_are_read_from_its_dense_state_checked_by_its_hash(tmp_path):
+    from paramserve.coordinator.sidecar_evaluator import load_checkpoint_weights
+    from paramserve.psserver.protocol.errors import CheckpointError
+
+    torch.manual_seed(0)
+    trained = Hybrid()
+    path = write_hybrid_checkpoint(tmp_path / "ckpts", trained)
+
+    weights, step = load_checkpoint_weights(path, Hybrid())
+
+    assert step == 7
+    assert weights.keys() == trained.state_dict().keys()
+    for name, value in trained.state_dict().items():
+        assert torch.equal(weights[name], value), name
+    data = bytearray((path / "dense_state.pt").read_bytes())
+    data[-1] ^= 0xFF  # damaged after the manifest named its hash
+    (path / "dense_state.pt").write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="does not match its manifest"):
+        load_checkpoint_weights(path, Hybrid())

@@ -106,20 +106,22 @@ class RunClosuresResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[RunClosureResponse, _Mapping]]] = ..., dense_state: _Optional[bytes] = ..., group_failed: _Optional[bool] = ...) -> None: ...
 
 class DenseGroup(_message.Message):
-    __slots__ = ("generation", "rank", "world_size", "store_address", "host", "timeout_seconds")
+    __slots__ = ("generation", "rank", "world_size", "store_address", "host", "timeout_seconds", "store_secret")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     STORE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STORE_SECRET_FIELD_NUMBER: _ClassVar[int]
     generation: int
     rank: int
     world_size: int
     store_address: str
     host: str
     timeout_seconds: float
-    def __init__(self, generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., store_address: _Optional[str] = ..., host: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+    store_secret: bytes
+    def __init__(self, generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., store_address: _Optional[str] = ..., host: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., store_secret: _Optional[bytes] = ...) -> None: ...
 
 class DenseRound(_message.Message):
     __slots__ = ("group", "variables", "optimizer", "state_epoch", "initial_state", "read_state")
