@@ -207,6 +207,14 @@ class KillDuringExport:
         self.armed: int | None = None
         self.hits = 0
         self.restarters: list[threading.Thread] = []
+        self.consumed = threading.Event()
+
+    def arm(self, server: int, timeout: float = 60.0) -> None:
+        """The next export kills ``server``; returns once an export has (the saver's thread
+        exports every second on its own, so the training thread may wait for it)."""
+        self.consumed.clear()
+        self.armed = server
+        assert self.consumed.wait(timeout), f"no export began within {timeout}s of arming"
 
     def wrap(self, strategy: ParameterServerStrategy) -> None:
         export = strategy.client.export
@@ -219,6 +227,7 @@ class KillDuringExport:
                 restarter.start()
                 self.restarters.append(restarter)
                 self.hits += 1
+                self.consumed.set()
             return export()
 
         strategy.client.export = killing_export  # type: ignore[method-assign]
@@ -235,7 +244,7 @@ def test_restarts_while_checkpoints_are_written_every_second(start_cluster, tmp_
         if 1 <= chunk.index <= 6:
             server = servers.randrange(2)
             if chunk.index % 2:  # a save in progress meets it
-                saboteur.armed = server
+                saboteur.arm(server)
             else:  # between saves, or wherever it falls
                 cluster.kill_ps(server)
                 cluster.restart_ps(server)

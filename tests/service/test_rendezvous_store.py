@@ -179,7 +179,7 @@ def test_a_broken_round_gives_its_generation_up_and_a_new_one_retires_it() -> No
     its rendezvous; the next generation's formation frees the old one."""
     rounds = DenseRounds(no_settings, bytes, rendezvous_host="127.0.0.1", timeout=30.0, token=TOKEN)
     try:
-        first = rounds.rounds(["127.0.0.1:1", "127.0.0.1:2"])
+        first = rounds.member_rounds(["127.0.0.1:1", "127.0.0.1:2"])
         spec = first[0].group
         assert spec.store_address == rounds.store_address() and spec.store_secret == rounds.store().session
         assert "store_secret" not in repr(spec)  # never logged
@@ -193,7 +193,7 @@ def test_a_broken_round_gives_its_generation_up_and_a_new_one_retires_it() -> No
         rounds.broke("the round broke at worker 127.0.0.1:2")
         thread.join(10)
         assert isinstance(outcome[0], RendezvousAborted) and "127.0.0.1:2" in str(outcome[0])
-        second = rounds.rounds(["127.0.0.1:1"])[0].group
+        second = rounds.member_rounds(["127.0.0.1:1"])[0].group
         assert second.generation == spec.generation + 1 and second.store_secret == spec.store_secret
         waiting.close()
     finally:
