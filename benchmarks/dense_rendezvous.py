@@ -1,6 +1,6 @@
 """How long hybrid training's dense group takes to form: the coordinator's rendezvous store
 (coordinator/dispatch/dense_rounds.py) and --members worker processes forming a new generation
-(worker/dense_group.py: DenseReplicas.begin_round), again and again.
+(worker/dense/group.py: DenseReplicas.begin_round), again and again.
 
     python benchmarks/dense_rendezvous.py [--json] [--members 2 3 4] [--formations 20]
 
@@ -32,7 +32,7 @@ from _common import Result, print_report
 from paramserve.coordinator.dispatch.dense_rounds import DenseRounds, DenseSettings
 from paramserve.wire.v1 import worker_pb2
 from paramserve.worker.closure_access import LocalVariables
-from paramserve.worker.dense_group import DenseReplicas
+from paramserve.worker.dense.group import DenseReplicas
 from paramserve.worker.messages import dense_round_from_proto, dense_round_to_proto
 
 TOKEN = "dense-rendezvous-benchmark-token"

@@ -1,5 +1,5 @@
 """One step's dense gradients exchanged among hybrid training's members on gloo: point-to-point
-sends to every other member (each summing in rank order, worker/dense_group.py's pairwise
+sends to every other member (each summing in rank order, worker/dense/group.py's pairwise
 exchange) beside gloo's all-reduce, same processes, same run.
 
     python benchmarks/gloo_exchange.py [--json] [--members 2] [--floats 29721] [--steps 2000]
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from _common import Result, free_port, print_report
 
-from paramserve.worker.dense_group import post_pairwise, sum_in_rank_order
+from paramserve.worker.dense.group import post_pairwise, sum_in_rank_order
 
 WARMUP = 50
 

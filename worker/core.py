@@ -31,7 +31,7 @@ from paramserve.psserver.protocol.types import ClusterContext
 from paramserve.psserver.runtime.devices import CPU, computing_on
 from paramserve.worker.closure_access import ClientFactory, ClosureAccess, LocalVariables, VariableClient
 from paramserve.worker.closure_pickling import loads_closure
-from paramserve.worker.dense_group import DenseReplicas, DenseRound
+from paramserve.worker.dense.group import DenseReplicas, DenseRound
 from paramserve.worker.layers import using_access
 from paramserve.worker.pipeline import PushPipeline
 from paramserve.worker.resources import (

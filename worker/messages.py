@@ -13,7 +13,7 @@ from paramserve.psserver.protocol import convert as ps_convert
 from paramserve.psserver.protocol.errors import InvalidRequestError
 from paramserve.wire.v1 import cluster_pb2, worker_pb2
 from paramserve.worker.core import ClosureOutcome, ClosureRequest, ResourceSpec, RoundOutcome, WorkerInfo
-from paramserve.worker.dense_group import DenseRound, GroupSpec
+from paramserve.worker.dense.group import DenseRound, GroupSpec
 from paramserve.worker.results import ClosureFailure
 
 __all__ = [

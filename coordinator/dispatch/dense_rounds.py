@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from paramserve.coordinator.dispatch.rendezvous_server import RendezvousServer
-from paramserve.worker.dense_group import DenseRound, GroupSpec
+from paramserve.worker.dense.group import DenseRound, GroupSpec
 
 log = logging.getLogger(__name__)
 

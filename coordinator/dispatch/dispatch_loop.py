@@ -39,7 +39,7 @@ from paramserve.coordinator.dispatch.failures import FailurePolicy
 from paramserve.coordinator.dispatch.observer import NO_OBSERVER, CoordinatorObserver
 from paramserve.coordinator.dispatch.worker_transport import RpcFailure, WorkerTransport
 from paramserve.coordinator.errors import ClosureError
-from paramserve.worker.dense_group import DenseRound
+from paramserve.worker.dense.group import DenseRound
 
 __all__ = ["DispatchLoop", "THREAD_NAME"]
 

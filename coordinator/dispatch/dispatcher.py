@@ -48,7 +48,7 @@ from paramserve.coordinator.dispatch.worker_transport import RpcFailure, WorkerT
 from paramserve.coordinator.errors import ClosureError, InvalidTransitionError, closure_error_from_remote
 from paramserve.wire.v1 import cluster_pb2, worker_pb2
 from paramserve.worker.core import ClosureRequest, ResourceSpec
-from paramserve.worker.dense_group import DenseRound
+from paramserve.worker.dense.group import DenseRound
 from paramserve.worker.messages import batch_to_proto, dense_round_to_proto, failure_from_proto
 from paramserve.worker.results import ClosureFailure
 

@@ -1,5 +1,5 @@
-"""The coordinator's side of hybrid training's rendezvous store (worker/rendezvous_wire.py has the
-wire, worker/rendezvous_store.py the members' side).
+"""The coordinator's side of hybrid training's rendezvous store (worker/dense/rendezvous_wire.py has the
+wire, worker/dense/rendezvous_store.py the members' side).
 
 Why not torch's TCPStore: its server listens on every interface whatever host it is given, and
 answers anyone who reaches it (list, read, write, delete keys: join or break a formation of the
@@ -37,7 +37,7 @@ from paramserve.psserver.runtime.security import (
     proofs_match,
     rendezvous_key,
 )
-from paramserve.worker.rendezvous_wire import (
+from paramserve.worker.dense.rendezvous_wire import (
     FRAME_SECONDS,
     HANDSHAKE_SECONDS,
     HELLO,

@@ -22,7 +22,7 @@ import cloudpickle
 import torch
 
 from paramserve.worker.closure_access import LocalVariables
-from paramserve.worker.dense_group import DenseReplicas, DenseRound, GroupSpec
+from paramserve.worker.dense.group import DenseReplicas, DenseRound, GroupSpec
 from paramserve.worker.results import GroupFailed
 
 

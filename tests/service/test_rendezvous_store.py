@@ -20,8 +20,8 @@ import torch.distributed as dist
 from paramserve.coordinator.dispatch.dense_rounds import DenseRounds, DenseSettings
 from paramserve.coordinator.dispatch.rendezvous_server import THREAD_NAME, RendezvousServer
 from paramserve.psserver.runtime.security import new_handshake_nonce, rendezvous_key
-from paramserve.worker.rendezvous_store import RendezvousStore
-from paramserve.worker.rendezvous_wire import (
+from paramserve.worker.dense.rendezvous_store import RendezvousStore
+from paramserve.worker.dense.rendezvous_wire import (
     HELLO,
     MAX_BODY_BYTES,
     REQUEST_HEAD,

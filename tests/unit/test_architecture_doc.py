@@ -29,9 +29,9 @@ def _sections() -> dict[str, str]:
 
 
 def _package_folders() -> list[str]:
-    """Every folder of psserver/ and coordinator/ that holds an __init__.py, and worker/."""
-    folders = {"worker/"}
-    for top in ("psserver", "coordinator"):
+    """Every folder of psserver/, worker/ and coordinator/ that holds an __init__.py."""
+    folders = set()
+    for top in ("psserver", "worker", "coordinator"):
         for init in (ROOT / top).rglob("__init__.py"):
             folders.add(init.parent.relative_to(ROOT).as_posix() + "/")
     return sorted(folders)

@@ -20,7 +20,7 @@ from paramserve.coordinator.dispatch.dense_rounds import (
     round_shares,
 )
 from paramserve.coordinator.dispatch.failures import Action, FailurePolicy, decide_on_closure_error
-from paramserve.worker.dense_group import (
+from paramserve.worker.dense.group import (
     HEADER_SLOT,
     contributors,
     decode_headers,

@@ -8,7 +8,7 @@ import pytest
 
 from paramserve.coordinator.dispatch.rendezvous_server import StoreFull, StoreTable
 from paramserve.psserver.runtime.security import rendezvous_key
-from paramserve.worker.rendezvous_wire import (
+from paramserve.worker.dense.rendezvous_wire import (
     MAX_FIELDS,
     PREFIX,
     Kind,

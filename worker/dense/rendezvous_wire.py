@@ -1,6 +1,6 @@
 """The wire of hybrid training's rendezvous store, both halves' vocabulary: the coordinator serves
 the store (coordinator/dispatch/rendezvous_server.py), each member of the dense group is a client
-(worker/rendezvous_store.py) through which torch.distributed's gloo (and NCCL) rendezvous.
+(worker/dense/rendezvous_store.py) through which torch.distributed's gloo (and NCCL) rendezvous.
 
 A frame is a 9-byte prefix (magic ``PSR1``, kind, body length) and its body, at most
 MAX_BODY_BYTES, checked from the prefix before anything is allocated. A connection begins with

@@ -1,6 +1,6 @@
 """A member's side of hybrid training's rendezvous store: a ``torch.distributed.Store`` whose
 every operation is a request to the coordinator's store (coordinator/dispatch/rendezvous_server.py)
-over one authenticated connection (worker/rendezvous_wire.py), so gloo's and NCCL's rendezvous run
+over one authenticated connection (worker/dense/rendezvous_wire.py), so gloo's and NCCL's rendezvous run
 on it as on a TCPStore.
 
 The connection opens with the mutual handshake under ``rendezvous_key(token, session)``: the
@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch.distributed as dist
 
 from paramserve.psserver.runtime.security import DataPlaneKey, new_handshake_nonce, proofs_match
-from paramserve.worker.rendezvous_wire import (
+from paramserve.worker.dense.rendezvous_wire import (
     HANDSHAKE_SECONDS,
     HELLO,
     MAX_BODY_BYTES,

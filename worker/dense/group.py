@@ -21,7 +21,7 @@ dense step was applied (its worker died before answering) contributes zeros for 
 and its table push is a duplicate the servers drop: the retry changes nothing twice.
 
 Forming a group (``begin_round`` with a new generation) builds a gloo process group on the
-coordinator's rendezvous store (worker/rendezvous_store.py: a namespace per generation, opened
+coordinator's rendezvous store (worker/dense/rendezvous_store.py: a namespace per generation, opened
 with the cluster's token; the coordinator gives a generation up when a member is lost while it
 forms, and the others' rendezvous ends at once instead of at the group's timeout); when every
 member computes on a GPU of its own (``step_backend``: told apart by the GPUs' UUIDs, which two
@@ -70,7 +70,7 @@ from torch import nn
 
 from paramserve.psserver.runtime.security import rendezvous_key
 from paramserve.worker.closure_access import LocalVariables
-from paramserve.worker.rendezvous_store import RendezvousStore
+from paramserve.worker.dense.rendezvous_store import RendezvousStore
 from paramserve.worker.results import GroupFailed
 
 log = logging.getLogger(__name__)
