@@ -31,6 +31,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+from paramserve.psserver.runtime.rate_limited_log import RateLimitedLog
 from paramserve.psserver.runtime.security import (
     RENDEZVOUS_SESSION_BYTES,
     new_handshake_nonce,
@@ -242,7 +243,7 @@ class RendezvousServer:
         self._waiting: collections.Counter[int] = collections.Counter()
         self._handshaking: collections.OrderedDict[asyncio.StreamWriter, None] = collections.OrderedDict()
         self._connections: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
-        self._logged: dict[str, float] = {}
+        self._log = RateLimitedLog(log, LOG_EVERY_SECONDS)
         self._loop = asyncio.new_event_loop()
         self._server: asyncio.Server | None = None
         self._thread = threading.Thread(target=self._serve, name=THREAD_NAME, daemon=True)
@@ -457,10 +458,7 @@ class RendezvousServer:
                 del self._waiting[generation]
 
     def _refused(self, reason: str, what: str) -> None:
-        now = time.monotonic()
-        if now - self._logged.get(reason, -LOG_EVERY_SECONDS) >= LOG_EVERY_SECONDS:
-            self._logged[reason] = now
-            log.warning("dense group's rendezvous store refused a connection: %s", what)
+        self._log.warning(reason, "dense group's rendezvous store refused a connection: %s", what)
 
 
 async def _read(reader: asyncio.StreamReader, max_body: int, idle: bool = False) -> tuple[Kind, bytes]:

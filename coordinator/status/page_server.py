@@ -51,6 +51,8 @@ from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Any
 
+from paramserve.psserver.runtime.rate_limited_log import RateLimitedLog
+
 __all__ = [
     "Admission",
     "Descriptors",
@@ -274,7 +276,7 @@ class PageServer:
         self._stopping = threading.Event()
         self._counts: collections.Counter[str] = collections.Counter()
         self._count_lock = threading.Lock()
-        self._logged: dict[str, float] = {}
+        self._log = RateLimitedLog(log, LOG_EVERY_SECONDS)
         self._pool = futures.ThreadPoolExecutor(limits.answer_threads, thread_name_prefix=request_threads)
         self._thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
 
@@ -531,7 +533,4 @@ class PageServer:
         with self._count_lock:
             self._counts[reason] += 1
             count = self._counts[reason]
-        now = time.monotonic()
-        if now - self._logged.get(reason, -LOG_EVERY_SECONDS) >= LOG_EVERY_SECONDS:
-            self._logged[reason] = now
-            log.log(level, "%s (%d so far)", message, count)
+        self._log.log(reason, level, "%s (%d so far)", message, count)

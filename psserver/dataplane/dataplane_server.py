@@ -63,6 +63,7 @@ from paramserve.psserver.dataplane.frames import (
 )
 from paramserve.psserver.protocol.errors import AuthenticationError, MessageTooLargeError, ParamServeError
 from paramserve.psserver.protocol.streams import byte_buffer
+from paramserve.psserver.runtime.rate_limited_log import RateLimitedLog
 from paramserve.psserver.runtime.security import (
     HANDSHAKE_NONCE_BYTES,
     DataPlaneKey,
@@ -169,7 +170,7 @@ class DataPlaneServer(Generic[_State]):
         self._healthy = True
         self._reserve = _reserve_descriptor()
         self._shedding = threading.Lock()
-        self._log = _RateLimitedLog(LOG_EVERY_SECONDS)
+        self._log = RateLimitedLog(log, LOG_EVERY_SECONDS)
         self._threads = [
             threading.Thread(target=self._accept, args=(listener,), name="paramserve-dataplane-accept", daemon=True)
             for listener in self._listeners
@@ -495,26 +496,6 @@ class DataPlaneServer(Generic[_State]):
 
 def _step_only(kind: FrameKind) -> bool:
     return kind is FrameKind.STEP
-
-
-class _RateLimitedLog:
-    """At most one line per key every ``every`` seconds, saying how many were left out."""
-
-    def __init__(self, every: float):
-        self._every = every
-        self._lock = threading.Lock()
-        self._last: dict[str, float] = {}
-        self._skipped: dict[str, int] = {}
-
-    def warning(self, key: str, message: str, *args: object) -> None:
-        now = time.monotonic()
-        with self._lock:
-            if now - self._last.get(key, -self._every) < self._every:
-                self._skipped[key] = self._skipped.get(key, 0) + 1
-                return
-            self._last[key] = now
-            skipped = self._skipped.pop(key, 0)
-        log.warning(message + (f" (and {skipped} more like it)" if skipped else ""), *args)
 
 
 class _ReusedBuffer:
