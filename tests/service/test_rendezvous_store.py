@@ -144,6 +144,29 @@ def test_a_connection_that_does_not_authenticate_is_dropped_in_time() -> None:
         server.stop()
 
 
+def test_a_flood_of_silent_and_trickling_connections_leaves_members_served(server: RendezvousServer) -> None:
+    """More connections that never authenticate than the store keeps handshake slots for (64),
+    some trickling a byte now and then: the oldest are dropped for newcomers, and a member that
+    does authenticate sets and reads a key within its deadline meanwhile."""
+    flood = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(150)]
+    try:
+        for sock in flood[::10]:
+            sock.sendall(b"\0")  # trickling: a byte of a prefix that never completes
+        store = member(server, timeout=5.0)
+        started = time.monotonic()
+        store.set("rank0", b"address")
+        assert store.get("rank0") == b"address"
+        assert time.monotonic() - started < 2.0
+        dropped = 0
+        for sock in flood[:80]:  # the oldest: dropped for the newcomers, without a byte
+            sock.settimeout(15)
+            dropped += sock.recv(1024) == b""
+        assert dropped == 80
+    finally:
+        for sock in flood:
+            sock.close()
+
+
 def test_members_waiting_in_a_generation_given_up_are_answered_at_once(server: RendezvousServer) -> None:
     waiting = member(server, generation=3, timeout=60.0)
     outcome: list[BaseException] = []
