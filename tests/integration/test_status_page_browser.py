@@ -107,9 +107,14 @@ def test_the_status_page_shows_the_cluster_a_lost_worker_and_its_recovery(start_
                 assert addresses == sorted(cluster.spec.workers), "every worker listed from the first paint"
                 for chart in CHARTS:  # fit reports loss, samples and accuracy through the coordinator
                     browser.wait_for(f"{drawn(chart)} >= 6", timeout=60)
-                # The charts grew from answers that carry only the points after the page's own.
+                # The charts grow from answers that carry only the points after the page's own. On a
+                # slow machine the first (whole) answer may already hold six points, so the page is
+                # given a few polls (one a second) to ask for what it lacks.
                 asked = "performance.getEntriesByType('resource').map(e => e.name).filter(n => n.includes('since='))"
-                assert browser.evaluate(f"{asked}.length") >= 3, "the script asks for what it lacks"
+                assert browser.wait_for(f"{asked}.length >= 3", timeout=15), "the script asks for what it lacks"
+                growing = f"{drawn(CHARTS[0])}"
+                before = browser.evaluate(growing)
+                browser.wait_for(f"{growing} > {before}", timeout=15)  # answers with only new points still draw
 
                 killed = cluster.spec.workers[1]
                 cluster.kill_worker(1)
