@@ -15,6 +15,9 @@ from a Zipf law, 13 dense features, bottom MLP 13-64-16, the 27 vectors concaten
   local process at one thread (``nn.Embedding(sparse=True)`` + ``torch.optim.Adagrad``), on the
   same batches, same run; the two take turns, medians of --rounds. Start-up (table creation)
   is excluded from both and printed apart.
+- dlrm_per_feature_samples_<cap> (--per-feature): the same model written with one ShardedEmbedding
+  per feature (PerFeatureEmbeddings: 26 layers, each called on its own), beside the collection's
+  samples/s in the same run; their lookups travel together (worker.deferred_rows).
 - dlrm_sweep_flatness: the slowest cap's samples/s over the fastest's, over the sweep
   (1.0: the table's size costs nothing per step).
 """
@@ -41,7 +44,14 @@ from paramserve.coordinator import (
     ParameterServerStrategy,
     ShardedEmbeddingCollection,
 )
-from paramserve.coordinator.demos.recommendation import DLRM, ClickData, WorkerClicks, criteo_rows, train_clicks
+from paramserve.coordinator.demos.recommendation import (
+    DLRM,
+    ClickData,
+    PerFeatureEmbeddings,
+    WorkerClicks,
+    criteo_rows,
+    train_clicks,
+)
 
 BATCH = 256
 LR = 0.05
@@ -75,11 +85,13 @@ def local_run(cap: int, steps: int, warmup: int) -> Run:
 
 @contextlib.contextmanager
 def dlrm_cluster(
-    cap: int, servers: int = 2, workers: int = 2, sync_dense: bool = False
+    cap: int, servers: int = 2, workers: int = 2, sync_dense: bool = False, per_feature: bool = False
 ) -> Iterator[tuple[LocalCluster, ParameterServerStrategy, DLRM, Any]]:
     """``servers`` ps + ``workers`` workers on 127.0.0.1 (one torch thread each), the strategy
     (TF's tutorial partitioner; ``sync_dense``: hybrid training, the layers replicated on the
-    workers and all-reduced every step), the DLRM built in its scope and its Adagrad."""
+    workers and all-reduced every step), the DLRM built in its scope and its Adagrad.
+    ``per_feature``: the tables as one ShardedEmbedding per feature (PerFeatureEmbeddings), not
+    one ShardedEmbeddingCollection."""
     with LocalCluster(
         num_ps=servers,
         num_workers=workers,
@@ -95,7 +107,9 @@ def dlrm_cluster(
         try:
             torch.manual_seed(0)
             with strategy.scope():
-                model = DLRM(criteo_rows(cap), embeddings=ShardedEmbeddingCollection)
+                model = DLRM(
+                    criteo_rows(cap), embeddings=PerFeatureEmbeddings if per_feature else ShardedEmbeddingCollection
+                )
             yield cluster, strategy, model, strategy.optimizer(torch.optim.Adagrad, lr=LR)
         finally:
             strategy.close()
@@ -109,9 +123,10 @@ def paramserve_run(
     workers: int = 2,
     steps_per_closure: int = 1,
     sync_dense: bool = False,
+    per_feature: bool = False,
 ) -> Run:
-    """``sync_dense``: hybrid training (see ``dlrm_cluster``)."""
-    with dlrm_cluster(cap, servers, workers, sync_dense) as (cluster, strategy, model, optimizer):
+    """``sync_dense``, ``per_feature``: see ``dlrm_cluster``."""
+    with dlrm_cluster(cap, servers, workers, sync_dense, per_feature) as (cluster, strategy, model, optimizer):
         start = time.perf_counter()
         with ClusterCoordinator(strategy) as coordinator:
             batches = iter(
@@ -133,12 +148,22 @@ def paramserve_run(
     return Run(steps * BATCH / seconds, startup, 1000 * cpu / steps)
 
 
-def compare(cap: int, steps: int, warmup: int, rounds: int, steps_per_closure: int = 1) -> tuple[Result, float]:
+def compare(
+    cap: int, steps: int, warmup: int, rounds: int, steps_per_closure: int = 1, per_feature: bool = False
+) -> tuple[list[Result], float]:
     ours: list[Run] = []
     local: list[Run] = []
+    separate: list[Run] = []
     for round_ in range(rounds):  # the sides take turns, so drifts of a shared machine hit both
         local.append(local_run(cap, steps // 2, warmup))
         ours.append(paramserve_run(cap, steps, warmup, steps_per_closure=steps_per_closure))
+        if per_feature:
+            separate.append(paramserve_run(cap, steps, warmup, steps_per_closure=steps_per_closure, per_feature=True))
+            print(
+                f"  [dlrm cap {cap:,} round {round_ + 1}/{rounds}] one ShardedEmbedding per feature "
+                f"{separate[-1].samples_per_s:,.0f} samples/s ({separate[-1].cpu_ms_per_step:.2f} CPU-ms/step)",
+                flush=True,
+            )
         print(
             f"  [dlrm cap {cap:,} round {round_ + 1}/{rounds}] paramserve {ours[-1].samples_per_s:,.0f} samples/s "
             f"({ours[-1].cpu_ms_per_step:.2f} CPU-ms/step, start-up {ours[-1].startup_s:.1f} s), one process "
@@ -148,14 +173,27 @@ def compare(cap: int, steps: int, warmup: int, rounds: int, steps_per_closure: i
         )
     value = statistics.median(r.samples_per_s for r in ours)
     baseline = statistics.median(r.samples_per_s for r in local)
-    result = Result(
-        f"dlrm_samples_{cap}" + (f"_x{steps_per_closure}" if steps_per_closure > 1 else ""),
-        value,
-        "samples/s",
-        baseline,
-        f"one process, nn.Embedding(sparse=True) + Adagrad, 1 thread, median of {rounds}",
-    )
-    return result, value
+    suffix = f"_x{steps_per_closure}" if steps_per_closure > 1 else ""
+    results = [
+        Result(
+            f"dlrm_samples_{cap}{suffix}",
+            value,
+            "samples/s",
+            baseline,
+            f"one process, nn.Embedding(sparse=True) + Adagrad, 1 thread, median of {rounds}",
+        )
+    ]
+    if separate:
+        results.append(
+            Result(
+                f"dlrm_per_feature_samples_{cap}{suffix}",
+                statistics.median(r.samples_per_s for r in separate),
+                "samples/s",
+                value,
+                f"the same cluster with one ShardedEmbeddingCollection, same run, median of {rounds}",
+            )
+        )
+    return results, value
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -172,13 +210,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="steps each scheduled closure runs (schedule(..., steps=N), TF's steps_per_execution); "
         "metrics get the suffix _xN",
     )
+    parser.add_argument(
+        "--per-feature",
+        action="store_true",
+        help="also train the model written with one ShardedEmbedding per feature "
+        "(dlrm_per_feature_samples_<cap>, beside the collection's samples/s)",
+    )
     args = parser.parse_args(argv)
     one_torch_thread()
     results: list[Result] = []
     speeds: list[float] = []
     for cap in args.sweep:
-        result, speed = compare(cap, args.steps, args.warmup, args.rounds, args.steps_per_closure)
-        results.append(result)
+        found, speed = compare(cap, args.steps, args.warmup, args.rounds, args.steps_per_closure, args.per_feature)
+        results.extend(found)
         speeds.append(speed)
     if len(speeds) > 1:
         results.append(

@@ -29,6 +29,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from paramserve.worker.deferred_rows import close_open_batch, pending_rows
+
 VARIABLE_ATTRIBUTE = "_paramserve_variable"
 
 
@@ -250,8 +252,19 @@ class ShardedEmbedding(nn.Module):
         return (self.num_embeddings, self.embedding_dim)
 
     def forward(self, indices: torch.Tensor) -> torch.Tensor:
+        """The rows of ``indices`` (any integer shape): ``indices.shape + (embedding_dim,)``. They
+        are read when first used, with every other lookup of the step noted by then, in one
+        exchange per server (worker.deferred_rows): separate tables cost one round trip, not one each."""
         self._check_created()
-        return current_access(self.home).lookup({self.variable: indices})[self.variable]
+        if indices.dtype.is_floating_point or indices.dtype.is_complex or indices.dtype == torch.bool:
+            raise TypeError(
+                f"ShardedEmbedding {self.variable!r} takes integer row ids, got a {indices.dtype} tensor: "
+                "convert them with .long()"
+            )
+        access = current_access(self.home)
+        if isinstance(access, NoAccess):  # raises at once: used out of place
+            return access.lookup({self.variable: indices})[self.variable]
+        return pending_rows(access.lookup, access, self.variable, indices, self.embedding_dim, self.dtype)
 
     def adopted(self) -> bool:
         """Whether a strategy on this process has made the table its variable."""
@@ -361,10 +374,12 @@ class ServerOptimizer:
 
     def step(self, closure: Any = None) -> Any:
         loss = closure() if closure is not None else None
+        close_open_batch()  # the next step's lookups are read apart from this one's
         current_access(self.home).apply_gradients(self.variables)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        close_open_batch()
         current_access(self.home).zero_grad(self.variables, set_to_none)
 
     def release(self, variable: str) -> None:

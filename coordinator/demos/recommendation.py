@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 from torchmetrics.functional.classification import binary_auroc
 
+from paramserve.worker.layers import ShardedEmbedding
+
 DENSE_FEATURES = 13
 """Criteo's integer features."""
 SPARSE_FEATURES = 26
@@ -150,6 +152,20 @@ class LocalEmbeddings(nn.Module):
     def __init__(self, rows: Mapping[str, int], dim: int):
         super().__init__()
         self.tables = nn.ModuleDict({name: nn.Embedding(n, dim, sparse=True) for name, n in rows.items()})
+
+    def forward(self, ids: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {name: self.tables[name](feature) for name, feature in ids.items()}
+
+
+class PerFeatureEmbeddings(nn.Module):
+    """The tables on the servers as a TensorFlow user ports ``tf.keras.layers.Embedding``: one
+    ``ShardedEmbedding`` per feature, each called on its own (build it in a strategy's scope).
+    Their lookups still travel together: each returns rows read when first used (here by the
+    model's ``torch.cat``), all in one exchange per server (worker.deferred_rows)."""
+
+    def __init__(self, rows: Mapping[str, int], dim: int):
+        super().__init__()
+        self.tables = nn.ModuleDict({name: ShardedEmbedding(n, dim) for name, n in rows.items()})
 
     def forward(self, ids: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {name: self.tables[name](feature) for name, feature in ids.items()}

@@ -248,6 +248,7 @@ LIBRARY_PRIVATES = {
     "atexit._run_exitfuncs": "a zygote child runs its exit hooks before os._exit (it never returns to the interpreter)",
     "Point._fields": "namedtuple's documented field list (underscored to avoid field clashes)",
     "dist.ProcessGroupGloo._Options": "gloo's timeout option has no public constructor",
+    "torch.Tensor._make_wrapper_subclass": "the one constructor of a tensor with a shape and no storage (rows unread)",
     "metric._reductions": "torchmetrics keeps how a state merges only there (pinned <2; tests/unit/test_metrics.py)",
 }
 """Underscored names of other libraries that paramserve uses, each with its reason."""
