@@ -38,7 +38,7 @@ from paramserve.psserver.client.step_work import (
     destination_bytes,
 )
 from paramserve.psserver.dataplane.dataplane_client import DataPlaneConnection, DataPlaneLinks, ProgramNumbers
-from paramserve.psserver.dataplane.frames import MAX_PROGRAM_PLAN_BYTES, TransportError
+from paramserve.psserver.dataplane.frames import MAX_PROGRAM_PLAN_BYTES, MAX_STEP_HEADER_BYTES, TransportError
 from paramserve.psserver.protocol import convert
 from paramserve.psserver.protocol.errors import InvalidRequestError, ParamServeError
 from paramserve.psserver.protocol.streams import (
@@ -64,6 +64,7 @@ __all__ = [
     "StreamTransport",
     "UnaryStepTransport",
     "choose_route",
+    "fits_data_plane",
 ]
 
 
@@ -71,6 +72,15 @@ class Route(enum.Enum):
     DATA_PLANE = "data plane"
     UNARY = "Step RPC"
     STREAMS = "Push and Pull streams"
+
+
+def fits_data_plane(nbytes: int, plan_bytes: int, step_limit: int | None) -> bool:
+    """Whether a share moving ``nbytes`` of tensors, whose plan is about ``plan_bytes``, fits one
+    STEP frame of a data plane that moves at most ``step_limit`` (None: the server has none). A
+    plan over MAX_STEP_HEADER_BYTES would be refused by the server (a lookup of more than about
+    130,000 distinct rows of one server: their ids travel in the plan), so such a share travels
+    by gRPC, whose messages are limited by --max-message-bytes only."""
+    return step_limit is not None and nbytes <= step_limit and plan_bytes <= MAX_STEP_HEADER_BYTES
 
 
 def choose_route(nbytes: int, data_plane_available: bool, fits_frame: bool, unary_limit: int) -> Route:
@@ -386,7 +396,7 @@ class StepRouter:
         if self._data_plane is not None:
             for server, work in works.items():
                 try:
-                    if self._route(server, work.nbytes()) is Route.DATA_PLANE:
+                    if self._route(server, work) is Route.DATA_PLANE:
                         sent.append(self._data_plane.send(server, work, key))
                 except (TransportError, grpc.RpcError, ParamServeError):
                     continue
@@ -447,11 +457,14 @@ class StepRouter:
 
     def _attempt(self, server: int, work: ServerWork, key: str) -> StepResult:
         """One try of one server's share, on the route chosen for it now (the retrying path's call)."""
-        return self._transports[self._route(server, work.nbytes())].run(server, work, key)
+        return self._transports[self._route(server, work)].run(server, work, key)
 
-    def _route(self, server: int, nbytes: int) -> Route:
+    def _route(self, server: int, work: ServerWork) -> Route:
         limit = self._data_plane.step_limit(server) if self._data_plane is not None else None
-        return choose_route(nbytes, limit is not None, limit is not None and nbytes <= limit, self._unary_limit)
+        nbytes = work.nbytes()
+        return choose_route(
+            nbytes, limit is not None, fits_data_plane(nbytes, work.plan_bytes(), limit), self._unary_limit
+        )
 
 
 @dataclass(slots=True, eq=False)

@@ -155,6 +155,11 @@ class ReadEntry:
         return self.ref if self.ref is not None else convert.ref_from_proto(self.item.ref)
 
 
+PLAN_BYTES_PER_ENTRY = 256
+"""A generous bound on a StepPlan's bytes per push part or read besides its row ids (its shard's
+name, metadata and versions), for ``ServerWork.plan_bytes``."""
+
+
 @dataclass(eq=False)
 class ServerWork:
     """One server's share of an exchange: push parts to apply, then shards to read."""
@@ -166,6 +171,12 @@ class ServerWork:
         """Payload bytes both ways (what decides the route: psserver/client/step_transport.py)."""
         pushed = sum(len(piece) for part in self.parts for piece in part.pieces)
         return pushed + sum(len(r.view) if r.view is not None else destination_bytes(r.destination) for r in self.reads)
+
+    def plan_bytes(self) -> int:
+        """About how large this share's StepPlan is (its header on a data plane): the sparse
+        reads' row ids, which travel in it, and PLAN_BYTES_PER_ENTRY for each part and read."""
+        ids = sum(len(read.item.row_indices) for read in self.reads)
+        return ids + PLAN_BYTES_PER_ENTRY * (len(self.parts) + len(self.reads))
 
     def items(self) -> list[ps_pb2.PullItem]:
         return [read.item for read in self.reads]

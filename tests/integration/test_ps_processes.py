@@ -93,6 +93,23 @@ def test_partitioned_variable_served_by_two_processes(two_servers):
     assert "paramserve_received_bytes_total" in metrics
 
 
+def test_a_lookup_of_more_distinct_rows_than_a_data_plane_plan_holds_travels_by_grpc_and_applies_once(two_servers):
+    processes, infos = two_servers
+    table = torch.randn(400_000, 2)
+    ids = torch.randperm(400_000)[:300_000]  # 2.4 MB of row ids for one server: over a STEP frame's 1 MiB plan
+    with ParameterServerClient([f"127.0.0.1:{infos[0]['port']}"], ClientConfig()) as client:
+        client.create_variable("emb", table, optimizer=OptimizerSpec("SGD", {"lr": 1.0}))
+        found, versions = client.pull_unique_rows({"emb": ids})
+        rows = found["emb"]
+        assert torch.equal(rows.rows[rows.inverse], table[ids])
+        client.push({"emb": RowGradient(rows.ids, torch.ones(rows.ids.numel(), 2))}, base_versions=versions)
+        after = client.pull(["emb"]).tensors["emb"]
+    assert torch.equal(after[ids], table[ids] - 1.0), "every row the push named moved once"
+    untouched = torch.ones(400_000, dtype=torch.bool)
+    untouched[ids] = False
+    assert torch.equal(after[untouched], table[untouched])
+
+
 def test_sigterm_drains_health_then_exits_cleanly(two_servers):
     processes, infos = two_servers
     with grpc.insecure_channel(f"127.0.0.1:{infos[0]['port']}") as channel:

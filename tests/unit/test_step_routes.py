@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pytest
 
 from paramserve.psserver.client.calls import ServerCalls
-from paramserve.psserver.client.step_transport import Route, StepRouter, choose_route
+from paramserve.psserver.client.step_transport import Route, StepRouter, choose_route, fits_data_plane
 from paramserve.psserver.client.step_work import PushPart, ServerWork
 from paramserve.psserver.dataplane.frames import TransportError
 from paramserve.psserver.protocol.errors import VariableNotFoundError
@@ -33,6 +33,20 @@ MB = 1 << 20
 )
 def test_choose_route(nbytes, data_plane, fits, unary_limit, route):
     assert choose_route(nbytes, data_plane, fits, unary_limit) is route
+
+
+@pytest.mark.parametrize(
+    ("nbytes", "plan_bytes", "limit", "fits"),
+    [
+        (10 * MB, 4096, 64 * MB, True),
+        (64 * MB + 1, 4096, 64 * MB, False),  # its tensors are over the frame
+        (MB, MB, 64 * MB, True),  # a plan of MAX_STEP_HEADER_BYTES still fits
+        (MB, MB + 1, 64 * MB, False),  # a lookup of ~130k distinct rows: its ids make the plan too large
+        (0, 0, None, False),  # no data plane
+    ],
+)
+def test_fits_data_plane(nbytes, plan_bytes, limit, fits):
+    assert fits_data_plane(nbytes, plan_bytes, limit) is fits
 
 
 @dataclass(frozen=True)
