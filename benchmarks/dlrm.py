@@ -85,24 +85,31 @@ def local_run(cap: int, steps: int, warmup: int) -> Run:
 
 @contextlib.contextmanager
 def dlrm_cluster(
-    cap: int, servers: int = 2, workers: int = 2, sync_dense: bool = False, per_feature: bool = False
+    cap: int,
+    servers: int = 2,
+    workers: int = 2,
+    sync_dense: bool = False,
+    per_feature: bool = False,
+    max_row_staleness: int = 0,
 ) -> Iterator[tuple[LocalCluster, ParameterServerStrategy, DLRM, Any]]:
     """``servers`` ps + ``workers`` workers on 127.0.0.1 (one torch thread each), the strategy
     (TF's tutorial partitioner; ``sync_dense``: hybrid training, the layers replicated on the
     workers and all-reduced every step), the DLRM built in its scope and its Adagrad.
     ``per_feature``: the tables as one ShardedEmbedding per feature (PerFeatureEmbeddings), not
-    one ShardedEmbeddingCollection."""
+    one ShardedEmbeddingCollection. ``max_row_staleness``: the workers' row cache (0: none)."""
     with LocalCluster(
         num_ps=servers,
         num_workers=workers,
         env=worker_environment(),
         extra_ps_args=["--torch-threads", "1"],
-        extra_worker_args=["--torch-threads", "1"],
+        extra_worker_args=["--torch-threads", "1", "--metrics-port", "0"],
     ) as cluster:
         strategy = ParameterServerStrategy(
             cluster.spec,
             variable_partitioner=MinSizePartitioner(min_shard_bytes=256 << 10, max_shards=servers),
             sync_dense=sync_dense,
+            max_row_staleness=max_row_staleness,
+            overlap_pushes=os.environ.get("OVERLAP") == "1",
         )
         try:
             torch.manual_seed(0)

@@ -221,6 +221,7 @@ class _Runtime:
             cluster_context=context,
             max_value_age=strategy.max_value_age,
             overlap_pushes=strategy.overlap_pushes,
+            max_row_staleness=strategy.max_row_staleness,
             max_batch=config.max_batch,
             batch_seconds=config.batch_seconds,
             on_server_failure=recovery.report if recovery is not None else None,

@@ -85,6 +85,8 @@ class CoordinatedStrategy(Protocol):
     """How old (seconds) the values a worker's last push returned may be to start its next closure."""
     overlap_pushes: bool
     """Whether a worker's step computes while its previous push is in flight (worker.pipeline)."""
+    max_row_staleness: int
+    """Steps a worker serves a row it read from its row cache (worker.row_cache; 0: no cache)."""
 
     @property
     def sync_dense(self) -> DenseReplication | None:

@@ -30,6 +30,7 @@ class FakeStrategy:
         self.tls = None
         self.max_value_age = 0.0
         self.overlap_pushes = False
+        self.max_row_staleness = 0
         self.sync_dense = None
         self.attached: list[DispatchControl] = []
 

@@ -35,6 +35,7 @@ from paramserve.psserver.protocol.types import (
 from paramserve.worker.layers import mark_variable, variable_name
 from paramserve.worker.pipeline import PushPipeline
 from paramserve.worker.results import ClosureCancelled
+from paramserve.worker.row_cache import CacheUse, RowCache, cached_lookup
 from paramserve.worker.transfers import HostTransfers, Transfers
 
 # ---------------------------------------------------------------- the parameter servers
@@ -45,6 +46,10 @@ class VariableClient(Protocol):
 
     def adopt_layouts(self, layouts: Mapping[str, VariableLayout]) -> None:
         """Uses these layouts (sent by the coordinator) instead of discovering them."""
+
+    @property
+    def layouts(self) -> Mapping[str, VariableLayout]:
+        """Where each variable lives (what the row cache needs to date its rows by shard)."""
 
     def pull(self, names: Sequence[str] | None = None, *, out: Mapping[str, torch.Tensor] | None = None) -> PullResult:
         """Whole variables, with the version each shard was read at; read into ``out``'s host
@@ -111,6 +116,10 @@ class LocalVariables:
         """The read generation of the closure whose pushes returned those values."""
         self.read_generation = 0
         """The read generation of the closure running (see ``returned_within``)."""
+        self.steps = 0
+        """Steps this worker began (what the row cache counts staleness in)."""
+        self.row_cache = RowCache()
+        """Rows read by earlier steps, served again within ``max_row_staleness`` (worker.row_cache)."""
 
     def parameter(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
         existing = self.parameters.get(name)
@@ -146,6 +155,7 @@ class LocalVariables:
         ``keep_returned`` (they were read as the previous step ended); all else is stale."""
         self._fresh = self._returned if keep_returned else set()
         self._returned = set()
+        self.steps += 1
 
     def forget_returned(self) -> None:
         """Values read back by pushes are not to be reused (the variables were rewritten)."""
@@ -257,8 +267,12 @@ class ClosureAccess:
         pipeline: PushPipeline | None = None,
         cancelled: Callable[[], bool] = lambda: False,
         dense: DenseExchange | None = None,
+        max_row_staleness: int = 0,
     ):
         self._variables = variables
+        self._max_row_staleness = max_row_staleness
+        """A row read at most this many of the worker's steps ago is served from its cache (0: none)."""
+        self.cache_use = CacheUse()
         self._dense: DenseExchange = dense or _NoDense()
         self._dense_seq = 0
         self._cancelled = cancelled
@@ -313,7 +327,21 @@ class ClosureAccess:
         host = {name: indices.detach().to("cpu") for name, indices in lookups.items()}  # the client needs host ids
         client = self._require_client()
         self._settle()
-        found, versions = client.pull_unique_rows(host, dynamic=dynamic)
+        if self._max_row_staleness > 0:
+            found, versions, use = cached_lookup(
+                lambda wanted, tables: client.pull_unique_rows(wanted, dynamic=tables),
+                self._variables.row_cache,
+                client.layouts,
+                host,
+                dynamic,
+                step=self._variables.steps,
+                max_staleness=self._max_row_staleness,
+                generation=self._variables.read_generation,
+            )
+            self.cache_use.add(use)
+        else:
+            found, versions = client.pull_unique_rows(host, dynamic=dynamic)
+            self.cache_use.rows_pulled += sum(unique.ids.numel() for unique in found.values())
         for ref, version in versions.items():
             self._row_versions.setdefault(ref, version)  # the oldest read is the gradient's base
         return {name: self._rows_of(name, host[name].shape, found[name]) for name in host}

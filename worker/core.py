@@ -20,7 +20,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import cloudpickle
@@ -42,6 +42,7 @@ from paramserve.worker.resources import (
     using_worker_context,
 )
 from paramserve.worker.results import ClosureCancelled, ClosureFailure, GroupFailed, closure_failure, dumps_value
+from paramserve.worker.row_cache import CacheUse
 from paramserve.worker.transfers import transfers_for
 
 log = logging.getLogger(__name__)
@@ -90,6 +91,8 @@ class ClosureRequest:
     coordinator's join() and fetch() start a new one: reads after them see what finished)."""
     overlap_pushes: bool = False
     """A step's push stays in flight while the next step of this batch computes (worker.pipeline)."""
+    max_row_staleness: int = 0
+    """Rows read at most this many of the worker's steps ago are served from its row cache."""
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,8 @@ class ClosureOutcome:
     seconds: float
     device: str = ""
     """Where the closure computed ("cpu", "cuda:0")."""
+    cache_use: CacheUse = field(default_factory=CacheUse)
+    """Rows its lookups took from the worker's row cache and from the servers."""
 
 
 @dataclass(frozen=True)
@@ -305,7 +310,13 @@ class WorkerCore:
             return self._needs_cluster(request), None
         cancelled = functools.partial(self._is_cancelled, request.closure_id)
         access = ClosureAccess(
-            self._variables, self._client_for(cluster), request.closure_id, pipeline, cancelled, dense
+            self._variables,
+            self._client_for(cluster),
+            request.closure_id,
+            pipeline,
+            cancelled,
+            dense,
+            max_row_staleness=request.max_row_staleness,
         )
         result, error = self._execute(request, access, cancelled)
         outcome = ClosureOutcome(
@@ -317,6 +328,7 @@ class WorkerCore:
             pushes_duplicate=access.pushes_duplicate,
             seconds=time.perf_counter() - start,
             device=str(self._variables.device),
+            cache_use=access.cache_use,
         )
         return outcome, access
 
@@ -394,6 +406,7 @@ class WorkerCore:
             fingerprint = request.cluster_fingerprint or request.cluster.fingerprint
             if fingerprint != self._cluster_fingerprint:
                 self._variables.forget_returned()  # values of another layout or generation
+                self._variables.row_cache.clear()
             self._cluster, self._cluster_fingerprint = request.cluster, fingerprint
             return request.cluster
         if not request.cluster_fingerprint:
@@ -481,6 +494,8 @@ def _validate(request: ClosureRequest) -> None:
         raise InvalidRequestError(f"steps must be >= 0 (0 means 1), got {request.steps}")
     if request.read_generation < 0:
         raise InvalidRequestError(f"read_generation must be >= 0, got {request.read_generation}")
+    if request.max_row_staleness < 0:
+        raise InvalidRequestError(f"max_row_staleness must be >= 0 steps, got {request.max_row_staleness}")
     if not request.max_value_age >= 0:  # NaN too
         raise InvalidRequestError(f"max_value_age must be >= 0 seconds, got {request.max_value_age}")
     if request.worker_index < 0 or request.num_workers < 0:

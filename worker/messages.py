@@ -46,6 +46,7 @@ def request_to_proto(request: ClosureRequest) -> worker_pb2.RunClosureRequest:
         max_value_age=request.max_value_age,
         read_generation=request.read_generation,
         overlap_pushes=request.overlap_pushes,
+        max_row_staleness=request.max_row_staleness,
     )
 
 
@@ -76,6 +77,7 @@ def request_from_proto(message: worker_pb2.RunClosureRequest) -> ClosureRequest:
         max_value_age=float(message.max_value_age),
         read_generation=int(message.read_generation),
         overlap_pushes=bool(message.overlap_pushes),
+        max_row_staleness=int(message.max_row_staleness),
     )
 
 

@@ -89,6 +89,22 @@ class ClosureMetrics:
             registry=registry,
         )
         self.worker_index.set(-1)
+        self.rows = Counter(
+            "paramserve_worker_rows",
+            "Distinct embedding rows a lookup used, by where they came from: 'pulled' from the servers "
+            "or 'cached' (the row cache, max_row_staleness); hit rate = cached / (cached + pulled).",
+            ["source"],
+            registry=registry,
+        )
+        self.row_staleness = Counter(
+            "paramserve_worker_row_cache_staleness_steps",
+            "Rows served from the row cache, by how many of this worker's steps ago they were read "
+            f"(a histogram: one series per age, ages over {MAX_AGE_LABEL} counted as '{MAX_AGE_LABEL}+').",
+            ["age"],
+            registry=registry,
+        )
+        for source in ("pulled", "cached"):
+            self.rows.labels(source)
         for result in ("ok", "missing_resources", "parameter_server_error", "error"):  # series from the start
             self.closures.labels(result)
         for push in ("applied", "duplicate"):
@@ -105,6 +121,20 @@ class ClosureMetrics:
         self.seconds.observe(outcome.seconds)
         self.pushes.labels("applied").inc(outcome.pushes_applied)
         self.pushes.labels("duplicate").inc(outcome.pushes_duplicate)
+        use = outcome.cache_use
+        self.rows.labels("pulled").inc(use.rows_pulled)
+        self.rows.labels("cached").inc(use.rows_cached)
+        for age, count in use.ages.items():
+            self.row_staleness.labels(age_label(age)).inc(count)
+
+
+MAX_AGE_LABEL = 32
+"""Ages of cached rows above this share one series (a label per age up to it: bounded)."""
+
+
+def age_label(age: int) -> str:
+    """The ``age`` label of a cached row read ``age`` steps ago."""
+    return str(age) if age <= MAX_AGE_LABEL else f"{MAX_AGE_LABEL}+"
 
 
 def _result_label(outcome: ClosureOutcome) -> str:

@@ -70,6 +70,7 @@ class DispatchLoop:
         cluster_context: Callable[[], WireContext],
         max_value_age: float = 0.0,
         overlap_pushes: bool = False,
+        max_row_staleness: int = 0,
         max_batch: int = 16,
         batch_seconds: float = BATCH_SECONDS,
         on_server_failure: Callable[[str], None] | None = None,
@@ -89,6 +90,7 @@ class DispatchLoop:
         self._cluster_context = cluster_context
         self._max_value_age = max_value_age
         self._overlap_pushes = overlap_pushes
+        self._max_row_staleness = max_row_staleness
         self._event_loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._serve, name=THREAD_NAME, daemon=True)
         self._dispatchers: dict[str, Dispatcher] = {}
@@ -219,6 +221,7 @@ class DispatchLoop:
             policy=self._policy,
             max_value_age=self._max_value_age,
             overlap_pushes=self._overlap_pushes,
+            max_row_staleness=self._max_row_staleness,
             sizer=self._sizer,
             observer=self._observer,
             server_failed=self._server_failed if self._on_server_failure is not None else None,

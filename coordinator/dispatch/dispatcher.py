@@ -123,6 +123,7 @@ class Dispatcher:
         policy: FailurePolicy,
         max_value_age: float = 0.0,
         overlap_pushes: bool = False,
+        max_row_staleness: int = 0,
         sizer: BatchSizer | None = None,
         server_failed: Callable[[str], None] | None = None,
         observer: CoordinatorObserver = NO_OBSERVER,
@@ -141,6 +142,7 @@ class Dispatcher:
         self._policy = policy
         self._max_value_age = max_value_age
         self._overlap_pushes = overlap_pushes
+        self._max_row_staleness = max_row_staleness
         # probe_first: a worker found by name may not serve yet (a container still starting); it
         # starts DOWN, so the health probe, not a closure's attempt, finds out when it serves.
         self._state = WorkerState.DOWN if probe_first else WorkerState.UP
@@ -278,6 +280,7 @@ class Dispatcher:
                 max_value_age=self._max_value_age,
                 read_generation=closure.read_generation,
                 overlap_pushes=self._overlap_pushes,
+                max_row_staleness=self._max_row_staleness,
             )
             for position, closure in enumerate(batch)
         ]

@@ -119,6 +119,14 @@ class ParameterServerStrategy(SingleReplicaStrategy):
             pushes are applied, and a push that fails is its closure's error. After
             ``optimizer.step()`` the pushed parameters' ``.grad`` is None (the push holds the
             gradients until it is applied). Default False.
+        max_row_staleness: a worker serves the embedding rows it read at most this many of its
+            own steps ago from its row cache instead of reading them again (worker.row_cache):
+            on click data, where a few rows take most lookups, most rows then stop travelling.
+            Every row's gradient is still pushed every step, once, naming the version it was
+            read at (so the servers' ``--max-staleness`` counts the cache's staleness too). A
+            cache never serves a row read before the last ``join()`` or ``fetch()``, or before a
+            restore or a failover. Dynamic tables are not cached. Default 0: no cache, every
+            lookup reads every row.
         environ: where ``cluster`` and ``token`` are read from when not given; default ``os.environ``.
         run_name: namespaces this run's variables on the servers (``<run_name>/<model>.<param>``),
             so that runs sharing parameter servers keep apart. Checkpoints store names
@@ -146,6 +154,7 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         client_config: ClientConfig | None = None,
         max_value_age: float = 0.1,
         overlap_pushes: bool = False,
+        max_row_staleness: int = 0,
         environ: Mapping[str, str] | None = None,
         run_name: str | None = None,
         reuse_variables: bool = False,
@@ -165,6 +174,11 @@ class ParameterServerStrategy(SingleReplicaStrategy):
             raise ValueError(f"max_value_age must be >= 0 seconds, got {max_value_age!r}")
         self.max_value_age = float(max_value_age)
         self.overlap_pushes = bool(overlap_pushes)
+        if isinstance(max_row_staleness, bool) or not isinstance(max_row_staleness, int) or max_row_staleness < 0:
+            raise ValueError(
+                f"max_row_staleness must be a whole number of steps >= 0 (0: no row cache), got {max_row_staleness!r}"
+            )
+        self.max_row_staleness = max_row_staleness
         self.run_name = check_run_name(run_name)
         self.reuse_variables = bool(reuse_variables)
         self._namespace = f"{self.run_name}/" if self.run_name else ""

@@ -195,6 +195,7 @@ class _Strategy:
     def __init__(self, token: str | None):
         self.cluster = ClusterSpec(parameter_servers=("127.0.0.1:1",), workers=("127.0.0.1:2", "127.0.0.1:3"))
         self.token, self.tls, self.max_value_age, self.overlap_pushes = token, None, 0.0, False
+        self.max_row_staleness = 0
         self.sync_dense = None
 
     def cluster_context(self):

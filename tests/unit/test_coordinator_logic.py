@@ -809,6 +809,7 @@ class _StubStrategy:
         self.tls = None
         self.max_value_age = 0.0
         self.overlap_pushes = False
+        self.max_row_staleness = 0
         self.sync_dense = None
         self._context = ClusterContext(("ps0:1",))
 

@@ -621,3 +621,43 @@ def test_values_read_before_a_barrier_are_not_reused_by_a_closure_after_it(core,
     again = dataclasses.replace(after, closure_id="d")
     core.run_closure(again)
     assert len(servers.traffic.pulled) == 4, "values read in its own generation are reused again"
+
+
+def test_a_row_cache_serves_rows_within_its_bound_every_step_still_pushes_and_a_new_context_empties_it(core):
+    servers = FakeParameterServers()
+    table = torch.randn(1000, 16)
+    servers.create("table", table, SGD)
+    core = WorkerCore(servers.factory)
+    embedding = ShardedEmbedding(1000, 16, name="table")
+    optimizer = ServerOptimizer(["table"], "SGD", {"lr": LR})
+    indices = torch.tensor([[3, 999], [3, 500]])
+
+    def run(closure_id: str, cluster: ClusterContext | None = None):
+        request = closure_request(servers, embed_and_step, embedding, optimizer, indices, closure_id=closure_id)
+        request = ClosureRequest(**{**request.__dict__, "max_row_staleness": 2, "cluster": cluster or servers.cluster})
+        outcome = core.run_closure(request)
+        assert result_of(outcome) == (2, 2, 16)
+        return outcome
+
+    first = run("a")
+    assert servers.traffic.rows_pulled == [3, 500, 999] and first.cache_use.rows_pulled == 3
+    second, third = run("b"), run("c")  # steps 2 and 3: rows read at step 1 are 1 and 2 steps old
+    assert servers.traffic.rows_pulled == [3, 500, 999], "served from the cache"
+    assert second.cache_use.rows_cached == 3 and dict(third.cache_use.ages) == {2: 3}
+    run("d")  # step 4: 3 steps old, over the bound: read again
+    assert servers.traffic.rows_pulled == [3, 500, 999] * 2
+    expected = table.clone()
+    expected[3] -= 4 * LR * 2
+    expected[[500, 999]] -= 4 * LR
+    torch.testing.assert_close(servers.value("table"), expected)  # SGD's step needs no row values
+    assert servers.version("table") == 4, "every step pushed once, cached rows or not"
+
+    moved = ClusterContext(servers.cluster.parameter_servers, servers.cluster.layouts, generation=1)
+    run("e", moved)  # a restore or a failover: the coordinator's new context
+    assert servers.traffic.rows_pulled == [3, 500, 999] * 3, "nothing read before it is served after it"
+
+
+def test_a_worker_refuses_a_negative_row_staleness(core, servers):
+    request = closure_request(servers, read_parameter, torch.zeros(1))
+    with pytest.raises(InvalidRequestError, match="max_row_staleness must be >= 0 steps, got -1"):
+        core.run_closure(ClosureRequest(**{**request.__dict__, "max_row_staleness": -1}))

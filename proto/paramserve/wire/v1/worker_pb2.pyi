@@ -16,7 +16,7 @@ class ResourceSpec(_message.Message):
     def __init__(self, resource_id: _Optional[str] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
 class RunClosureRequest(_message.Message):
-    __slots__ = ("closure_id", "attempt", "function_name", "payload", "resources", "cluster", "steps", "worker_index", "num_workers", "cluster_fingerprint", "max_value_age", "overlap_pushes", "read_generation")
+    __slots__ = ("closure_id", "attempt", "function_name", "payload", "resources", "cluster", "steps", "worker_index", "num_workers", "cluster_fingerprint", "max_value_age", "overlap_pushes", "read_generation", "max_row_staleness")
     CLOSURE_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     FUNCTION_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,7 @@ class RunClosureRequest(_message.Message):
     MAX_VALUE_AGE_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_PUSHES_FIELD_NUMBER: _ClassVar[int]
     READ_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    MAX_ROW_STALENESS_FIELD_NUMBER: _ClassVar[int]
     closure_id: str
     attempt: int
     function_name: str
@@ -43,7 +44,8 @@ class RunClosureRequest(_message.Message):
     max_value_age: float
     overlap_pushes: bool
     read_generation: int
-    def __init__(self, closure_id: _Optional[str] = ..., attempt: _Optional[int] = ..., function_name: _Optional[str] = ..., payload: _Optional[bytes] = ..., resources: _Optional[_Iterable[_Union[ResourceSpec, _Mapping]]] = ..., cluster: _Optional[_Union[_cluster_pb2.ClusterContext, _Mapping]] = ..., steps: _Optional[int] = ..., worker_index: _Optional[int] = ..., num_workers: _Optional[int] = ..., cluster_fingerprint: _Optional[str] = ..., max_value_age: _Optional[float] = ..., overlap_pushes: _Optional[bool] = ..., read_generation: _Optional[int] = ...) -> None: ...
+    max_row_staleness: int
+    def __init__(self, closure_id: _Optional[str] = ..., attempt: _Optional[int] = ..., function_name: _Optional[str] = ..., payload: _Optional[bytes] = ..., resources: _Optional[_Iterable[_Union[ResourceSpec, _Mapping]]] = ..., cluster: _Optional[_Union[_cluster_pb2.ClusterContext, _Mapping]] = ..., steps: _Optional[int] = ..., worker_index: _Optional[int] = ..., num_workers: _Optional[int] = ..., cluster_fingerprint: _Optional[str] = ..., max_value_age: _Optional[float] = ..., overlap_pushes: _Optional[bool] = ..., read_generation: _Optional[int] = ..., max_row_staleness: _Optional[int] = ...) -> None: ...
 
 class ClosureFailure(_message.Message):
     __slots__ = ("type", "message", "traceback", "pickled", "missing_resources", "parameter_server", "needs_cluster", "cancelled", "group_failed")
