@@ -18,6 +18,12 @@ from a Zipf law, 13 dense features, bottom MLP 13-64-16, the 27 vectors concaten
 - dlrm_per_feature_samples_<cap> (--per-feature): the same model written with one ShardedEmbedding
   per feature (PerFeatureEmbeddings: 26 layers, each called on its own), beside the collection's
   samples/s in the same run; their lookups travel together (worker.deferred_rows).
+- dlrm_cache_samples_<cap>_s<S> / dlrm_cache_rows_pulled_<cap>_s<S> /
+  dlrm_cache_held_out_loss_<cap>_s<S> (--max-row-staleness S ...): 2 ps + 2 workers with the
+  workers' row cache at bound S, beside the same training without it (S = 0), on fresh batches
+  (none repeats: a cache must not look good by serving a cycled batch): samples/s, distinct rows
+  the workers pulled per sample (their paramserve_worker_rows_total), and the held-out log-loss
+  after training (16 batches of another draw stream, the model read from the servers).
 - dlrm_sweep_flatness: the slowest cap's samples/s over the fastest's, over the sweep
   (1.0: the table's size costs nothing per step).
 """
@@ -30,6 +36,7 @@ import os
 import statistics
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +56,7 @@ from paramserve.coordinator.demos.recommendation import (
     ClickData,
     PerFeatureEmbeddings,
     WorkerClicks,
+    click_loss,
     criteo_rows,
     train_clicks,
 )
@@ -91,12 +99,15 @@ def dlrm_cluster(
     sync_dense: bool = False,
     per_feature: bool = False,
     max_row_staleness: int = 0,
+    overlap_pushes: bool = False,
 ) -> Iterator[tuple[LocalCluster, ParameterServerStrategy, DLRM, Any]]:
     """``servers`` ps + ``workers`` workers on 127.0.0.1 (one torch thread each), the strategy
     (TF's tutorial partitioner; ``sync_dense``: hybrid training, the layers replicated on the
     workers and all-reduced every step), the DLRM built in its scope and its Adagrad.
     ``per_feature``: the tables as one ShardedEmbedding per feature (PerFeatureEmbeddings), not
-    one ShardedEmbeddingCollection. ``max_row_staleness``: the workers' row cache (0: none)."""
+    one ShardedEmbeddingCollection. ``max_row_staleness``: the workers' row cache (0: none);
+    ``overlap_pushes``: a step computes while the previous one's push is in flight. The workers
+    serve /metrics (rows pulled and cached: ``worker_rows``)."""
     with LocalCluster(
         num_ps=servers,
         num_workers=workers,
@@ -109,7 +120,7 @@ def dlrm_cluster(
             variable_partitioner=MinSizePartitioner(min_shard_bytes=256 << 10, max_shards=servers),
             sync_dense=sync_dense,
             max_row_staleness=max_row_staleness,
-            overlap_pushes=os.environ.get("OVERLAP") == "1",
+            overlap_pushes=overlap_pushes,
         )
         try:
             torch.manual_seed(0)
@@ -203,6 +214,97 @@ def compare(
     return results, value
 
 
+def worker_rows(cluster: LocalCluster) -> dict[str, float]:
+    """Distinct rows the workers' lookups pulled and took from their row caches, so far."""
+    totals = {"pulled": 0.0, "cached": 0.0}
+    for process in cluster.processes:
+        if process.role != "worker" or process.metrics_port is None:
+            continue
+        with urllib.request.urlopen(f"http://127.0.0.1:{process.metrics_port}/metrics", timeout=10) as reply:
+            text = reply.read().decode()
+        for line in text.splitlines():
+            for source in totals:
+                if line.startswith(f'paramserve_worker_rows_total{{source="{source}"}}'):
+                    totals[source] += float(line.rsplit(" ", 1)[1])
+    return totals
+
+
+@dataclass
+class CacheRun:
+    samples_per_s: float
+    rows_pulled_per_sample: float
+    held_out_loss: float
+
+
+def cache_run(cap: int, steps: int, warmup: int, max_row_staleness: int) -> CacheRun:
+    """2 ps + 2 workers training on fresh batches (none repeats, so a cache cannot serve a batch
+    it saw before), then the held-out log-loss of the model, read from the servers."""
+    batches_per_worker = (steps + warmup) // 2 + 8
+    with dlrm_cluster(cap, max_row_staleness=max_row_staleness) as (cluster, strategy, model, optimizer):
+        with ClusterCoordinator(strategy) as coordinator:
+            data = WorkerClicks(criteo_rows(cap), BATCH, batches_per_worker)
+            batches = iter(coordinator.create_per_worker_dataset(data))
+            for _ in range(warmup):
+                coordinator.schedule(train_clicks, args=(batches, model, optimizer))
+            coordinator.join()
+            rows = worker_rows(cluster)
+            start = time.perf_counter()
+            for _ in range(steps):
+                coordinator.schedule(train_clicks, args=(batches, model, optimizer))
+            coordinator.join()
+            seconds = time.perf_counter() - start
+            after = worker_rows(cluster)
+        with torch.no_grad():
+            held_out = ClickData(criteo_rows(cap), BATCH).batches(stream=999, count=16)
+            loss = statistics.fmean(float(click_loss(model, batch)) for batch in held_out)
+    return CacheRun(steps * BATCH / seconds, (after["pulled"] - rows["pulled"]) / (steps * BATCH), loss)
+
+
+def compare_cache(cap: int, steps: int, warmup: int, rounds: int, staleness: int) -> list[Result]:
+    """The row cache at ``staleness`` beside none (max_row_staleness=0), alternating, medians."""
+    cached: list[CacheRun] = []
+    plain: list[CacheRun] = []
+    for round_ in range(rounds):
+        plain.append(cache_run(cap, steps, warmup, 0))
+        cached.append(cache_run(cap, steps, warmup, staleness))
+        print(
+            f"  [dlrm cache cap {cap:,} s={staleness} round {round_ + 1}/{rounds}] "
+            f"{cached[-1].samples_per_s:,.0f} samples/s, {cached[-1].rows_pulled_per_sample:.2f} rows "
+            f"pulled/sample, held-out loss {cached[-1].held_out_loss:.5f}; without: {plain[-1].samples_per_s:,.0f}, "
+            f"{plain[-1].rows_pulled_per_sample:.2f}, {plain[-1].held_out_loss:.5f}",
+            flush=True,
+        )
+
+    def median(runs: list[CacheRun], field: str) -> float:
+        return statistics.median(getattr(run, field) for run in runs)
+
+    what = f"the same training with max_row_staleness=0, median of {rounds}"
+    tag = f"{cap}_s{staleness}"
+    return [
+        Result(
+            f"dlrm_cache_samples_{tag}",
+            median(cached, "samples_per_s"),
+            "samples/s",
+            median(plain, "samples_per_s"),
+            what,
+        ),
+        Result(
+            f"dlrm_cache_rows_pulled_{tag}",
+            median(cached, "rows_pulled_per_sample"),
+            "rows/sample",
+            median(plain, "rows_pulled_per_sample"),
+            what,
+        ),
+        Result(
+            f"dlrm_cache_held_out_loss_{tag}",
+            median(cached, "held_out_loss"),
+            "log-loss",
+            median(plain, "held_out_loss"),
+            what,
+        ),
+    ]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", action="store_true")
@@ -223,6 +325,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="also train the model written with one ShardedEmbedding per feature "
         "(dlrm_per_feature_samples_<cap>, beside the collection's samples/s)",
     )
+    parser.add_argument(
+        "--max-row-staleness",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also train with the workers' row cache at each of these bounds beside none, on fresh "
+        "batches (dlrm_cache_*: samples/s, distinct rows pulled per sample, held-out log-loss)",
+    )
     args = parser.parse_args(argv)
     one_torch_thread()
     results: list[Result] = []
@@ -230,6 +340,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for cap in args.sweep:
         found, speed = compare(cap, args.steps, args.warmup, args.rounds, args.steps_per_closure, args.per_feature)
         results.extend(found)
+        for staleness in args.max_row_staleness:
+            results.extend(compare_cache(cap, args.steps, args.warmup, args.rounds, staleness))
         speeds.append(speed)
     if len(speeds) > 1:
         results.append(
