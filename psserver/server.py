@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import pathlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -119,6 +119,26 @@ class ShardVersions(Collector):
         yield family
 
 
+class StructureMetrics(Collector):
+    """What a server keeps per push and per connection, read when Prometheus scrapes (each has a
+    bound: docs in ShardStore.structure_sizes): ``paramserve_ps_idempotency_keys`` (keys the
+    shards' windows remember), ``paramserve_ps_idempotency_bytes`` (what the windows allocate,
+    from each shard's creation) and ``paramserve_ps_dataplane_connections``."""
+
+    def __init__(self, server: Callable[[], dict[str, int]]):
+        self._sizes = server
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        sizes = self._sizes()
+        for name, text in (
+            ("idempotency_keys", "Push keys this server's shards remember (at most their windows' capacity)."),
+            ("idempotency_bytes", "Bytes this server's idempotency windows allocate."),
+            ("dataplane_connections", "Data-plane connections admitted now."),
+        ):
+            if name in sizes:
+                yield GaugeMetricFamily(f"paramserve_ps_{name}", text, value=sizes[name])
+
+
 class DynamicTableMetrics(Collector):
     """The dynamic tables' shards on this server, read from the store when Prometheus scrapes:
     ``paramserve_ps_dynamic_rows{table}`` (live rows), ``paramserve_ps_dynamic_bytes{table}``
@@ -166,6 +186,12 @@ class ParameterServer(RunningService):
         """The data plane's port; None without one."""
         return self.data_plane.port if self.data_plane is not None else None
 
+    def structure_sizes(self) -> dict[str, int]:
+        sizes = self.store.structure_sizes()
+        if self.data_plane is not None:
+            sizes.update(self.data_plane.structure_sizes())
+        return sizes
+
     def stop(self, grace: float | None = 5.0) -> None:
         """Graceful: the data plane lets the steps being applied finish and answer (within
         ``grace``), then the gRPC server drains (health NOT_SERVING, new calls refused, running
@@ -204,7 +230,9 @@ def build_server(config: ServerConfig, registry: CollectorRegistry | None = None
     )
     data_plane = None if config.data_port is None else start_data_plane(config, steps, listing, service)
     try:
-        return ParameterServer(config, store, service.start(), registry, data_plane)
+        server = ParameterServer(config, store, service.start(), registry, data_plane)
+        registry.register(StructureMetrics(server.structure_sizes))
+        return server
     except BaseException:
         if data_plane is not None:
             data_plane.stop()

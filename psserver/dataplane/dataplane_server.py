@@ -177,6 +177,11 @@ class DataPlaneServer(Generic[_State]):
         ]
         self._threads.append(threading.Thread(target=self._reap, name="paramserve-dataplane-reaper", daemon=True))
 
+    def structure_sizes(self) -> dict[str, int]:
+        """Connections admitted and still handshaking (diagnostics; at most ``max_connections``)."""
+        with self._lock:
+            return {"dataplane_connections": len(self._connections), "dataplane_handshaking": len(self._handshaking)}
+
     def start(self) -> DataPlaneServer[_State]:
         for thread in self._threads:
             thread.start()

@@ -29,6 +29,7 @@ import torch
 from paramserve.psserver.protocol.errors import ConfigurationError
 from paramserve.psserver.runtime import cpus
 from paramserve.psserver.runtime.atomic_files import atomic_write
+from paramserve.psserver.runtime.diagnostics import from_environment
 from paramserve.psserver.runtime.security import TOKEN_ENV, TlsConfig, check_token, read_token_file, tls_files_problem
 from paramserve.psserver.runtime.serving import DEFAULT_MAX_CONNECTIONS, RunningService
 from paramserve.psserver.runtime.tf_config import ClusterSpecError, task_address
@@ -287,6 +288,9 @@ def serve_until_signal(
         server.metrics_port,
         torch.get_num_threads(),
     )
+    diagnostics = from_environment(name.rsplit(".", 1)[-1], server.structure_sizes)
+    if diagnostics is not None:  # PARAMSERVE_DIAGNOSTICS: a dump on SIGUSR1 (runtime/diagnostics.py)
+        diagnostics.install()
     if port_file:  # last: a launcher that sees the file may read everything logged before it
         write_port_file(port_file, server.port, server.metrics_port)
     # In short waits, not one: a signal the kernel hands to another thread (gRPC's, the data

@@ -442,6 +442,11 @@ class RunningService:
     def stop(self, grace: float | None = 5.0) -> None:
         self.service.stop(grace)
 
+    def structure_sizes(self) -> dict[str, int]:
+        """The sizes of what this server keeps per worker, key or connection, for its diagnostics
+        (psserver/runtime/diagnostics.py); a server with such structures says so."""
+        return {}
+
 
 def _bind(server: grpc.Server, address: str, tls: TlsConfig | None) -> int:
     """Adds the listening port; raises ConfigurationError when it cannot be bound."""

@@ -551,6 +551,9 @@ class GroupedSteps:
         count) is each shard's own. Raises as apply_rows does, before any shard changes."""
         _step_rows(optimizers[0].spec, [o.gather_rows(r, g) for o, r, g in zip(optimizers, rows, grads)])
 
+    def __len__(self) -> int:
+        return len(self._groups)
+
     def clear(self) -> None:
         """Forgets every group (they hold their shards' tensors): after shards are deleted or replaced."""
         with self._lock:

@@ -39,6 +39,7 @@ from paramserve.psserver.protocol.optimizer_spec import OptimizerSpec
 from paramserve.psserver.protocol.types import PushOutcome, ShardInfo, ShardRef, ShardState
 from paramserve.psserver.runtime.memory import released
 from paramserve.psserver.store.dynamic_table import DynamicTableConfig, DynamicTables, PushSettings
+from paramserve.psserver.store.idempotency import window_bytes
 from paramserve.psserver.store.optimizer import GroupedSteps, ShardOptimizer, in_place_sgd_rate
 from paramserve.psserver.store.shards import (
     Shard,
@@ -363,6 +364,21 @@ class ShardStore:
         """The shard held under ``ref`` now (None: none)."""
         with self._shards_lock:
             return self._shards.get(ref)
+
+    def structure_sizes(self) -> dict[str, int]:
+        """The sizes of what this store keeps per shard and per push (diagnostics and metrics; each
+        is bounded: the windows by ``idempotency_capacity`` keys a shard, allocated whole when the
+        shard is made (``idempotency_bytes``; store/idempotency.py), the optimizer groups by
+        GroupedSteps' capacity, dynamic rows by their tables' capacities)."""
+        shards = self._select(None)
+        return {
+            "shards": len(shards),
+            "idempotency_keys": sum(len(shard.window) for shard in shards),
+            "idempotency_capacity": sum(shard.window.capacity for shard in shards),
+            "idempotency_bytes": sum(window_bytes(shard.window.capacity) for shard in shards),
+            "optimizer_groups": len(self._grouped),
+            "dynamic_rows": sum(stats.live_rows for stats in self.dynamic.stats()),
+        }
 
     def list_shards(self) -> list[ShardInfo]:
         return [shard.info() for shard in self._select(None)]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from paramserve.psserver.store.idempotency import IdempotencyWindow
+from paramserve.psserver.store.idempotency import KEY_BYTES, IdempotencyWindow, window_bytes
 
 
 def test_remembers_recorded_keys() -> None:
@@ -48,3 +48,34 @@ def test_memory_is_bounded() -> None:
 def test_rejects_bad_capacity(bad: object) -> None:
     with pytest.raises(ValueError, match="capacity"):
         IdempotencyWindow(bad)  # type: ignore[arg-type]
+
+
+def test_a_window_allocates_its_memory_when_made_and_keeps_no_object_per_worker_key() -> None:
+    """Issue 49: a window that grew by a few hundred bytes a push read, for its first 65,536
+    pushes, as a leak. Workers' keys (``<closure id>/<n>``, ``<closure id>/dense/<n>``) fit a slot."""
+    import tracemalloc
+    import uuid
+
+    window = IdempotencyWindow(4096)
+    keys = [f"{uuid.uuid4().hex}/{n % 7}" for n in range(6000)] + [f"{uuid.uuid4().hex}/dense/{n}" for n in range(200)]
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for key in keys:
+            window.record(key)
+        grew = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grew < 4096, f"recording {len(keys)} keys kept {grew} bytes"
+    assert len(window) == 4096 and window.keys()[-1] == keys[-1] and keys[-4096] in window
+    assert window_bytes(65536) == 65536 * 65
+
+
+def test_a_long_key_is_remembered_exactly_beside_the_ring() -> None:
+    long_key, other = "x" * (KEY_BYTES + 1), "y" * (KEY_BYTES + 1)
+    window = IdempotencyWindow(2)
+    window.record(long_key)
+    assert long_key in window and other not in window and window.keys() == [long_key]
+    window.record("a")
+    window.record("b")
+    assert long_key not in window and window.keys() == ["a", "b"]
