@@ -9,7 +9,8 @@ The window's memory is all allocated when it is made, and never grows: a ring of
 ``capacity`` slots of KEY_BYTES bytes (a key's UTF-8 bytes; the workers' keys take 34
 to 48) with each key's hash and length, and an open-addressing index of int32 slot
 numbers at most half full: ``window_bytes(capacity)``, 65 bytes a key (4.3 MB at the
-default 65,536), resident from the shard's creation. A window of Python objects
+default 65,536), allocated whole at the window's first key (a shard never pushed to costs
+nothing; one pushed to has its whole window at once, not growing for minutes after). A window of Python objects
 instead (an OrderedDict of key strings) grew by about 250 bytes a push until it was
 full, which at 16 workers took a server's first five minutes and read as a leak
 (issue 49). A key longer than KEY_BYTES is kept as a string beside the ring (one per
@@ -53,13 +54,13 @@ class IdempotencyWindow:
                 "it bounds how many recent pushes a retry is recognised within"
             )
         self.capacity = capacity
-        size = _index_size(capacity)
-        self._mask = size - 1
-        self._index = array("i", [-1]) * size
-        """Slot of the key at each position; -1: free. Linear probing from ``hash & mask``."""
-        self._ring = bytearray(capacity * KEY_BYTES)
-        self._lengths = array("B", [_EMPTY]) * capacity
-        self._hashes = array("q", [0]) * capacity
+        self._mask = _index_size(capacity) - 1
+        self._index = array("i")
+        """Slot of the key at each position; -1: free. Linear probing from ``hash & mask``.
+        Empty until the first key (``_allocate``)."""
+        self._ring = bytearray()
+        self._lengths = array("B")
+        self._hashes = array("q")
         self._long: dict[int, str] = {}
         self._next = 0
         """The slot the next key goes into: the oldest key's, once the ring has gone round."""
@@ -74,7 +75,17 @@ class IdempotencyWindow:
         return window
 
     def __contains__(self, key: object) -> bool:
-        return isinstance(key, str) and self._find(key, key.encode(), hash(key)) >= 0
+        return isinstance(key, str) and self._count > 0 and self._find(key, key.encode(), hash(key)) >= 0
+
+    def allocated_bytes(self) -> int:
+        """What the window holds now: 0 before its first key, then ``window_bytes(capacity)``."""
+        return window_bytes(self.capacity) if self._index else 0
+
+    def _allocate(self) -> None:
+        self._index = array("i", [-1]) * (self._mask + 1)
+        self._ring = bytearray(self.capacity * KEY_BYTES)
+        self._lengths = array("B", [_EMPTY]) * self.capacity
+        self._hashes = array("q", [0]) * self.capacity
 
     def __len__(self) -> int:
         return self._count
@@ -83,6 +94,8 @@ class IdempotencyWindow:
         """Remembers ``key`` as the newest, evicting the oldest beyond capacity. A key recorded
         again is moved to the newest by rebuilding the window (O(capacity); the store never
         does it: it records only keys the window does not hold)."""
+        if not self._index:
+            self._allocate()
         data, digest = key.encode(), hash(key)
         if self._find(key, data, digest) >= 0:
             rest = [kept for kept in self.keys() if kept != key]
@@ -110,6 +123,8 @@ class IdempotencyWindow:
 
     def keys(self) -> list[str]:
         """The remembered keys, oldest first."""
+        if not self._index:
+            return []
         order = range(self._next, self._next + self.capacity)
         return [self._key(slot % self.capacity) for slot in order if self._lengths[slot % self.capacity] != _EMPTY]
 

@@ -39,7 +39,6 @@ from paramserve.psserver.protocol.optimizer_spec import OptimizerSpec
 from paramserve.psserver.protocol.types import PushOutcome, ShardInfo, ShardRef, ShardState
 from paramserve.psserver.runtime.memory import released
 from paramserve.psserver.store.dynamic_table import DynamicTableConfig, DynamicTables, PushSettings
-from paramserve.psserver.store.idempotency import window_bytes
 from paramserve.psserver.store.optimizer import GroupedSteps, ShardOptimizer, in_place_sgd_rate
 from paramserve.psserver.store.shards import (
     Shard,
@@ -375,7 +374,7 @@ class ShardStore:
             "shards": len(shards),
             "idempotency_keys": sum(len(shard.window) for shard in shards),
             "idempotency_capacity": sum(shard.window.capacity for shard in shards),
-            "idempotency_bytes": sum(window_bytes(shard.window.capacity) for shard in shards),
+            "idempotency_bytes": sum(shard.window.allocated_bytes() for shard in shards),
             "optimizer_groups": len(self._grouped),
             "dynamic_rows": sum(stats.live_rows for stats in self.dynamic.stats()),
         }

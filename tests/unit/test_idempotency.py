@@ -57,6 +57,9 @@ def test_a_window_allocates_its_memory_when_made_and_keeps_no_object_per_worker_
     import uuid
 
     window = IdempotencyWindow(4096)
+    assert window.allocated_bytes() == 0 and window.keys() == [] and "a" not in window, "nothing before a key"
+    window.record("first")  # the whole window, at once
+    assert window.allocated_bytes() == window_bytes(4096)
     keys = [f"{uuid.uuid4().hex}/{n % 7}" for n in range(6000)] + [f"{uuid.uuid4().hex}/dense/{n}" for n in range(200)]
     tracemalloc.start()
     try:
