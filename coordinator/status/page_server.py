@@ -12,22 +12,39 @@ here is bounded whether or not it has the key (ARCHITECTURE.md, "Trust model"):
   once and answered. Refusing new connections instead would let the oldest silent ones deny the
   page to everyone until their deadline, so the newcomer wins.
 - **Time**: a request (its line, headers and declared body, at most ``max_request_bytes``) must
-  arrive within ``request_seconds`` of the accept, and its reply be taken within
-  ``reply_seconds``. These are deadlines, not per-read timeouts: trickled bytes do not extend
-  them.
+  arrive within ``request_seconds`` of the accept (of the connect, for a connection the kernel
+  kept back silent: below), and its reply be taken within ``reply_seconds``. These are
+  deadlines, not per-read timeouts: trickled bytes do not extend them.
+- **Silent connections stay in the kernel** (Linux): the listener asks for ``TCP_DEFER_ACCEPT``
+  (``defer_accept_seconds``: the longest of the kernel's SYN-ACK periods, 1, 3, 7... s, within
+  half of ``request_seconds``), so the kernel hands a connection over when its first bytes arrive
+  and keeps a silent one among its half-open connections (no descriptor, no accept queue slot, no
+  CPU of the process) until that period ends, when it hands it over still silent. A flood of
+  silent connections, which a peer may open and reopen as fast as the page drops them, then
+  costs the page one accept and one drop per connection per period instead of per round trip,
+  and never fills the accept queue, so a reader's connection (which sends its request at once)
+  always finds room there instead of having its SYN dropped and sent again a second later. A
+  connection handed over silent has been so for that period already: its request deadline is
+  ``request_seconds`` from its connect (``request_deadline``: ``request_seconds`` less the period
+  from its accept, which is later when the kernel hands it over a period late, as it now and then
+  does under a flood). The kernel keeps as many half-open connections as the backlog (BACKLOG);
+  beyond them it answers with SYN cookies, which it hands over at once, silent or not: a flood
+  larger than the backlog reaches the page, beyond it, as without the option.
 - **CPU**: at most ``accepts_per_second`` accepts, after a burst of ``accept_burst`` (a token
   bucket): a flood that reconnects as fast as it is dropped costs the coordinator a bounded share
   of a core (an accept and a drop take tens of microseconds of Python, under the GIL the
   coordinator's own threads need), and the connections beyond it wait in the listen backlog, or
-  are refused by the kernel when it is full.
+  are refused by the kernel when it is full. A connection dropped for its deadline, or evicted,
+  is reset (``SO_LINGER`` 0): no FIN exchange, no TIME_WAIT left behind.
 - **Threads**: one thread (``paramserve-status-http``) does every socket's I/O, non-blocking,
   over a selector; the ``answer_threads`` request threads only turn a complete request's bytes
   into a reply's (``answer``), so no peer can occupy one by being slow.
 - **Descriptors**: the page accepts only while the process keeps ``descriptor_reserve`` of its
   soft limit (RLIMIT_NOFILE) free for the coordinator's own work (checkpoints, channels, recovery);
-  otherwise connections wait in the kernel's listen backlog, costing the process nothing. The
-  soft limit is not raised: the coordinator is the user's program (which may rely on select()'s
-  1,024), and the page, capped, needs few. An ``accept`` that fails for want of descriptors or
+  otherwise connections wait in the kernel's listen backlog, costing the process nothing. They
+  are counted once per batch of accepts (``count_descriptors``). The soft limit is not raised:
+  the coordinator is the user's program (which may rely on select()'s 1,024), and the page,
+  capped, needs few. An ``accept`` that fails for want of descriptors or
   memory (EMFILE, ENFILE, ENOBUFS, ENOMEM) pauses accepting with a backoff, never a busy loop.
 
 Each drop and pause is counted by reason (``PageServer.counts``) and logged at most once per
@@ -44,6 +61,7 @@ import os
 import resource
 import selectors
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -60,9 +78,12 @@ __all__ = [
     "PageServer",
     "RequestTooLarge",
     "admit",
+    "count_descriptors",
+    "defer_accept_seconds",
     "descriptor_reserve",
     "measure_descriptors",
     "refill",
+    "request_deadline",
     "request_end",
 ]
 
@@ -70,11 +91,22 @@ log = logging.getLogger(__name__)
 
 MIN_RESERVE = 64
 """The fewest descriptors the page leaves free for the coordinator, whatever the limit."""
-BACKLOG = 1024
+BACKLOG = 4096
 """The listen backlog: connections the kernel completes before the page accepts them, which cost
-the process no descriptor. Deep, so that under a flood a reader's connection waits its turn behind
-the flood's (accepted at about ten thousand a second) rather than having its SYN dropped by the
-kernel and sent again a second later (the kernel caps it at net.core.somaxconn)."""
+the process no descriptor, and (Linux) the silent connections it keeps half-open under
+``TCP_DEFER_ACCEPT``. Deep, so that a flood of silent connections stays in the kernel (beyond it
+the kernel answers with SYN cookies, and hands those connections over at once), and so that
+under a flood that does send bytes a reader's connection waits its turn behind the flood's
+rather than having its SYN dropped and sent again a second later. The kernel caps it at
+net.core.somaxconn (4,096 by default since Linux 5.4)."""
+DEFER_SHARE = 0.5
+"""The most of ``request_seconds`` a silent connection may spend in the kernel before the page
+accepts it (``defer_accept_seconds``): the rest, at least half, is the page's deadline for it
+(``request_deadline``), so that one the kernel hands over a period late (2 * period + 1 s after
+its connect: it does, now and then, under a flood) still gets one."""
+DEFER_PERIODS = 7
+"""The kernel's SYN-ACK periods considered: 1, 3, 7, ... 127 s (2**n - 1, its first retransmission
+after 1 s, each next one twice as late)."""
 ACCEPT_BATCH = 16
 """Connections accepted per readiness of the listener, with one descriptor count for them all. Well
 under ``max_connections``, and the listener is served after the connections in each round: a
@@ -85,6 +117,8 @@ BACKOFF_SECONDS = (0.01, 1.0)
 MIN_RATE_PAUSE = 0.005
 """The shortest pause for ``accepts_per_second``: accepts then come in batches, not one a wake."""
 RECEIVE_BYTES = 4096
+_RESET = struct.pack("ii", 1, 0)
+"""SO_LINGER on, 0 seconds: close() resets the connection."""
 LOG_EVERY_SECONDS = 10.0
 _FD_DIRECTORY = next((path for path in ("/proc/self/fd", "/dev/fd") if os.path.isdir(path)), None)
 _TOO_LARGE = (
@@ -163,6 +197,22 @@ def refill(tokens: float, seconds: float, limits: PageLimits) -> float:
     return min(float(limits.accept_burst), tokens + max(0.0, seconds) * limits.accepts_per_second)
 
 
+def defer_accept_seconds(request_seconds: float) -> int:
+    """The ``TCP_DEFER_ACCEPT`` seconds for a request deadline of ``request_seconds``: the longest
+    period of the kernel's SYN-ACK retransmissions (2**n - 1 s: it rounds any value up to one)
+    within DEFER_SHARE of the deadline; 0 (hand every connection over at once) when none is."""
+    periods = [2**n - 1 for n in range(1, DEFER_PERIODS + 1)]
+    return max((period for period in periods if period <= request_seconds * DEFER_SHARE), default=0)
+
+
+def request_deadline(accepted_at: float, silent: bool, deferred_seconds: int, limits: PageLimits) -> float:
+    """When a connection accepted at ``accepted_at`` must have sent its whole request. One the kernel
+    handed over ``silent`` under ``TCP_DEFER_ACCEPT`` of ``deferred_seconds`` has been connected
+    (and silent) that long already: its deadline counts from its connect, not before the accept."""
+    waited = deferred_seconds if silent else 0
+    return accepted_at + max(0.0, limits.request_seconds - waited)
+
+
 def request_end(received: bytes | bytearray, max_bytes: int) -> int | None:
     """Where the request at the start of ``received`` ends (its head, then the body its
     Content-Length declares), or None while it is incomplete. Raises RequestTooLarge when it is
@@ -199,9 +249,19 @@ def measure_descriptors() -> Descriptors | None:
     if soft == resource.RLIM_INFINITY or _FD_DIRECTORY is None:
         return None
     try:
-        return Descriptors(len(os.listdir(_FD_DIRECTORY)) - 1, soft)  # less the listing's own
+        return Descriptors(count_descriptors(_FD_DIRECTORY), soft)
     except OSError:
         return Descriptors(soft, soft)
+
+
+def count_descriptors(directory: str) -> int:
+    """The open descriptors listed in ``directory`` (/proc/self/fd): its size where Linux gives
+    their number so (6.2 and later: one ``stat``, no descriptor, a few microseconds), else (a size
+    of 0) a listing of it, which costs one descriptor and tens of microseconds."""
+    size = os.stat(directory).st_size
+    if size > 0 and directory.startswith("/proc/"):
+        return size
+    return len(os.listdir(directory)) - 1  # less the listing's own
 
 
 # ---------------------------------------------------------------- the server
@@ -254,6 +314,15 @@ class PageServer:
             )
         else:
             self._listener = socket.create_server(address, backlog=BACKLOG)
+        self._deferred_seconds = 0
+        """TCP_DEFER_ACCEPT's seconds on the listener (0: every connection is handed over at once)."""
+        defer = defer_accept_seconds(limits.request_seconds)
+        if defer and hasattr(socket, "TCP_DEFER_ACCEPT"):
+            try:
+                self._listener.setsockopt(socket.IPPROTO_TCP, socket.TCP_DEFER_ACCEPT, defer)
+                self._deferred_seconds = defer
+            except OSError:
+                log.debug("status page: TCP_DEFER_ACCEPT not taken", exc_info=True)
         self._listener.setblocking(False)
         self.port: int = self._listener.getsockname()[1]
         self._answer = answer
@@ -398,12 +467,24 @@ class PageServer:
             self._listening = True
 
     def _admit(self, sock: socket.socket, peer: Any) -> None:
+        """Takes a connection just accepted: its request is read at once (a reader's is often here
+        already, and under TCP_DEFER_ACCEPT any but a silent connection's first bytes are)."""
         sock.setblocking(False)
-        connection = _Connection(sock, peer, self._clock() + self._limits.request_seconds)
+        now = self._clock()
+        try:
+            first = sock.recv(RECEIVE_BYTES)
+        except (BlockingIOError, InterruptedError):
+            first = None
+        except OSError:
+            first = b""
+        deadline = request_deadline(now, first is None, self._deferred_seconds, self._limits)
+        connection = _Connection(sock, peer, deadline)
         self._connections.add(connection)
         self._receiving[connection] = None
-        self._watch(connection, selectors.EVENT_READ)
-        self._receive(connection)  # a reader's request is often here already
+        if first is None:
+            self._watch(connection, selectors.EVENT_READ)
+        else:
+            self._received(connection, first)
 
     # ---------------------------------------------------------------- one connection
 
@@ -414,6 +495,10 @@ class PageServer:
             return
         except OSError:
             data = b""
+        self._received(connection, data)
+
+    def _received(self, connection: _Connection, data: bytes) -> None:
+        """``data`` read from a connection still sending its request (b"": it closed)."""
         if not data:
             self._close(connection)
             return
@@ -425,6 +510,7 @@ class PageServer:
             self._begin_reply(connection, _TOO_LARGE)
             return
         if end is None:
+            self._watch(connection, selectors.EVENT_READ)
             return
         request = bytes(connection.received[:end])
         self._receiving.pop(connection, None)
@@ -495,12 +581,19 @@ class PageServer:
     def _drop(self, connection: _Connection, reason: str, message: str) -> None:
         # info, not warning: a browser's spare connection, opened and never used, ends so too
         self._note(reason, f"status page: {message}", logging.INFO)
-        self._close(connection)
+        self._close(connection, reset=True)
 
-    def _close(self, connection: _Connection) -> None:
+    def _close(self, connection: _Connection, reset: bool = False) -> None:
+        """Closes ``connection``; ``reset``: with a reset (a drop: nothing of it is owed to the
+        peer, and neither end keeps a TIME_WAIT), else with a FIN after what was sent."""
         self._watch(connection, 0)
         self._connections.discard(connection)
         self._receiving.pop(connection, None)
+        if reset:
+            try:
+                connection.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET)
+            except OSError:  # already reset by the peer
+                pass
         connection.sock.close()
         if not self._listening and self._resume_at is None:
             self._resume_at = self._clock()  # a slot is free

@@ -1,9 +1,9 @@
 """The status page under attack, from anyone who can reach its port, key or no key (issue #43):
-silent connections, trickling ones, a flood of connections, and a coordinator short of
-descriptors. The page runs alone in a process of its own (``status_page_process.py``, a soft
-descriptor limit of 256, requests due within REQUEST_SECONDS), as it runs in the coordinator's;
-every attack comes from real sockets on 127.0.0.1, and a key holder's GET of /status.json must
-still be answered."""
+silent connections, trickling ones, a flood of connections (held, or reopened as fast as the page
+drops them), and a coordinator short of descriptors. The page runs alone in a process of its own
+(``status_page_process.py``, a soft descriptor limit of 256, requests due within REQUEST_SECONDS),
+as it runs in the coordinator's; every attack comes from real sockets on 127.0.0.1, and a key
+holder's GET of /status.json must still be answered."""
 
 from __future__ import annotations
 
@@ -25,7 +25,12 @@ from typing import Any
 import pytest
 
 from paramserve.coordinator.status.cluster_status import status_key
-from paramserve.coordinator.status.page_server import PageLimits, PageServer, descriptor_reserve
+from paramserve.coordinator.status.page_server import (
+    PageLimits,
+    PageServer,
+    defer_accept_seconds,
+    descriptor_reserve,
+)
 
 HELPER = pathlib.Path(__file__).with_name("status_page_process.py")
 TOKEN = "status-page-attack-token-0123456789"
@@ -39,6 +44,15 @@ ANSWER_SECONDS = 2.0
 FLOOD = 1500
 FLOOD_SECONDS = 30.0
 """The most the flood is given to open its connections (it takes a fraction of a second)."""
+RECONNECTING_REQUEST_SECONDS = 10.0
+"""The request deadline of the page a reconnecting flood attacks: the default, as in the
+coordinator (silent connections then wait 3 s in the kernel: ``defer_accept_seconds``)."""
+RECONNECTING_SECONDS = 8.0
+"""How long the reconnecting flood is kept up: past its silent connections' first hand-over."""
+READ_EVERY = 0.25
+"""Seconds between a key holder's reads while the flood is kept up."""
+DROPS = ("evicted", "receiving_deadline")
+"""The page's counts of connections it took and dropped while they sent no request."""
 
 pytestmark = pytest.mark.skipif(not pathlib.Path("/proc/self/fd").is_dir(), reason="counts descriptors in /proc")
 
@@ -46,9 +60,9 @@ pytestmark = pytest.mark.skipif(not pathlib.Path("/proc/self/fd").is_dir(), reas
 class PageProcess:
     """The page's process and its command line on stdin (see status_page_process.py)."""
 
-    def __init__(self) -> None:
+    def __init__(self, request_seconds: float = REQUEST_SECONDS) -> None:
         self.process = subprocess.Popen(
-            [sys.executable, str(HELPER), "--soft-limit", str(SOFT_LIMIT), "--request-seconds", str(REQUEST_SECONDS)]
+            [sys.executable, str(HELPER), "--soft-limit", str(SOFT_LIMIT), "--request-seconds", str(request_seconds)]
             + ["--token", TOKEN],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -325,3 +339,89 @@ def test_a_connection_flood_leaves_the_coordinator_its_descriptors_and_the_page_
     assert max(during, default=0.0) <= ANSWER_SECONDS and after <= ANSWER_SECONDS, (during, after)
     assert held_cpu < 0.3, f"{held_cpu:.2f} CPU-s in 2 s with the flood held: the accept loop spins"
     assert flood_cpu < 0.5 + 0.002 * FLOOD, f"{flood_cpu:.2f} CPU-s over the {flood_seconds:.1f} s flood"
+
+
+class ReconnectingFlood:
+    """``count`` silent connections to ``address``, each one the page drops opened again at once
+    (as benchmarks/status_flood.py's attacker does), on a thread of its own until ``stop()``."""
+
+    def __init__(self, address: tuple[str, int], count: int):
+        self._address = address
+        self._selector = selectors.DefaultSelector()
+        self._stopping = threading.Event()
+        self.opened = self.cut = 0
+        self.first_opened = time.monotonic()
+        for _ in range(count):
+            self._open()
+        self._thread = threading.Thread(target=self._keep_up, daemon=True)
+        self._thread.start()
+
+    def _open(self) -> None:
+        sock = socket.socket()
+        sock.setblocking(False)
+        sock.connect_ex(self._address)
+        self._selector.register(sock, selectors.EVENT_READ)
+        self.opened += 1
+
+    def _keep_up(self) -> None:
+        while not self._stopping.is_set():
+            for key, _ in self._selector.select(0.1):
+                sock: socket.socket = key.fileobj  # type: ignore[assignment]
+                if not closed_by_peer(sock):
+                    continue
+                self._selector.unregister(sock)
+                sock.close()
+                self.cut += 1
+                self._open()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._thread.join(10)
+        for key in list(self._selector.get_map().values()):
+            key.fileobj.close()  # type: ignore[union-attr]
+        self._selector.close()
+
+
+def test_a_reconnecting_flood_of_silent_connections_waits_in_the_kernel_and_never_delays_a_key_holder(
+    many_descriptors,
+):
+    """1,500 silent connections, each one dropped opened again at once, at a page with the
+    coordinator's request deadline: the kernel keeps each one back for a period
+    (``defer_accept_seconds``, TCP_DEFER_ACCEPT) before the page accepts (and drops) it, so over
+    the flood the page handles each at most once a period, not as fast as the flood reconnects;
+    its accept queue never fills, and a key holder reading every READ_EVERY seconds is answered
+    each time within ANSWER_SECONDS (its SYN never dropped and sent again a second later)."""
+    deferred = defer_accept_seconds(RECONNECTING_REQUEST_SECONDS)
+    assert deferred >= 1
+    page = PageProcess(RECONNECTING_REQUEST_SECONDS)
+    try:
+        line = SOFT_LIMIT - descriptor_reserve(SOFT_LIMIT)
+        flood = ReconnectingFlood(page.address, FLOOD)
+        reads: list[float] = []
+        descriptors = []
+        try:
+            started = time.monotonic()
+            next_read = started
+            while (now := time.monotonic()) < started + RECONNECTING_SECONDS:
+                if now >= next_read:
+                    reads.append(key_holder_seconds(page.port))
+                    next_read += READ_EVERY
+                    continue
+                descriptors.append(page.descriptors())
+            dropped = page.ask("dropped")["dropped"]
+            handled = sum(count for reason, count in dropped.items() if reason in DROPS)
+            seconds = time.monotonic() - flood.first_opened
+        finally:
+            flood.stop()
+        after = key_holder_seconds(page.port)
+    finally:
+        page.stop()
+    assert flood.cut >= FLOOD // 2, f"the page dropped {flood.cut} of the flood's connections: not attacked"
+    most = FLOOD * (seconds / deferred) + 64
+    assert handled <= most, (
+        f"the page took and dropped {handled} connections in {seconds:.1f} s, over {most:.0f}: "
+        f"silent ones were not kept back {deferred} s each in the kernel"
+    )
+    slow = [took for took in reads if took > ANSWER_SECONDS]
+    assert not slow and after <= ANSWER_SECONDS, f"{len(slow)} of {len(reads)} reads over {ANSWER_SECONDS} s"
+    assert max(descriptors) < line, f"open descriptors: {max(descriptors)}"

@@ -1,7 +1,12 @@
 """The status page transport's pure decisions: which connection to take, drop or leave in the
-backlog (``admit``), the descriptors kept for the coordinator, and where a request ends."""
+backlog (``admit``), the descriptors kept for the coordinator (and how they are counted), how long
+the kernel keeps a silent connection back (``defer_accept_seconds``) and the deadline it then has
+(``request_deadline``), and where a request ends."""
 
 from __future__ import annotations
+
+import os
+import pathlib
 
 import pytest
 
@@ -12,8 +17,11 @@ from paramserve.coordinator.status.page_server import (
     PageLimits,
     RequestTooLarge,
     admit,
+    count_descriptors,
+    defer_accept_seconds,
     descriptor_reserve,
     refill,
+    request_deadline,
     request_end,
 )
 
@@ -91,3 +99,39 @@ def test_a_request_ends_after_its_headers_and_declared_body(received, end):
 def test_a_request_over_the_limit_is_refused_before_more_is_read(received):
     with pytest.raises(RequestTooLarge):
         request_end(received, 1024)
+
+
+@pytest.mark.parametrize(
+    ("request_seconds", "deferred"),
+    [(10.0, 3), (2.0, 1), (14.0, 7), (30.0, 15), (1.9, 0), (0.5, 0), (1e6, 127)],
+)
+def test_silent_connections_wait_in_the_kernel_one_of_its_periods_within_half_the_deadline(request_seconds, deferred):
+    """The kernel rounds TCP_DEFER_ACCEPT up to its SYN-ACK periods (1, 3, 7, ... s): the one
+    chosen is a period, and the longest within half of the request deadline."""
+    assert defer_accept_seconds(request_seconds) == deferred
+    assert deferred == 0 or (deferred + 1) & deferred == 0, "a period: 2**n - 1"
+
+
+def test_a_connection_the_kernel_kept_back_silent_has_its_deadline_from_its_connect():
+    limits = PageLimits(request_seconds=10.0)
+    assert request_deadline(100.0, False, 3, limits) == 110.0, "it spoke: from the accept"
+    assert request_deadline(100.0, True, 3, limits) == 107.0, "silent 3 s in the kernel already"
+    assert request_deadline(100.0, True, 0, limits) == 110.0, "not deferred: from the accept"
+    assert request_deadline(100.0, True, 15, limits) == 100.0, "never before the accept"
+
+
+@pytest.mark.skipif(not pathlib.Path("/proc/self/fd").is_dir(), reason="counts descriptors in /proc")
+def test_descriptors_are_counted_as_a_listing_counts_them(tmp_path):
+    def listed() -> int:
+        return len(os.listdir("/proc/self/fd")) - 1  # less the listing's own
+
+    before = count_descriptors("/proc/self/fd")
+    assert before == listed()
+    opened = [os.open(tmp_path, os.O_RDONLY) for _ in range(10)]
+    try:
+        assert count_descriptors("/proc/self/fd") == before + 10 == listed()
+        if pathlib.Path("/dev/fd").is_dir():
+            assert count_descriptors("/dev/fd") == before + 10, "listed where the size is not known to count"
+    finally:
+        for descriptor in opened:
+            os.close(descriptor)
