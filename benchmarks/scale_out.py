@@ -18,7 +18,9 @@ one local process at one torch thread (``nn.Embedding(sparse=True)`` + ``torch.o
 dlrm.py's ``local_run``), trains the same number of steps (W x --steps) after --warmup, in the
 same round, just before or after the cluster (the order alternates per round, so a shared
 machine's drift hits both sides). Table creation and process start-up are outside both timed
-windows. Every figure is the median of --rounds rounds; the per-round spread is printed.
+windows. Every figure is the median of --rounds rounds; the per-round lines (each with the
+machine's 1-minute load average, to tell a round that other work crowded) and the summary's
+[min-max] give the spread.
 
 Per worker count W (``<n>w`` in the metric's name):
 
@@ -168,7 +170,8 @@ def measure(args: argparse.Namespace) -> list[Row]:
                 f"paramserve {ours.samples_per_s:,.0f} samples/s ({ours.cpu_us_per_sample:.1f} CPU-µs/sample: "
                 f"{_split(ours)}; start-up {ours.startup_s:.1f} s), one process {one.samples_per_s:,.0f} "
                 f"samples/s ({one.cpu_us_per_sample:.1f} CPU-µs/sample): speed-up "
-                f"{ours.samples_per_s / one.samples_per_s:.2f}",
+                f"{ours.samples_per_s / one.samples_per_s:.2f}; load average {os.getloadavg()[0]:.1f} "
+                f"on {os.cpu_count()} cores",
                 flush=True,
             )
     return rows
