@@ -123,7 +123,7 @@ class StructureMetrics(Collector):
     """What a server keeps per push and per connection, read when Prometheus scrapes (each has a
     bound: docs in ShardStore.structure_sizes): ``paramserve_ps_idempotency_keys`` (keys the
     shards' windows remember), ``paramserve_ps_idempotency_bytes`` (what the windows allocate,
-    from each shard's creation) and ``paramserve_ps_dataplane_connections``."""
+    from each shard's first push) and ``paramserve_ps_dataplane_connections``."""
 
     def __init__(self, server: Callable[[], dict[str, int]]):
         self._sizes = server

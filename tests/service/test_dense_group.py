@@ -149,7 +149,7 @@ def test_a_member_dying_in_a_group_of_three_breaks_it_for_both_others_at_once(st
         assert survivor is not None
         (broken,) = survivor["outcomes"]
         assert not broken["ok"] and "failed" in broken["error"]
-        assert broken["seconds"] < 10.0  # not the 20 s timeout
+        assert broken["seconds"] < 16.0  # not the 20 s timeout (13.5 s seen on 2 cores at a load of 16)
         assert survivor["version"] == 1  # the step all three took; the broken one applied nowhere
 
 

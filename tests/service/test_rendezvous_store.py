@@ -160,7 +160,10 @@ def test_a_flood_of_silent_and_trickling_connections_leaves_members_served(serve
         dropped = 0
         for sock in flood[:80]:  # the oldest: dropped for the newcomers, without a byte
             sock.settimeout(15)
-            dropped += sock.recv(1024) == b""
+            try:
+                dropped += sock.recv(1024) == b""
+            except ConnectionResetError:  # dropped with a trickled byte unread: the kernel resets it
+                dropped += 1
         assert dropped == 80
     finally:
         for sock in flood:
