@@ -58,14 +58,8 @@ def slope(xs: list[float], ys: list[float]) -> float:
 
 def process_figures(pid: int) -> tuple[float, int, int]:
     """(resident MB, threads, file descriptors) of a live process, from /proc."""
-    rss_kb = threads = 0
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                rss_kb = int(line.split()[1])
-            elif line.startswith("Threads:"):
-                threads = int(line.split()[1])
-    return round(rss_kb / 1024, 1), threads, len(os.listdir(f"/proc/{pid}/fd"))
+    threads, rss_mb = _common.process_threads_and_rss_mb(pid)
+    return round(rss_mb, 1), threads, len(os.listdir(f"/proc/{pid}/fd"))
 
 
 Sample = dict[str, object]

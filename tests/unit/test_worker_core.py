@@ -203,14 +203,18 @@ def test_steps_runs_the_function_that_many_times_with_distinct_push_keys(core, s
 # ---------------------------------------------------------------- embeddings
 
 
-def test_embedding_lookup_pulls_only_its_rows_and_pushes_row_gradients(core):
+def one_table():
+    """Servers holding a 1000 x 16 table (SGD), a core, the table's layer and optimizer, and ids."""
     servers = FakeParameterServers()
     table = torch.randn(1000, 16)
     servers.create("table", table, SGD)
-    core = WorkerCore(servers.factory)
     embedding = ShardedEmbedding(1000, 16, name="table")
     optimizer = ServerOptimizer(["table"], "SGD", {"lr": LR})
-    indices = torch.tensor([[3, 999], [3, 500]])
+    return servers, table, WorkerCore(servers.factory), embedding, optimizer, torch.tensor([[3, 999], [3, 500]])
+
+
+def test_embedding_lookup_pulls_only_its_rows_and_pushes_row_gradients(core):
+    servers, table, core, embedding, optimizer, indices = one_table()
 
     outcome = core.run_closure(closure_request(servers, embed_and_step, embedding, optimizer, indices))
 
@@ -624,17 +628,11 @@ def test_values_read_before_a_barrier_are_not_reused_by_a_closure_after_it(core,
 
 
 def test_a_row_cache_serves_rows_within_its_bound_every_step_still_pushes_and_a_new_context_empties_it(core):
-    servers = FakeParameterServers()
-    table = torch.randn(1000, 16)
-    servers.create("table", table, SGD)
-    core = WorkerCore(servers.factory)
-    embedding = ShardedEmbedding(1000, 16, name="table")
-    optimizer = ServerOptimizer(["table"], "SGD", {"lr": LR})
-    indices = torch.tensor([[3, 999], [3, 500]])
+    servers, table, core, embedding, optimizer, indices = one_table()
 
     def run(closure_id: str, cluster: ClusterContext | None = None):
         request = closure_request(servers, embed_and_step, embedding, optimizer, indices, closure_id=closure_id)
-        request = ClosureRequest(**{**request.__dict__, "max_row_staleness": 2, "cluster": cluster or servers.cluster})
+        request = dataclasses.replace(request, max_row_staleness=2, cluster=cluster or servers.cluster)
         outcome = core.run_closure(request)
         assert result_of(outcome) == (2, 2, 16)
         return outcome
@@ -660,4 +658,4 @@ def test_a_row_cache_serves_rows_within_its_bound_every_step_still_pushes_and_a_
 def test_a_worker_refuses_a_negative_row_staleness(core, servers):
     request = closure_request(servers, read_parameter, torch.zeros(1))
     with pytest.raises(InvalidRequestError, match="max_row_staleness must be >= 0 steps, got -1"):
-        core.run_closure(ClosureRequest(**{**request.__dict__, "max_row_staleness": -1}))
+        core.run_closure(dataclasses.replace(request, max_row_staleness=-1))
