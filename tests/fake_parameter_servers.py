@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
-from paramserve.psserver.protocol.errors import ServerUnavailableError
+from paramserve.psserver.protocol.errors import IndexOutOfRangeError, ServerUnavailableError
 from paramserve.psserver.protocol.optimizer_spec import OptimizerSpec
 from paramserve.psserver.protocol.types import (
     ClusterContext,
@@ -70,6 +71,8 @@ class Traffic:
     pushed_from: list[torch.device] = field(default_factory=list)
     started: int = 0
     """Pushes started to stay in flight (start_push_and_pull)."""
+    merged: int = 0
+    """Pushes sent with the next step's lookup (start_push_parts_and_read_rows)."""
 
 
 class FakeParameterServers:
@@ -185,6 +188,46 @@ class FakeParameterServers:
             lambda: None,
             keep=gradients,
         )
+
+    def push_parts(
+        self, gradients: Mapping[str, torch.Tensor | RowGradient], base_versions: Mapping[ShardRef, int] | None = None
+    ) -> list[tuple[int, Any]]:
+        """One 'part' holding the whole push: this fake has one server."""
+        return [(0, (dict(gradients), dict(base_versions or {})))]
+
+    def start_push_parts_and_read_rows(
+        self,
+        parts: Sequence[tuple[int, Any]],
+        names: Sequence[str],
+        lookups: Mapping[str, torch.Tensor],
+        *,
+        key: str,
+        dynamic: Mapping[str, tuple[int, torch.dtype]] | None = None,
+    ) -> tuple[PendingExchange, dict[str, UniqueRows]]:
+        """As the real client: a bad lookup raises before anything is sent; the push is applied,
+        then the values and rows read, when ``result()`` runs."""
+        for name, indices in lookups.items():
+            rows = self.layouts[name].shape[0]
+            if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= rows):
+                raise IndexOutOfRangeError(f"row index outside [0, {rows})", variable=name)
+        self.traffic.merged += 1
+
+        found = {
+            name: UniqueRows(*torch.unique(ids.reshape(-1).to(torch.int64), return_inverse=True), torch.empty(0))
+            for name, ids in lookups.items()
+        }
+
+        def result() -> tuple[PushSummary, PullResult]:
+            (_, (gradients, base)), *_ = parts
+            summary = self.push(gradients, key=key, base_versions=base)
+            self.traffic.read_back.extend(names)
+            pulled = self._read(names, None)
+            rows, versions = self.pull_unique_rows(lookups) if lookups else ({}, {})
+            for name, unique in rows.items():  # filled in place, as the real client's reads land
+                found[name].rows.set_(unique.rows)
+            return summary, PullResult(pulled.tensors, {**pulled.versions, **versions})
+
+        return PendingExchange(result, lambda: None, keep=parts), found
 
     def push(
         self,

@@ -17,7 +17,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -33,7 +33,7 @@ from paramserve.psserver.protocol.types import (
     VariableLayout,
 )
 from paramserve.worker.layers import mark_variable, variable_name
-from paramserve.worker.pipeline import PushPipeline
+from paramserve.worker.pipeline import DeferredPush, PushPipeline
 from paramserve.worker.results import ClosureCancelled
 from paramserve.worker.row_cache import CacheUse, RowCache, cached_lookup
 from paramserve.worker.transfers import HostTransfers, Transfers
@@ -84,6 +84,24 @@ class VariableClient(Protocol):
     ) -> PendingExchange:
         """``push_and_pull`` sent now, its replies read by the result's ``result()``."""
 
+    def push_parts(
+        self, gradients: Mapping[str, torch.Tensor | RowGradient], base_versions: Mapping[ShardRef, int] | None = None
+    ) -> list[tuple[int, Any]]:
+        """What ``gradients`` send to each server (checked now), for ``start_push_parts_and_read_rows``."""
+
+    def start_push_parts_and_read_rows(
+        self,
+        parts: Sequence[tuple[int, Any]],
+        names: Sequence[str],
+        lookups: Mapping[str, torch.Tensor],
+        *,
+        key: str,
+        dynamic: Mapping[str, tuple[int, torch.dtype]] | None = None,
+    ) -> tuple[PendingExchange, dict[str, UniqueRows]]:
+        """A push and the next lookups in one round trip per server (the rows read include the
+        push); a bad lookup raises here, before anything is sent. The rows (by table) are
+        filled once the exchange's ``result()`` returned."""
+
     def close(self) -> None: ...
 
 
@@ -114,6 +132,9 @@ class LocalVariables:
         self._returned_at = float("-inf")
         self._returned_generation = -1
         """The read generation of the closure whose pushes returned those values."""
+        self._awaited: set[str] = set()
+        """Variables a deferred push will read back (worker.pipeline): not stale meanwhile, the
+        values held being at most one of this worker's steps old."""
         self.read_generation = 0
         """The read generation of the closure running (see ``returned_within``)."""
         self.steps = 0
@@ -142,7 +163,16 @@ class LocalVariables:
         return self.transfers.pull_destinations({n: self.parameters[n] for n in names if n in self.parameters})
 
     def stale(self, names: Sequence[str]) -> list[str]:
-        return [n for n in dict.fromkeys(names) if n not in self._fresh]
+        return [n for n in dict.fromkeys(names) if n not in self._fresh and n not in self._awaited]
+
+    def await_values(self, names: Sequence[str]) -> None:
+        """``names`` will be read back by a deferred push: used as held until then."""
+        self._awaited.update(names)
+
+    def stop_awaiting(self) -> None:
+        """What a deferred push would have read back will not come (it was dropped): stale."""
+        self._fresh.difference_update(self._awaited)
+        self._awaited.clear()
 
     def mark_stale(self, names: Sequence[str] | None = None) -> None:
         if names is None:
@@ -159,6 +189,7 @@ class LocalVariables:
 
     def forget_returned(self) -> None:
         """Values read back by pushes are not to be reused (the variables were rewritten)."""
+        self.stop_awaiting()
         self._returned = set()
         self._returned_at = float("-inf")
         self._returned_generation = -1
@@ -185,6 +216,7 @@ class LocalVariables:
         self.transfers.fill(copies)
         self.versions.update(pulled.versions)
         self._fresh.update(pulled.tensors)
+        self._awaited.difference_update(pulled.tensors)
         if returned_at is not None:
             self._returned.update(pulled.tensors)
             self._returned_at = returned_at
@@ -280,7 +312,9 @@ class ClosureAccess:
         self._client = client
         self._closure_id = closure_id
         self._pipeline = pipeline
-        """Where this closure's pushes stay in flight (overlap_pushes); None: each push waits."""
+        """Where this closure's pushes stay in flight (overlap_pushes) or wait for the next lookup
+        (max_row_staleness >= 1); None: each push waits for its reply."""
+        self._defers_pushes = pipeline is not None and max_row_staleness > 0
         self._used: dict[str, nn.Parameter] = {}
         self._placed: set[int] = set()
         self._lookups: dict[str, list[_RowLookup]] = defaultdict(list)
@@ -326,20 +360,28 @@ class ClosureAccess:
         whose gradients push by id."""
         host = {name: indices.detach().to("cpu") for name, indices in lookups.items()}  # the client needs host ids
         client = self._require_client()
-        self._settle()
         if self._max_row_staleness > 0:
-            found, versions, use = cached_lookup(
-                lambda wanted, tables: client.pull_unique_rows(wanted, dynamic=tables),
-                self._variables.row_cache,
-                client.layouts,
-                host,
-                dynamic,
-                step=self._variables.steps,
-                max_staleness=self._max_row_staleness,
-                generation=self._variables.read_generation,
-            )
+            deferred = self._pipeline.take_deferred(client) if self._pipeline is not None else None
+            if deferred is None:
+                self._settle()
+            pull = _PullWithPush(client, deferred, self._pipeline)
+            try:
+                found, versions, use = cached_lookup(
+                    pull,
+                    self._variables.row_cache,
+                    client.layouts,
+                    host,
+                    dynamic,
+                    step=self._variables.steps,
+                    max_staleness=self._max_row_staleness,
+                    generation=self._variables.read_generation,
+                )
+            finally:
+                if deferred is not None and not pull.sent and self._pipeline is not None:
+                    self._pipeline.defer(deferred)  # every row was cached, or a lookup was bad: later
             self.cache_use.add(use)
         else:
+            self._settle()
             found, versions = client.pull_unique_rows(host, dynamic=dynamic)
             self.cache_use.rows_pulled += sum(unique.ids.numel() for unique in found.values())
         for ref, version in versions.items():
@@ -373,6 +415,9 @@ class ClosureAccess:
         on_device = self._gradients(names)
         # The values these gradients came from: read before a settle replaces them.
         base = {**self._variables.base_versions(list(on_device)), **self._row_versions}
+        if self._defers_pushes and not replicated:
+            self._defer_push(names, on_device, base)
+            return
         self._settle()  # raises EarlierPushFailed when that push failed
         gradients = self._variables.transfers.to_host(on_device)  # after the settle: a GPU's pinned buffers are free
         self._variables.mark_stale(list(names))
@@ -404,6 +449,44 @@ class ClosureAccess:
                 self._record(*done, used)
         self._forget_rows(names)
 
+    def _defer_push(
+        self, names: Sequence[str], on_device: Mapping[str, torch.Tensor | RowGradient], base: Mapping[ShardRef, int]
+    ) -> None:
+        """``apply_gradients`` with ``max_row_staleness`` >= 1: the push waits for the next lookup
+        (worker.pipeline: one exchange per server serves this step's push and the next step's
+        reads). This step's backward is done, so what the last exchange read back is installed
+        now; a push no lookup took is sent first."""
+        pipeline = self._pipeline
+        assert pipeline is not None
+        pipeline.install()
+        self._settle()
+        gradients = self._variables.transfers.to_host(on_device)
+        if gradients:
+            client = self._require_client()
+            parts = client.push_parts(gradients, base)  # a bad gradient is this step's error, now
+            key = f"{self._closure_id}/{self._push_seq}"
+            self._push_seq += 1
+            read_back = [n for n in dict.fromkeys(names) if n in self._used]
+            used = list(self._used.values())
+            self._variables.mark_stale([n for n in names if n not in read_back])
+            self._variables.await_values(read_back)
+            for name in gradients:  # they belong to the push now: no later step writes into them
+                parameter = self._variables.parameters.get(name)
+                if parameter is not None:
+                    parameter.grad = None
+
+            def flush() -> None:
+                self._record(*client.push_and_pull(gradients, read_back, key=key, base_versions=base), used)
+
+            def received(summary: PushSummary, pulled: PullResult) -> None:
+                self.pushes_applied += summary.applied
+                self.pushes_duplicate += summary.duplicates
+                arrived_at = time.monotonic()
+                pipeline.arrive(lambda: self._variables.fill(pulled, used, returned_at=arrived_at))
+
+            pipeline.defer(DeferredPush(self, client, parts, read_back, key, flush, received))
+        self._forget_rows(names)
+
     def _exchange_dense(self, names: Sequence[str]) -> None:
         """The replicated variables' part of a step: their gradients go to the all-reduce that
         averages them over the workers (applied on each by ``settle``). The tables' push is in
@@ -413,6 +496,12 @@ class ClosureAccess:
         self._dense_seq += 1
         dense = {name: g for name, g in self._gradients(names).items() if isinstance(g, torch.Tensor)}
         self._dense.exchange(dense, key)  # (replicated variables have no row lookups)
+
+    def begin_step(self) -> None:
+        """A step of this closure starts (the previous one's backward is done): values that
+        arrived with a deferred push's exchange are installed now (worker.pipeline)."""
+        if self._pipeline is not None:
+            self._pipeline.install()
 
     def settle_replicated(self) -> None:
         self._dense.settle()
@@ -469,3 +558,34 @@ class ClosureAccess:
                 "this closure uses distributed variables but was sent without parameter servers in its cluster context"
             )
         return self._client
+
+
+class _PullWithPush:
+    """The row cache's pull (``VariableClient.pull_unique_rows``) that also carries a deferred
+    push when there is one (worker.pipeline): one exchange per server applies it, then reads the
+    rows. Records the push's outcome on its owner; its failure is the owner's, and the lookup
+    raises EarlierPushFailed from it. ``sent``: whether the push left (a bad lookup raises first)."""
+
+    def __init__(self, client: VariableClient, deferred: DeferredPush | None, pipeline: PushPipeline | None):
+        self._client = client
+        self._deferred = deferred
+        self._pipeline = pipeline
+        self.sent = False
+
+    def __call__(
+        self, wanted: Mapping[str, torch.Tensor], dynamic: Mapping[str, tuple[int, torch.dtype]] | None
+    ) -> tuple[dict[str, UniqueRows], dict[ShardRef, int]]:
+        deferred, pipeline = self._deferred, self._pipeline
+        if deferred is None or pipeline is None:
+            return self._client.pull_unique_rows(wanted, dynamic=dynamic)
+        pending, found = self._client.start_push_parts_and_read_rows(
+            deferred.parts, deferred.read_back, wanted, key=deferred.key, dynamic=dynamic
+        )  # a bad lookup raises here: nothing left, the push stays deferred
+        self.sent = True
+        try:
+            summary, pulled = pending.result()
+        except Exception as exc:
+            raise pipeline.failed(deferred, exc) from exc
+        deferred.received(summary, pulled)
+        tables = set(wanted)  # the dense values' versions come with them, at install
+        return found, {ref: v for ref, v in pulled.versions.items() if ref.variable in tables}

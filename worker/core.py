@@ -201,8 +201,9 @@ class WorkerCore:
         malformed request.
 
         Closures that ask for ``overlap_pushes`` leave each push in flight while the next step
-        computes (worker.pipeline); the last is settled before this returns, and a push that
-        failed is its closure's error (the closures after it are not run)."""
+        computes, and closures with ``max_row_staleness`` >= 1 hold it for the next step's lookup
+        (worker.pipeline); the last is settled before this returns, and a push that failed is
+        its closure's error (the closures after it are not run)."""
         for request in requests:
             _validate(request)
         with self._run_lock:
@@ -251,7 +252,8 @@ class WorkerCore:
             self._batch = frozenset(request.closure_id for request in requests)
         try:
             for request in requests:
-                outcome, access = self._run(request, pipeline if request.overlap_pushes else None, dense)
+                uses_pipeline = request.overlap_pushes or request.max_row_staleness > 0
+                outcome, access = self._run(request, pipeline if uses_pipeline else None, dense)
                 if owner is not None and outcome.error is not None and outcome.error.group_failed:
                     runs = _fail_in_flight(runs, owner, outcome.error)  # its step may be what failed
                     break
@@ -262,6 +264,7 @@ class WorkerCore:
             pipeline.settle_quietly()
         finally:
             pipeline.abandon()  # only where something above raised
+            self._variables.stop_awaiting()  # a deferred push's values that never came are stale
             with self._state_lock:
                 self._batch = frozenset()
             if dense is not None:
@@ -381,6 +384,7 @@ class WorkerCore:
                         )
                     # A step starts from what the previous step's pushes returned (read as it
                     # ended), and pulls everything else it uses.
+                    access.begin_step()  # what a deferred push read back is installed first
                     self._variables.begin_step(keep_returned=step > 0 or reuse_first)
                     access.refresh_used()
                     result = fn(*args, **kwargs)

@@ -36,13 +36,10 @@ from paramserve.psserver.client.step_transport import (
 from paramserve.psserver.client.step_work import (
     Exchange,
     LayoutWire,
+    PushPart,
     ReadEntry,
-    RowScatter,
-    dynamic_reads,
-    dynamic_row_parts,
-    group_rows,
-    index_error,
-    push_parts,
+    gradient_parts,
+    lookup_reads,
     read_destination,
 )
 from paramserve.psserver.dataplane.dataplane_client import DataPlaneLinks
@@ -69,6 +66,7 @@ from paramserve.psserver.protocol.types import (
     ShardState,
     UniqueRows,
     VariableLayout,
+    layouts_from_infos,
 )
 from paramserve.psserver.runtime.channels import channel_options, open_channel
 from paramserve.psserver.runtime.security import ClientTls
@@ -325,36 +323,20 @@ class ParameterServerClient:
         its table. ``dynamic``: tables among them that are dynamic (name: dim and dtype), whose
         indices are ids (DtypeMismatchError for ids that are not integers); remembered, so
         that their gradients push by id too."""
-        if dynamic:
-            self._knows_dynamic(dynamic)
         exchange = Exchange()
-        found: dict[str, UniqueRows] = {}
-        for name, indices in lookups.items():
-            shape = self._dynamic.get(name)
-            if shape is not None:
-                found[name] = dynamic_reads(exchange, name, indices, *shape, len(self.addresses))
-                continue
-            found[name] = self._add_row_reads(exchange, self.layout(name), indices)
+        found = self._add_lookups(exchange, lookups, dynamic)
         _, versions = self._run(exchange, None, next(iter(lookups)) if len(lookups) == 1 else None)
         return found, versions
 
-    def _add_row_reads(self, exchange: Exchange, layout: VariableLayout, indices: torch.Tensor) -> UniqueRows:
-        flat = indices.reshape(-1).to(torch.int64)
-        rows_in_table = layout.shape[0]
-        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= rows_in_table):
-            bad = int(flat[(flat < 0) | (flat >= rows_in_table)][0])
-            raise index_error(layout.name, bad, rows_in_table)
-        unique, inverse = torch.unique(flat, return_inverse=True)
-        rows = torch.empty((unique.numel(), *layout.shape[1:]), dtype=layout.dtype)
-        wire = self._wire_of(layout)
-        for index, positions in group_rows(layout, unique):
-            shard = layout.shards[index]
-            local = unique[positions] - shard.row_start
-            item = ps_pb2.PullItem(
-                ref=wire.shards[index].ref_proto, sparse=True, row_indices=convert.rows_to_bytes(local)
-            )
-            exchange.read(shard.server, ReadEntry(item, RowScatter(rows, positions), wire.shards[index].ref))
-        return UniqueRows(unique, inverse, rows)
+    def _add_lookups(
+        self,
+        exchange: Exchange,
+        lookups: Mapping[str, torch.Tensor],
+        dynamic: Mapping[str, tuple[int, torch.dtype]] | None,
+    ) -> dict[str, UniqueRows]:
+        if dynamic:
+            self._knows_dynamic(dynamic)
+        return lookup_reads(exchange, lookups, self._dynamic, len(self.addresses), self._wire_of_name)
 
     def push(
         self,
@@ -401,14 +383,8 @@ class ParameterServerClient:
         (closing their connections): whether the push was applied is then unknown, and a
         retry under the same ``key`` applies it at most once."""
         exchange = Exchange()
-        for name, gradient in gradients.items():
-            shape = self._dynamic.get(name)
-            if shape is not None and isinstance(gradient, RowGradient):
-                parts = dynamic_row_parts(name, gradient, shape[0], len(self.addresses), base_versions or {})
-            else:
-                parts = push_parts(self._wire_of(self.layout(name)), gradient, base_versions or {})
-            for server, part in parts:
-                exchange.push(server, part)
+        for server, part in self.push_parts(gradients, base_versions):
+            exchange.push(server, part)
         self._add_reads(exchange, names, out)
         variable = next(iter(gradients)) if len(gradients) == 1 else None
         in_flight = self._steps.start(exchange.by_server, key or uuid.uuid4().hex, variable)
@@ -418,6 +394,44 @@ class ParameterServerClient:
             return PushSummary(tuple(outcomes)), PullResult(exchange.outputs, versions)
 
         return PendingExchange(finish, in_flight.abandon, keep=gradients)
+
+    def push_parts(
+        self, gradients: Mapping[str, torch.Tensor | RowGradient], base_versions: Mapping[ShardRef, int] | None = None
+    ) -> list[tuple[int, PushPart]]:
+        """What ``gradients`` send to each server, as (server, part): checked and cut now, sent by
+        ``start_push_parts_and_read_rows`` (the parts keep the gradients' memory alive)."""
+        dynamic = {name: shape[0] for name, shape in self._dynamic.items()}
+        return gradient_parts(gradients, base_versions or {}, dynamic, len(self.addresses), self._wire_of_name)
+
+    def _wire_of_name(self, name: str) -> LayoutWire:
+        return self._wire_of(self.layout(name))
+
+    def start_push_parts_and_read_rows(
+        self,
+        parts: Sequence[tuple[int, PushPart]],
+        names: Sequence[str],
+        lookups: Mapping[str, torch.Tensor],
+        *,
+        key: str,
+        dynamic: Mapping[str, tuple[int, torch.dtype]] | None = None,
+    ) -> tuple[PendingExchange, dict[str, UniqueRows]]:
+        """A push (``parts``) and the next step's lookups in one round trip per server: each
+        server applies the push, then reads ``names`` and the rows (so they include the push).
+        A bad lookup raises before anything is sent. Returns the exchange (``result()``: the
+        push's summary and ``names``' values, or the typed error: a retry under ``key`` applies
+        the push once) and the rows by table, filled once ``result()`` returns."""
+        exchange = Exchange()
+        found = self._add_lookups(exchange, lookups, dynamic)
+        for server, part in parts:
+            exchange.push(server, part)
+        self._add_reads(exchange, names, None)
+        in_flight = self._steps.start(exchange.by_server, key, None)
+
+        def finish() -> tuple[PushSummary, PullResult]:
+            outcomes, versions = in_flight.result()
+            return PushSummary(tuple(outcomes)), PullResult(exchange.outputs, versions)
+
+        return PendingExchange(finish, in_flight.abandon, keep=parts), found
 
     def _add_reads(self, exchange: Exchange, names: Sequence[str], out: Mapping[str, torch.Tensor] | None) -> None:
         for layout in (self.layout(n) for n in names):
@@ -575,21 +589,3 @@ class ParameterServerClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def layouts_from_infos(infos_by_server: Mapping[int, Sequence[ShardInfo]]) -> dict[str, VariableLayout]:
-    """Reconstructs variable layouts from what each server reports holding."""
-    found: dict[str, list[tuple[ShardInfo, int]]] = defaultdict(list)
-    for server, infos in infos_by_server.items():
-        for info in infos:
-            found[info.ref.variable].append((info, server))
-    layouts = {}
-    for name, entries in found.items():
-        entries.sort(key=lambda e: e[0].ref.shard)
-        first = entries[0][0]
-        shards = tuple(
-            ShardPlacement(info.ref.shard, server, info.row_start, info.shape[0] if info.shape else 0)
-            for info, server in entries
-        )
-        layouts[name] = VariableLayout(name, first.variable_shape, first.dtype, shards)
-    return layouts

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -239,6 +239,64 @@ def read_destination(layout: VariableLayout, given: torch.Tensor | None) -> torc
             f"a pull destination must be a contiguous host tensor, got one on {given.device}", variable=layout.name
         )
     return given
+
+
+def row_reads(exchange: Exchange, wire: LayoutWire, indices: torch.Tensor) -> UniqueRows:
+    """Adds to ``exchange`` the reads of the distinct rows ``indices`` name (each shard's from its
+    server); their values land in the result's ``rows``. Raises IndexOutOfRangeError, before
+    adding any, for an index outside the table."""
+    layout = wire.layout
+    flat = indices.reshape(-1).to(torch.int64)
+    rows_in_table = layout.shape[0]
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= rows_in_table):
+        bad = int(flat[(flat < 0) | (flat >= rows_in_table)][0])
+        raise index_error(layout.name, bad, rows_in_table)
+    unique, inverse = torch.unique(flat, return_inverse=True)
+    rows = torch.empty((unique.numel(), *layout.shape[1:]), dtype=layout.dtype)
+    for index, positions in group_rows(layout, unique):
+        shard = layout.shards[index]
+        local = unique[positions] - shard.row_start
+        item = ps_pb2.PullItem(ref=wire.shards[index].ref_proto, sparse=True, row_indices=convert.rows_to_bytes(local))
+        exchange.read(shard.server, ReadEntry(item, RowScatter(rows, positions), wire.shards[index].ref))
+    return UniqueRows(unique, inverse, rows)
+
+
+def lookup_reads(
+    exchange: Exchange,
+    lookups: Mapping[str, torch.Tensor],
+    dynamic: Mapping[str, tuple[int, torch.dtype]],
+    num_servers: int,
+    wire_of: Callable[[str], LayoutWire],
+) -> dict[str, UniqueRows]:
+    """Adds the reads of every lookup's distinct rows (``dynamic``: the dynamic tables, by id);
+    raises, before adding any of a table's, for a bad index."""
+    found: dict[str, UniqueRows] = {}
+    for name, indices in lookups.items():
+        shape = dynamic.get(name)
+        if shape is not None:
+            found[name] = dynamic_reads(exchange, name, indices, *shape, num_servers)
+        else:
+            found[name] = row_reads(exchange, wire_of(name), indices)
+    return found
+
+
+def gradient_parts(
+    gradients: Mapping[str, torch.Tensor | RowGradient],
+    base_versions: Mapping[ShardRef, int],
+    dynamic_dims: Mapping[str, int],
+    num_servers: int,
+    wire_of: Callable[[str], LayoutWire],
+) -> list[tuple[int, PushPart]]:
+    """(server, part) for every gradient: a dynamic table's row gradient (``dynamic_dims``: their
+    row widths) by id, every other as ``push_parts`` cuts it along ``wire_of(name)``."""
+    parts: list[tuple[int, PushPart]] = []
+    for name, gradient in gradients.items():
+        dim = dynamic_dims.get(name)
+        if dim is not None and isinstance(gradient, RowGradient):
+            parts += dynamic_row_parts(name, gradient, dim, num_servers, base_versions)
+        else:
+            parts += push_parts(wire_of(name), gradient, base_versions)
+    return parts
 
 
 def push_parts(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -236,3 +237,21 @@ class PendingExchange:
             self._finish = None
             self._keep = None
             self._abandon()
+
+
+def layouts_from_infos(infos_by_server: Mapping[int, Sequence[ShardInfo]]) -> dict[str, VariableLayout]:
+    """Reconstructs variable layouts from what each server reports holding."""
+    found: dict[str, list[tuple[ShardInfo, int]]] = defaultdict(list)
+    for server, infos in infos_by_server.items():
+        for info in infos:
+            found[info.ref.variable].append((info, server))
+    layouts = {}
+    for name, entries in found.items():
+        entries.sort(key=lambda e: e[0].ref.shard)
+        first = entries[0][0]
+        shards = tuple(
+            ShardPlacement(info.ref.shard, server, info.row_start, info.shape[0] if info.shape else 0)
+            for info, server in entries
+        )
+        layouts[name] = VariableLayout(name, first.variable_shape, first.dtype, shards)
+    return layouts
