@@ -72,7 +72,7 @@ class Traffic:
     started: int = 0
     """Pushes started to stay in flight (start_push_and_pull)."""
     merged: int = 0
-    """Pushes sent with the next step's lookup (start_push_parts_and_read_rows)."""
+    """Pushes sent with the next step's lookup (start_push_parts_and_read_rows with lookups)."""
 
 
 class FakeParameterServers:
@@ -210,7 +210,8 @@ class FakeParameterServers:
             rows = self.layouts[name].shape[0]
             if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= rows):
                 raise IndexOutOfRangeError(f"row index outside [0, {rows})", variable=name)
-        self.traffic.merged += 1
+        if lookups:  # else a push on its own, sent from parts already cut
+            self.traffic.merged += 1
 
         found = {
             name: UniqueRows(*torch.unique(ids.reshape(-1).to(torch.int64), return_inverse=True), torch.empty(0))

@@ -475,8 +475,9 @@ class ClosureAccess:
                 if parameter is not None:
                     parameter.grad = None
 
-            def flush() -> None:
-                self._record(*client.push_and_pull(gradients, read_back, key=key, base_versions=base), used)
+            def flush() -> None:  # the parts cut above, without lookups
+                pending, _ = client.start_push_parts_and_read_rows(parts, read_back, {}, key=key)
+                self._record(*pending.result(), used)
 
             def received(summary: PushSummary, pulled: PullResult) -> None:
                 self.pushes_applied += summary.applied

@@ -167,17 +167,7 @@ class RowCache:
         if ids.numel() == 0:
             return
         held = self.table(table, table_rows, tuple(rows.shape[1:]), rows.dtype)
-        slot = ids % held.ids.numel()
-        taken, inverse = torch.unique(slot, return_inverse=True)
-        if taken.numel() < slot.numel():  # one write per slot, all from the same id
-            last = torch.zeros(taken.numel(), dtype=torch.int64)
-            last.scatter_reduce_(0, inverse, torch.arange(slot.numel()), reduce="amax", include_self=False)
-            ids, rows, versions, slot = ids[last], rows[last], versions[last], taken
-        held.ids[slot] = ids
-        held.rows[slot] = rows.detach().to(held.rows.dtype)
-        held.step[slot] = step
-        held.generation[slot] = generation
-        held.version[slot] = versions
+        _write(held.group, held.offset + ids % held.slots, ids, rows.detach(), versions, step, generation)
 
     def clear(self) -> None:
         """Forgets every row (the variables were rewritten, or live elsewhere now)."""
@@ -229,17 +219,14 @@ def cached_lookup(
     use = CacheUse()
     dynamic = dynamic or {}
     wanted: dict[str, torch.Tensor] = {n: ids for n, ids in lookups.items() if n in dynamic}
-    by_group: dict[int, list[str]] = {}
-    groups: dict[int, _Group] = {}
+    by_group: dict[int, dict[str, _Table]] = {}
     for name in lookups:
         if name not in dynamic:
             layout = layouts[name]
-            group = cache.table(name, layout.shape[0], tuple(layout.shape[1:]), layout.dtype).group
-            by_group.setdefault(id(group), []).append(name)
-            groups[id(group)] = group
+            table = cache.table(name, layout.shape[0], tuple(layout.shape[1:]), layout.dtype)
+            by_group.setdefault(id(table.group), {})[name] = table
     plans = [
-        _GroupLookup(cache, groups[key], names, layouts, lookups, step, max_staleness, generation, wanted)
-        for key, names in by_group.items()
+        _GroupLookup(tables, layouts, lookups, step, max_staleness, generation, wanted) for tables in by_group.values()
     ]
     pulled, versions = pull(wanted, dynamic) if wanted else ({}, {})
     versions = dict(versions)
@@ -260,9 +247,7 @@ class _GroupLookup:
 
     def __init__(
         self,
-        cache: RowCache,
-        group: _Group,
-        names: list[str],
+        tables_by_name: Mapping[str, _Table],
         layouts: Mapping[str, VariableLayout],
         lookups: Mapping[str, torch.Tensor],
         step: int,
@@ -270,9 +255,10 @@ class _GroupLookup:
         generation: int,
         wanted: dict[str, torch.Tensor],
     ):
+        names, tables = list(tables_by_name), list(tables_by_name.values())
+        group = tables[0].group
         self.group, self.names, self.layouts = group, names, layouts
         self.step, self.generation = step, generation
-        tables = [cache.table(n, layouts[n].shape[0], tuple(layouts[n].shape[1:]), layouts[n].dtype) for n in names]
         self.bases = [0]
         for name in names[:-1]:
             self.bases.append(self.bases[-1] + layouts[name].shape[0])
@@ -317,7 +303,7 @@ class _GroupLookup:
         if fresh:
             rows[miss] = torch.cat(fresh).to(rows.dtype)
             read_at = shard_versions[torch.searchsorted(starts, self.keys[miss], right=True) - 1]
-            self._keep(self.slot[miss], self.local[miss], rows[miss], read_at)
+            _write(group, self.slot[miss], self.local[miss], rows[miss], read_at, self.step, self.generation)
             use.rows_pulled += int(miss.sum())
         if self.hit_rows.numel():
             rows[self.hit] = self.hit_rows
@@ -349,32 +335,25 @@ class _GroupLookup:
                 refs.append(ref)
         return torch.tensor(starts, dtype=torch.int64), torch.tensor(read, dtype=torch.int64), refs
 
-    def _keep(self, slot: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor, read_at: torch.Tensor) -> None:
-        """Each pulled row takes its slot (of two of one slot, the last)."""
-        taken, inverse = torch.unique(slot, return_inverse=True)
-        if taken.numel() < slot.numel():
-            last = torch.zeros(taken.numel(), dtype=torch.int64)
-            last.scatter_reduce_(0, inverse, torch.arange(slot.numel()), reduce="amax", include_self=False)
-            ids, rows, read_at, slot = ids[last], rows[last], read_at[last], taken
-        group = self.group
-        group.ids[slot] = ids
-        group.rows[slot] = rows
-        group.step[slot] = self.step
-        group.generation[slot] = self.generation
-        group.version[slot] = read_at
 
-
-def _shard_positions(layout: VariableLayout, ids: torch.Tensor) -> torch.Tensor:
-    """The position in ``layout.shards`` of each row id's shard."""
-    return torch.bucketize(ids, layout.row_starts, right=True) - 1
-
-
-def _oldest_reads(
-    versions: dict[ShardRef, int], layout: VariableLayout, ids: torch.Tensor, read_at: torch.Tensor
+def _write(
+    group: _Group,
+    slot: torch.Tensor,
+    ids: torch.Tensor,
+    rows: torch.Tensor,
+    read_at: torch.Tensor,
+    step: int,
+    generation: int,
 ) -> None:
-    """Lowers each shard's version in ``versions`` to the oldest of its rows ``ids`` read at ``read_at``."""
-    positions = _shard_positions(layout, ids)
-    for position in torch.unique(positions).tolist():
-        ref = layout.ref(layout.shards[position])
-        oldest = int(read_at[positions == position].min())
-        versions[ref] = min(versions.get(ref, oldest), oldest)
+    """Rows (of table-local ``ids``, read at shard versions ``read_at``) into their group ``slot``s,
+    as read at ``step`` in read generation ``generation``; of two ids of one slot, the last."""
+    taken, inverse = torch.unique(slot, return_inverse=True)
+    if taken.numel() < slot.numel():  # one write per slot, all from the same id
+        last = torch.zeros(taken.numel(), dtype=torch.int64)
+        last.scatter_reduce_(0, inverse, torch.arange(slot.numel()), reduce="amax", include_self=False)
+        ids, rows, read_at, slot = ids[last], rows[last], read_at[last], taken
+    group.ids[slot] = ids
+    group.rows[slot] = rows.to(group.rows.dtype)
+    group.step[slot] = step
+    group.generation[slot] = generation
+    group.version[slot] = read_at
