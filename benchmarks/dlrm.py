@@ -14,7 +14,8 @@ from a Zipf law, 13 dense features, bottom MLP 13-64-16, the 27 vectors concaten
   closure runs N steps, as TF's steps_per_execution), beside the same model in one
   local process at one thread (``nn.Embedding(sparse=True)`` + ``torch.optim.Adagrad``), on the
   same batches, same run; the two take turns, medians of --rounds. Start-up (table creation)
-  is excluded from both and printed apart.
+  is excluded from both and printed apart. --overlap-pushes: the workers' overlap_pushes (a
+  step's push travels with the next step's lookup), metrics suffixed _overlap.
 - dlrm_per_feature_samples_<cap> (--per-feature): the same model written with one ShardedEmbedding
   per feature (PerFeatureEmbeddings: 26 layers, each called on its own), beside the collection's
   samples/s in the same run; their lookups travel together (worker.deferred_rows).
@@ -142,9 +143,15 @@ def paramserve_run(
     steps_per_closure: int = 1,
     sync_dense: bool = False,
     per_feature: bool = False,
+    overlap_pushes: bool = False,
 ) -> Run:
-    """``sync_dense``, ``per_feature``: see ``dlrm_cluster``."""
-    with dlrm_cluster(cap, servers, workers, sync_dense, per_feature) as (cluster, strategy, model, optimizer):
+    """``sync_dense``, ``per_feature``, ``overlap_pushes``: see ``dlrm_cluster``."""
+    with dlrm_cluster(cap, servers, workers, sync_dense, per_feature, overlap_pushes=overlap_pushes) as (
+        cluster,
+        strategy,
+        model,
+        optimizer,
+    ):
         start = time.perf_counter()
         with ClusterCoordinator(strategy) as coordinator:
             batches = iter(
@@ -167,16 +174,33 @@ def paramserve_run(
 
 
 def compare(
-    cap: int, steps: int, warmup: int, rounds: int, steps_per_closure: int = 1, per_feature: bool = False
+    cap: int,
+    steps: int,
+    warmup: int,
+    rounds: int,
+    steps_per_closure: int = 1,
+    per_feature: bool = False,
+    overlap_pushes: bool = False,
 ) -> tuple[list[Result], float]:
     ours: list[Run] = []
     local: list[Run] = []
     separate: list[Run] = []
     for round_ in range(rounds):  # the sides take turns, so drifts of a shared machine hit both
         local.append(local_run(cap, steps // 2, warmup))
-        ours.append(paramserve_run(cap, steps, warmup, steps_per_closure=steps_per_closure))
+        ours.append(
+            paramserve_run(cap, steps, warmup, steps_per_closure=steps_per_closure, overlap_pushes=overlap_pushes)
+        )
         if per_feature:
-            separate.append(paramserve_run(cap, steps, warmup, steps_per_closure=steps_per_closure, per_feature=True))
+            separate.append(
+                paramserve_run(
+                    cap,
+                    steps,
+                    warmup,
+                    steps_per_closure=steps_per_closure,
+                    per_feature=True,
+                    overlap_pushes=overlap_pushes,
+                )
+            )
             print(
                 f"  [dlrm cap {cap:,} round {round_ + 1}/{rounds}] one ShardedEmbedding per feature "
                 f"{separate[-1].samples_per_s:,.0f} samples/s ({separate[-1].cpu_ms_per_step:.2f} CPU-ms/step)",
@@ -191,7 +215,7 @@ def compare(
         )
     value = statistics.median(r.samples_per_s for r in ours)
     baseline = statistics.median(r.samples_per_s for r in local)
-    suffix = f"_x{steps_per_closure}" if steps_per_closure > 1 else ""
+    suffix = (f"_x{steps_per_closure}" if steps_per_closure > 1 else "") + ("_overlap" if overlap_pushes else "")
     results = [
         Result(
             f"dlrm_samples_{cap}{suffix}",
@@ -320,6 +344,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "metrics get the suffix _xN",
     )
     parser.add_argument(
+        "--overlap-pushes",
+        action="store_true",
+        help="the workers' overlap_pushes: a step's push travels with the next step's lookup "
+        "(one exchange per server per step; dense values one step old); metrics get the suffix _overlap",
+    )
+    parser.add_argument(
         "--per-feature",
         action="store_true",
         help="also train the model written with one ShardedEmbedding per feature "
@@ -338,7 +368,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: list[Result] = []
     speeds: list[float] = []
     for cap in args.sweep:
-        found, speed = compare(cap, args.steps, args.warmup, args.rounds, args.steps_per_closure, args.per_feature)
+        found, speed = compare(
+            cap, args.steps, args.warmup, args.rounds, args.steps_per_closure, args.per_feature, args.overlap_pushes
+        )
         results.extend(found)
         for staleness in args.max_row_staleness:
             results.extend(compare_cache(cap, args.steps, args.warmup, args.rounds, staleness))

@@ -300,6 +300,7 @@ class ClosureAccess:
         cancelled: Callable[[], bool] = lambda: False,
         dense: DenseExchange | None = None,
         max_row_staleness: int = 0,
+        overlap_pushes: bool = False,
     ):
         self._variables = variables
         self._max_row_staleness = max_row_staleness
@@ -314,7 +315,10 @@ class ClosureAccess:
         self._pipeline = pipeline
         """Where this closure's pushes stay in flight (overlap_pushes) or wait for the next lookup
         (max_row_staleness >= 1); None: each push waits for its reply."""
-        self._defers_pushes = pipeline is not None and max_row_staleness > 0
+        self._overlaps = pipeline is not None and overlap_pushes
+        """A push without rows stays in flight while the next step computes."""
+        self._defers_pushes = pipeline is not None and (overlap_pushes or max_row_staleness > 0)
+        """A push with rows waits for the next step's lookup (both consent to values one step old)."""
         self._used: dict[str, nn.Parameter] = {}
         self._placed: set[int] = set()
         self._lookups: dict[str, list[_RowLookup]] = defaultdict(list)
@@ -360,12 +364,12 @@ class ClosureAccess:
         whose gradients push by id."""
         host = {name: indices.detach().to("cpu") for name, indices in lookups.items()}  # the client needs host ids
         client = self._require_client()
-        if self._max_row_staleness > 0:
-            deferred = self._pipeline.take_deferred(client) if self._pipeline is not None else None
-            if deferred is None:
-                self._settle()
-            pull = _PullWithPush(client, deferred, self._pipeline)
-            try:
+        deferred = self._pipeline.take_deferred(client) if self._pipeline is not None else None
+        if deferred is None:
+            self._settle()
+        pull = _PullWithPush(client, deferred, self._pipeline)
+        try:
+            if self._max_row_staleness > 0:
                 found, versions, use = cached_lookup(
                     pull,
                     self._variables.row_cache,
@@ -376,14 +380,13 @@ class ClosureAccess:
                     max_staleness=self._max_row_staleness,
                     generation=self._variables.read_generation,
                 )
-            finally:
-                if deferred is not None and not pull.sent and self._pipeline is not None:
-                    self._pipeline.defer(deferred)  # every row was cached, or a lookup was bad: later
-            self.cache_use.add(use)
-        else:
-            self._settle()
-            found, versions = client.pull_unique_rows(host, dynamic=dynamic)
-            self.cache_use.rows_pulled += sum(unique.ids.numel() for unique in found.values())
+                self.cache_use.add(use)
+            else:
+                found, versions = pull(host, dynamic)
+                self.cache_use.rows_pulled += sum(unique.ids.numel() for unique in found.values())
+        finally:
+            if deferred is not None and not pull.sent and self._pipeline is not None:
+                self._pipeline.defer(deferred)  # every row was cached, or a lookup was bad: later
         for ref, version in versions.items():
             self._row_versions.setdefault(ref, version)  # the oldest read is the gradient's base
         return {name: self._rows_of(name, host[name].shape, found[name]) for name in host}
@@ -415,8 +418,8 @@ class ClosureAccess:
         on_device = self._gradients(names)
         # The values these gradients came from: read before a settle replaces them.
         base = {**self._variables.base_versions(list(on_device)), **self._row_versions}
-        if self._defers_pushes and not replicated:
-            self._defer_push(names, on_device, base)
+        if self._defers_pushes and not replicated and any(isinstance(g, RowGradient) for g in on_device.values()):
+            self._defer_push(names, on_device, base)  # a step that looked rows up: the next one will
             return
         self._settle()  # raises EarlierPushFailed when that push failed
         gradients = self._variables.transfers.to_host(on_device)  # after the settle: a GPU's pinned buffers are free
@@ -429,9 +432,10 @@ class ClosureAccess:
             read_back = [n for n in dict.fromkeys(names) if n in self._used]
             out = self._variables.pull_destinations(read_back)
             used = list(self._used.values())
-            if self._pipeline is None and replicated:  # in flight while the dense all-reduce runs
+            overlap = self._pipeline if self._overlaps else None
+            if overlap is None and replicated:  # in flight while the dense all-reduce runs
                 pending = client.start_push_and_pull(gradients, read_back, key=key, base_versions=base, out=out)
-            elif self._pipeline is None:
+            elif overlap is None:
                 self._record(*client.push_and_pull(gradients, read_back, key=key, base_versions=base, out=out), used)
             else:
                 exchange = client.start_push_and_pull(gradients, read_back, key=key, base_versions=base, out=out)
@@ -439,7 +443,7 @@ class ClosureAccess:
                     parameter = self._variables.parameters.get(name)
                     if parameter is not None:
                         parameter.grad = None
-                self._pipeline.hold(self, exchange, lambda done: self._record(*done.result(), used))
+                overlap.hold(self, exchange, lambda done: self._record(*done.result(), used))
         if replicated:
             try:
                 self._exchange_dense(replicated)
@@ -452,7 +456,8 @@ class ClosureAccess:
     def _defer_push(
         self, names: Sequence[str], on_device: Mapping[str, torch.Tensor | RowGradient], base: Mapping[ShardRef, int]
     ) -> None:
-        """``apply_gradients`` with ``max_row_staleness`` >= 1: the push waits for the next lookup
+        """``apply_gradients`` of a step that looked rows up, with ``max_row_staleness`` >= 1 or
+        ``overlap_pushes``: the push waits for the next lookup
         (worker.pipeline: one exchange per server serves this step's push and the next step's
         reads). This step's backward is done, so what the last exchange read back is installed
         now; a push no lookup took is sent first."""

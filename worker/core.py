@@ -320,6 +320,7 @@ class WorkerCore:
             cancelled,
             dense,
             max_row_staleness=request.max_row_staleness,
+            overlap_pushes=request.overlap_pushes,
         )
         result, error = self._execute(request, access, cancelled)
         outcome = ClosureOutcome(

@@ -14,7 +14,8 @@ A closure whose predecessor's push failed is stopped at its own push (``EarlierP
 and reported as not run: the coordinator retries both, with their ids, so the servers'
 idempotency keys keep every push applied once.
 
-Deferred pushes (``max_row_staleness`` >= 1): a step's push is not sent when the step ends but
+Deferred pushes (a step that looked rows up, under ``overlap_pushes`` or ``max_row_staleness``
+>= 1): a step's push is not sent when the step ends but
 held (``defer``) until the next step's lookup, which takes it (``take_deferred``) and sends it
 in the same round trip: each server applies the push, then reads the rows, so the rows include
 it, and one exchange per server serves both steps. The dense values that exchange reads back

@@ -118,15 +118,20 @@ class ParameterServerStrategy(SingleReplicaStrategy):
             never past the end of a RunClosures call: a closure's result is returned once its
             pushes are applied, and a push that fails is its closure's error. After
             ``optimizer.step()`` the pushed parameters' ``.grad`` is None (the push holds the
-            gradients until it is applied). Default False.
+            gradients until it is applied). A step that looked up embedding rows instead holds
+            its push until the next step's lookup, which carries it: one exchange per server
+            serves both (the servers apply the push, then read the rows), with the same
+            staleness (worker.pipeline). Default False.
         max_row_staleness: a worker serves the embedding rows it read at most this many of its
             own steps ago from its row cache instead of reading them again (worker.row_cache):
             on click data, where a few rows take most lookups, most rows then stop travelling.
             Every row's gradient is still pushed every step, once, naming the version it was
             read at (so the servers' ``--max-staleness`` counts the cache's staleness too). A
             cache never serves a row read before the last ``join()`` or ``fetch()``, or before a
-            restore or a failover. Dynamic tables are not cached. Default 0: no cache, every
-            lookup reads every row.
+            restore or a failover. Dynamic tables are not cached. A bound of 1 or more also
+            lets a step's push travel with the next step's lookup, as ``overlap_pushes`` does
+            (dense values then miss the worker's own previous push). Default 0: no cache, every
+            lookup reads every row, every push waits for its reply.
         environ: where ``cluster`` and ``token`` are read from when not given; default ``os.environ``.
         run_name: namespaces this run's variables on the servers (``<run_name>/<model>.<param>``),
             so that runs sharing parameter servers keep apart. Checkpoints store names

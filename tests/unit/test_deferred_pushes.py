@@ -20,6 +20,14 @@ from paramserve.worker.closure_pickling import dumps_closure
 from paramserve.worker.core import ClosureRequest, WorkerCore
 from paramserve.worker.layers import ServerOptimizer, ShardedEmbedding, mark_variable
 
+
+def dense_step(dense: nn.Linear, optimizer: ServerOptimizer, x: torch.Tensor):
+    """A step without lookups."""
+    optimizer.zero_grad()
+    dense(x).sum().backward()
+    optimizer.step()
+
+
 LR = 0.5
 SGD = OptimizerSpec("SGD", {"lr": LR})
 
@@ -70,7 +78,9 @@ def setup():
     return servers, WorkerCore(servers.factory), (table, dense, optimizer)
 
 
-def requests(servers, model, staleness: int, *, ids=((1, 2), (3, 4), (5, 6)), prefix="c") -> list[ClosureRequest]:
+def requests(
+    servers, model, staleness: int, *, ids=((1, 2), (3, 4), (5, 6)), prefix="c", overlap=False
+) -> list[ClosureRequest]:
     """One closure per id pair (distinct rows: no cache hits), ``max_row_staleness=staleness``."""
     return [
         ClosureRequest(
@@ -79,6 +89,7 @@ def requests(servers, model, staleness: int, *, ids=((1, 2), (3, 4), (5, 6)), pr
             function_name="embed_then_dense",
             cluster=servers.cluster,
             max_row_staleness=staleness,
+            overlap_pushes=overlap,
             max_value_age=3600.0,
             worker_index=0,
             num_workers=1,
@@ -163,3 +174,35 @@ def test_a_new_cluster_context_between_closures_sends_the_deferred_push_on_its_o
     outcomes = core.run_closures(batch)
     dense_used(outcomes)
     assert servers.version("table") == 2 and servers.traffic.push_keys == ["c0/0", "c1/0"]
+
+
+def test_overlap_pushes_sends_a_push_with_rows_with_the_next_lookup_and_one_without_rows_in_flight(setup):
+    servers, core, model = setup
+    outcomes = core.run_closures(requests(servers, model, staleness=0, overlap=True))
+    dense_used(outcomes)
+    assert servers.traffic.merged == 2 and servers.traffic.started == 0
+    assert sum(o.cache_use.rows_cached for o in outcomes) == 0, "no bound: no cache"
+    assert servers.version("table") == 3
+
+    _, dense, optimizer = model
+    x = torch.randn(3, 4)
+    batch = [
+        dataclasses.replace(request, payload=dumps_closure((dense_step, (dense, optimizer, x), {})))
+        for request in requests(servers, model, staleness=0, overlap=True, prefix="d")
+    ]
+    dense_used(core.run_closures(batch))
+    assert servers.traffic.merged == 2 and servers.traffic.started == 3, "no lookup to ride with: in flight"
+    assert servers.version("w") == 6
+
+
+def test_a_step_without_lookups_under_a_row_staleness_bound_waits_for_its_push(setup):
+    servers, core, model = setup
+    _, dense, optimizer = model
+    x = torch.randn(3, 4)
+    batch = [
+        dataclasses.replace(request, payload=dumps_closure((dense_step, (dense, optimizer, x), {})))
+        for request in requests(servers, model, staleness=1)
+    ]
+    dense_used(core.run_closures(batch))
+    assert servers.traffic.merged == 0 and servers.traffic.started == 0
+    assert servers.traffic.read_back.count("w") == 3, "each push read back at once, as with s = 0"
