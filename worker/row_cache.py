@@ -38,6 +38,8 @@ __all__ = ["DEFAULT_SLOTS_PER_TABLE", "CacheUse", "Found", "RowCache", "cached_l
 DEFAULT_SLOTS_PER_TABLE = 1 << 16
 """Slots per table: 65,536 rows (4 MiB of a 16-wide float32 table, with its bookkeeping 5.6 MiB)."""
 EMPTY = -1
+ID, STEP, GENERATION, VERSION = range(4)
+"""The columns of a group's ``meta``."""
 
 
 def slot_count(table_rows: int, slots_per_table: int) -> int:
@@ -63,25 +65,38 @@ class _Group:
     26-table lookup cost."""
 
     def __init__(self, row_shape: tuple[int, ...], dtype: torch.dtype):
-        self.ids = torch.empty(0, dtype=torch.int64)
-        """The (table-local) row id each slot holds, or EMPTY."""
         self.rows = torch.empty((0, *row_shape), dtype=dtype)
-        self.step = torch.empty(0, dtype=torch.int64)
-        self.generation = torch.empty(0, dtype=torch.int64)
-        self.version = torch.empty(0, dtype=torch.int64)
+        self.meta = torch.empty((0, 4), dtype=torch.int64)
+        """Per slot, side by side so that one gather reads them: the (table-local) row id it holds
+        (or EMPTY), the step and read generation it was read at, its shard's version then."""
+
+    @property
+    def ids(self) -> torch.Tensor:
+        return self.meta[:, ID]
+
+    @property
+    def step(self) -> torch.Tensor:
+        return self.meta[:, STEP]
+
+    @property
+    def generation(self) -> torch.Tensor:
+        return self.meta[:, GENERATION]
+
+    @property
+    def version(self) -> torch.Tensor:
+        return self.meta[:, VERSION]
 
     def add(self, slots: int) -> int:
         """``slots`` new empty slots (a table's); their first's position."""
-        start = self.ids.numel()
-        self.ids = torch.cat([self.ids, torch.full((slots,), EMPTY, dtype=torch.int64)])
+        start = self.meta.shape[0]
+        empty = torch.zeros((slots, 4), dtype=torch.int64)
+        empty[:, ID] = EMPTY
+        self.meta = torch.cat([self.meta, empty])
         self.rows = torch.cat([self.rows, torch.zeros((slots, *self.rows.shape[1:]), dtype=self.rows.dtype)])
-        self.step = torch.cat([self.step, torch.zeros(slots, dtype=torch.int64)])
-        self.generation = torch.cat([self.generation, torch.zeros(slots, dtype=torch.int64)])
-        self.version = torch.cat([self.version, torch.zeros(slots, dtype=torch.int64)])
         return start
 
     def held_bytes(self) -> int:
-        return self.rows.numel() * self.rows.element_size() + 4 * self.ids.numel() * self.ids.element_size()
+        return self.rows.numel() * self.rows.element_size() + self.meta.numel() * self.meta.element_size()
 
 
 class _Table:
@@ -272,50 +287,50 @@ class _GroupLookup:
         slots = torch.tensor([t.slots for t in tables], dtype=torch.int64)[position]
         self.slot = torch.tensor([t.offset for t in tables], dtype=torch.int64)[position] + self.local % slots
         if max_staleness > 0:
-            self.ages = step - group.step[self.slot]
-            self.hit = (
-                (group.ids[self.slot] == self.local)
-                & (self.ages <= max_staleness)
-                & (group.generation[self.slot] >= generation)
-            )
+            meta = group.meta.index_select(0, self.slot)
+            ages = step - meta[:, STEP]
+            hit = (meta[:, ID] == self.local) & (ages <= max_staleness) & (meta[:, GENERATION] >= generation)
         else:
-            self.ages = torch.zeros(self.keys.numel(), dtype=torch.int64)
-            self.hit = torch.zeros(self.keys.numel(), dtype=torch.bool)
+            meta, ages = torch.empty((0, 4), dtype=torch.int64), torch.empty(0, dtype=torch.int64)
+            hit = torch.zeros(self.keys.numel(), dtype=torch.bool)
         self.counts = torch.bincount(position, minlength=len(names)).tolist()
         firsts = torch.tensor([0, *self.counts[:-1]], dtype=torch.int64).cumsum(0)
         self.inverse = inverse - torch.repeat_interleave(firsts, torch.tensor(self.sizes))
-        miss = ~self.hit
-        misses = torch.bincount(position[miss], minlength=len(names)).tolist()
-        for name, ids in zip(names, torch.split(self.local[miss], misses)):
+        self.hit, self.miss = hit.nonzero().squeeze(1), (~hit).nonzero().squeeze(1)
+        misses = torch.bincount(position.index_select(0, self.miss), minlength=len(names)).tolist()
+        for name, ids in zip(names, torch.split(self.local.index_select(0, self.miss), misses)):
             if ids.numel():
                 wanted[name] = ids
         # What the cache serves, read now: keeping the pulled rows may take their slots.
-        hits = self.slot[self.hit]
-        self.hit_rows, self.hit_versions = group.rows[hits], group.version[hits]
+        self.hit_rows = group.rows.index_select(0, self.slot.index_select(0, self.hit))
+        self.hit_versions = meta[:, VERSION].index_select(0, self.hit) if self.hit.numel() else self.hit
+        self.hit_ages = ages.index_select(0, self.hit) if self.hit.numel() else self.hit
 
     def finish(
         self, pulled: Mapping[str, UniqueRows], versions: dict[ShardRef, int], use: CacheUse
     ) -> dict[str, UniqueRows]:
-        group, miss = self.group, ~self.hit
+        group = self.group
         rows = torch.empty((self.keys.numel(), *group.rows.shape[1:]), dtype=group.rows.dtype)
         fresh = [pulled[n].rows for n in self.names if n in pulled]
         starts, shard_versions, refs = self._shards(versions)
         if fresh:
-            rows[miss] = torch.cat(fresh).to(rows.dtype)
-            read_at = shard_versions[torch.searchsorted(starts, self.keys[miss], right=True) - 1]
-            _write(group, self.slot[miss], self.local[miss], rows[miss], read_at, self.step, self.generation)
-            use.rows_pulled += int(miss.sum())
-        if self.hit_rows.numel():
-            rows[self.hit] = self.hit_rows
-            shard = torch.searchsorted(starts, self.keys[self.hit], right=True) - 1
+            fresh_rows = torch.cat(fresh).to(rows.dtype)
+            rows.index_copy_(0, self.miss, fresh_rows)
+            keys = self.keys.index_select(0, self.miss)
+            read_at = shard_versions[torch.searchsorted(starts, keys, right=True) - 1]
+            slot, local = self.slot.index_select(0, self.miss), self.local.index_select(0, self.miss)
+            _write(group, slot, local, fresh_rows, read_at, self.step, self.generation)
+            use.rows_pulled += self.miss.numel()
+        if self.hit.numel():
+            rows.index_copy_(0, self.hit, self.hit_rows)
+            shard = torch.searchsorted(starts, self.keys.index_select(0, self.hit), right=True) - 1
             oldest = torch.full((len(refs),), torch.iinfo(torch.int64).max, dtype=torch.int64)
             oldest.scatter_reduce_(0, shard, self.hit_versions, reduce="amin")
             for ref, version in zip(refs, oldest.tolist()):
                 if version != torch.iinfo(torch.int64).max:
                     versions[ref] = min(versions.get(ref, version), version)
-            ages = self.ages[self.hit]
-            use.rows_cached += ages.numel()
-            use.ages.update({age: n for age, n in enumerate(torch.bincount(ages).tolist()) if n})
+            use.rows_cached += self.hit.numel()
+            use.ages.update({age: n for age, n in enumerate(torch.bincount(self.hit_ages).tolist()) if n})
         ids = torch.split(self.local, self.counts)
         table_rows = torch.split(rows, self.counts)
         inverses = torch.split(self.inverse, self.sizes)
@@ -352,8 +367,6 @@ def _write(
         last = torch.zeros(taken.numel(), dtype=torch.int64)
         last.scatter_reduce_(0, inverse, torch.arange(slot.numel()), reduce="amax", include_self=False)
         ids, rows, read_at, slot = ids[last], rows[last], read_at[last], taken
-    group.ids[slot] = ids
-    group.rows[slot] = rows.to(group.rows.dtype)
-    group.step[slot] = step
-    group.generation[slot] = generation
-    group.version[slot] = read_at
+    meta = torch.stack([ids, torch.full_like(ids, step), torch.full_like(ids, generation), read_at.to(ids.dtype)], 1)
+    group.meta.index_copy_(0, slot, meta)
+    group.rows.index_copy_(0, slot, rows.to(group.rows.dtype))
