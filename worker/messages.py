@@ -7,6 +7,7 @@ request goes through ``psserver.convert`` (the one form of "where variables live
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Sequence
 
 from paramserve.psserver.protocol import convert as ps_convert
@@ -15,6 +16,7 @@ from paramserve.wire.v1 import cluster_pb2, worker_pb2
 from paramserve.worker.core import ClosureOutcome, ClosureRequest, ResourceSpec, RoundOutcome, WorkerInfo
 from paramserve.worker.dense.group import DenseRound, GroupSpec
 from paramserve.worker.results import ClosureFailure
+from paramserve.worker.row_cache import CacheUse
 
 __all__ = [
     "batch_to_proto",
@@ -89,6 +91,9 @@ def outcome_to_proto(outcome: ClosureOutcome) -> worker_pb2.RunClosureResponse:
         pushes_duplicate=outcome.pushes_duplicate,
         seconds=outcome.seconds,
         device=outcome.device,
+        rows_pulled=outcome.cache_use.rows_pulled,
+        rows_cached=outcome.cache_use.rows_cached,
+        cached_by_age=dict(outcome.cache_use.ages),
     )
     if outcome.error is not None:
         error = outcome.error
@@ -197,6 +202,11 @@ def outcome_from_proto(message: worker_pb2.RunClosureResponse) -> ClosureOutcome
         pushes_duplicate=int(message.pushes_duplicate),
         seconds=float(message.seconds),
         device=message.device,
+        cache_use=CacheUse(
+            rows_cached=int(message.rows_cached),
+            rows_pulled=int(message.rows_pulled),
+            ages=collections.Counter({int(age): int(n) for age, n in message.cached_by_age.items()}),
+        ),
     )
 
 

@@ -33,13 +33,29 @@ import torch
 
 from paramserve.psserver.protocol.types import ShardRef, UniqueRows, VariableLayout
 
-__all__ = ["DEFAULT_SLOTS_PER_TABLE", "CacheUse", "Found", "RowCache", "cached_lookup", "slot_count"]
+__all__ = [
+    "DEFAULT_SLOTS_PER_TABLE",
+    "MAX_AGE_LABEL",
+    "CacheUse",
+    "Found",
+    "RowCache",
+    "age_label",
+    "cached_lookup",
+    "slot_count",
+]
 
 DEFAULT_SLOTS_PER_TABLE = 1 << 16
 """Slots per table: 65,536 rows (4 MiB of a 16-wide float32 table, with its bookkeeping 5.6 MiB)."""
 EMPTY = -1
+MAX_AGE_LABEL = 32
+"""Ages of cached rows above this share one metric series (a label per age up to it: bounded)."""
 ID, STEP, GENERATION, VERSION = range(4)
 """The columns of a group's ``meta``."""
+
+
+def age_label(age: int) -> str:
+    """The ``age`` label of a cached row read ``age`` steps ago."""
+    return str(age) if age <= MAX_AGE_LABEL else f"{MAX_AGE_LABEL}+"
 
 
 def slot_count(table_rows: int, slots_per_table: int) -> int:

@@ -14,6 +14,7 @@ from paramserve.psserver.runtime.security import TlsConfig
 from paramserve.psserver.runtime.serving import DEFAULT_MAX_CONNECTIONS, GrpcService, RunningService, ensure_descriptors
 from paramserve.worker.closure_access import ClientFactory
 from paramserve.worker.core import ClosureOutcome, ClosureRequest, WorkerCore
+from paramserve.worker.row_cache import MAX_AGE_LABEL, age_label
 from paramserve.worker.servicer import SERVICE_NAME, WorkerServicer, generic_handler
 
 
@@ -126,15 +127,6 @@ class ClosureMetrics:
         self.rows.labels("cached").inc(use.rows_cached)
         for age, count in use.ages.items():
             self.row_staleness.labels(age_label(age)).inc(count)
-
-
-MAX_AGE_LABEL = 32
-"""Ages of cached rows above this share one series (a label per age up to it: bounded)."""
-
-
-def age_label(age: int) -> str:
-    """The ``age`` label of a cached row read ``age`` steps ago."""
-    return str(age) if age <= MAX_AGE_LABEL else f"{MAX_AGE_LABEL}+"
 
 
 def _result_label(outcome: ClosureOutcome) -> str:

@@ -84,6 +84,13 @@ def format_status(status: Mapping[str, Any], events: int = 10) -> str:
         f"{c['failed']} failed, {c['cancelled']} cancelled, {c['retried']} retried",
         f"workers: {w['total']} ({w['alive']} alive, {w['joining']} joining, {w['lost']} lost, {w['stopped']} stopped)",
     ]
+    rows = s.get("rows")  # a page of an older version has none
+    if rows and rows["pulled"] + rows["cached"]:
+        ages = ", ".join(f"{age}: {count}" for age, count in rows["ages"].items()) or "-"
+        lines.append(
+            f"rows: {rows['pulled']} pulled, {rows['cached']} cached (hit rate {_num(rows['hit_rate'])}; "
+            f"cached rows by age in steps: {ages})"
+        )
     lines += _columns(
         ("worker", "state", "running", "done", "failed", "retried", "last seen"),
         [

@@ -342,6 +342,8 @@ class Dispatcher:
         if result.device and result.device != self._device:
             self._device = result.device
             self._observer.worker_device(self.address, result.device)
+        if result.rows_pulled or result.rows_cached:
+            self._observer.rows_read(int(result.rows_pulled), int(result.rows_cached), dict(result.cached_by_age))
         if previous is not None and previous != result.worker_incarnation:
             self._cluster_held = ""
             log.warning(

@@ -7,6 +7,7 @@ dispatch imports nothing of the status page or metrics, and a test can pass its 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -33,6 +34,10 @@ class CoordinatorObserver(Protocol):
     def worker_device(self, address: str, device: str) -> None:
         """The worker at ``address`` computes on ``device`` (told when it first answers, and when it changes)."""
 
+    def rows_read(self, pulled: int, cached: int, cached_by_age: Mapping[int, int]) -> None:
+        """A closure's lookups pulled ``pulled`` distinct rows from the servers and took ``cached``
+        from the worker's row cache (``cached_by_age``: by how many of its steps ago they were read)."""
+
 
 class _NoObserver:
     def closure_scheduled(self, closure: Closure) -> None:
@@ -48,6 +53,9 @@ class _NoObserver:
         pass
 
     def worker_device(self, address: str, device: str) -> None:
+        pass
+
+    def rows_read(self, pulled: int, cached: int, cached_by_age: Mapping[int, int]) -> None:
         pass
 
 

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from paramserve.coordinator.status.status_history import rounded
+from paramserve.worker.row_cache import age_label
 
 if TYPE_CHECKING:
     from paramserve.coordinator.dispatch.closures import Closure
@@ -184,6 +185,10 @@ class RunView:
     report: Report | None
     events: tuple[Event, ...]
     events_total: int
+    rows: Mapping[str, int] = field(default_factory=dict)
+    """Distinct rows the workers' lookups 'pulled' and took from their row caches ('cached')."""
+    row_ages: Mapping[str, int] = field(default_factory=dict)
+    """The cached ones by age label (worker.row_cache.age_label)."""
 
 
 def check_report(
@@ -224,6 +229,8 @@ class RunLog:
         self._lock = threading.Lock()
         self._started = clock()
         self._counts = collections.Counter[str]()
+        self._rows = collections.Counter[str]()
+        self._row_ages = collections.Counter[str]()
         self._workers: dict[str, WorkerFacts] = {}
         self._joined = 0
         self._servers: dict[str, ServerLog] = {}
@@ -269,6 +276,13 @@ class RunLog:
             if worker is not None:
                 worker.retried += 1
                 self._version += 1
+
+    def rows_read(self, pulled: int, cached: int, cached_by_age: Mapping[int, int]) -> None:
+        with self._lock:
+            self._rows["pulled"] += pulled
+            self._rows["cached"] += cached
+            for age, count in cached_by_age.items():
+                self._row_ages[age_label(age)] += count
 
     # ---------------------------------------------------------------- workers
 
@@ -396,6 +410,8 @@ class RunLog:
                 report=self._report,
                 events=tuple(self._events) if events else (),
                 events_total=self._events_total,
+                rows=dict(self._rows),
+                row_ages=dict(self._row_ages),
             )
 
     def worker_table(self, running: Mapping[str, int]) -> WorkerTable:
@@ -685,6 +701,7 @@ def _status(inputs: StatusInputs) -> dict[str, Any]:
             "samples": rounded(report.samples) if report is not None else None,
             "metrics": {k: rounded(v) for k, v in sorted(report.metrics.items())} if report is not None else {},
             "reported": report.time if report is not None else None,
+            "rows": _rows(run),
         },
         "servers": list(inputs.servers),
         "series": inputs.series,
@@ -692,6 +709,19 @@ def _status(inputs: StatusInputs) -> dict[str, Any]:
         "events_total": run.events_total,
         "cursor": str(inputs.cursor) if inputs.cursor is not None else None,
         "since": str(inputs.since) if inputs.since is not None else None,
+    }
+
+
+def _rows(run: RunView) -> dict[str, Any]:
+    """The workers' lookups: rows pulled and cached, the hit rate (None before any lookup) and the
+    cached rows' ages, youngest first."""
+    pulled, cached = run.rows.get("pulled", 0), run.rows.get("cached", 0)
+    ages = sorted(run.row_ages.items(), key=lambda item: int(item[0].rstrip("+")) + item[0].endswith("+"))
+    return {
+        "pulled": pulled,
+        "cached": cached,
+        "hit_rate": rounded(cached / (pulled + cached)) if pulled + cached else None,
+        "ages": dict(ages),
     }
 
 

@@ -256,6 +256,10 @@ SCRIPT = """
     setText("t-loss", num(sum.loss));
     setText("t-samples", num(sum.samples));
     setText("t-metrics", Object.entries(sum.metrics).map(([k, v]) => k + " " + num(v)).join(", ") || "\\u2014");
+    setText("r-pulled", num(sum.rows.pulled));
+    setText("r-cached", num(sum.rows.cached));
+    setText("r-hit", num(sum.rows.hit_rate));
+    setText("r-ages", Object.entries(sum.rows.ages).map(([k, v]) => k + ": " + num(v)).join(", ") || "\\u2014");
     fillRows("workers-body", s.workers, (w) => {
       const tr = el("tr");
       tr.dataset.address = w.address;
@@ -384,6 +388,8 @@ refresh every {NO_SCRIPT_REFRESH_SECONDS} s without it.</p></noscript>
 def _summary(summary: Mapping[str, Any]) -> str:
     w, c = summary["workers"], summary["closures"]
     metrics = ", ".join(f"{name} {_num(value)}" for name, value in summary["metrics"].items()) or "\u2014"
+    rows = summary["rows"]
+    ages = ", ".join(f"{age}: {_num(count)}" for age, count in rows["ages"].items()) or "\u2014"
     cards = [
         ("Workers", [(k, f"w-{k}", w[k]) for k in ("alive", "joining", "lost", "stopped", "total")]),
         ("Closures", [(k, f"c-{k}", c[k]) for k in ("scheduled", "queued", "running", "done", "failed", "retried")]),
@@ -395,6 +401,15 @@ def _summary(summary: Mapping[str, Any]) -> str:
                 ("loss", "t-loss", summary["loss"]),
                 ("samples", "t-samples", summary["samples"]),
                 ("metrics", "t-metrics", metrics),
+            ],
+        ),
+        (
+            "Row cache",
+            [
+                ("rows pulled", "r-pulled", rows["pulled"]),
+                ("rows cached", "r-cached", rows["cached"]),
+                ("hit rate", "r-hit", rows["hit_rate"]),
+                ("staleness (steps: rows)", "r-ages", ages),
             ],
         ),
     ]

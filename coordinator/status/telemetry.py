@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -46,6 +46,7 @@ from prometheus_client.registry import Collector
 from paramserve.coordinator.checkpointing.checkpoint_log import CheckpointRecord
 from paramserve.coordinator.status.cluster_status import RunLog, check_report
 from paramserve.psserver.runtime.metrics_http import MetricsEndpoint, register_build_info, serve_metrics
+from paramserve.worker.row_cache import MAX_AGE_LABEL, age_label
 
 if TYPE_CHECKING:
     from paramserve.coordinator.dispatch.closures import Closure
@@ -83,6 +84,29 @@ class _ClosureMetrics:
         )
         for outcome in ("succeeded", "failed", "cancelled"):  # every series from the start: rate() needs it
             self.finished.labels(outcome)
+
+
+class _RowMetrics:
+    """The workers' embedding lookups: distinct rows pulled and served by their row caches, and the
+    cached rows' ages (the workers' own series, summed over the cluster)."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.rows = Counter(
+            f"{PREFIX}rows",
+            "Distinct embedding rows the workers' lookups used, by where they came from: 'pulled' from the "
+            "servers or 'cached' (row caches, max_row_staleness); hit rate = cached / (cached + pulled).",
+            ["source"],
+            registry=registry,
+        )
+        self.staleness = Counter(
+            f"{PREFIX}row_cache_staleness_steps",
+            "Rows the workers' row caches served, by how many of the worker's steps ago they were read "
+            f"(a histogram: one series per age, ages over {MAX_AGE_LABEL} counted as '{MAX_AGE_LABEL}+').",
+            ["age"],
+            registry=registry,
+        )
+        for source in ("pulled", "cached"):
+            self.rows.labels(source)
 
 
 class _WorkerMetrics:
@@ -195,12 +219,14 @@ class CoordinatorTelemetry:
         recovery: _RecoveryMetrics,
         dense: _DenseMetrics,
         run: RunLog,
+        rows: _RowMetrics | None = None,
     ):
         self.registry = registry
         self._closures = closures
         self._workers = workers
         self._recovery = recovery
         self._dense = dense
+        self._rows = rows or _RowMetrics(registry)
         self._endpoint: MetricsEndpoint | None = None
         self.run = run
         """What the status page shows: workers, recoveries, reports and the timeline."""
@@ -225,6 +251,7 @@ class CoordinatorTelemetry:
             recovery=_RecoveryMetrics(registry),
             dense=_DenseMetrics(registry),
             run=RunLog(clock),
+            rows=_RowMetrics(registry),
         )
         registry.register(_CheckpointAge(checkpoint, clock))
         return telemetry
@@ -252,6 +279,13 @@ class CoordinatorTelemetry:
 
     def worker_device(self, address: str, device: str) -> None:
         self.run.worker_device(address, device)
+
+    def rows_read(self, pulled: int, cached: int, cached_by_age: Mapping[int, int]) -> None:
+        self._rows.rows.labels("pulled").inc(pulled)
+        self._rows.rows.labels("cached").inc(cached)
+        for age, count in cached_by_age.items():
+            self._rows.staleness.labels(age_label(age)).inc(count)
+        self.run.rows_read(pulled, cached, cached_by_age)
 
     # ---------------------------------------------------------------- the program's own figures
 

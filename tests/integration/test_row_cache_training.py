@@ -4,10 +4,12 @@ applies once, and no row read before a restore is served after it."""
 
 from __future__ import annotations
 
+import json
 import sys
 import urllib.request
 
 import cloudpickle
+import pytest
 import torch
 
 from paramserve.coordinator import (
@@ -34,12 +36,20 @@ def build(cluster, run_name: str, **options):
     return strategy, model, strategy.optimizer(torch.optim.Adagrad, lr=0.05)
 
 
-def train(strategy, model, optimizer, steps: int, batches=None):
-    with ClusterCoordinator(strategy) as coordinator:
+def train(strategy, model, optimizer, steps: int, batches=None, seen=None):
+    """``steps`` closures; ``seen`` (a dict) gets what the coordinator's status page and metrics
+    showed once they ended."""
+    with ClusterCoordinator(strategy, status_port=0, metrics_port=0) as coordinator:
         batches = batches or iter(coordinator.create_per_worker_dataset(WorkerClicks(TABLE_ROWS, count=400)))
         for _ in range(steps):
             coordinator.schedule(train_clicks, args=(batches, model, optimizer))
         coordinator.join()
+        if seen is not None:
+            url = str(coordinator.status_url)
+            page = url.replace("/?", "/status.json?") if "/?" in url else url + "status.json"
+            seen["status"] = json.loads(urllib.request.urlopen(page, timeout=10).read())
+            metrics = f"http://127.0.0.1:{coordinator.metrics_port}/metrics"
+            seen["metrics"] = urllib.request.urlopen(metrics, timeout=10).read().decode()
     return batches
 
 
@@ -84,10 +94,17 @@ def test_with_a_row_cache_fewer_rows_travel_the_model_learns_and_every_push_appl
         return auc(scores, torch.cat([b.clicked for b in held_out]))
 
     before = held_out_auc()
-    train(strategy, model, optimizer, steps)
+    seen: dict = {}
+    train(strategy, model, optimizer, steps, seen=seen)
     after = held_out_auc()
     rows = worker_rows(cluster)
     assert rows["cached"] > 0.5 * (rows["cached"] + rows["pulled"]), rows  # small tables: most rows repeat
+    # The coordinator's page and metrics sum what the workers reported, closure by closure.
+    shown = seen["status"]["summary"]["rows"]
+    assert (shown["pulled"], shown["cached"]) == (rows["pulled"], rows["cached"])
+    assert shown["hit_rate"] == pytest.approx(rows["cached"] / (rows["cached"] + rows["pulled"]), abs=0.01)
+    assert sum(shown["ages"].values()) == shown["cached"] and set(shown["ages"]) <= {str(a) for a in range(1, 9)}
+    assert f'paramserve_coordinator_rows_total{{source="cached"}} {rows["cached"]}' in seen["metrics"]
     assert after > 0.68 and after > before + 0.15, (before, after)
     versions = {
         info.ref: info.version

@@ -12,6 +12,7 @@ import re
 
 import pytest
 import torch
+from prometheus_client import generate_latest
 
 from paramserve.coordinator.commands.status import format_status, status_request
 from paramserve.coordinator.dispatch.closures import Closure, ClosureQueue
@@ -605,3 +606,26 @@ def test_the_page_shows_where_each_worker_computes_and_each_servers_memory():
     assert status["servers"][0]["memory"] == 300 << 20
     page = render_page(status)
     assert "cuda:0" in page and "300.0 MiB" in page, "the page without JavaScript shows them too"
+
+
+def test_the_workers_row_reads_reach_the_summary_the_page_the_metrics_and_the_command_line():
+    telemetry = CoordinatorTelemetry.build(clock=Clock())
+    status = status_of(telemetry.run, 1010.0)
+    assert status["summary"]["rows"] == {"pulled": 0, "cached": 0, "hit_rate": None, "ages": {}}
+    assert "rows:" not in format_status(status), "no lookups yet: no line"
+
+    telemetry.rows_read(30, 0, {})
+    telemetry.rows_read(10, 60, {1: 20, 2: 5, 40: 30, 3: 5})
+    rows = status_of(telemetry.run, 1011.0)["summary"]["rows"]
+    assert rows == {"pulled": 40, "cached": 60, "hit_rate": 0.6, "ages": {"1": 20, "2": 5, "3": 5, "32+": 30}}
+    assert list(rows["ages"]) == ["1", "2", "3", "32+"], "youngest first; ages over 32 share a label"
+
+    status = status_of(telemetry.run, 1011.0)
+    page = render_page(status)
+    assert '<dd id="r-hit">0.6</dd>' in page and '<dd id="r-ages">1: 20, 2: 5, 3: 5, 32+: 30</dd>' in page
+    assert "rows: 40 pulled, 60 cached (hit rate 0.6; cached rows by age in steps: 1: 20, 2: 5, 3: 5, 32+: 30)" in (
+        format_status(status)
+    )
+    text = generate_latest(telemetry.registry).decode()
+    assert 'paramserve_coordinator_rows_total{source="cached"} 60.0' in text
+    assert 'paramserve_coordinator_row_cache_staleness_steps_total{age="32+"} 30.0' in text

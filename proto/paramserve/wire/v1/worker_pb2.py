@@ -25,13 +25,15 @@ _sym_db = _symbol_database.Default()
 from paramserve.wire.v1 import cluster_pb2 as paramserve_dot_wire_dot_v1_dot_cluster__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fparamserve/wire/v1/worker.proto\x12\x12paramserve.wire.v1\x1a paramserve/wire/v1/cluster.proto\"4\n\x0cResourceSpec\x12\x13\n\x0bresource_id\x18\x01 \x01(\t\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\"\x84\x03\n\x11RunClosureRequest\x12\x12\n\nclosure_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\x05\x12\x15\n\rfunction_name\x18\x03 \x01(\t\x12\x0f\n\x07payload\x18\x04 \x01(\x0c\x12\x33\n\tresources\x18\x05 \x03(\x0b\x32 .paramserve.wire.v1.ResourceSpec\x12\x33\n\x07\x63luster\x18\x06 \x01(\x0b\x32\".paramserve.wire.v1.ClusterContext\x12\r\n\x05steps\x18\x07 \x01(\x05\x12\x14\n\x0cworker_index\x18\x08 \x01(\x05\x12\x13\n\x0bnum_workers\x18\t \x01(\x05\x12\x1b\n\x13\x63luster_fingerprint\x18\n \x01(\t\x12\x15\n\rmax_value_age\x18\x0b \x01(\x01\x12\x16\n\x0eoverlap_pushes\x18\x0c \x01(\x08\x12\x17\n\x0fread_generation\x18\r \x01(\x03\x12\x19\n\x11max_row_staleness\x18\x0e \x01(\x05\"\xc8\x01\n\x0e\x43losureFailure\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x11\n\ttraceback\x18\x03 \x01(\t\x12\x0f\n\x07pickled\x18\x04 \x01(\x0c\x12\x19\n\x11missing_resources\x18\x05 \x03(\t\x12\x18\n\x10parameter_server\x18\x06 \x01(\t\x12\x15\n\rneeds_cluster\x18\x07 \x01(\x08\x12\x11\n\tcancelled\x18\x08 \x01(\x08\x12\x14\n\x0cgroup_failed\x18\t \x01(\x08\"\xed\x01\n\x12RunClosureResponse\x12\x10\n\x06result\x18\x01 \x01(\x0cH\x00\x12\x33\n\x05\x65rror\x18\x02 \x01(\x0b\x32\".paramserve.wire.v1.ClosureFailureH\x00\x12\x1a\n\x12worker_incarnation\x18\x03 \x01(\t\x12\x16\n\x0eresources_held\x18\x04 \x03(\t\x12\x16\n\x0epushes_applied\x18\x05 \x01(\x03\x12\x18\n\x10pushes_duplicate\x18\x06 \x01(\x03\x12\x0f\n\x07seconds\x18\x07 \x01(\x01\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\tB\t\n\x07outcome\"|\n\x12RunClosuresRequest\x12\x37\n\x08\x63losures\x18\x01 \x03(\x0b\x32%.paramserve.wire.v1.RunClosureRequest\x12-\n\x05\x64\x65nse\x18\x02 \x01(\x0b\x32\x1e.paramserve.wire.v1.DenseRound\"y\n\x13RunClosuresResponse\x12\x37\n\x07results\x18\x01 \x03(\x0b\x32&.paramserve.wire.v1.RunClosureResponse\x12\x13\n\x0b\x64\x65nse_state\x18\x02 \x01(\x0c\x12\x14\n\x0cgroup_failed\x18\x03 \x01(\x08\"\x96\x01\n\nDenseGroup\x12\x12\n\ngeneration\x18\x01 \x01(\x03\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x15\n\rstore_address\x18\x04 \x01(\t\x12\x0c\n\x04host\x18\x05 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x06 \x01(\x01\x12\x14\n\x0cstore_secret\x18\x07 \x01(\x0c\"\xa1\x01\n\nDenseRound\x12-\n\x05group\x18\x01 \x01(\x0b\x32\x1e.paramserve.wire.v1.DenseGroup\x12\x11\n\tvariables\x18\x02 \x03(\t\x12\x11\n\toptimizer\x18\x03 \x01(\x0c\x12\x13\n\x0bstate_epoch\x18\x04 \x01(\x03\x12\x15\n\rinitial_state\x18\x05 \x01(\x0c\x12\x12\n\nread_state\x18\x06 \x01(\x08\",\n\x15\x43\x61ncelClosuresRequest\x12\x13\n\x0b\x63losure_ids\x18\x01 \x03(\t\")\n\x16\x43\x61ncelClosuresResponse\x12\x0f\n\x07running\x18\x01 \x01(\x05\"\x10\n\x0eGetInfoRequest\"\\\n\nWorkerInfo\x12\x13\n\x0bincarnation\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\x05\x12\x16\n\x0eresources_held\x18\x03 \x03(\t\x12\x14\n\x0c\x63losures_run\x18\x04 \x01(\x03\x32\xa0\x02\n\x06Worker\x12^\n\x0bRunClosures\x12&.paramserve.wire.v1.RunClosuresRequest\x1a\'.paramserve.wire.v1.RunClosuresResponse\x12g\n\x0e\x43\x61ncelClosures\x12).paramserve.wire.v1.CancelClosuresRequest\x1a*.paramserve.wire.v1.CancelClosuresResponse\x12M\n\x07GetInfo\x12\".paramserve.wire.v1.GetInfoRequest\x1a\x1e.paramserve.wire.v1.WorkerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fparamserve/wire/v1/worker.proto\x12\x12paramserve.wire.v1\x1a paramserve/wire/v1/cluster.proto\"4\n\x0cResourceSpec\x12\x13\n\x0bresource_id\x18\x01 \x01(\t\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\"\x84\x03\n\x11RunClosureRequest\x12\x12\n\nclosure_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\x05\x12\x15\n\rfunction_name\x18\x03 \x01(\t\x12\x0f\n\x07payload\x18\x04 \x01(\x0c\x12\x33\n\tresources\x18\x05 \x03(\x0b\x32 .paramserve.wire.v1.ResourceSpec\x12\x33\n\x07\x63luster\x18\x06 \x01(\x0b\x32\".paramserve.wire.v1.ClusterContext\x12\r\n\x05steps\x18\x07 \x01(\x05\x12\x14\n\x0cworker_index\x18\x08 \x01(\x05\x12\x13\n\x0bnum_workers\x18\t \x01(\x05\x12\x1b\n\x13\x63luster_fingerprint\x18\n \x01(\t\x12\x15\n\rmax_value_age\x18\x0b \x01(\x01\x12\x16\n\x0eoverlap_pushes\x18\x0c \x01(\x08\x12\x17\n\x0fread_generation\x18\r \x01(\x03\x12\x19\n\x11max_row_staleness\x18\x0e \x01(\x05\"\xc8\x01\n\x0e\x43losureFailure\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x11\n\ttraceback\x18\x03 \x01(\t\x12\x0f\n\x07pickled\x18\x04 \x01(\x0c\x12\x19\n\x11missing_resources\x18\x05 \x03(\t\x12\x18\n\x10parameter_server\x18\x06 \x01(\t\x12\x15\n\rneeds_cluster\x18\x07 \x01(\x08\x12\x11\n\tcancelled\x18\x08 \x01(\x08\x12\x14\n\x0cgroup_failed\x18\t \x01(\x08\"\x9b\x03\n\x12RunClosureResponse\x12\x10\n\x06result\x18\x01 \x01(\x0cH\x00\x12\x33\n\x05\x65rror\x18\x02 \x01(\x0b\x32\".paramserve.wire.v1.ClosureFailureH\x00\x12\x1a\n\x12worker_incarnation\x18\x03 \x01(\t\x12\x16\n\x0eresources_held\x18\x04 \x03(\t\x12\x16\n\x0epushes_applied\x18\x05 \x01(\x03\x12\x18\n\x10pushes_duplicate\x18\x06 \x01(\x03\x12\x0f\n\x07seconds\x18\x07 \x01(\x01\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x13\n\x0brows_pulled\x18\t \x01(\x03\x12\x13\n\x0brows_cached\x18\n \x01(\x03\x12N\n\rcached_by_age\x18\x0b \x03(\x0b\x32\x37.paramserve.wire.v1.RunClosureResponse.CachedByAgeEntry\x1a\x32\n\x10\x43\x61\x63hedByAgeEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x42\t\n\x07outcome\"|\n\x12RunClosuresRequest\x12\x37\n\x08\x63losures\x18\x01 \x03(\x0b\x32%.paramserve.wire.v1.RunClosureRequest\x12-\n\x05\x64\x65nse\x18\x02 \x01(\x0b\x32\x1e.paramserve.wire.v1.DenseRound\"y\n\x13RunClosuresResponse\x12\x37\n\x07results\x18\x01 \x03(\x0b\x32&.paramserve.wire.v1.RunClosureResponse\x12\x13\n\x0b\x64\x65nse_state\x18\x02 \x01(\x0c\x12\x14\n\x0cgroup_failed\x18\x03 \x01(\x08\"\x96\x01\n\nDenseGroup\x12\x12\n\ngeneration\x18\x01 \x01(\x03\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x15\n\rstore_address\x18\x04 \x01(\t\x12\x0c\n\x04host\x18\x05 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x06 \x01(\x01\x12\x14\n\x0cstore_secret\x18\x07 \x01(\x0c\"\xa1\x01\n\nDenseRound\x12-\n\x05group\x18\x01 \x01(\x0b\x32\x1e.paramserve.wire.v1.DenseGroup\x12\x11\n\tvariables\x18\x02 \x03(\t\x12\x11\n\toptimizer\x18\x03 \x01(\x0c\x12\x13\n\x0bstate_epoch\x18\x04 \x01(\x03\x12\x15\n\rinitial_state\x18\x05 \x01(\x0c\x12\x12\n\nread_state\x18\x06 \x01(\x08\",\n\x15\x43\x61ncelClosuresRequest\x12\x13\n\x0b\x63losure_ids\x18\x01 \x03(\t\")\n\x16\x43\x61ncelClosuresResponse\x12\x0f\n\x07running\x18\x01 \x01(\x05\"\x10\n\x0eGetInfoRequest\"\\\n\nWorkerInfo\x12\x13\n\x0bincarnation\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\x05\x12\x16\n\x0eresources_held\x18\x03 \x03(\t\x12\x14\n\x0c\x63losures_run\x18\x04 \x01(\x03\x32\xa0\x02\n\x06Worker\x12^\n\x0bRunClosures\x12&.paramserve.wire.v1.RunClosuresRequest\x1a\'.paramserve.wire.v1.RunClosuresResponse\x12g\n\x0e\x43\x61ncelClosures\x12).paramserve.wire.v1.CancelClosuresRequest\x1a*.paramserve.wire.v1.CancelClosuresResponse\x12M\n\x07GetInfo\x12\".paramserve.wire.v1.GetInfoRequest\x1a\x1e.paramserve.wire.v1.WorkerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'paramserve.wire.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_RUNCLOSURERESPONSE_CACHEDBYAGEENTRY']._loaded_options = None
+  _globals['_RUNCLOSURERESPONSE_CACHEDBYAGEENTRY']._serialized_options = b'8\001'
   _globals['_RESOURCESPEC']._serialized_start=89
   _globals['_RESOURCESPEC']._serialized_end=141
   _globals['_RUNCLOSUREREQUEST']._serialized_start=144
@@ -39,23 +41,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CLOSUREFAILURE']._serialized_start=535
   _globals['_CLOSUREFAILURE']._serialized_end=735
   _globals['_RUNCLOSURERESPONSE']._serialized_start=738
-  _globals['_RUNCLOSURERESPONSE']._serialized_end=975
-  _globals['_RUNCLOSURESREQUEST']._serialized_start=977
-  _globals['_RUNCLOSURESREQUEST']._serialized_end=1101
-  _globals['_RUNCLOSURESRESPONSE']._serialized_start=1103
-  _globals['_RUNCLOSURESRESPONSE']._serialized_end=1224
-  _globals['_DENSEGROUP']._serialized_start=1227
-  _globals['_DENSEGROUP']._serialized_end=1377
-  _globals['_DENSEROUND']._serialized_start=1380
-  _globals['_DENSEROUND']._serialized_end=1541
-  _globals['_CANCELCLOSURESREQUEST']._serialized_start=1543
-  _globals['_CANCELCLOSURESREQUEST']._serialized_end=1587
-  _globals['_CANCELCLOSURESRESPONSE']._serialized_start=1589
-  _globals['_CANCELCLOSURESRESPONSE']._serialized_end=1630
-  _globals['_GETINFOREQUEST']._serialized_start=1632
-  _globals['_GETINFOREQUEST']._serialized_end=1648
-  _globals['_WORKERINFO']._serialized_start=1650
-  _globals['_WORKERINFO']._serialized_end=1742
-  _globals['_WORKER']._serialized_start=1745
-  _globals['_WORKER']._serialized_end=2033
+  _globals['_RUNCLOSURERESPONSE']._serialized_end=1149
+  _globals['_RUNCLOSURERESPONSE_CACHEDBYAGEENTRY']._serialized_start=1088
+  _globals['_RUNCLOSURERESPONSE_CACHEDBYAGEENTRY']._serialized_end=1138
+  _globals['_RUNCLOSURESREQUEST']._serialized_start=1151
+  _globals['_RUNCLOSURESREQUEST']._serialized_end=1275
+  _globals['_RUNCLOSURESRESPONSE']._serialized_start=1277
+  _globals['_RUNCLOSURESRESPONSE']._serialized_end=1398
+  _globals['_DENSEGROUP']._serialized_start=1401
+  _globals['_DENSEGROUP']._serialized_end=1551
+  _globals['_DENSEROUND']._serialized_start=1554
+  _globals['_DENSEROUND']._serialized_end=1715
+  _globals['_CANCELCLOSURESREQUEST']._serialized_start=1717
+  _globals['_CANCELCLOSURESREQUEST']._serialized_end=1761
+  _globals['_CANCELCLOSURESRESPONSE']._serialized_start=1763
+  _globals['_CANCELCLOSURESRESPONSE']._serialized_end=1804
+  _globals['_GETINFOREQUEST']._serialized_start=1806
+  _globals['_GETINFOREQUEST']._serialized_end=1822
+  _globals['_WORKERINFO']._serialized_start=1824
+  _globals['_WORKERINFO']._serialized_end=1916
+  _globals['_WORKER']._serialized_start=1919
+  _globals['_WORKER']._serialized_end=2207
 # @@protoc_insertion_point(module_scope)

@@ -70,7 +70,14 @@ class ClosureFailure(_message.Message):
     def __init__(self, type: _Optional[str] = ..., message: _Optional[str] = ..., traceback: _Optional[str] = ..., pickled: _Optional[bytes] = ..., missing_resources: _Optional[_Iterable[str]] = ..., parameter_server: _Optional[str] = ..., needs_cluster: _Optional[bool] = ..., cancelled: _Optional[bool] = ..., group_failed: _Optional[bool] = ...) -> None: ...
 
 class RunClosureResponse(_message.Message):
-    __slots__ = ("result", "error", "worker_incarnation", "resources_held", "pushes_applied", "pushes_duplicate", "seconds", "device")
+    __slots__ = ("result", "error", "worker_incarnation", "resources_held", "pushes_applied", "pushes_duplicate", "seconds", "device", "rows_pulled", "rows_cached", "cached_by_age")
+    class CachedByAgeEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: int
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
     RESULT_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     WORKER_INCARNATION_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +86,9 @@ class RunClosureResponse(_message.Message):
     PUSHES_DUPLICATE_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    ROWS_PULLED_FIELD_NUMBER: _ClassVar[int]
+    ROWS_CACHED_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BY_AGE_FIELD_NUMBER: _ClassVar[int]
     result: bytes
     error: ClosureFailure
     worker_incarnation: str
@@ -87,7 +97,10 @@ class RunClosureResponse(_message.Message):
     pushes_duplicate: int
     seconds: float
     device: str
-    def __init__(self, result: _Optional[bytes] = ..., error: _Optional[_Union[ClosureFailure, _Mapping]] = ..., worker_incarnation: _Optional[str] = ..., resources_held: _Optional[_Iterable[str]] = ..., pushes_applied: _Optional[int] = ..., pushes_duplicate: _Optional[int] = ..., seconds: _Optional[float] = ..., device: _Optional[str] = ...) -> None: ...
+    rows_pulled: int
+    rows_cached: int
+    cached_by_age: _containers.ScalarMap[int, int]
+    def __init__(self, result: _Optional[bytes] = ..., error: _Optional[_Union[ClosureFailure, _Mapping]] = ..., worker_incarnation: _Optional[str] = ..., resources_held: _Optional[_Iterable[str]] = ..., pushes_applied: _Optional[int] = ..., pushes_duplicate: _Optional[int] = ..., seconds: _Optional[float] = ..., device: _Optional[str] = ..., rows_pulled: _Optional[int] = ..., rows_cached: _Optional[int] = ..., cached_by_age: _Optional[_Mapping[int, int]] = ...) -> None: ...
 
 class RunClosuresRequest(_message.Message):
     __slots__ = ("closures", "dense")
