@@ -281,6 +281,10 @@ class CoordinatorTelemetry:
         self.run.worker_device(address, device)
 
     def rows_read(self, pulled: int, cached: int, cached_by_age: Mapping[int, int]) -> None:
+        # What a worker says: a negative count (a broken or hostile worker) would make a counter
+        # raise on the dispatch thread, a negative age a label per value. Dropped.
+        pulled, cached = max(0, pulled), max(0, cached)
+        cached_by_age = {age: count for age, count in cached_by_age.items() if age >= 0 and count > 0}
         self._rows.rows.labels("pulled").inc(pulled)
         self._rows.rows.labels("cached").inc(cached)
         for age, count in cached_by_age.items():

@@ -626,6 +626,8 @@ def test_the_workers_row_reads_reach_the_summary_the_page_the_metrics_and_the_co
     assert "rows: 40 pulled, 60 cached (hit rate 0.6; cached rows by age in steps: 1: 20, 2: 5, 3: 5, 32+: 30)" in (
         format_status(status)
     )
+    telemetry.rows_read(-5, -1, {-3: 4, 2: -1})  # a broken worker's answer: nothing counted, nothing raised
+    assert status_of(telemetry.run, 1012.0)["summary"]["rows"] == rows
     text = generate_latest(telemetry.registry).decode()
     assert 'paramserve_coordinator_rows_total{source="cached"} 60.0' in text
     assert 'paramserve_coordinator_row_cache_staleness_steps_total{age="32+"} 30.0' in text
