@@ -523,15 +523,13 @@ def start_tls(start_ps, certificates: Certificates, mutual: bool, **overrides: o
     return start_ps(token=TOKEN, tls=tls, **overrides)
 
 
-def tls_clients(clients, certificates: Certificates):  # type: ignore[no-untyped-def]
+def tls_clients(clients, certificates: Certificates, mutual: bool):  # type: ignore[no-untyped-def]
+    """Clients of a TLS server, presenting a certificate where the server asks for one (mutual),
+    as a user configures them."""
+    mine = {"tls_cert_chain": certificates.cert, "tls_private_key": certificates.key} if mutual else {}
+
     def make(addresses: list[str], **overrides: object):  # type: ignore[no-untyped-def]
-        return clients(
-            addresses,
-            tls_root_certificates=certificates.ca,
-            tls_cert_chain=certificates.cert,
-            tls_private_key=certificates.key,
-            **overrides,
-        )
+        return clients(addresses, tls_root_certificates=certificates.ca, **mine, **overrides)
 
     return make
 
@@ -591,7 +589,7 @@ def test_silent_tls_connections_are_closed_at_the_handshakes_deadline_and_counte
     wait_until(lambda: refused(server, "handshake_timeout") == 4, "the last one counted")
     assert refused(server, "handshake_timeout") == 4, "none counted twice"
     before = steps_on_data_plane(server)
-    still_serves(server, tls_clients(clients, certificates), TOKEN)
+    still_serves(server, tls_clients(clients, certificates, mutual), TOKEN)
     assert steps_on_data_plane(server) == before + 1, "over TLS on the data plane"
 
 
@@ -621,7 +619,7 @@ def test_tls_connections_still_in_their_handshake_are_evicted_for_newcomers(star
     assert closed_within(first, SLACK) is not None, "the oldest handshake was not dropped for a newcomer"
     assert refused(server, "handshake_evicted") >= 1
     before = steps_on_data_plane(server)
-    still_serves(server, tls_clients(clients, certificates), TOKEN)
+    still_serves(server, tls_clients(clients, certificates, mutual), TOKEN)
     assert steps_on_data_plane(server) == before + 1, "over TLS on the data plane, admitted at once"
     for sock in [first, *others]:
         sock.close()
