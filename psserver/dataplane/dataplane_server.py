@@ -13,18 +13,19 @@ What no client can do to it, authenticated or not (ARCHITECTURE.md, "Trust model
   it keeps failing, ``on_health(False)`` says so.
 - **hold a slot without authenticating**: the handshake has HANDSHAKE_SECONDS in all from
   ``accept``, TLS included (its handshake runs under a socket timeout of what is left, and the
-  object the reaper closes is always the one that owns the descriptor), and connections in it
+  object the reaper shuts down is always the one that owns the descriptor), and connections in it
   have a budget of their own (``max_pending``): when a new one needs a slot, the oldest still in
   its handshake is dropped.
 - **hold buffers with a stalled frame**: a frame must arrive within FRAME_SECONDS (plus a
   second per MIN_FRAME_BYTES_PER_SECOND of payload); a STEP header is at most
   MAX_STEP_HEADER_BYTES; a connection keeps at most two reused buffers of REUSED_BUFFER_LIMIT.
 
-One thread, ``paramserve-dataplane-reaper``, enforces the deadlines by closing the sockets
-whose time is up. Every refusal (a deadline, an eviction, a failed TLS handshake, a refused
-credential, a frame that is none or not allowed there, an oversized one, a full server) is
-counted once by reason (``on_refused``) and logged at most once per reason every
-LOG_EVERY_SECONDS, with the count of those left out since.
+One thread, ``paramserve-dataplane-reaper``, enforces the deadlines by shutting down the
+sockets whose time is up (each connection's own thread closes its socket: a descriptor is never
+closed under a thread that may still use its number). Every refusal (a deadline, an eviction,
+a failed TLS handshake, a refused credential, a frame that is none or not allowed there, an
+oversized one, a full server) is counted once by reason (``on_refused``) and logged at most
+once per reason every LOG_EVERY_SECONDS, with the count of those left out since.
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ class _Phase(enum.Enum):
 class _Connection:
     sock: socket.socket
     """The object that owns the descriptor (the SSLSocket once TLS wraps it): replaced, and
-    closed by other threads, only under the server's lock."""
+    shut down by other threads, only under the server's lock; closed only by its own thread."""
     peer: str
     phase: _Phase
     deadline: float | None
@@ -191,7 +192,7 @@ class DataPlaneServer(Generic[_State]):
         """Closes the listeners and the connections not applying a step at once; a connection
         whose step is being applied gets up to ``grace`` seconds to finish it and send the reply
         (a graceful stop: the step is then applied and acknowledged, not left unknown), then is
-        closed too. Connection threads end on their closed sockets."""
+        closed too. Connection threads end on their shut-down sockets and close them."""
         with self._lock:
             self._closed = True
             idle = [c for c in self._connections if c.phase is not _Phase.STEPPING]
@@ -441,11 +442,17 @@ class DataPlaneServer(Generic[_State]):
             self._lock.notify_all()
 
     def _close(self, connection: _Connection) -> None:
-        """Closes ``connection``'s socket, waking its thread: under the lock, so it is the object
-        that owns the descriptor (``_wrap`` swaps it), never a detached one. Quick: a shutdown
-        and a close, neither of which blocks."""
+        """Shuts ``connection``'s socket down both ways, which wakes its thread (a blocked read
+        sees the end, a blocked write fails) and tells the peer at once; its own thread closes
+        it (``_forget``). Never closed from here: a descriptor closed under a thread still in
+        OpenSSL's handshake, whose BIO keeps the number, is read from after the number is
+        reused (a CA file a client was opening was read by a server's handshake). Under the
+        lock, on the object that owns the descriptor (``_wrap`` swaps it); never blocks."""
         with self._lock:
-            close_socket(connection.sock)
+            try:
+                socket.socket.shutdown(connection.sock, socket.SHUT_RDWR)  # not SSLSocket's: keeps its state
+            except OSError:
+                pass  # not connected any more, or already closed by its thread
 
     def _drop(self, connection: _Connection, reason: str, message: str) -> None:
         """Closes ``connection`` for a refusal, counted and logged once however many threads

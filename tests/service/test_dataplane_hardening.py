@@ -626,6 +626,42 @@ def test_tls_connections_still_in_their_handshake_are_evicted_for_newcomers(star
 
 
 @needs_openssl
+def test_only_a_connections_own_thread_closes_its_descriptor(start_ps, certificates, monkeypatch):
+    """CI failure: the evictor and the reaper closed a TLS connection's descriptor while its
+    thread was still in OpenSSL's handshake, whose BIO keeps the number; a client opening its CA
+    file got that number, the handshake read the file, and the client found no certificate in
+    what was left ("Could not load any root certificate"). Other threads now shut a connection
+    down (which wakes its thread and tells the peer); only its own thread closes it."""
+    closers: list[str] = []
+    close = dataplane_server.close_socket
+
+    def recording(sock: socket.socket) -> None:
+        if sock.type == socket.SOCK_STREAM and sock.fileno() >= 0 and not _listening(sock):
+            closers.append(threading.current_thread().name)
+        close(sock)
+
+    monkeypatch.setattr(dataplane_server, "close_socket", recording)
+    monkeypatch.setattr(dataplane_server, "HANDSHAKE_SECONDS", 1.0)
+    server = start_tls(start_ps, certificates, False, max_connections=8)  # 2 may be in their handshake
+    first = connect(server)
+    wait_until(lambda: server.data_plane.handshaking == 1, "the first in its handshake")
+    others = [connect(server) for _ in range(2)]  # the first evicted for these; they time out
+    assert closed_within(first, SLACK) is not None, "the oldest handshake was not dropped"
+    for sock in others:
+        assert closed_within(sock, 1.0 + SLACK) is not None, "a silent TLS connection outlived its deadline"
+    wait_until(lambda: server.data_plane.connections == 0, "their threads and slots given back", SLACK)
+    assert refused(server, "handshake_evicted") >= 1 and refused(server, "handshake_timeout") >= 1
+    assert len(closers) == 3, closers
+    assert set(closers) == {"paramserve-dataplane"}, f"closed by {closers}: only a connection's thread may"
+    for sock in [first, *others]:
+        sock.close()
+
+
+def _listening(sock: socket.socket) -> bool:
+    return bool(sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))
+
+
+@needs_openssl
 def test_a_failed_tls_handshake_is_counted(start_ps, certificates):
     server = start_tls(start_ps, certificates, mutual=True)
     with connect(server) as sock:
