@@ -239,6 +239,12 @@ class ShardedEmbedding(nn.Module):
         names it (its ``home`` is then set)."""
         self.home: VariableAccess | None = None
         """The coordinator's access (set by its strategy); not pickled."""
+        self.fused = False
+        """Stored by its strategy as rows ``row_offset`` onwards of a variable it shares with the
+        model's other tables of its layout (coordinator.strategies.table_fusion)."""
+        self.row_offset = 0
+        self.place = ""
+        """A fused table's place in its model (``<model>.<module path>``), for its errors."""
         registry = active_registry()
         if registry is not None:
             registry.register_table(self)
@@ -264,7 +270,21 @@ class ShardedEmbedding(nn.Module):
         access = current_access(self.home)
         if isinstance(access, NoAccess):  # raises at once: used out of place
             return access.lookup({self.variable: indices})[self.variable]
+        if self.fused:
+            indices = self._rows_of_fused(indices)
         return pending_rows(access.lookup, access, self.variable, indices, self.embedding_dim, self.dtype)
+
+    def _rows_of_fused(self, indices: torch.Tensor) -> torch.Tensor:
+        """``indices`` as rows of the variable this table shares: checked against this table's
+        own size here (the servers see only the shared range, where a wrong id would read
+        another table's row) and moved by its offset. Raises IndexError naming the id."""
+        outside = (indices < 0) | (indices >= self.num_embeddings)
+        if bool(outside.any()):
+            raise IndexError(
+                f"id {int(indices[outside].reshape(-1)[0])} is outside the rows [0, {self.num_embeddings}) "
+                f"of ShardedEmbedding {self.place or self.variable!r}"
+            )
+        return indices.to(torch.int64) + self.row_offset
 
     def adopted(self) -> bool:
         """Whether a strategy on this process has made the table its variable."""
@@ -275,7 +295,8 @@ class ShardedEmbedding(nn.Module):
             raise RuntimeError("this ShardedEmbedding was not created inside strategy.scope()")
 
     def extra_repr(self) -> str:
-        return f"{self.variable!r}, {self.num_embeddings}, {self.embedding_dim}"
+        where = f" (rows {self.row_offset}+ of the fused variable)" if self.fused else ""
+        return f"{self.variable!r}{where}, {self.num_embeddings}, {self.embedding_dim}"
 
 
 class ShardedEmbeddingCollection(nn.Module):

@@ -443,7 +443,9 @@ def state_dict(strategy: CheckpointedVariables, module: nn.Module | None = None)
         result[key] = pulled[name] if name in pulled else value.detach().clone()
     for name, tensor in pulled.items():
         variable = strategy.variables[name]
-        if variable.table is not None:
+        for member in variable.fused:  # tables stored as one variable: each its own rows, as its own weight
+            result[f"{member.path}.weight"] = tensor[member.offset : member.offset + member.table.num_embeddings]
+        if variable.table is not None and not variable.fused:
             key = name[len(prefix) + 1 :] if name != prefix else ""
             result[f"{key}.weight" if key else "weight"] = tensor
     return result

@@ -26,7 +26,22 @@ if TYPE_CHECKING:
     from paramserve.worker.dynamic_embedding import DynamicEmbedding
     from paramserve.worker.layers import ShardedEmbedding
 
-__all__ = ["CheckpointedDense", "CheckpointedVariable", "CheckpointedVariables", "RecoveryControl"]
+__all__ = ["CheckpointedDense", "CheckpointedVariable", "CheckpointedVariables", "FusedTableRows", "RecoveryControl"]
+
+
+class FusedTableRows(Protocol):
+    """One of the tables a fused variable stores (strategies.table_fusion)."""
+
+    @property
+    def path(self) -> str:
+        """Its place in its model: its key in a state_dict is ``<path>.weight``."""
+
+    @property
+    def table(self) -> ShardedEmbedding: ...
+
+    @property
+    def offset(self) -> int:
+        """Its first row in the variable."""
 
 
 class CheckpointedVariable(Protocol):
@@ -35,6 +50,10 @@ class CheckpointedVariable(Protocol):
     @property
     def table(self) -> ShardedEmbedding | None:
         """The embedding table of a row variable (None: dense or dynamic)."""
+
+    @property
+    def fused(self) -> Sequence[FusedTableRows]:
+        """The tables a fused row variable stores, in row order (empty: not fused)."""
 
     @property
     def replicated(self) -> bool:

@@ -58,6 +58,7 @@ from paramserve.coordinator.strategies.parameter_server_variables import (
 )
 from paramserve.coordinator.strategies.step_runners import StepFn, StepRunner
 from paramserve.coordinator.strategies.sync_dense import SyncDense
+from paramserve.coordinator.strategies.table_fusion import check_whole_groups, fused_variables, unfused
 from paramserve.coordinator.strategies.training_state import TrainingCheckpoints
 from paramserve.psserver.client.ps_client import ClientConfig, ParameterServerClient
 from paramserve.psserver.dynamic.dynamic_types import DynamicShardState
@@ -148,6 +149,11 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         ps_replicas: each shard on this many servers (default ``PARAMSERVE_PS_REPLICAS``, else 1):
             a primary and backups that apply every push before it is acknowledged, one of which
             takes over when the primary fails (ARCHITECTURE.md, "Replicated parameter servers").
+        fuse_tables: a model's ShardedEmbeddings of one layout, named by their place in it, are
+            stored as one variable, ``<model>.fused_tables.<k>``, each a row range of it
+            (strategies.table_fusion): one table per feature then costs a step what one
+            ShardedEmbeddingCollection does. False: a variable per table (the layout of
+            checkpoints written before tables were fused). Default True.
     """
 
     def __init__(
@@ -167,6 +173,7 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         dense_group_timeout: float = 60.0,
         rendezvous_host: str | None = None,
         ps_replicas: int | None = None,
+        fuse_tables: bool = True,
     ):
         env = os.environ if environ is None else environ
         self.cluster = ClusterSpec.resolve(cluster_resolver, env)
@@ -186,6 +193,7 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         self.max_row_staleness = max_row_staleness
         self.run_name = check_run_name(run_name)
         self.reuse_variables = bool(reuse_variables)
+        self.fuse_tables = bool(fuse_tables)
         self._namespace = f"{self.run_name}/" if self.run_name else ""
         config = client_config or ClientConfig()
         if self.token and not config.token:
@@ -258,6 +266,9 @@ class ParameterServerStrategy(SingleReplicaStrategy):
                 table = variable.table or variable.dynamic
                 if name not in variables and table is not None:
                     table.variable, table.home = table.requested_name or "", None
+                for member in variable.fused if name not in variables else ():
+                    member.table.variable, member.table.home = "", None
+                    member.table.fused, member.table.row_offset, member.table.place = False, 0, ""
             self._variables, self._roots = variables, roots
             for handle in self._hook_handles[handles:]:
                 handle.remove()
@@ -296,8 +307,11 @@ class ParameterServerStrategy(SingleReplicaStrategy):
             mark_variable(param, name)
             replicated = self.sync_dense is not None  # hybrid training: the layer lives on the workers
             self._variables[name] = Variable(name, tuple(param.shape), param.dtype, param, replicated=replicated)
-        for qualified, table in root.named_modules():
-            if isinstance(table, (ShardedEmbedding, DynamicEmbedding)) and not table.adopted():
+        tables = [(q, t) for q, t in root.named_modules() if isinstance(t, (ShardedEmbedding, DynamicEmbedding))]
+        fused = fused_variables(prefix, tables, self._access, self._variables) if self.fuse_tables else []
+        self._variables.update((variable.name, variable) for variable in fused)
+        for qualified, table in unfused(tables, fused):
+            if not table.adopted():
                 self.register_table(table, self._table_name(table, f"{prefix}.{qualified}"))
         self._hook_handles.append(root.register_forward_pre_hook(RefreshBeforeForward(self._access)))
         if self.sync_dense is not None:
@@ -455,8 +469,9 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         if params is None:
             untrained = [n for n, v in self._variables.items() if v.optimizer is None or n in self._tables_taken]
             return [n for n in untrained if n not in self._created]
-        names = []
-        for item in params:
+        names: list[str] = []
+        given = list(params)
+        for item in given:
             item = item.variable if isinstance(item, (ShardedEmbedding, DynamicEmbedding)) else item
             name = item if isinstance(item, str) else variable_name(item)
             if name is None or name not in self._variables:
@@ -464,7 +479,9 @@ class ParameterServerStrategy(SingleReplicaStrategy):
                     "strategy.optimizer() got a parameter that is not a distributed variable: build "
                     "the module inside strategy.scope()"
                 )
-            names.append(name)
+            if name not in names:
+                names.append(name)
+        check_whole_groups(given, self._variables)
         return names
 
     # ------------------------------------------------------------------ variables on the servers

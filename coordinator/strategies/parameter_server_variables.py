@@ -27,6 +27,17 @@ from paramserve.worker.dynamic_embedding import DynamicEmbedding
 from paramserve.worker.layers import ShardedEmbedding
 
 
+@dataclass(frozen=True)
+class FusedMember:
+    """One of the ShardedEmbeddings a fused variable stores (strategies.table_fusion)."""
+
+    path: str
+    """Its place in its model (``named_modules``): its key in ``state_dict`` is ``<path>.weight``."""
+    table: ShardedEmbedding
+    offset: int
+    """Its first row in the variable."""
+
+
 @dataclass
 class Variable:
     """One distributed variable as the coordinator knows it."""
@@ -35,7 +46,8 @@ class Variable:
     shape: tuple[int, ...]
     dtype: torch.dtype
     parameter: nn.Parameter | None = None  # dense: the coordinator's own parameter
-    table: ShardedEmbedding | None = None  # row variable: never materialised locally
+    table: ShardedEmbedding | None = None  # row variable: never materialised locally (fused: the first)
+    fused: tuple[FusedMember, ...] = ()  # the tables a fused variable stores, in row order
     dynamic: DynamicEmbedding | None = None  # a dynamic table: rows by id, no layout
     optimizer: OptimizerSpec | None = None
     checkpointed: bool = True  # a metric's state is not: checkpoints hold the model

@@ -16,6 +16,7 @@ from paramserve.coordinator import (
     ParameterServerStrategy,
     ShardedEmbedding,
     ShardedEmbeddingCollection,
+    state_dict,
 )
 from paramserve.coordinator.demos.recommendation import (
     DLRM,
@@ -136,14 +137,22 @@ def data_plane_steps(cluster) -> dict[int, float]:
     return steps
 
 
-def test_a_dlrm_of_separate_tables_reads_them_all_in_one_exchange_per_server_a_step_and_learns(start_cluster):
+@pytest.mark.parametrize("fuse_tables", [True, False], ids=["fused", "a-variable-per-table"])
+def test_a_dlrm_of_separate_tables_reads_them_all_in_one_exchange_per_server_a_step_and_learns(
+    start_cluster, fuse_tables
+):
+    """Issue 42: the six tables' lookups travel together either way; fused (the default), the
+    servers store them as one variable, as a ShardedEmbeddingCollection's."""
     steps = 60
     cluster = start_cluster(num_ps=2, num_workers=1, extra_ps_args=["--metrics-port", "0"])
-    strategy = ParameterServerStrategy(cluster.spec, variable_partitioner=FixedShardsPartitioner(2))
+    strategy = ParameterServerStrategy(
+        cluster.spec, variable_partitioner=FixedShardsPartitioner(2), fuse_tables=fuse_tables
+    )
     torch.manual_seed(0)
     with strategy.scope():
         model = DLRM(TABLE_ROWS, embeddings=PerFeatureEmbeddings)
-    assert len({t.variable for t in model.embeddings.tables.values()}) == len(TABLE_ROWS), "a variable per table"
+    variables = {t.variable for t in model.embeddings.tables.values()}
+    assert variables == {"dlrm.fused_tables.0"} if fuse_tables else len(variables) == len(TABLE_ROWS)
     optimizer = strategy.optimizer(torch.optim.Adagrad, lr=0.05)
     with ClusterCoordinator(strategy) as coordinator:
         before_auc = held_out_auc(model)
@@ -164,4 +173,10 @@ def test_a_dlrm_of_separate_tables_reads_them_all_in_one_exchange_per_server_a_s
     assert set(made) == {0, 1} and all(2 * steps <= n <= 2 * steps + 2 for n in made.values()), made
     after_auc = held_out_auc(model)
     assert after_auc > 0.68 and after_auc > before_auc + 0.15, (before_auc, after_auc)
+    exported = state_dict(strategy, model)
+    for name, table in model.embeddings.tables.items():  # each table its own weight, as its lookups read it
+        weight = exported[f"embeddings.tables.{name}.weight"]
+        assert weight.shape == table.shape
+        with torch.no_grad():
+            assert torch.equal(weight, table(torch.arange(table.num_embeddings)).resolve())
     strategy.close()
