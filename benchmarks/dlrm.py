@@ -39,7 +39,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -73,6 +73,9 @@ class Run:
     samples_per_s: float
     startup_s: float
     cpu_ms_per_step: float
+    cpu_ms_by_role: dict[str, float] = field(default_factory=dict)
+    """The cluster's CPU-ms per step by role (coordinator, ps, worker: each role's processes
+    summed): benchmarks/step_cpu.py --model dlrm prints it."""
 
 
 def local_run(cap: int, steps: int, warmup: int) -> Run:
@@ -161,16 +164,18 @@ def paramserve_run(
                 coordinator.schedule(train_clicks, args=(batches, model, optimizer), steps=steps_per_closure)
             coordinator.join()
             startup = time.perf_counter() - start
-            pids = [os.getpid(), *(p.pid for p in cluster.processes)]
-            cpu = sum(process_cpu_seconds(pid) for pid in pids)
+            roles = {os.getpid(): "coordinator", **{p.pid: p.role for p in cluster.processes}}
+            before = {pid: process_cpu_seconds(pid) for pid in roles}
             start = time.perf_counter()
             steps = steps // steps_per_closure * steps_per_closure
             for _ in range(steps // steps_per_closure):
                 coordinator.schedule(train_clicks, args=(batches, model, optimizer), steps=steps_per_closure)
             coordinator.join()
             seconds = time.perf_counter() - start
-            cpu = sum(process_cpu_seconds(pid) for pid in pids) - cpu
-    return Run(steps * BATCH / seconds, startup, 1000 * cpu / steps)
+            by_role: dict[str, float] = {}
+            for pid, role in roles.items():
+                by_role[role] = by_role.get(role, 0.0) + 1000 * (process_cpu_seconds(pid) - before[pid]) / steps
+    return Run(steps * BATCH / seconds, startup, sum(by_role.values()), by_role)
 
 
 def compare(
