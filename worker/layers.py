@@ -203,8 +203,10 @@ class ShardedEmbedding(nn.Module):
     larger than any machine's memory or any message. Create it inside ``strategy.scope()``;
     ``initializer`` is filled on the servers. ``name``: the variable's name on the servers
     (under the strategy's ``run_name``), in a module or on its own; by default the module
-    path (``dlrm.tables.user``) or ``embedding[_n]``. Several tables a step reads together
-    belong in a ShardedEmbeddingCollection: one exchange per server for all of them.
+    path (``dlrm.tables.user``) or ``embedding[_n]``. Lookups of several tables travel
+    together (worker.deferred_rows), and ParameterServerStrategy stores a model's unnamed tables
+    of one layout as one variable (``fuse_tables``): a table per feature costs a step what a
+    ShardedEmbeddingCollection does.
     """
 
     def __init__(
