@@ -419,8 +419,27 @@ def _check_compatible(manifest: checkpoint.Manifest, layouts: Mapping[str, Any],
     if problems:
         raise CheckpointError(
             f"checkpoint {path} does not match the model: {'; '.join(problems)}. Restore it into the "
-            "model that wrote it, or start without it (a new checkpoint directory)"
+            f"model that wrote it, or start without it (a new checkpoint directory){_fusion_hint(layouts, manifest)}"
         )
+
+
+def _fusion_hint(layouts: Mapping[str, Any], manifest: checkpoint.Manifest) -> str:
+    """Where the model and the checkpoint differ in whether tables are fused (``fuse_tables``),
+    the setting that reads the checkpoint; else nothing."""
+    missing = [name for name in layouts if name not in manifest.variables]
+    fused_here = any(".fused_tables." in name for name in missing)
+    fused_there = any(".fused_tables." in name for name in manifest.variables if name not in layouts)
+    if fused_here and not fused_there:
+        return (
+            "; it was written with a variable per embedding table, this model stores its tables fused: "
+            "build the strategy with fuse_tables=False to restore it"
+        )
+    if fused_there and not fused_here:
+        return (
+            "; it was written with the embedding tables fused into one variable: build the strategy "
+            "with fuse_tables=True (the default) to restore it"
+        )
+    return ""
 
 
 # ------------------------------------------------------------------ plain torch state_dicts

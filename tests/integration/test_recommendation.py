@@ -18,6 +18,7 @@ from paramserve.coordinator import (
     ShardedEmbeddingCollection,
     state_dict,
 )
+from paramserve.coordinator.checkpointing.checkpoint_manager import CheckpointManager
 from paramserve.coordinator.demos.recommendation import (
     DLRM,
     ClickData,
@@ -26,6 +27,7 @@ from paramserve.coordinator.demos.recommendation import (
     auc,
     train_clicks,
 )
+from paramserve.psserver.protocol.errors import CheckpointError
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import test modules
 
@@ -180,3 +182,48 @@ def test_a_dlrm_of_separate_tables_reads_them_all_in_one_exchange_per_server_a_s
         with torch.no_grad():
             assert torch.equal(weight, table(torch.arange(table.num_embeddings)).resolve())
     strategy.close()
+
+
+def train_per_feature(cluster, steps: int, **options):  # type: ignore[no-untyped-def]
+    strategy = ParameterServerStrategy(cluster.spec, variable_partitioner=FixedShardsPartitioner(2), **options)
+    torch.manual_seed(0)
+    with strategy.scope():
+        model = DLRM(TABLE_ROWS, embeddings=PerFeatureEmbeddings)
+    optimizer = strategy.optimizer(torch.optim.Adagrad, lr=0.05)
+    with ClusterCoordinator(strategy) as coordinator:
+        batches = iter(coordinator.create_per_worker_dataset(WorkerClicks(TABLE_ROWS, count=20)))
+        for _ in range(steps):
+            coordinator.schedule(train_clicks, args=(batches, model, optimizer))
+        coordinator.join()
+    return strategy, model
+
+
+def test_fused_tables_checkpoint_and_restore_exactly_and_a_checkpoint_of_the_other_layout_names_the_setting(
+    start_cluster, tmp_path
+):
+    """Issue 42: fused tables are one variable in a checkpoint; a checkpoint written with a
+    variable per table is refused by a fused model, naming fuse_tables=False, before anything
+    changes, and restores exactly with that setting."""
+    cluster = start_cluster(num_ps=2, num_workers=1)
+    fused, fused_model = train_per_feature(cluster, 4, run_name="fused")
+    CheckpointManager(fused, tmp_path / "fused").save(step=4)
+    separate, separate_model = train_per_feature(cluster, 4, run_name="separate", fuse_tables=False)
+    CheckpointManager(separate, tmp_path / "separate").save(step=4)
+
+    again, again_model = train_per_feature(cluster, 1, run_name="again")  # fused, trained on its own
+    untouched = state_dict(again, again_model)
+    with pytest.raises(CheckpointError, match=r"variable per embedding table.*fuse_tables=False to restore it"):
+        CheckpointManager(again, tmp_path / "separate").restore_or_initialize()
+    assert all(torch.equal(state_dict(again, again_model)[k], v) for k, v in untouched.items()), "nothing changed"
+    assert CheckpointManager(again, tmp_path / "fused").restore_or_initialize() == 4
+    expected = state_dict(fused, fused_model)
+    assert all(torch.equal(state_dict(again, again_model)[k], v) for k, v in expected.items()), "an exact restore"
+
+    unfused, unfused_model = train_per_feature(cluster, 1, run_name="unfused", fuse_tables=False)
+    with pytest.raises(CheckpointError, match=r"tables fused into one variable.*fuse_tables=True"):
+        CheckpointManager(unfused, tmp_path / "fused").restore_or_initialize()
+    assert CheckpointManager(unfused, tmp_path / "separate").restore_or_initialize() == 4
+    expected = state_dict(separate, separate_model)
+    assert all(torch.equal(state_dict(unfused, unfused_model)[k], v) for k, v in expected.items())
+    for strategy in (fused, separate, again, unfused):
+        strategy.close()
