@@ -81,9 +81,7 @@ class LookupBatch:
         for rows in pending:
             by_table.setdefault(rows.table, []).append(rows)
         try:
-            found = self._lookup(
-                {table: torch.cat([r.lookup_ids.reshape(-1) for r in group]) for table, group in by_table.items()}
-            )
+            found = self._lookup({table: _variable_rows(group) for table, group in by_table.items()})
             for table, group in by_table.items():
                 pieces = found[table].split([r.lookup_ids.numel() for r in group])
                 for rows, piece in zip(group, pieces):
@@ -95,12 +93,37 @@ class LookupBatch:
             raise
 
 
+def _variable_rows(group: list[PendingRows]) -> torch.Tensor:
+    """The rows of one variable that ``group``'s lookups read, concatenated: each lookup's ids
+    as they are, or, for tables stored as row ranges of one variable (``fused``), checked
+    against their own table's size and moved by its offset, for every table at once. Raises
+    IndexError naming the first id outside its table and the table."""
+    ids = torch.cat([r.lookup_ids.reshape(-1) for r in group])
+    if group[0].fused is None:
+        return ids
+    counts = torch.tensor([r.lookup_ids.numel() for r in group], device=ids.device)
+    offsets = torch.tensor([r.fused[0] for r in group], device=ids.device).repeat_interleave(counts)  # type: ignore[index]
+    limits = torch.tensor([r.fused[1] for r in group], device=ids.device).repeat_interleave(counts)  # type: ignore[index]
+    outside = (ids < 0) | (ids >= limits)
+    if bool(outside.any()):
+        position = int(outside.nonzero()[0, 0])
+        table = group[int(torch.searchsorted(counts.cumsum(0), position, right=True))]
+        assert table.fused is not None
+        raise IndexError(
+            f"id {int(ids[position])} is outside the rows [0, {table.fused[1]}) of ShardedEmbedding {table.fused[2]!r}"
+        )
+    return ids.to(torch.int64) + offsets
+
+
 class PendingRows(torch.Tensor):
     """The rows of one lookup, read with the rest of its batch when first used (module docstring).
     ``resolve()`` returns the real rows."""
 
     table: str
     lookup_ids: torch.Tensor
+    fused: tuple[int, int, str] | None
+    """A fused table's (first row in its variable, its rows, its name), its ids its own; None:
+    the ids are the variable's rows."""
     _batch: LookupBatch
     _rows: torch.Tensor | None
     _error: BaseException | None
@@ -108,14 +131,28 @@ class PendingRows(torch.Tensor):
 
     @staticmethod
     def __new__(
-        cls, batch: LookupBatch, table: str, indices: torch.Tensor, dim: int, dtype: torch.dtype
+        cls,
+        batch: LookupBatch,
+        table: str,
+        indices: torch.Tensor,
+        dim: int,
+        dtype: torch.dtype,
+        fused: tuple[int, int, str] | None = None,
     ) -> PendingRows:
         wrapper = torch.Tensor._make_wrapper_subclass(cls, (*indices.shape, dim), dtype=dtype, device=indices.device)
-        wrapper.table, wrapper.lookup_ids, wrapper._batch = table, indices, batch
+        wrapper.table, wrapper.lookup_ids, wrapper.fused, wrapper._batch = table, indices, fused, batch
         wrapper._rows, wrapper._error, wrapper.settled = None, None, False
         return wrapper
 
-    def __init__(self, batch: LookupBatch, table: str, indices: torch.Tensor, dim: int, dtype: torch.dtype):
+    def __init__(
+        self,
+        batch: LookupBatch,
+        table: str,
+        indices: torch.Tensor,
+        dim: int,
+        dtype: torch.dtype,
+        fused: tuple[int, int, str] | None = None,
+    ):
         super().__init__()
 
     def settle(self, rows: torch.Tensor | None, error: BaseException | None) -> None:
@@ -166,15 +203,23 @@ _open = threading.local()
 
 
 def pending_rows(
-    lookup: Lookup, owner: object, table: str, indices: torch.Tensor, dim: int, dtype: torch.dtype
+    lookup: Lookup,
+    owner: object,
+    table: str,
+    indices: torch.Tensor,
+    dim: int,
+    dtype: torch.dtype,
+    fused: tuple[int, int, str] | None = None,
 ) -> PendingRows:
     """The rows of ``table`` for ``indices``, noted in this thread's open batch for ``owner`` (a
-    new one when there is none, or it reads through another owner) and read with it."""
+    new one when there is none, or it reads through another owner) and read with it. ``fused``:
+    ``table`` stores this lookup's table as rows (offset, offset + rows) and ``indices`` are the
+    table's own (named ``name`` in errors): (offset, rows, name)."""
     batch: LookupBatch | None = getattr(_open, "batch", None)
     if batch is None or batch.closed or batch.owner is not owner:
         batch = LookupBatch(lookup, owner)
         _open.batch = batch
-    rows = PendingRows(batch, table, indices.detach(), dim, dtype)
+    rows = PendingRows(batch, table, indices.detach(), dim, dtype, fused)
     batch.note(rows)
     return rows
 

@@ -272,21 +272,8 @@ class ShardedEmbedding(nn.Module):
         access = current_access(self.home)
         if isinstance(access, NoAccess):  # raises at once: used out of place
             return access.lookup({self.variable: indices})[self.variable]
-        if self.fused:
-            indices = self._rows_of_fused(indices)
-        return pending_rows(access.lookup, access, self.variable, indices, self.embedding_dim, self.dtype)
-
-    def _rows_of_fused(self, indices: torch.Tensor) -> torch.Tensor:
-        """``indices`` as rows of the variable this table shares: checked against this table's
-        own size here (the servers see only the shared range, where a wrong id would read
-        another table's row) and moved by its offset. Raises IndexError naming the id."""
-        outside = (indices < 0) | (indices >= self.num_embeddings)
-        if bool(outside.any()):
-            raise IndexError(
-                f"id {int(indices[outside].reshape(-1)[0])} is outside the rows [0, {self.num_embeddings}) "
-                f"of ShardedEmbedding {self.place or self.variable!r}"
-            )
-        return indices.to(torch.int64) + self.row_offset
+        fused = (self.row_offset, self.num_embeddings, self.place) if self.fused else None
+        return pending_rows(access.lookup, access, self.variable, indices, self.embedding_dim, self.dtype, fused)
 
     def adopted(self) -> bool:
         """Whether a strategy on this process has made the table its variable."""

@@ -99,17 +99,25 @@ def test_a_lookup_reads_its_own_rows_of_the_shared_variable_and_an_id_past_its_t
     try:
         with strategy.scope():
             model = PerFeature({"user": 10, "item": 20})
-        item = model.tables["item"]
-        item.home = Recording()  # type: ignore[assignment]
+        item, recording = model.tables["item"], Recording()
+        for table in model.tables.values():
+            table.home = recording  # type: ignore[assignment]
         rows = item(torch.tensor([0, 19]))
         assert isinstance(rows, PendingRows) and rows.resolve().shape == (2, 4)
         assert seen["perfeature.fused_tables.0"].tolist() == [10, 29], "moved by the table's offset"
-        with pytest.raises(
+        user_rows, bad = model.tables["user"](torch.tensor([9])), item(torch.tensor([3, 20]))
+        seen.clear()
+        with pytest.raises(  # read with its batch, at first use, as a server's refusal would be
             IndexError, match=r"id 20 is outside the rows \[0, 20\) of ShardedEmbedding 'perfeature.tables.item'"
         ):
-            item(torch.tensor([3, 20]))
-        with pytest.raises(IndexError, match="id -1"):
-            item(torch.tensor([-1]))
+            torch.cat([user_rows, bad])
+        assert seen == {}, "nothing read: the whole batch refused"
+        with pytest.raises(IndexError, match="id 20 is outside"):
+            user_rows.resolve()  # every lookup of the batch carries its error
+        with pytest.raises(
+            IndexError, match="id -1 is outside the rows \\[0, 10\\) of ShardedEmbedding 'perfeature.tables.user'"
+        ):
+            model.tables["user"](torch.tensor([-1])).resolve()
     finally:
         strategy.close()
 
