@@ -17,8 +17,10 @@ import logging
 import os
 import pathlib
 import secrets
+import signal
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -151,6 +153,19 @@ def run(args: argparse.Namespace) -> DemoSummary:
             "steps": counted.steps,
         },
     )
+
+
+def exit_on_sigterm() -> None:
+    """SIGTERM (Kubernetes deleting the coordinator's pod, ``docker stop``) ends the demo as Ctrl-C
+    does: its processes stopped, its coordinator shut down, exit status 143. Without a handler a
+    container's first process (PID 1) ignores SIGTERM and is killed only when the grace period ends,
+    which kept the Job's next pod (the one that resumes) waiting 30 s."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminated)
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def progress_line(step: int, steps: int, loss: float, workers: int) -> str:
@@ -325,6 +340,7 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("mutual TLS needs --tls-ca, --tls-cert and --tls-key together")
     if args.tls_ca is not None and args.cluster_from_env:
         parser.error("--tls-* start a cluster with TLS; with --cluster-from-env the cluster's own settings apply")
+    exit_on_sigterm()
     summary = run(args)
     print(
         f"test accuracy {summary.test_accuracy:.4f} after {summary.steps} steps in {summary.duration_s:.1f}s "
