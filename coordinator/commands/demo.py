@@ -180,7 +180,8 @@ def advertised(url: str | None, address: str | None) -> str | None:
         return url
     import urllib.parse
 
-    return urllib.parse.urlsplit(url)._replace(netloc=address).geturl()
+    parts = urllib.parse.urlsplit(url)
+    return urllib.parse.urlunsplit((parts.scheme, address, parts.path, parts.query, parts.fragment))
 
 
 def _report_finished(

@@ -453,15 +453,20 @@ def test_the_base_trains_through_scaling_evictions_lost_servers_and_a_lost_coord
         t0 = time.monotonic()
         sh(f"kubectl -n {NS} delete pod {coordinator['metadata']['name']} --wait=false")
 
-        def resumed() -> str | None:
-            for pod in pods("coordinator"):
-                if pod["metadata"]["name"] != coordinator["metadata"]["name"] and running(pod):
-                    log = sh(f"kubectl -n {NS} logs {pod['metadata']['name']}", check=False).stdout
-                    if re.search(r"resumed from the checkpoint at step \d+\n(.|\n)*step \d+/", log):
-                        return str(pod["metadata"]["name"])
-            return None
+        def resumed(then: str) -> Callable[[], str | None]:
+            def check() -> str | None:
+                for pod in pods("coordinator"):
+                    if pod["metadata"]["name"] != coordinator["metadata"]["name"] and running(pod):
+                        log = sh(f"kubectl -n {NS} logs {pod['metadata']['name']}", check=False).stdout
+                        if re.search(r"resumed from the checkpoint at step \d+\n" + then, log):
+                            return str(pod["metadata"]["name"])
+                return None
 
-        successor = until("the next coordinator resumes and trains", resumed, 240, every=1)
+            return check
+
+        until("the next coordinator restores the newest checkpoint", resumed(""), 240, every=1)
+        record("coordinator pod deleted: delete to the next pod resumed from the checkpoint", time.monotonic() - t0)
+        successor = until("the next coordinator trains", resumed(r"(.|\n)*step \d+/"), 120, every=1)
         record("coordinator pod deleted: delete to the first checkpoint after resuming", time.monotonic() - t0)
         logs.wait(30)  # the README's `logs -f` follows the pod it started with, which is gone
         stop(logs)
