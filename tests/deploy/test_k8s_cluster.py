@@ -275,6 +275,30 @@ def cluster_answers() -> bool:
     return KUBECONFIG.is_file() and sh("kubectl get --raw /readyz", timeout=20, check=False).returncode == 0
 
 
+def stop_cluster() -> None:
+    """down.sh, then what it asked to stop and is still there after 30 s killed (the API server
+    can hang in its graceful shutdown once etcd is gone)."""
+    started = [int(f.read_text()) for f in (CLUSTER / "pids").glob("*.pid") if f.read_text().strip().isdigit()]
+    sh(f"bash {SHARED}/down.sh", timeout=120, check=False)
+
+    def alive() -> list[int]:
+        left = []
+        for pid in started:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                continue
+            left.append(pid)
+        return left
+
+    deadline = time.monotonic() + 30
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    for pid in alive():
+        print(f"[k8s] pid {pid} outlived down.sh by 30s: SIGKILL", flush=True)
+        os.kill(pid, signal.SIGKILL)
+
+
 def release_volumes() -> None:
     """What a cluster's provisioner does for a deleted claim: up.sh's local volume made claimable
     again once an earlier run's namespace (and claim) is gone."""
@@ -360,7 +384,7 @@ def cluster() -> Iterator[dict[str, Any]]:
                 sh(f"kubectl delete namespace {NS} --timeout=180s", timeout=200, check=False)
             release_volumes()
         if not found:
-            sh(f"bash {SHARED}/down.sh", timeout=120, check=False)
+            stop_cluster()
         if wrote_token:
             TOKEN.unlink(missing_ok=True)
         record("whole test", time.monotonic() - began)
