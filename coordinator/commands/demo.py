@@ -17,8 +17,10 @@ import logging
 import os
 import pathlib
 import secrets
+import signal
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -43,6 +45,12 @@ class DemoSummary:
     final_loss: float
     state_dict: str
     status_url: str | None
+    resumed_from: int = 0
+    """The step of the checkpoint this run resumed from (0: a fresh start)."""
+    closures: dict[str, int] | None = None
+    """This run's closures as the coordinator counted them: scheduled, done, failed, retried (calls
+    that failed and went back to the queue) and the steps of those done (each closure's steps count
+    once, however often it was sent)."""
 
 
 def run(args: argparse.Namespace) -> DemoSummary:
@@ -77,7 +85,7 @@ def run(args: argparse.Namespace) -> DemoSummary:
             model = MLP(args.hidden)
         optimizer = strategy.optimizer(torch.optim.Adam, lr=args.lr)
         manager = CheckpointManager(strategy, checkpoint_dir, max_to_keep=3)
-        step = manager.restore_or_initialize() or 0
+        step = resumed_from = manager.restore_or_initialize() or 0
         with ClusterCoordinator(
             strategy,
             metrics_port=args.metrics_port,
@@ -85,14 +93,22 @@ def run(args: argparse.Namespace) -> DemoSummary:
             status_port=None if args.no_status_page else args.status_port,
             status_host=args.status_host,
         ) as coordinator:
-            status_url = coordinator.status_url
+            status_url = advertised(coordinator.status_url, args.status_address)
             if status_url is not None:
                 print(f"status page: {status_url}", file=sys.stderr, flush=True)
             batches = iter(coordinator.create_per_worker_dataset(_dataset_fn(args)))
             last = None
             reported: RemoteValue[Any] | None = None
+            # A terminal gets a progress bar; a log (kubectl logs -f, docker logs) a line per checkpoint.
+            lines = not args.quiet and not sys.stderr.isatty()
+            if lines and step:
+                print(f"resumed from the checkpoint at step {step}", file=sys.stderr, flush=True)
             with tqdm(
-                total=args.steps, initial=min(step, args.steps), unit="step", disable=args.quiet, file=sys.stderr
+                total=args.steps,
+                initial=min(step, args.steps),
+                unit="step",
+                disable=args.quiet or lines,
+                file=sys.stderr,
             ) as bar:
                 while step < args.steps:
                     steps = min(args.steps_per_execution, args.steps - step)
@@ -104,9 +120,16 @@ def run(args: argparse.Namespace) -> DemoSummary:
                         coordinator.join()
                         manager.save(step)
                         bar.set_postfix(loss=f"{float(last.fetch()):.3f}")
+                        if lines:
+                            print(
+                                progress_line(step, args.steps, float(last.fetch()), coordinator.num_workers),
+                                file=sys.stderr,
+                                flush=True,
+                            )
             coordinator.join()
             final_loss = float(last.fetch()) if last is not None else float("nan")
             workers = coordinator.num_workers
+            counted = coordinator.telemetry.run.view(workers=False, events=False)
         with torch.no_grad():
             accuracy = float((model(x_test).argmax(dim=1) == y_test).float().mean())
         exported = export_state_dict(strategy, checkpoint_dir / "model_state_dict.pt", model)
@@ -121,7 +144,44 @@ def run(args: argparse.Namespace) -> DemoSummary:
         final_loss=final_loss,
         state_dict=str(exported),
         status_url=status_url,
+        resumed_from=resumed_from,
+        closures={
+            "scheduled": counted.scheduled,
+            "done": counted.done,
+            "failed": counted.failed,
+            "retried": counted.retried,
+            "steps": counted.steps,
+        },
     )
+
+
+def exit_on_sigterm() -> None:
+    """SIGTERM (Kubernetes deleting the coordinator's pod, ``docker stop``) ends the demo as Ctrl-C
+    does: its processes stopped, its coordinator shut down, exit status 143. Without a handler a
+    container's first process (PID 1) ignores SIGTERM and is killed only when the grace period ends,
+    which kept the Job's next pod (the one that resumes) waiting 30 s."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminated)
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def progress_line(step: int, steps: int, loss: float, workers: int) -> str:
+    """What a log shows at each checkpoint, in place of the terminal's progress bar."""
+    return f"step {step}/{steps} ({100 * step / steps:.0f}%) loss {loss:.4f}, {workers} workers; checkpoint saved"
+
+
+def advertised(url: str | None, address: str | None) -> str | None:
+    """The status page's ``url`` with its host and port replaced by ``address`` (``host:port``, e.g.
+    where ``kubectl port-forward`` serves it), its key kept; ``url`` itself without an address."""
+    if url is None or not address:
+        return url
+    import urllib.parse
+
+    parts = urllib.parse.urlsplit(url)
+    return urllib.parse.urlunsplit((parts.scheme, address, parts.path, parts.query, parts.fragment))
 
 
 def _report_finished(
@@ -234,6 +294,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         help="address the status page listens on (default: %(default)s; beyond loopback it asks for the key "
         "derived from the cluster's token, which the printed address carries)",
     )
+    parser.add_argument(
+        "--status-address",
+        help="host:port to print in the status page's address instead of the one it listens on: where users "
+        "reach it (e.g. 127.0.0.1:8080 for kubectl port-forward svc/coordinator 8080)",
+    )
     parser.add_argument("--no-status-page", action="store_true", help="serve no status page")
     parser.add_argument(
         "--seed",
@@ -276,6 +341,7 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("mutual TLS needs --tls-ca, --tls-cert and --tls-key together")
     if args.tls_ca is not None and args.cluster_from_env:
         parser.error("--tls-* start a cluster with TLS; with --cluster-from-env the cluster's own settings apply")
+    exit_on_sigterm()
     summary = run(args)
     print(
         f"test accuracy {summary.test_accuracy:.4f} after {summary.steps} steps in {summary.duration_s:.1f}s "

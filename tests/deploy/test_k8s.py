@@ -1,5 +1,6 @@
 """deploy/k8s: every manifest valid against Kubernetes 1.30's strict schemas, offline
-(kubernetes-validate carries them), and shaped as deploy/README.md says."""
+(kubernetes-validate carries them), and shaped as deploy/README.md says; the overlays rendered by
+kubectl's kustomize as a user applies them. On a real cluster: test_k8s_cluster.py."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ kubernetes_validate = pytest.importorskip(
 )
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-K8S = ROOT / "deploy" / "k8s"
+DEPLOY = ROOT / "deploy" / "k8s"
+K8S = DEPLOY / "base"
 VERSION = "1.30.0"
 TOKEN_DIR = "/var/run/secrets/paramserve"
 
@@ -63,13 +65,7 @@ def test_the_validator_refuses_unknown_fields_and_kinds() -> None:
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (its kustomize) is not installed")
 def test_the_kustomize_base_renders_every_manifest_and_the_token_secret(tmp_path: pathlib.Path) -> None:
-    base = tmp_path / "k8s"
-    shutil.copytree(K8S, base)
-    (base / "paramserve_token.txt").write_text("0123456789abcdef\n")  # what the README has you write
-    rendered = subprocess.run(
-        ["kubectl", "kustomize", str(base)], capture_output=True, text=True, timeout=60, check=True
-    )
-    docs = [d for d in yaml.safe_load_all(rendered.stdout) if d]
+    docs = render(tmp_path, "")
     assert sorted((d["kind"], d["metadata"]["name"]) for d in docs) == sorted(
         [(d["kind"], d["metadata"]["name"]) for d in manifests()] + [("Secret", "paramserve-token")]
     )
@@ -85,7 +81,8 @@ def test_parameter_servers_are_a_statefulset_behind_a_headless_service_named_in_
     assert ps["spec"]["serviceName"] == "ps" and service["spec"]["clusterIP"] == "None"
     assert service["spec"]["selector"] == ps["spec"]["template"]["metadata"]["labels"]
     env = {
-        e["name"]: e["value"] for e in by_kind("Job", "coordinator")["spec"]["template"]["spec"]["containers"][0]["env"]
+        e["name"]: e.get("value")
+        for e in by_kind("Job", "coordinator")["spec"]["template"]["spec"]["containers"][0]["env"]
     }
     assert env["PARAMSERVE_PS"] == ",".join(f"ps-{i}.ps:5000" for i in range(ps["spec"]["replicas"]))
     assert env["PARAMSERVE_WORKER_SERVICE"] == "worker:6000"
@@ -107,7 +104,7 @@ def test_the_coordinator_is_a_job_with_the_checkpoint_claim_and_the_token_is_a_g
     [generator] = yaml.safe_load((K8S / "kustomization.yaml").read_text())["secretGenerator"]
     assert (generator["name"], generator["files"]) == ("paramserve-token", ["token=paramserve_token.txt"])
     assert generator["options"]["disableNameSuffixHash"] is True  # the manifests name it
-    assert "deploy/k8s/paramserve_token.txt" in (ROOT / ".gitignore").read_text()
+    assert "deploy/k8s/base/paramserve_token.txt" in (ROOT / ".gitignore").read_text()
 
 
 def test_every_container_is_non_root_has_requests_native_grpc_probes_and_the_token_file() -> None:
@@ -138,28 +135,44 @@ def test_the_coordinators_status_page_is_a_named_port_of_its_service() -> None:
     assert {"name": "status", "port": 8080, "targetPort": "status"} in service_ports
 
 
-def test_the_replicated_overlay_runs_four_servers_in_groups_of_two() -> None:
-    """deploy/k8s/replicated: the base with four servers and the coordinator told them and the
-    replica count; the patched manifests stay valid."""
-    import copy
+def render(tmp_path: pathlib.Path, overlay: str) -> list[dict[str, Any]]:
+    """deploy/k8s/OVERLAY as ``kubectl kustomize`` renders it, with the token file the README has
+    you write (a copy: the repository's own file is never touched)."""
+    tree = tmp_path / "k8s"
+    if not tree.exists():
+        shutil.copytree(DEPLOY, tree, ignore=shutil.ignore_patterns("paramserve_token.txt"))
+        (tree / "base" / "paramserve_token.txt").write_text("0123456789abcdef\n")
+    rendered = subprocess.run(
+        ["kubectl", "kustomize", str(tree / overlay)], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert rendered.returncode == 0, rendered.stderr
+    return [d for d in yaml.safe_load_all(rendered.stdout) if d]
 
+
+def rendered_kind(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    [found] = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    return found
+
+
+def test_no_overlay_lives_inside_the_base() -> None:
+    """kustomize refuses an overlay inside its own base ("cycle detected"): overlays sit beside base/."""
+    for kustomization in DEPLOY.rglob("kustomization.yaml"):
+        for resource in yaml.safe_load(kustomization.read_text()).get("resources", []):
+            target = (kustomization.parent / resource).resolve()
+            assert not kustomization.parent.resolve().is_relative_to(target), (kustomization, resource)
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (its kustomize) is not installed")
+def test_the_replicated_overlay_runs_four_servers_in_groups_of_two(tmp_path: pathlib.Path) -> None:
+    """deploy/k8s/replicated, rendered as `kubectl apply -k` does: the base with four servers and the
+    coordinator told them and the replica count; every object stays valid."""
     from paramserve.coordinator.recovery.replica_groups import group_servers, replica_count
 
-    overlay = yaml.safe_load((K8S / "replicated" / "kustomization.yaml").read_text())
-    assert overlay["resources"] == ["../"]
-    [servers_patch, job_patch] = overlay["patches"]
-    [operation] = yaml.safe_load(servers_patch["patch"])
-    assert servers_patch["target"] == {"kind": "StatefulSet", "name": "ps"}
-    assert operation == {"op": "replace", "path": "/spec/replicas", "value": 4}
-    ps = copy.deepcopy(by_kind("StatefulSet", "ps"))
-    ps["spec"]["replicas"] = operation["value"]
-    job = copy.deepcopy(by_kind("Job", "coordinator"))
-    [container] = yaml.safe_load(job_patch["patch"])["spec"]["template"]["spec"]["containers"]
-    env = {e["name"]: e for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
-    env.update({e["name"]: e for e in container["env"]})  # a strategic merge of env, by name
-    job["spec"]["template"]["spec"]["containers"][0]["env"] = list(env.values())
-    for doc in (ps, job):
+    docs = render(tmp_path, "replicated")
+    for doc in docs:
         kubernetes_validate.validate(doc, VERSION, strict=True)
+    ps, job = rendered_kind(docs, "StatefulSet", "ps"), rendered_kind(docs, "Job", "coordinator")
+    env = {e["name"]: e for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
     values = {name: e["value"] for name, e in env.items() if "value" in e}
     assert values["PARAMSERVE_PS"] == ",".join(f"ps-{i}.ps:5000" for i in range(ps["spec"]["replicas"]))
     groups = group_servers(values["PARAMSERVE_PS"].split(","), replica_count(None, values))
@@ -198,5 +211,96 @@ def test_network_policies_admit_only_the_jobs_pods_to_the_workers_and_the_rendez
 
     assert admitted(worker) == {("grpc", None): {"coordinator"}, EPHEMERAL: {"worker"}, ("metrics", None): None}
     assert admitted(coordinator) == {EPHEMERAL: {"worker"}, ("metrics", None): None, ("status", None): None}
+    servers = by_kind("NetworkPolicy", "ps-ingress")
+    assert (
+        servers["spec"]["podSelector"]["matchLabels"]
+        == by_kind("StatefulSet", "ps")["spec"]["template"]["metadata"]["labels"]
+    )
+    job = {"coordinator", "worker", "ps"}
+    assert admitted(servers) == {("grpc", None): job, ("dataplane", None): job, ("metrics", None): None}
     named = {p["name"] for _, _, c in containers() for p in c.get("ports", [])}
     assert {"grpc", "metrics", "status"} <= named  # the policies' named ports exist
+
+
+NODE_CPU_MILLIS = 2000
+"""The smallest node the defaults must fit: ../shared/k8s's, where the whole layout runs."""
+
+
+def millicpu(quantity: str) -> int:
+    return int(quantity[:-1]) if quantity.endswith("m") else int(float(quantity) * 1000)
+
+
+def requested(docs: list[dict[str, Any]], workers: int) -> int:
+    """Millicpus the layout in ``docs`` requests with ``workers`` workers."""
+    total = 0
+    for doc in docs:
+        if doc["kind"] in ("StatefulSet", "Deployment", "Job"):
+            count = workers if doc["kind"] == "Deployment" else doc["spec"].get("replicas", 1)
+            for container in doc["spec"]["template"]["spec"]["containers"]:
+                total += count * millicpu(container["resources"]["requests"]["cpu"])
+    return total
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (its kustomize) is not installed")
+def test_the_default_requests_fit_one_two_cpu_node_and_the_large_overlay_sizes_them_up(tmp_path: pathlib.Path) -> None:
+    """The base and the replicated overlay, with the workers scaled to 4, fit a 2-CPU node (the
+    scheduler places nothing whose requests do not fit); deploy/k8s/large asks for whole CPUs."""
+    base, replicated, large = render(tmp_path, ""), render(tmp_path, "replicated"), render(tmp_path, "large")
+    assert requested(replicated, workers=4) <= NODE_CPU_MILLIS < requested(large, workers=1)
+    assert requested(base, workers=4) < requested(replicated, workers=4)
+    assert rendered_kind(large, "Deployment", "worker")["spec"]["replicas"] == 8
+    for doc in large:
+        kubernetes_validate.validate(doc, VERSION, strict=True)
+
+
+def test_servers_and_the_coordinator_go_before_the_workers_and_servers_leave_one_at_a_time() -> None:
+    classes = {d["metadata"]["name"]: d for d in manifests() if d["kind"] == "PriorityClass"}
+    priority = {name: pod.get("priorityClassName") for name, pod, _ in containers()}
+    assert priority == {
+        "ps": "paramserve-critical",
+        "worker": "paramserve-worker",
+        "coordinator": "paramserve-critical",
+    }
+    assert classes["paramserve-critical"]["value"] > classes["paramserve-worker"]["value"]
+    assert classes["paramserve-worker"]["preemptionPolicy"] == "Never"  # a worker never evicts a server
+    assert not any(c.get("globalDefault") for c in classes.values())  # other workloads keep their priority
+    budget = by_kind("PodDisruptionBudget", "ps")
+    assert budget["spec"]["maxUnavailable"] == 1
+    assert (
+        budget["spec"]["selector"]["matchLabels"]
+        == by_kind("StatefulSet", "ps")["spec"]["template"]["metadata"]["labels"]
+    )
+
+
+def test_startup_probes_wait_for_torch_and_allow_a_busy_node_time_to_answer() -> None:
+    for name, _, container in containers():
+        if "startupProbe" in container:
+            probe = container["startupProbe"]
+            assert probe["timeoutSeconds"] >= 5 and probe.get("initialDelaySeconds", 0) >= 3, name
+            assert probe["periodSeconds"] * probe["failureThreshold"] >= 120, name
+
+
+def test_the_claim_takes_the_default_storage_class_and_an_overlay_can_name_one(tmp_path: pathlib.Path) -> None:
+    """deploy/README.md, "Storage": no class in the base (the cluster's default); the README's overlay
+    names one."""
+    assert "storageClassName" not in by_kind("PersistentVolumeClaim", "checkpoints")["spec"]
+    readme = (ROOT / "deploy" / "README.md").read_text()
+    [overlay] = [block for block in readme.split("```") if block.startswith("yaml\n# deploy/k8s/fast-storage")]
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl (its kustomize) is not installed")
+    render(tmp_path, "")  # the copy of deploy/k8s
+    (tmp_path / "k8s" / "fast-storage").mkdir()
+    (tmp_path / "k8s" / "fast-storage" / "kustomization.yaml").write_text(overlay.removeprefix("yaml\n"))
+    docs = render(tmp_path, "fast-storage")
+    assert rendered_kind(docs, "PersistentVolumeClaim", "checkpoints")["spec"]["storageClassName"] == "fast-ssd"
+
+
+def test_the_coordinator_job_trains_long_enough_to_scale_and_keeps_checkpoints_per_job() -> None:
+    """Retries of one Job resume (the same uid); a new Job trains afresh; long enough that scaling
+    during training can be followed (a line per checkpoint in kubectl logs -f)."""
+    [container] = by_kind("Job", "coordinator")["spec"]["template"]["spec"]["containers"]
+    args = build_parser().parse_args(container["args"])
+    assert args.checkpoint_dir == "/checkpoints/$(JOB_UID)" and not args.quiet
+    assert args.steps >= 10 * args.checkpoint_every and args.status_address == "127.0.0.1:8080"
+    [uid] = [e for e in container["env"] if e["name"] == "JOB_UID"]
+    assert uid["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['batch.kubernetes.io/controller-uid']"

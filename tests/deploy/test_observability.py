@@ -117,7 +117,7 @@ def test_promtool_accepts_the_scrape_configurations(config: str) -> None:
             "prometheus-k8s.yml",
             lambda: {
                 d["metadata"]["name"]
-                for f in (ROOT / "deploy/k8s").glob("*.yaml")
+                for f in (ROOT / "deploy/k8s/base").glob("*.yaml")
                 for d in yaml.safe_load_all(f.read_text())
                 if d and d["kind"] == "Service"
             },

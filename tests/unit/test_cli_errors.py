@@ -136,3 +136,33 @@ def test_a_server_started_by_the_command_imports_neither_the_other_commands_nor_
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+def test_the_demo_logs_a_line_per_checkpoint_and_prints_the_status_page_where_users_reach_it() -> None:
+    from paramserve.coordinator.commands.demo import advertised, progress_line
+
+    assert progress_line(3000, 30000, 0.01234, 2) == "step 3000/30000 (10%) loss 0.0123, 2 workers; checkpoint saved"
+    assert advertised("http://coordinator-x7:8080/?key=abc", "127.0.0.1:8080") == "http://127.0.0.1:8080/?key=abc"
+    assert advertised("http://coordinator-x7:8080/?key=abc", None) == "http://coordinator-x7:8080/?key=abc"
+    assert advertised(None, "127.0.0.1:8080") is None
+
+
+def test_sigterm_ends_the_demo_as_ctrl_c_does() -> None:
+    """A container's PID 1 ignores SIGTERM unless it handles it: the Job's next pod waited 30 s."""
+    import os
+    import signal
+    import time
+
+    from paramserve.coordinator.commands.demo import exit_on_sigterm
+
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        exit_on_sigterm()
+        with pytest.raises(SystemExit) as stopped:
+            os.kill(os.getpid(), signal.SIGTERM)
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                time.sleep(0.01)  # the handler runs between bytecodes of this (the main) thread
+        assert stopped.value.code == 128 + signal.SIGTERM
+    finally:
+        signal.signal(signal.SIGTERM, previous)
