@@ -601,7 +601,12 @@ def test_the_replicated_overlay_fails_over_and_survives_an_upgrade(cluster: dict
         record("upgrade: servers rolled one at a time", time.monotonic() - t0)
 
         pod = finished_pod(600)
-        readme(f"kubectl -n {NS} logs job/coordinator")
+        log = readme(f"kubectl -n {NS} logs job/coordinator").stdout
+        # A group restored from the checkpoint (no member held its state: its primary stopped while
+        # the backup restarted before it was still rejoining) loses the pushes since that
+        # checkpoint; a backup taking over loses nothing. The evidence for the open finding below.
+        restored = [line for line in log.splitlines() if "no replica held its state" in line]
+        print(f"[k8s] replicated run, groups restored from the checkpoint: {restored}", flush=True)
         result = summary(pod)
         assert result["parameter_servers"] == 4
         check_training(
@@ -611,7 +616,8 @@ def test_the_replicated_overlay_fails_over_and_survives_an_upgrade(cluster: dict
             "replicated, disrupted",
             known_gap="an open finding (deploy/README.md, 'What runs where'): through a failover and a rolling "
             "restart of the replicated servers, each of the first 4 runs here ended 1.4 to 1.7 points below an "
-            "undisturbed run of the same layout",
+            f"undisturbed run of the same layout; in this run {len(restored)} of the restart's recoveries "
+            f"restored a group from the checkpoint: {restored}",
         )
     finally:
         page.close()
