@@ -30,14 +30,25 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["LookupBatch", "PendingRows", "close_open_batch", "pending_rows", "resolved"]
+__all__ = ["FusedRange", "LookupBatch", "PendingRows", "close_open_batch", "pending_rows", "resolved"]
 
 Lookup = Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]]
 """How a batch reads its rows: ``VariableAccess.lookup`` (table: indices -> table: rows)."""
+
+
+class FusedRange(NamedTuple):
+    """Where a table stored as a row range of a shared variable lies in it (its ids are its own)."""
+
+    offset: int
+    """Its first row in the variable."""
+    rows: int
+    name: str
+    """The table, as its errors name it (its place in its model)."""
+
 
 _SHAPE_ONLY: frozenset[Any] = frozenset(
     {
@@ -102,15 +113,15 @@ def _variable_rows(group: list[PendingRows]) -> torch.Tensor:
     if group[0].fused is None:
         return ids
     counts = torch.tensor([r.lookup_ids.numel() for r in group], device=ids.device)
-    offsets = torch.tensor([r.fused[0] for r in group], device=ids.device).repeat_interleave(counts)  # type: ignore[index]
-    limits = torch.tensor([r.fused[1] for r in group], device=ids.device).repeat_interleave(counts)  # type: ignore[index]
+    ranges = [r.fused for r in group if r.fused is not None]
+    offsets = torch.tensor([f.offset for f in ranges], device=ids.device).repeat_interleave(counts)
+    limits = torch.tensor([f.rows for f in ranges], device=ids.device).repeat_interleave(counts)
     outside = (ids < 0) | (ids >= limits)
     if bool(outside.any()):
         position = int(outside.nonzero()[0, 0])
-        table = group[int(torch.searchsorted(counts.cumsum(0), position, right=True))]
-        assert table.fused is not None
+        table = ranges[int(torch.searchsorted(counts.cumsum(0), position, right=True))]
         raise IndexError(
-            f"id {int(ids[position])} is outside the rows [0, {table.fused[1]}) of ShardedEmbedding {table.fused[2]!r}"
+            f"id {int(ids[position])} is outside the rows [0, {table.rows}) of ShardedEmbedding {table.name!r}"
         )
     return ids.to(torch.int64) + offsets
 
@@ -121,9 +132,8 @@ class PendingRows(torch.Tensor):
 
     table: str
     lookup_ids: torch.Tensor
-    fused: tuple[int, int, str] | None
-    """A fused table's (first row in its variable, its rows, its name), its ids its own; None:
-    the ids are the variable's rows."""
+    fused: FusedRange | None
+    """A fused table's range, its ids its own; None: the ids are the variable's rows."""
     _batch: LookupBatch
     _rows: torch.Tensor | None
     _error: BaseException | None
@@ -137,22 +147,14 @@ class PendingRows(torch.Tensor):
         indices: torch.Tensor,
         dim: int,
         dtype: torch.dtype,
-        fused: tuple[int, int, str] | None = None,
+        fused: FusedRange | None = None,
     ) -> PendingRows:
         wrapper = torch.Tensor._make_wrapper_subclass(cls, (*indices.shape, dim), dtype=dtype, device=indices.device)
         wrapper.table, wrapper.lookup_ids, wrapper.fused, wrapper._batch = table, indices, fused, batch
         wrapper._rows, wrapper._error, wrapper.settled = None, None, False
         return wrapper
 
-    def __init__(
-        self,
-        batch: LookupBatch,
-        table: str,
-        indices: torch.Tensor,
-        dim: int,
-        dtype: torch.dtype,
-        fused: tuple[int, int, str] | None = None,
-    ):
+    def __init__(self, *args: Any, **kwargs: Any):  # __new__ took them
         super().__init__()
 
     def settle(self, rows: torch.Tensor | None, error: BaseException | None) -> None:
@@ -209,12 +211,11 @@ def pending_rows(
     indices: torch.Tensor,
     dim: int,
     dtype: torch.dtype,
-    fused: tuple[int, int, str] | None = None,
+    fused: FusedRange | None = None,
 ) -> PendingRows:
     """The rows of ``table`` for ``indices``, noted in this thread's open batch for ``owner`` (a
     new one when there is none, or it reads through another owner) and read with it. ``fused``:
-    ``table`` stores this lookup's table as rows (offset, offset + rows) and ``indices`` are the
-    table's own (named ``name`` in errors): (offset, rows, name)."""
+    ``table`` stores this lookup's table as that range of rows, and ``indices`` are the table's own."""
     batch: LookupBatch | None = getattr(_open, "batch", None)
     if batch is None or batch.closed or batch.owner is not owner:
         batch = LookupBatch(lookup, owner)

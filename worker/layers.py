@@ -29,7 +29,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from paramserve.worker.deferred_rows import close_open_batch, pending_rows
+from paramserve.worker.deferred_rows import FusedRange, close_open_batch, pending_rows
 
 VARIABLE_ATTRIBUTE = "_paramserve_variable"
 
@@ -241,12 +241,9 @@ class ShardedEmbedding(nn.Module):
         names it (its ``home`` is then set)."""
         self.home: VariableAccess | None = None
         """The coordinator's access (set by its strategy); not pickled."""
-        self.fused = False
-        """Stored by its strategy as rows ``row_offset`` onwards of a variable it shares with the
-        model's other tables of its layout (coordinator.strategies.table_fusion)."""
-        self.row_offset = 0
-        self.place = ""
-        """A fused table's place in its model (``<model>.<module path>``), for its errors."""
+        self.fused: FusedRange | None = None
+        """Where its strategy stores it in a variable it shares with the model's other tables of
+        its layout (coordinator.strategies.table_fusion); None: a variable of its own."""
         registry = active_registry()
         if registry is not None:
             registry.register_table(self)
@@ -254,6 +251,16 @@ class ShardedEmbedding(nn.Module):
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         return {**state, "home": None}
+
+    @property
+    def row_offset(self) -> int:
+        """Its first row in the variable it is stored in."""
+        return self.fused.offset if self.fused else 0
+
+    @property
+    def place(self) -> str:
+        """A fused table's place in its model (``<model>.<module path>``); else empty."""
+        return self.fused.name if self.fused else ""
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -272,8 +279,7 @@ class ShardedEmbedding(nn.Module):
         access = current_access(self.home)
         if isinstance(access, NoAccess):  # raises at once: used out of place
             return access.lookup({self.variable: indices})[self.variable]
-        fused = (self.row_offset, self.num_embeddings, self.place) if self.fused else None
-        return pending_rows(access.lookup, access, self.variable, indices, self.embedding_dim, self.dtype, fused)
+        return pending_rows(access.lookup, access, self.variable, indices, self.embedding_dim, self.dtype, self.fused)
 
     def adopted(self) -> bool:
         """Whether a strategy on this process has made the table its variable."""

@@ -268,7 +268,7 @@ class ParameterServerStrategy(SingleReplicaStrategy):
                     table.variable, table.home = table.requested_name or "", None
                 for member in variable.fused if name not in variables else ():
                     member.table.variable, member.table.home = "", None
-                    member.table.fused, member.table.row_offset, member.table.place = False, 0, ""
+                    member.table.fused = None
             self._variables, self._roots = variables, roots
             for handle in self._hook_handles[handles:]:
                 handle.remove()

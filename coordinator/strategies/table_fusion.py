@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from paramserve.coordinator.strategies.parameter_server_variables import FusedMember, Variable
+from paramserve.worker.deferred_rows import FusedRange
 from paramserve.worker.layers import ShardedEmbedding, VariableAccess
 
 _M = TypeVar("_M", bound=nn.Module)
@@ -123,7 +124,7 @@ def fused_variables(
         for index, offset in zip(group.members, group.offsets):
             path, table = tables[index]
             table.variable, table.home = name, home
-            table.fused, table.row_offset, table.place = True, offset, f"{prefix}.{path}"
+            table.fused = FusedRange(offset, table.num_embeddings, f"{prefix}.{path}")
             members.append(FusedMember(path, table, offset))
         first = members[0].table
         variables.append(
